@@ -1,0 +1,234 @@
+"""Executor manifests: `manifest.toml` decoded into frozen msgspec Structs.
+
+A bad manifest is rejected at load with a message naming the file, the field and the
+problem. `when` clauses are kept raw on purpose: a malformed clause makes its capability
+inactive and is reported per invocation (see `capabilities`), it never stops a load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from .errors import BadManifest, UnknownExecutor
+
+__all__ = (
+    "ArgSpec",
+    "CapabilitySpec",
+    "Executor",
+    "ExecutorRegistry",
+    "Limits",
+    "Manifest",
+    "load_manifest",
+)
+
+ArgType = Literal["string", "integer", "number", "boolean", "array", "object"]
+Runtime = Literal["python", "wasm", "wasm-python"]
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,63}$")
+_CAP_RE = re.compile(r"^[a-z][a-z0-9_\-]*:[a-z0-9_\-\*]+$")
+
+
+class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One argument of the executor's schema.
+
+    `format` tells argument vetting what the value designates: ``"path"`` values must fall
+    under an active ``fs:*`` hint, ``"url"`` / ``"host"`` values under a ``network:*`` hint.
+    """
+
+    type: ArgType = "string"
+    description: str = ""
+    enum: tuple[Any, ...] | None = None
+    default: Any = None
+    required: bool = False
+    format: Literal["path", "url", "host"] | None = None
+
+
+class CapabilitySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A declared capability: ``kind:mode`` plus hints and an optional ``when`` clause."""
+
+    name: str
+    hints: tuple[str, ...] = ()
+    when: Any = None
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(":", 1)[0]
+
+    @property
+    def mode(self) -> str:
+        return self.name.split(":", 1)[1]
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    timeout_s: float = 30.0
+    memory_mb: int = 256
+    fuel: int | None = None
+    pids: int = 64
+    cpu_s: int | None = None
+    file_size_mb: int = 64
+    open_files: int = 256
+    output_kb: int = 1024
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    version: str
+    runtime: Runtime
+    entry: str
+    description: str = ""
+    args: dict[str, ArgSpec] = msgspec.field(default_factory=dict)
+    capabilities: tuple[CapabilitySpec, ...] = ()
+    limits: Limits = msgspec.field(default_factory=Limits)
+    #: Whether the executor can be shipped to a remote device (no server-only dependency).
+    packable: bool = True
+    #: Whether the executor mutates user files (refused under ``read_only`` autonomy even
+    #: when it declares no ``fs:write``). Defaults to "has an fs:write capability".
+    mutating: bool | None = None
+
+    @property
+    def is_mutating(self) -> bool:
+        if self.mutating is not None:
+            return self.mutating
+        return any(c.name == "fs:write" for c in self.capabilities)
+
+
+def _validate(manifest: Manifest, where: Path) -> None:
+    def bad(field: str, problem: str) -> BadManifest:
+        return BadManifest(f"{where}: field `{field}`: {problem}")
+
+    if not _NAME_RE.match(manifest.name):
+        raise bad("name", f"{manifest.name!r} must match {_NAME_RE.pattern}")
+    entry = Path(manifest.entry)
+    if entry.is_absolute() or ".." in entry.parts:
+        raise bad("entry", f"{manifest.entry!r} must be a relative path inside the folder")
+    if not (where.parent / entry).is_file():
+        raise bad("entry", f"{manifest.entry!r} does not exist next to the manifest")
+    for arg_name, spec in manifest.args.items():
+        if spec.enum is not None:
+            if not spec.enum:
+                raise bad(f"args.{arg_name}.enum", "must not be empty")
+            if spec.default is not None and spec.default not in spec.enum:
+                raise bad(f"args.{arg_name}.default", f"{spec.default!r} is not in the enum")
+        if spec.required and spec.default is not None:
+            raise bad(f"args.{arg_name}", "an argument with a default can not be required")
+    for i, cap in enumerate(manifest.capabilities):
+        if not _CAP_RE.match(cap.name):
+            raise bad(f"capabilities[{i}].name", f"{cap.name!r} is not of the form kind:mode")
+    lim = manifest.limits
+    if lim.timeout_s <= 0:
+        raise bad("limits.timeout_s", "must be positive")
+    for fname in ("memory_mb", "pids", "file_size_mb", "open_files", "output_kb"):
+        if getattr(lim, fname) <= 0:
+            raise bad(f"limits.{fname}", "must be positive")
+    if lim.fuel is not None and lim.fuel <= 0:
+        raise bad("limits.fuel", "must be positive")
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Load and validate one ``manifest.toml``.
+
+    Raises:
+        BadManifest: naming the file, the field and the problem.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise BadManifest(f"{p}: cannot read: {exc.strerror}") from exc
+    try:
+        manifest = msgspec.toml.decode(raw, type=Manifest)
+    except msgspec.ValidationError as exc:
+        # msgspec says "Expected `int`, got `str` - at `$.limits.timeout_s`"; turn the
+        # JSON path into the TOML field a person would edit.
+        text = str(exc)
+        field = "?"
+        if " - at `$" in text:
+            text, _, at = text.rpartition(" - at `$")
+            field = at.rstrip("`").lstrip(".") or "(top level)"
+        elif "missing required field" in text:
+            field = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else "?"
+        raise BadManifest(f"{p}: field `{field}`: {text}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadManifest(f"{p}: not valid TOML: {exc}") from exc
+    _validate(manifest, p)
+    return manifest
+
+
+class Executor(msgspec.Struct, frozen=True):
+    """A loaded executor: its manifest and the folder that holds its code."""
+
+    manifest: Manifest
+    path: str
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def entry_path(self) -> str:
+        return os.path.join(self.path, self.manifest.entry)
+
+
+class ExecutorRegistry(Mapping[str, Executor]):
+    """Executors loaded from a folder of executor folders.
+
+    Bad manifests do not stop the others from loading: they are kept in `errors`
+    (name → `BadManifest`) so a worker can report them and refuse jobs that name them
+    with the load error instead of "unknown executor". `strict=True` raises the first.
+    """
+
+    def __init__(self, executors: Mapping[str, Executor], errors: Mapping[str, BadManifest]):
+        self._executors = dict(executors)
+        self.errors: dict[str, BadManifest] = dict(errors)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike[str], *, strict: bool = False) -> ExecutorRegistry:
+        root_p = Path(root).resolve()
+        if not root_p.is_dir():
+            raise BadManifest(f"{root_p}: executors folder does not exist")
+        found: dict[str, Executor] = {}
+        errors: dict[str, BadManifest] = {}
+        for mf in sorted(root_p.glob("*/manifest.toml")):
+            try:
+                manifest = load_manifest(mf)
+            except BadManifest as exc:
+                if strict:
+                    raise
+                errors[mf.parent.name] = exc
+                continue
+            if manifest.name in found:
+                exc = BadManifest(
+                    f"{mf}: field `name`: {manifest.name!r} is already defined in "
+                    f"{found[manifest.name].path}"
+                )
+                if strict:
+                    raise exc
+                errors[manifest.name] = exc
+                continue
+            found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
+        return cls(found, errors)
+
+    def get_executor(self, name: str) -> Executor:
+        """Raises `BadManifest` (its load error) or `UnknownExecutor`."""
+        if name in self._executors:
+            return self._executors[name]
+        if name in self.errors:
+            raise self.errors[name]
+        raise UnknownExecutor(
+            f"no executor named {name!r}; known: {', '.join(sorted(self._executors)) or 'none'}"
+        )
+
+    def __getitem__(self, name: str) -> Executor:
+        return self._executors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._executors)
+
+    def __len__(self) -> int:
+        return len(self._executors)

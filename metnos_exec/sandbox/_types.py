@@ -1,0 +1,194 @@
+"""The sandbox seam: what to run, what came back, and which walls stood.
+
+Every arm (bwrap, wasm, direct, absent, echo, fault) takes a `SandboxJob` and returns a
+`SandboxOutcome`. `Sandbox.run` raises only `HostFault` (the harness itself broke) or a
+`MetnosError` verdict decided before launch (absent engine, denied import); everything a
+guest can do to itself is an ordinary `SandboxExit`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = (
+    "AXES",
+    "AxisVerdict",
+    "ContainmentReport",
+    "Failure",
+    "FuelExhausted",
+    "Killed",
+    "MemoryExceeded",
+    "Mount",
+    "ResourceLimits",
+    "Sandbox",
+    "SandboxExit",
+    "SandboxJob",
+    "SandboxOutcome",
+    "Success",
+    "Timeout",
+    "Trap",
+    "Usage",
+    "WasmProgram",
+)
+
+AxisState = Literal["kept", "not_kept", "partial"]
+ArmName = Literal["bwrap", "wasm", "none", "echo", "fault", "absent"]
+
+#: The five containment axes, in report order.
+AXES: tuple[str, ...] = ("files", "network", "process_tree", "user", "resources")
+
+
+class Mount(msgspec.Struct, frozen=True):
+    """A host path made visible to the guest at `guest`; read-only unless `writable`."""
+
+    host: str
+    guest: str
+    writable: bool = False
+
+
+class ResourceLimits(msgspec.Struct, frozen=True):
+    """Budgets for one run. `None` means "no limit of this kind"."""
+
+    wall_time_s: float = 30.0
+    memory_bytes: int | None = 256 * 1024 * 1024
+    pids: int | None = 64
+    output_bytes: int = 1024 * 1024
+    fuel: int | None = None
+    cpu_time_s: int | None = None
+    file_size_bytes: int | None = 64 * 1024 * 1024
+    open_files: int | None = 256
+
+
+class WasmProgram(msgspec.Struct, frozen=True):
+    """A WASI preview 1 module and the argv the guest sees (argv[0] is the program name)."""
+
+    module: str
+    args: tuple[str, ...] = ()
+
+
+class SandboxJob(msgspec.Struct, frozen=True):
+    """What to run. Exactly one of `argv` (native) or `wasm` is set.
+
+    Attributes:
+        argv: host-side command for native arms (first element resolved inside the guest).
+        wasm: the module for the wasm arm.
+        env: the guest's whole environment (nothing is inherited).
+        stdin: bytes fed to the guest's stdin, then closed.
+        mounts: host paths the guest may see.
+        network: whether the guest may use the host network.
+        cwd: working directory inside the guest.
+        limits: budgets.
+    """
+
+    argv: tuple[str, ...] = ()
+    wasm: WasmProgram | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    stdin: bytes = b""
+    mounts: tuple[Mount, ...] = ()
+    network: bool = False
+    cwd: str | None = None
+    limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
+
+
+# --- exits ----------------------------------------------------------------------------
+
+
+class Success(msgspec.Struct, frozen=True, tag="success"):
+    pass
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failure"):
+    code: int
+
+
+class FuelExhausted(msgspec.Struct, frozen=True, tag="fuel_exhausted"):
+    pass
+
+
+class Timeout(msgspec.Struct, frozen=True, tag="timeout"):
+    pass
+
+
+class MemoryExceeded(msgspec.Struct, frozen=True, tag="memory_exceeded"):
+    pass
+
+
+class Killed(msgspec.Struct, frozen=True, tag="killed"):
+    """Killed by a signal. `limit` names the budget when the kernel told us which one
+    (SIGXCPU → ``"cpu_time"``, SIGXFSZ → ``"file_size"``); never guessed from stderr."""
+
+    signal: int
+    limit: str | None = None
+
+
+class Trap(msgspec.Struct, frozen=True, tag="trap"):
+    message: str
+
+
+SandboxExit = Success | Failure | FuelExhausted | Timeout | MemoryExceeded | Killed | Trap
+
+
+# --- outcome --------------------------------------------------------------------------
+
+
+class AxisVerdict(msgspec.Struct, frozen=True):
+    state: AxisState
+    reason: str
+
+
+class ContainmentReport(msgspec.Struct, frozen=True):
+    """Whether each wall held, with the arm actually used."""
+
+    sandbox: str
+    files: AxisVerdict
+    network: AxisVerdict
+    process_tree: AxisVerdict
+    user: AxisVerdict
+    resources: AxisVerdict
+
+    def axes(self) -> dict[str, AxisVerdict]:
+        return {name: getattr(self, name) for name in AXES}
+
+    def lost(self) -> list[str]:
+        """Axes not fully kept."""
+        return [name for name, v in self.axes().items() if v.state != "kept"]
+
+
+class Usage(msgspec.Struct, frozen=True):
+    wall_s: float
+    cpu_s: float | None = None
+    peak_memory_bytes: int | None = None
+    fuel_consumed: int | None = None
+
+
+class SandboxOutcome(msgspec.Struct, frozen=True):
+    stdout: bytes
+    stderr: bytes
+    exit: SandboxExit
+    usage: Usage
+    containment: ContainmentReport
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One arm of the seam."""
+
+    #: Stable arm name: "bwrap", "wasm", "none" (direct), "absent", "echo", "fault".
+    name: str
+
+    async def run(self, job: SandboxJob) -> SandboxOutcome:
+        """Run `job` to an outcome.
+
+        Raises:
+            HostFault: the harness itself broke; no verdict about the guest exists.
+            MetnosError: a verdict reached before launch (e.g. `ToolUnavailable`).
+        """
+        ...
+
+    def containment(self, job: SandboxJob) -> ContainmentReport:
+        """The report this arm would give for `job`, without running it."""
+        ...

@@ -1,0 +1,99 @@
+"""Shared fixtures: both anyio backends, and the leak checks every test gets.
+
+The pytest process makes itself a *child subreaper* (PR_SET_CHILD_SUBREAPER): any process a
+test starts — even one that double-forks and calls setsid — is re-parented to us when its
+parent dies instead of to init. That lets `_no_leaks` see every orphan a test leaves behind
+and fail the test, rather than trusting that "we killed the process group".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True)
+if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:  # pragma: no cover
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+#: pids of long-lived helpers started on purpose by session fixtures (redis-server, ...).
+ALLOWED_CHILDREN: set[int] = set()
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) children of this process, reaping zombies on the way."""
+    me = os.getpid()
+    found: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parens; fields resume after the last ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid != me:
+            continue
+        if state == b"Z":
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+            except ChildProcessError:
+                pass
+            continue
+        found.add(int(entry))
+    return found - ALLOWED_CHILDREN
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    fds_before = open_fds()
+    yield
+    deadline = time.monotonic() + 5.0
+    left = child_pids()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling with a deadline: processes take a moment to be reaped
+        left = child_pids()
+    if left:
+        cmdlines = {}
+        for pid in left:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdlines[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmdlines[pid] = "?"
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"test left child processes behind: {cmdlines}")
+    leaked = open_fds() - fds_before
+    # An fd can be transiently open (e.g. the /proc listing above); check twice.
+    if leaked:
+        leaked = {fd for fd in leaked if fd in open_fds()}
+    if leaked and not request.node.get_closest_marker("allow_fd_leak"):
+        targets = {}
+        for fd in leaked:
+            try:
+                targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                targets[fd] = "?"
+        pytest.fail(f"test leaked file descriptors: {targets}")
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on both backends."""
+    return str(request.param)
