@@ -97,3 +97,16 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every async test runs on both backends."""
     return str(request.param)
+
+
+def need(available: bool, reason: str) -> None:
+    """Skip the calling test when a system component is missing, with the reason.
+
+    In CI (`METNOS_REQUIRE_ALL=1`, set by `.ci/run`) nothing may skip for a missing
+    component: the skip becomes a failure.
+    """
+    if available:
+        return
+    if os.environ.get("METNOS_REQUIRE_ALL") == "1":
+        pytest.fail(f"required component missing in CI: {reason}")
+    pytest.skip(reason)
