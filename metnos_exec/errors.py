@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = (
+    "AutonomyDenied",
+    "BadArguments",
     "BadManifest",
     "BadMessage",
     "BadOutput",
@@ -47,6 +49,18 @@ class BadManifest(MetnosError):
     """A manifest could not be loaded; the message names the file, the field and why."""
 
     code = "E_BAD_MANIFEST"
+
+
+class BadArguments(MetnosError):
+    """The job's arguments do not fit the executor's schema (unknown, missing, wrong type)."""
+
+    code = "E_BAD_ARGS"
+
+
+class AutonomyDenied(MetnosError):
+    """The autonomy level refuses this executor (e.g. a mutating one under ``read_only``)."""
+
+    code = "E_AUTONOMY"
 
 
 class UnknownExecutor(MetnosError):
