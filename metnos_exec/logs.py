@@ -1,0 +1,325 @@
+"""Structured logs: one JSON object per line, a fixed event vocabulary, and `tail`.
+
+structlog is configured once, at the entry point (`configure_logging`, called by the CLI,
+the demo and `run_worker`); library code only ever calls
+``structlog.get_logger("metnos_exec")`` and binds per-job context with
+``structlog.contextvars.bound_contextvars`` so the job id, executor, worker, device and
+sandbox arm appear on every record of a job without being passed around.
+
+A line looks like::
+
+    {"ts":"2026-11-30T09:00:00.123Z","level":"info","event":"job.finished",
+     "job_id":"01JDX9...","executor":"write_note","worker":"w1","device":"server",
+     "sandbox":"bwrap","status":"succeeded",...}
+
+Event names are a fixed, documented vocabulary (`EVENTS`): operators grep and alert on
+them, so a new event is added here first, never invented at a call site.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+import msgspec
+import structlog
+
+__all__ = (
+    "EVENTS",
+    "LEVELS",
+    "configure_logging",
+    "get_logger",
+    "iter_records",
+    "render_record",
+    "tail",
+)
+
+#: The event vocabulary. Keys are the ``event`` values a record may carry; values say
+#: when it is emitted and which fields (beyond the bound job context) it carries.
+EVENTS: Mapping[str, str] = {
+    "worker.started": "a worker began serving (broker, executors, concurrency, arms)",
+    "worker.draining": "SIGTERM/SIGINT received: no new leases; running jobs get grace_s",
+    "worker.stopped": "the worker left its run loop (released: leases handed back)",
+    "worker.error": "an unexpected error in the worker's own loop (error); it keeps serving",
+    "executor.load_failed": "a manifest in the executors folder failed to load (error)",
+    "job.received": "a job was leased (attempt, max_attempts)",
+    "job.rejected": "the job was refused before anything ran (code, message)",
+    "job.started": "the sandbox arm was chosen and the executor launched (timeout_s)",
+    "sandbox.degraded": "the kernel wall is down; requested/used arm, reason, axes_lost",
+    "job.finished": "the job reached a final result (status, exit, usage, containment)",
+    "job.cancelled": "a running job was cancelled on request (before job.finished)",
+    "job.retry_scheduled": "a transient failure; redelivery after delay_s (code, attempt)",
+    "job.dead_lettered": "max_attempts reached; the last error is kept (code, message)",
+    "job.released": "a running job was handed back un-attempted during drain",
+    "job.bad_message": "the broker dead-lettered a malformed message (E_BAD_MESSAGE)",
+    "lease.lost": "a heartbeat found the lease gone (expired and re-leased elsewhere)",
+    "undo.recorded": "an undo entry was stored for a mutation (entry_id, paths, blob)",
+    "undo.applied": "an undo entry was applied (entry_id, paths)",
+}
+
+#: Levels in increasing severity, as written in the ``level`` field.
+LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+
+_LEVEL_NUMS = {name: logging.getLevelName(name.upper()) for name in LEVELS}
+
+_FIRST_KEYS = ("ts", "level", "event")
+
+
+def _timestamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    # structlog's TimeStamper gives microseconds; operators asked for ms and a `Z`.
+    now = _dt.datetime.now(_dt.UTC)
+    event_dict["ts"] = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    return event_dict
+
+
+def _order_keys(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+    # ts, level, event first: a human reading raw lines finds them at the same column.
+    ordered = {k: event_dict[k] for k in _FIRST_KEYS if k in event_dict}
+    ordered.update((k, v) for k, v in event_dict.items() if k not in ordered)
+    return ordered
+
+
+def _enc_hook(obj: Any) -> Any:
+    # Anything msgspec cannot encode natively is rendered as text rather than lost:
+    # a log line that fails to serialise would hide the very event it reports.
+    if isinstance(obj, BaseException):
+        return f"{type(obj).__name__}: {obj}"
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, set | frozenset):
+        return sorted(obj, key=repr)
+    return repr(obj)
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
+
+
+def _serialize(obj: Any, **_: Any) -> bytes:
+    """`JSONRenderer` serializer: msgspec, with Structs and odd values handled.
+
+    `JSONRenderer(serializer=msgspec.json.encode)` raises "Extra keyword arguments"
+    because the renderer passes ``default=...``; this wrapper swallows the keywords.
+    """
+    return _ENCODER.encode(obj)
+
+
+def configure_logging(
+    *,
+    file: str | os.PathLike[str] | IO[bytes] | None = None,
+    level: str = "info",
+    json: bool = True,
+) -> None:
+    """Configure structlog for the whole process. Call once, at the entry point.
+
+    Args:
+        file: a path (appended to, created with its parent folder) or a binary stream;
+            ``None`` writes to stderr.
+        level: the lowest level written (debug, info, warning, error, critical).
+        json: one JSON object per line (default); ``False`` renders readable lines for
+            people (structlog's console renderer) — only for interactive use.
+
+    Raises:
+        ValueError: unknown level.
+    """
+    if level not in _LEVEL_NUMS:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
+    stream: IO[bytes]
+    if file is None:
+        stream = sys.stderr.buffer
+    elif isinstance(file, str | os.PathLike):
+        path = Path(file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Kept open for the process lifetime on purpose: logging is process-wide state,
+        # configured once; the OS closes it at exit.
+        stream = open(path, "ab")  # noqa: SIM115
+    else:
+        stream = file
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _timestamp,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.dict_tracebacks,
+    ]
+    if json:
+        processors = [
+            *shared,
+            _order_keys,
+            structlog.processors.JSONRenderer(serializer=_serialize),
+        ]
+        factory: Any = structlog.BytesLoggerFactory(file=stream)
+    else:
+        processors = [
+            *shared,
+            structlog.dev.ConsoleRenderer(colors=False, timestamp_key="ts"),
+        ]
+        factory = structlog.BytesLoggerFactory(file=stream)
+        processors.append(lambda _l, _m, s: s.encode() if isinstance(s, str) else s)
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMS[level]),
+        logger_factory=factory,
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger() -> Any:
+    """The package logger (what library code uses)."""
+    return structlog.get_logger("metnos_exec")
+
+
+# --- reading logs back ----------------------------------------------------------------
+
+
+def _matches(
+    rec: Mapping[str, Any], job: str | None, event: str | None, min_level: int | None
+) -> bool:
+    if job is not None and rec.get("job_id") != job:
+        return False
+    if event is not None:
+        ev = rec.get("event")
+        # "job." selects a family; an exact name selects one event.
+        if not (ev == event or (event.endswith(".") and str(ev).startswith(event))):
+            return False
+    if min_level is not None:
+        lv = _LEVEL_NUMS.get(str(rec.get("level", "info")), logging.INFO)
+        if lv < min_level:
+            return False
+    return True
+
+
+_DECODER = msgspec.json.Decoder(dict[str, Any])
+
+
+def _read_lines(
+    path: Path,
+    *,
+    follow: bool,
+    poll_s: float,
+    should_stop: Callable[[], bool] | None,
+) -> Iterator[bytes]:
+    """Yield complete lines; when following, survive rotation and truncation.
+
+    Rotation (the path now names a new inode) → finish the old file, then reopen from
+    the start of the new one. Truncation (size below our offset) → restart at 0. A line
+    still being written (no newline yet) is held back until it is complete.
+    """
+    f = open(path, "rb")  # noqa: SIM115 - closed in finally, reopened on rotation
+    try:
+        inode = os.fstat(f.fileno()).st_ino
+        pending = b""
+        while True:
+            chunk = f.read(65536)
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                yield from lines
+                continue
+            if not follow:
+                if pending:
+                    yield pending
+                return
+            if should_stop is not None and should_stop():
+                return
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and st.st_ino != inode:
+                f.close()
+                f = open(path, "rb")  # noqa: SIM115
+                inode = os.fstat(f.fileno()).st_ino
+                pending = b""
+                continue
+            if st is not None and st.st_size < f.tell():
+                f.seek(0)
+                pending = b""
+                continue
+            # A CLI follower polls the file like `tail -f`; there is nothing to await.
+            time.sleep(poll_s)
+    finally:
+        f.close()
+
+
+def iter_records(
+    path: str | os.PathLike[str],
+    *,
+    job: str | None = None,
+    event: str | None = None,
+    level: str | None = None,
+    follow: bool = False,
+    poll_s: float = 0.2,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Records of a JSON-lines log file that match the filters.
+
+    Lines that are not JSON objects are yielded as ``{"event": "<unparsed>", "raw": ...}``
+    (never silently dropped) unless a filter excludes them.
+
+    Args:
+        job: keep records whose ``job_id`` equals this.
+        event: an exact event name, or a family ending in ``.`` (``"job."``).
+        level: the lowest level kept.
+        follow: keep reading as the file grows (``tail -f``).
+        should_stop: polled while following; return True to stop.
+    """
+    min_level = None if level is None else _LEVEL_NUMS[level]
+    for line in _read_lines(Path(path), follow=follow, poll_s=poll_s, should_stop=should_stop):
+        if not line.strip():
+            continue
+        try:
+            rec = _DECODER.decode(line)
+        except msgspec.DecodeError:
+            rec = {"event": "<unparsed>", "raw": line.decode(errors="replace")}
+        if _matches(rec, job, event, min_level):
+            yield rec
+
+
+def render_record(rec: Mapping[str, Any], *, color: bool = False) -> str:
+    """One readable line for a person (structlog's console style), without a newline."""
+    renderer = structlog.dev.ConsoleRenderer(colors=color, timestamp_key="ts", pad_event_to=22)
+    fields = dict(rec)
+    level = str(fields.get("level", "info"))
+    return str(renderer(None, level, fields)).rstrip("\n")
+
+
+def tail(
+    path: str | os.PathLike[str],
+    *,
+    job: str | None = None,
+    event: str | None = None,
+    level: str | None = None,
+    follow: bool = False,
+    color: bool = False,
+    raw: bool = False,
+    out: TextIO | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    poll_s: float = 0.2,
+) -> int:
+    """Print matching records of `path`, readable (default) or as raw JSON lines.
+
+    Returns:
+        how many records were printed.
+    """
+    stream = out if out is not None else sys.stdout
+    n = 0
+    for rec in iter_records(
+        path,
+        job=job,
+        event=event,
+        level=level,
+        follow=follow,
+        poll_s=poll_s,
+        should_stop=should_stop,
+    ):
+        line = _ENCODER.encode(rec).decode() if raw else render_record(rec, color=color)
+        stream.write(line + "\n")
+        stream.flush()
+        n += 1
+    return n

@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import io
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from metnos_exec.logs import EVENTS, configure_logging, iter_records, render_record, tail
+from metnos_exec.sandbox._types import Usage
+
+TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
+
+
+def test_vocabulary_holds_the_spec_events() -> None:
+    for name in [
+        "worker.started",
+        "job.received",
+        "job.rejected",
+        "job.started",
+        "sandbox.degraded",
+        "job.finished",
+        "job.retry_scheduled",
+        "job.dead_lettered",
+        "undo.recorded",
+        "undo.applied",
+        "lease.lost",
+        "worker.draining",
+        "worker.stopped",
+    ]:
+        assert name in EVENTS
+
+
+def test_json_lines_with_context_and_structs() -> None:
+    buf = io.BytesIO()
+    configure_logging(file=buf, level="info")
+    log = structlog.get_logger("metnos_exec")
+    with structlog.contextvars.bound_contextvars(job_id="j1", executor="e", worker="w"):
+        log.info("job.finished", usage=Usage(wall_s=0.5), path=Path("/x"))
+    log.debug("job.received")  # below the level: dropped
+    log.warning("lease.lost", err=ValueError("boom"))
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2
+    first = msgspec.json.decode(lines[0])
+    assert list(first)[:3] == ["ts", "level", "event"]
+    assert TS_RE.match(first["ts"])
+    assert first["level"] == "info"
+    assert first["job_id"] == "j1" and first["executor"] == "e" and first["worker"] == "w"
+    assert first["usage"]["wall_s"] == 0.5
+    assert first["path"] == "/x"
+    second = msgspec.json.decode(lines[1])
+    assert "job_id" not in second  # context unbound after the block
+    assert second["err"] == "ValueError: boom"
+
+
+def test_configure_to_path_creates_parent(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "w.jsonl"
+    configure_logging(file=target)
+    structlog.get_logger("metnos_exec").info("worker.started", concurrency=2)
+    # Close the file structlog holds (process-wide in real use; a test must not leak it).
+    structlog.get_config()["logger_factory"]._file.close()
+    rec = msgspec.json.decode(target.read_bytes().splitlines()[0])
+    assert rec["event"] == "worker.started" and rec["concurrency"] == 2
+
+
+def test_bad_level_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging(level="loud")
+
+
+def test_capture_logs_sees_library_records() -> None:
+    with capture_logs() as logs:
+        structlog.get_logger("metnos_exec").info("job.started", timeout_s=3)
+    assert logs == [{"event": "job.started", "timeout_s": 3, "log_level": "info"}]
+
+
+def _write(path: Path, *recs: dict[str, object]) -> None:
+    with open(path, "ab") as f:
+        for r in recs:
+            f.write(msgspec.json.encode(r) + b"\n")
+
+
+def test_tail_filters(tmp_path: Path) -> None:
+    log = tmp_path / "w.jsonl"
+    _write(
+        log,
+        {"ts": "t", "level": "info", "event": "job.received", "job_id": "a"},
+        {"ts": "t", "level": "info", "event": "job.finished", "job_id": "a", "status": "ok"},
+        {"ts": "t", "level": "warning", "event": "sandbox.degraded", "job_id": "b"},
+        {"ts": "t", "level": "info", "event": "job.finished", "job_id": "b"},
+    )
+    with open(log, "ab") as f:
+        f.write(b"not json\n")
+    events = lambda **kw: [r["event"] for r in iter_records(log, **kw)]  # noqa: E731
+    assert events(job="a") == ["job.received", "job.finished"]
+    assert events(event="job.finished") == ["job.finished", "job.finished"]
+    assert events(event="job.") == ["job.received", "job.finished", "job.finished"]
+    assert events(level="warning") == ["sandbox.degraded"]
+    assert events()[-1] == "<unparsed>"
+    out = io.StringIO()
+    assert tail(log, job="b", out=out) == 2
+    text = out.getvalue().splitlines()
+    assert "sandbox.degraded" in text[0] and "job_id=b" in text[0]
+    assert "\x1b[" not in out.getvalue()
+    out = io.StringIO()
+    tail(log, event="job.finished", raw=True, out=out)
+    assert [msgspec.json.decode(x)["job_id"] for x in out.getvalue().splitlines()] == ["a", "b"]
+
+
+def test_render_color() -> None:
+    line = render_record({"ts": "t", "level": "error", "event": "job.finished"}, color=True)
+    assert "\x1b[" in line and "job.finished" in line
+
+
+def test_follow_survives_truncation_and_rotation(tmp_path: Path) -> None:
+    log = tmp_path / "w.jsonl"
+    _write(log, {"level": "info", "event": "e1"})
+    seen: list[str] = []
+    got = threading.Condition()
+    stop = threading.Event()
+
+    def reader() -> None:
+        for rec in iter_records(log, follow=True, poll_s=0.01, should_stop=stop.is_set):
+            with got:
+                seen.append(str(rec["event"]))
+                got.notify_all()
+
+    def wait_for(n: int) -> None:
+        with got:
+            assert got.wait_for(lambda: len(seen) >= n, timeout=5), seen
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        wait_for(1)
+        # A half-written line is held until its newline arrives.
+        with open(log, "ab") as f:
+            f.write(b'{"event": "e2"')
+            f.flush()
+            f.write(b"}\n")
+        wait_for(2)
+        # Truncation: start again from the top.
+        log.write_bytes(b'{"event": "e3"}\n')
+        wait_for(3)
+        # Rotation: the path names a new file.
+        os.rename(log, tmp_path / "w.jsonl.1")
+        _write(log, {"event": "e4"})
+        wait_for(4)
+    finally:
+        stop.set()
+        t.join(5)
+    assert seen == ["e1", "e2", "e3", "e4"]
