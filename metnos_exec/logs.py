@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import msgspec
 import structlog
@@ -111,7 +111,7 @@ def _serialize(obj: Any, **_: Any) -> bytes:
 
 def configure_logging(
     *,
-    file: str | os.PathLike[str] | IO[bytes] | None = None,
+    file: str | os.PathLike[str] | BinaryIO | None = None,
     level: str = "info",
     json: bool = True,
 ) -> None:
@@ -129,7 +129,7 @@ def configure_logging(
     """
     if level not in _LEVEL_NUMS:
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
-    stream: IO[bytes]
+    stream: BinaryIO
     if file is None:
         stream = sys.stderr.buffer
     elif isinstance(file, str | os.PathLike):
