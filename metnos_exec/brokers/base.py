@@ -1,0 +1,249 @@
+"""The broker seam: what every queue backend (memory, SQLite, Redis) promises.
+
+Delivery is at-least-once. A worker *leases* a job for a visibility window and heart-beats
+while it runs; `ack` stores the result. A lease that is not renewed expires and the job is
+delivered again with ``attempt + 1``. Every delivery counts against ``Job.max_attempts``
+(retries and lost leases alike), except a `release` on drain, which gives the delivery back.
+
+Every lease carries a random *token*. Only the current token may ack, retry, dead-letter,
+release or heartbeat; once the job was re-leased (or finished) the old token is rejected.
+That fencing is what makes "the result is stored once" hold when a slow worker wakes up
+after its lease was taken over.
+
+Device routing: a worker has a device id (`SERVER_DEVICE` unless told otherwise). A job
+with ``device=None`` or ``device="server"`` goes to server workers only; a job targeting
+device ``D`` goes only to workers whose device id is ``D``.
+
+A malformed message (not JSON, wrong field types, unsupported ``v``) never reaches a
+worker: `lease` dead-letters it with ``E_BAD_MESSAGE`` (stores a ``dead`` result and a
+`DeadLetter` with the raw bytes), logs ``job.dead_lettered`` and carries on with the next
+job.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Literal
+
+import msgspec
+
+from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result
+
+__all__ = (
+    "Broker",
+    "BrokerStats",
+    "CancelOutcome",
+    "HeartbeatReply",
+    "JobState",
+    "Lease",
+    "RetryOutcome",
+    "SubmitReceipt",
+)
+
+CancelOutcome = Literal["cancelled", "cancelling", "finished", "unknown"]
+#: What `Broker.retry` did: redelivery scheduled, dead (attempts exhausted), or nothing
+#: because the lease was lost.
+RetryOutcome = Literal["scheduled", "dead", "lost"]
+
+
+class SubmitReceipt(msgspec.Struct, frozen=True):
+    """The id the job is known by; ``duplicate`` when an idempotency key (or the same id)
+    matched an earlier submission, whose id is returned."""
+
+    job_id: str
+    duplicate: bool = False
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    """One delivery of a job to one worker.
+
+    Attributes:
+        job: the decoded job.
+        attempt: 1-based delivery count, this delivery included.
+        token: fencing token; only the holder of the current token may settle the job.
+        lease_until: unix seconds (broker clock) when the lease lapses unless renewed.
+        worker: the worker id that took the lease.
+        device: the device id the lease was taken for.
+        visibility_s: the window `heartbeat` renews by default.
+    """
+
+    job: Job
+    attempt: int
+    token: str
+    lease_until: float
+    worker: str
+    device: str = SERVER_DEVICE
+    visibility_s: float = 30.0
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True, kw_only=True):
+    """``ok=False``: the lease is gone (re-leased elsewhere, or already settled); stop
+    work and do not ack. ``cancel_requested``: someone asked to cancel the running job."""
+
+    ok: bool
+    cancel_requested: bool = False
+    lease_until: float | None = None
+
+
+class JobState(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a job is. ``done`` covers every stored result except ``dead``."""
+
+    job_id: str
+    state: Literal["queued", "running", "done", "dead"]
+    attempt: int
+    worker: str | None = None
+    lease_until: float | None = None
+    cancel_requested: bool = False
+
+
+class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counts by state. ``delayed`` is the part of ``queued`` not yet due."""
+
+    queued: int
+    delayed: int
+    running: int
+    done: int
+    dead: int
+
+
+class Broker(abc.ABC):
+    """A job queue backend. Every method is safe to call from asyncio and trio (anyio)."""
+
+    #: URL scheme this broker is opened by (``memory``, ``sqlite``, ``redis``).
+    scheme: str = ""
+
+    # --- producing --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def submit(self, job: Job) -> SubmitReceipt:
+        """Queue `job`. With an ``idempotency_key`` already known (or an id already
+        known) nothing is queued and the original job's id is returned with
+        ``duplicate=True``."""
+
+    async def submit_many(self, jobs: Sequence[Job]) -> list[SubmitReceipt]:
+        """Queue several jobs; backends override this to use one transaction."""
+        return [await self.submit(job) for job in jobs]
+
+    @abc.abstractmethod
+    async def submit_raw(self, data: bytes) -> str:
+        """Queue an encoded JSON job as another-language producer would.
+
+        A message that does not decode is still stored (under a fresh id, which is
+        returned) and is dead-lettered with ``E_BAD_MESSAGE`` when a server worker leases
+        it. A valid one behaves like `submit` (a duplicate returns the original id).
+        """
+
+    # --- consuming --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def lease(
+        self,
+        worker_id: str,
+        *,
+        visibility_s: float,
+        device: str | None = None,
+        limit: int = 1,
+    ) -> list[Lease]:
+        """Take up to `limit` due jobs for `device` (``None`` = `SERVER_DEVICE`),
+        highest priority first, then oldest first. Never blocks waiting for work.
+
+        Jobs whose lease expired are redelivered here (``attempt + 1``); an expired job
+        with no attempts left becomes dead with ``E_LEASE_EXPIRED``; an expired job with
+        a pending cancel becomes ``cancelled``.
+        """
+
+    @abc.abstractmethod
+    # A timeout parameter (ASYNC109) on purpose: timing out is a normal answer here
+    # ("no work yet", "no result yet"), not an error a cancel scope should raise.
+    async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return when work may be available, or after `timeout` seconds at most.
+
+        May return early without work (callers loop on `lease`). A submit through this
+        same broker object wakes it at once.
+        """
+
+    @abc.abstractmethod
+    async def heartbeat(self, lease: Lease, *, visibility_s: float | None = None) -> HeartbeatReply:
+        """Extend `lease` by `visibility_s` (default: the lease's own window) from now."""
+
+    @abc.abstractmethod
+    async def ack(self, lease: Lease, result: Result) -> bool:
+        """Store `result` and finish the job. ``False`` (nothing written) when the lease
+        was lost: the job was re-leased or already settled."""
+
+    async def ack_many(self, items: Sequence[tuple[Lease, Result]]) -> list[bool]:
+        """Ack several leases; backends override this to use one transaction."""
+        return [await self.ack(lease, result) for lease, result in items]
+
+    @abc.abstractmethod
+    async def retry(self, lease: Lease, *, error: ErrorInfo, delay_s: float) -> RetryOutcome:
+        """Give the job back for redelivery after `delay_s` (see `metnos_exec.backoff`).
+
+        When this delivery was the last allowed (``attempt >= max_attempts``) the job is
+        dead-lettered instead with `error`, and a ``dead`` result is stored.
+        """
+
+    @abc.abstractmethod
+    async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
+        """Dead-letter the job now with `error` and store a ``dead`` result.
+        ``False`` when the lease was lost."""
+
+    @abc.abstractmethod
+    async def release(self, lease: Lease) -> bool:
+        """Put the job back at once without counting this delivery (used on drain).
+        ``False`` when the lease was lost."""
+
+    # --- control and inspection -------------------------------------------------------
+
+    @abc.abstractmethod
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        """Cancel a job.
+
+        Returns:
+            ``"cancelled"``: it was queued; it is removed and a ``cancelled`` result is
+            stored. ``"cancelling"``: it is running; the flag reaches the worker through
+            `heartbeat`, which kills it and acks a ``cancelled`` result. ``"finished"``:
+            it already has a result. ``"unknown"``: no such job.
+        """
+
+    @abc.abstractmethod
+    async def get_result(self, job_id: str) -> Result | None:
+        """The stored result, or ``None`` while there is none."""
+
+    @abc.abstractmethod
+    async def wait_result(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None,  # noqa: ASYNC109
+    ) -> Result | None:
+        """Wait for the result; ``None`` on timeout (``timeout=None`` waits forever)."""
+
+    @abc.abstractmethod
+    async def get_job_state(self, job_id: str) -> JobState | None:
+        """Where the job is, or ``None`` for an unknown id."""
+
+    @abc.abstractmethod
+    async def dead_letters(self, *, limit: int = 100) -> list[DeadLetter]:
+        """The most recent dead letters, newest first."""
+
+    @abc.abstractmethod
+    async def stats(self) -> BrokerStats:
+        """Counts of jobs by state."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    async def __aenter__(self) -> Broker:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

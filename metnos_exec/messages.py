@@ -1,0 +1,287 @@
+"""The queue's messages: `Job` in, `Result` out, `DeadLetter` for what could not run.
+
+Wire rules (the JSON Schemas in ``queue/schemas/`` are generated from these Structs by
+``python -m metnos_exec._schemas``; a test fails when they are stale):
+
+- Every message carries ``v`` (the wire version, currently 1). A new field always gets a
+  default, so a reader built for an older ``v`` keeps decoding newer messages.
+- Unknown fields are therefore **ignored**, not rejected, even at the producer edge: a
+  producer one version ahead of the worker must still be served. What *is* enforced is the
+  type and range of every known field (`msgspec.Meta` constraints), and the error names the
+  path (``Expected `int`, got `str` - at `$.max_attempts```).
+- Times are unix seconds as JSON numbers (``submitted_at``, ``not_before``, ...): cheap to
+  compare in SQL and in Lua, and free of time-zone mistakes. Logs render them as ISO-8601.
+- JSON is the default encoding; MessagePack is available through `encode_msgpack` /
+  `decode_job_msgpack` for producers that prefer it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from .errors import BadMessage
+from .sandbox._types import ContainmentReport, SandboxExit, Usage
+
+__all__ = (
+    "E_CANCELLED",
+    "E_LEASE_EXPIRED",
+    "SERVER_DEVICE",
+    "STDERR_CAP_BYTES",
+    "WIRE_VERSION",
+    "Autonomy",
+    "DeadLetter",
+    "ErrorInfo",
+    "Job",
+    "Result",
+    "ResultStatus",
+    "cap_text",
+    "decode_dead_letter",
+    "decode_job",
+    "decode_job_msgpack",
+    "decode_result",
+    "encode",
+    "encode_msgpack",
+    "new_job_id",
+)
+
+#: Current wire version written into ``v``.
+WIRE_VERSION: Final = 1
+
+#: The device id of workers that run on the server. Jobs with ``device=None`` go only to
+#: server workers: a job must opt in to run on a user's device, never drift there.
+SERVER_DEVICE: Final = "server"
+
+#: stderr kept in a `Result` (bytes of UTF-8); the rest is dropped and flagged.
+STDERR_CAP_BYTES: Final = 64 * 1024
+
+#: A running job's lease expired `max_attempts` times (its workers kept dying).
+E_LEASE_EXPIRED: Final = "E_LEASE_EXPIRED"
+#: The job was cancelled on request.
+E_CANCELLED: Final = "E_CANCELLED"
+
+Autonomy = Literal["read_only", "supervised", "full"]
+ResultStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "rejected", "dead"]
+
+_ID = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_NAME = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+# --- ids ------------------------------------------------------------------------------
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_id_lock = threading.Lock()
+_last_ms = -1
+_last_rand = 0
+
+
+def new_job_id() -> str:
+    """A ULID: 26 Crockford base32 characters, 48-bit millisecond time + 80 random bits.
+
+    Sortable by creation time. Within one millisecond in one process the random part is
+    incremented rather than redrawn, so ids made here also sort in creation order (the
+    ULID "monotonic" rule); across processes only the millisecond order holds.
+    """
+    global _last_ms, _last_rand
+    ms = time.time_ns() // 1_000_000
+    with _id_lock:
+        if ms <= _last_ms:
+            ms = _last_ms
+            _last_rand = (_last_rand + 1) & ((1 << 80) - 1)
+        else:
+            _last_ms = ms
+            _last_rand = int.from_bytes(os.urandom(10), "big")
+        value = (ms << 80) | _last_rand
+    out = []
+    for _ in range(26):
+        out.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+# --- messages -------------------------------------------------------------------------
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A machine-readable error code (``E_...``) and a sentence for a person."""
+
+    code: str
+    message: str
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """A request to run one executor once (at least once, after a lost lease).
+
+    Attributes:
+        v: wire version.
+        id: ULID (see `new_job_id`); generated when omitted.
+        executor: the executor's manifest name.
+        args: the executor's arguments (checked against its manifest by the worker).
+        timeout_s: wall-clock budget; ``None`` means the manifest's ``limits.timeout_s``.
+        autonomy: the autonomy level the policy applies.
+        device: target device id; ``None`` means a server worker.
+        max_attempts: deliveries allowed before the job is dead (retries and lost leases
+            both count).
+        idempotency_key: a second submit with the same key returns the first job's id.
+        correlation_id: the agent step this job belongs to, carried into logs.
+        submitted_at: unix seconds.
+        priority: higher runs first; equal priorities run in submission order.
+        not_before: unix seconds before which the job is not delivered.
+    """
+
+    v: int = WIRE_VERSION
+    id: _ID = msgspec.field(default_factory=new_job_id)
+    executor: _NAME
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    autonomy: Autonomy = "supervised"
+    device: _NAME | None = None
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    correlation_id: str | None = None
+    submitted_at: float = msgspec.field(default_factory=time.time)
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    not_before: float | None = None
+
+
+class Result(msgspec.Struct, frozen=True, kw_only=True):
+    """What became of a job. Written once per job (the first ack wins, see the brokers).
+
+    Attributes:
+        v: wire version.
+        job_id: the job.
+        status: the verdict.
+        output: the executor's JSON output (``None`` when it produced none).
+        exit: how the sandboxed process ended; ``None`` when nothing ran.
+        error: why the job did not succeed (``E_...`` code and a sentence).
+        stderr: the executor's stderr, decoded as UTF-8 and capped at `STDERR_CAP_BYTES`.
+        stdout_truncated: stdout hit its output budget.
+        stderr_truncated: stderr was cut (budget or cap).
+        containment: which walls stood, per axis.
+        usage: wall time, CPU, memory, fuel.
+        undo_ids: undo entries recorded by this job.
+        worker: the worker id that produced this result ("" when none did).
+        device: the device the job ran on.
+        attempt: the delivery that produced this result (1-based; 0 when never delivered).
+        started_at: unix seconds the run started; ``None`` when nothing ran.
+        finished_at: unix seconds the result was produced.
+    """
+
+    v: int = WIRE_VERSION
+    job_id: _ID
+    status: ResultStatus
+    output: Any = None
+    exit: SandboxExit | None = None
+    error: ErrorInfo | None = None
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    containment: ContainmentReport | None = None
+    usage: Usage | None = None
+    undo_ids: tuple[str, ...] = ()
+    worker: str = ""
+    device: str = SERVER_DEVICE
+    attempt: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    """A job that will not be retried, with the last error.
+
+    Attributes:
+        v: wire version.
+        job_id: the job's id (for an undecodable message: the id the broker gave it).
+        job: the decoded job, when it could be decoded.
+        raw: the message exactly as received, when it could not be decoded.
+        error: the last error.
+        attempts: deliveries made.
+        at: unix seconds the job was dead-lettered.
+        worker: the worker that held the last delivery ("" when none).
+    """
+
+    v: int = WIRE_VERSION
+    job_id: str
+    job: Job | None = None
+    raw: bytes | None = None
+    error: ErrorInfo
+    attempts: int = 0
+    at: float
+    worker: str = ""
+
+
+# --- codecs ---------------------------------------------------------------------------
+
+# Built once: msgspec compiles a decoder per type, and building one per message would cost
+# more than decoding it.
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_job_decoder = msgspec.json.Decoder(Job)
+_job_msgpack_decoder = msgspec.msgpack.Decoder(Job)
+_result_decoder = msgspec.json.Decoder(Result)
+_dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
+
+
+def encode(msg: Job | Result | DeadLetter | ErrorInfo) -> bytes:
+    """JSON-encode a message."""
+    return _json_encoder.encode(msg)
+
+
+def encode_msgpack(msg: Job | Result | DeadLetter | ErrorInfo) -> bytes:
+    """MessagePack-encode a message."""
+    return _msgpack_encoder.encode(msg)
+
+
+def decode_job(data: bytes | str) -> Job:
+    """Decode and validate a JSON job.
+
+    Raises:
+        BadMessage: not JSON, not an object, a field of the wrong type or range, or a
+            ``v`` newer than this reader understands; the message names the path.
+    """
+    try:
+        job = _job_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadMessage(f"job message rejected: {exc}") from None
+    return _check_version(job)
+
+
+def decode_job_msgpack(data: bytes) -> Job:
+    """Decode and validate a MessagePack job (see `decode_job`)."""
+    try:
+        job = _job_msgpack_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadMessage(f"job message rejected: {exc}") from None
+    return _check_version(job)
+
+
+def _check_version(job: Job) -> Job:
+    # A higher major version may change a field's meaning, not just add one; running it
+    # with this reader's understanding would be a guess.
+    if job.v < 1 or job.v > WIRE_VERSION:
+        raise BadMessage(f"job message rejected: wire version v={job.v} is not supported")
+    return job
+
+
+def decode_result(data: bytes | str) -> Result:
+    """Decode a JSON result (written by a broker; not an untrusted edge)."""
+    return _result_decoder.decode(data)
+
+
+def decode_dead_letter(data: bytes | str) -> DeadLetter:
+    """Decode a JSON dead letter."""
+    return _dead_letter_decoder.decode(data)
+
+
+def cap_text(data: bytes, cap: int = STDERR_CAP_BYTES) -> tuple[str, bool]:
+    """Decode `data` as UTF-8 (replacing bad bytes), keeping at most `cap` bytes.
+
+    Returns:
+        The text and whether anything was cut.
+    """
+    cut = len(data) > cap
+    return data[:cap].decode("utf-8", errors="replace"), cut
