@@ -1,17 +1,41 @@
 """Manifest-derived walls → bubblewrap argv, as a pure function.
 
 Everything here is a mechanical translation of a `SandboxJob` into flags; nothing runs,
-nothing is probed except through injected callables, so every rule is unit-testable on a
-machine without bubblewrap. The policy (which mounts, network or not) is decided upstream
-by `metnos_exec.plan`; this module only decides *how* bubblewrap expresses it.
+and the filesystem is only consulted through injected callables, so every rule is
+unit-testable on a machine without bubblewrap. The policy (which mounts, network or not)
+is decided upstream by `metnos_exec.plan`; this module only decides *how* bubblewrap
+expresses it.
+
+Each flag is documented next to the threat it answers (bubblewrap's ``bwrap.xml`` style).
+Read with bubblewrap's own warning in mind: it is "not a complete, ready-made sandbox";
+seccomp and landlock (a later issue) plug in through ``seccomp_fd``.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import resource
+import sys
+from collections.abc import Callable, Sequence
 
-__all__ = ("expand_hint", "expand_hints")
+import msgspec
+
+from ._types import Mount, ResourceLimits, SandboxJob
+
+__all__ = (
+    "GUEST_GID",
+    "GUEST_UID",
+    "MASKED_PATHS",
+    "SYSTEM_PATHS",
+    "BwrapFeatures",
+    "default_interpreter_roots",
+    "derive_bwrap_argv",
+    "derive_rlimits",
+    "expand_hint",
+    "expand_hints",
+    "guest_python",
+)
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -77,3 +101,295 @@ def expand_hints(hints: tuple[str, ...] | list[str], home: str | None = None) ->
     for hint in hints:
         seen.setdefault(expand_hint(hint, home), None)
     return tuple(seen)
+
+
+# --- derivation ---------------------------------------------------------------------
+
+#: Rule 1: host system trees the guest needs to run an interpreter, read-only, each only
+#: if it exists (a missing ``/lib32`` is not an error). Read-only so a guest can never
+#: plant a trojan in a shared library or a config the host later trusts.
+SYSTEM_PATHS: tuple[str, ...] = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/etc",
+    "/opt",
+    "/var/lib/python3",
+)
+
+#: Secrets inside the system trees above, hidden behind an empty file / directory.
+#: Why: the worker usually runs as root, and bubblewrap maps the guest's uid to the
+#: worker's uid, so root-only files (``/etc/shadow``, ssh host keys) would be readable by
+#: the guest through the read-only ``/etc`` bind. Masking answers that disclosure; running
+#: the worker as an unprivileged user answers it better.
+MASKED_PATHS: tuple[str, ...] = (
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/security/opasswd",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/ssh",
+    "/etc/ssl/private",
+)
+
+#: The guest's uid/gid inside its user namespace: ``nobody``. Why: a guest that believes
+#: it is root tries root things (and some tools relax checks for uid 0); as 65534 inside
+#: a fresh user namespace it holds no capability at all.
+GUEST_UID = 65534
+GUEST_GID = 65534
+
+
+class BwrapFeatures(msgspec.Struct, frozen=True):
+    """What the installed bubblewrap supports (from ``bwrap --version``).
+
+    Attributes:
+        version: parsed version, e.g. ``(0, 8, 0)``; ``()`` when unknown.
+    """
+
+    version: tuple[int, ...] = ()
+
+    @property
+    def disable_userns(self) -> bool:
+        """``--disable-userns`` exists since bubblewrap 0.8.0."""
+        return self.version >= (0, 8, 0)
+
+    @property
+    def tmpfs_size(self) -> bool:
+        """``--size`` before ``--tmpfs``: we only rely on it from 0.8.0 (conservative)."""
+        return self.version >= (0, 8, 0)
+
+
+def guest_python() -> str:
+    """The interpreter a native Python job should run, as a real path.
+
+    A venv's ``bin/python`` is a symlink into the base installation; inside the sandbox only
+    the base prefix is mounted, so the job must name the resolved base interpreter.
+    """
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(base)
+
+
+def default_interpreter_roots() -> tuple[str, ...]:
+    """Prefixes of the running interpreter that the guest needs to start Python.
+
+    `sys.base_prefix` and the prefix of the resolved executable (they differ under pyenv
+    shims or relocated builds). Both resolved, so a symlinked prefix is mounted where the
+    kernel will actually look.
+    """
+    roots: dict[str, None] = {}
+    roots.setdefault(os.path.realpath(sys.base_prefix), None)
+    exe_prefix = posixpath.dirname(posixpath.dirname(guest_python()))
+    roots.setdefault(exe_prefix, None)
+    return tuple(roots)
+
+
+def _default_readlink(path: str) -> str | None:
+    return os.readlink(path) if os.path.islink(path) else None
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _depth(path: str) -> int:
+    return len([p for p in path.split("/") if p])
+
+
+class _Op(msgspec.Struct, frozen=True):
+    dest: str
+    args: tuple[str, ...]
+
+
+def derive_bwrap_argv(
+    job: SandboxJob,
+    *,
+    bwrap: str = "bwrap",
+    features: BwrapFeatures | None = None,
+    exists: Callable[[str], bool] = os.path.exists,
+    isdir: Callable[[str], bool] = os.path.isdir,
+    readlink: Callable[[str], str | None] = _default_readlink,
+    interpreter_roots: Sequence[str] | None = None,
+    json_status_fd: int | None = None,
+    seccomp_fd: int | None = None,
+) -> list[str]:
+    """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
+
+    Pure: the filesystem is consulted only through `exists`, `isdir` and `readlink`, so
+    tests pass fakes and run without bubblewrap and without the paths.
+
+    Args:
+        job: what to run; `job.mounts` already holds the executor folder (read-only) and
+            the expanded ``fs:*`` hints (see `metnos_exec.plan`).
+        bwrap: the bubblewrap executable.
+        features: what this bubblewrap supports; ``None`` means "assume 0.8.0".
+        exists: host path existence check.
+        isdir: host directory check (to mask a directory with a tmpfs, a file with
+            ``/dev/null``).
+        readlink: host symlink target, or ``None`` when the path is not a symlink.
+        interpreter_roots: extra read-only roots for the interpreter; defaults to
+            `default_interpreter_roots()`.
+        json_status_fd: fd (in the bwrap process) that receives bubblewrap's JSON status:
+            the child pid once the namespaces exist, the exit code once it exits. Lets the
+            caller tell bubblewrap's own set-up failure from the job's failure.
+        seccomp_fd: a compiled seccomp BPF program to load before exec (later issue; the
+            seam exists so adding it touches no caller).
+
+    Returns:
+        The argv, ready for `ProcessSpec`.
+
+    Raises:
+        ValueError: `job` has no argv (a wasm job cannot run in this arm).
+    """
+    if not job.argv:
+        raise ValueError("the bwrap arm runs native jobs only: job.argv is empty")
+    features = BwrapFeatures(version=(0, 8, 0)) if features is None else features
+    roots = default_interpreter_roots() if interpreter_roots is None else interpreter_roots
+
+    ops: list[_Op] = []
+
+    # Rule 1: system trees read-only. A top-level symlink (merged /usr: /bin -> usr/bin)
+    # is recreated as the same symlink rather than bound, so paths resolve as on the host.
+    for path in SYSTEM_PATHS:
+        if not exists(path):
+            continue
+        target = readlink(path)
+        if target is not None and _depth(path) == 1:
+            ops.append(_Op(path, ("--symlink", target, path)))
+        else:
+            ops.append(_Op(path, ("--ro-bind", path, path)))
+    for root in roots:
+        if any(_under(root, sys_path) for sys_path in SYSTEM_PATHS if exists(sys_path)):
+            continue
+        if exists(root):
+            ops.append(_Op(root, ("--ro-bind", root, root)))
+
+    # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
+    # zero, random, tty...; no disks), and a private /tmp. The /tmp tmpfs is sized with
+    # the memory budget: tmpfs pages are RAM, and RLIMIT_AS does not count them.
+    ops.append(_Op("/proc", ("--proc", "/proc")))
+    ops.append(_Op("/dev", ("--dev", "/dev")))
+    tmpfs: tuple[str, ...] = ("--tmpfs", "/tmp")
+    if features.tmpfs_size and job.limits.memory_bytes is not None:
+        tmpfs = ("--size", str(job.limits.memory_bytes), *tmpfs)
+    ops.append(_Op("/tmp", tmpfs))
+
+    # Rules 3-4: the executor folder (read-only) and the fs hints, as plan.py resolved
+    # them. Only existing host paths; on an exact duplicate the read-only one wins
+    # (fail closed: an executor never gets to modify its own folder by accident).
+    chosen: dict[str, Mount] = {}
+    for mount in job.mounts:
+        if not exists(mount.host):
+            continue
+        prev = chosen.get(mount.guest)
+        if prev is None or (prev.writable and not mount.writable):
+            chosen[mount.guest] = mount
+    for mount in chosen.values():
+        flag = "--bind" if mount.writable else "--ro-bind"
+        ops.append(_Op(mount.guest, (flag, mount.host, mount.guest)))
+
+    # Secrets the system binds would otherwise expose (see MASKED_PATHS).
+    for path in MASKED_PATHS:
+        if not exists(path):
+            continue
+        if isdir(path):
+            ops.append(_Op(path, ("--tmpfs", path)))
+        else:
+            ops.append(_Op(path, ("--ro-bind", "/dev/null", path)))
+
+    # Order: a mount hides whatever an earlier one put below its destination, so parents
+    # go first (sort by depth; stable, so at equal depth system < private < job < mask).
+    # This is what keeps `--tmpfs /tmp` from hiding an executor folder under /tmp.
+    ops.sort(key=lambda op: _depth(op.dest))
+
+    argv: list[str] = [bwrap]
+    # Rule 7 and beyond, each against one threat:
+    argv += [
+        # A fresh user namespace: the guest's capabilities mean nothing on the host.
+        "--unshare-user",
+        # No System V IPC / POSIX message queues shared with host processes.
+        "--unshare-ipc",
+        # Own hostname: the guest cannot rename the host.
+        "--unshare-uts",
+        # Own pid namespace: the guest cannot see or signal host processes, and bubblewrap
+        # runs as its init, so the whole tree dies when bubblewrap does.
+        "--unshare-pid",
+        # Own cgroup view (where the kernel supports it): no host cgroup layout leaks.
+        "--unshare-cgroup-try",
+        # SIGKILL the sandbox when the worker dies, even by SIGKILL: no orphaned guests.
+        "--die-with-parent",
+        # setsid(): no TIOCSTI keystroke injection into the caller's terminal.
+        "--new-session",
+        # Unprivileged identity inside the namespace.
+        "--uid",
+        str(GUEST_UID),
+        "--gid",
+        str(GUEST_GID),
+        "--hostname",
+        "sandbox",
+        # Belt and braces when bubblewrap runs as root: no capability survives to exec.
+        "--cap-drop",
+        "ALL",
+    ]
+    if features.disable_userns:
+        # A nested user namespace is the usual first step of a kernel exploit chain
+        # (it hands out a fresh set of capabilities over new namespaces).
+        argv.append("--disable-userns")
+    if not job.network:
+        # Rule 6: no network capability → an empty network namespace (only a down `lo`):
+        # no host listener on 127.0.0.1, no abstract Unix sockets, no internet.
+        argv.append("--unshare-net")
+    # Only the environment the job was given: no worker secrets (tokens, broker URLs).
+    argv.append("--clearenv")
+    for key in sorted(job.env):
+        argv += ["--setenv", key, job.env[key]]
+    if json_status_fd is not None:
+        argv += ["--json-status-fd", str(json_status_fd)]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    for op in ops:
+        argv += op.args
+    # The root of the sandbox is bubblewrap's tmpfs; read-only, so the guest cannot stash
+    # files outside /tmp and the mounts it was given.
+    argv += ["--remount-ro", "/"]
+    argv += ["--chdir", job.cwd or "/tmp"]
+    argv.append("--")
+    argv += job.argv
+    return argv
+
+
+def derive_rlimits(limits: ResourceLimits) -> tuple[tuple[int, int, int], ...]:
+    """Kernel resource limits for the bubblewrap process, inherited by the guest.
+
+    Set before exec (by the process layer), so they bind bubblewrap's own children too.
+
+    - ``RLIMIT_AS`` = memory budget: a big allocation fails (MemoryError / ENOMEM) instead
+      of pushing the host into swap or the OOM killer.
+    - ``RLIMIT_NPROC`` = pids budget, a fallback only: the kernel does not enforce it for
+      a worker running as root, so the real pids wall is the cgroup the process layer
+      creates (``pids_max``).
+    - ``RLIMIT_FSIZE`` = file size budget: the kernel sends SIGXFSZ (or EFBIG when the
+      signal is ignored, as CPython does) — the disk cannot be filled by one file.
+    - ``RLIMIT_NOFILE`` = open files: no fd exhaustion games.
+    - ``RLIMIT_CPU``: soft at the budget (SIGXCPU, reported as ``cpu_time``), hard one
+      second later (SIGKILL) for a guest that ignores SIGXCPU.
+
+    Returns:
+        ``((resource, soft, hard), ...)`` in the form `ProcessSpec.rlimits` takes.
+    """
+    out: list[tuple[int, int, int]] = []
+    if limits.memory_bytes is not None:
+        out.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
+    if limits.pids is not None:
+        out.append((resource.RLIMIT_NPROC, limits.pids, limits.pids))
+    if limits.file_size_bytes is not None:
+        out.append((resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes))
+    if limits.open_files is not None:
+        out.append((resource.RLIMIT_NOFILE, limits.open_files, limits.open_files))
+    if limits.cpu_time_s is not None:
+        out.append((resource.RLIMIT_CPU, limits.cpu_time_s, limits.cpu_time_s + 1))
+    return tuple(out)
