@@ -38,7 +38,9 @@ class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One argument of the executor's schema.
 
     `format` tells argument vetting what the value designates: ``"path"`` values must fall
-    under an active ``fs:*`` hint, ``"url"`` / ``"host"`` values under a ``network:*`` hint.
+    under an active ``fs:*`` hint, ``"url"`` / ``"host"`` values under a ``network:*`` hint;
+    ``"text"`` marks free text that vetting must not mistake for a path or URL (without a
+    format, a string that looks like a path or URL is vetted as one, as defence in depth).
     """
 
     type: ArgType = "string"
@@ -46,7 +48,7 @@ class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enum: tuple[Any, ...] | None = None
     default: Any = None
     required: bool = False
-    format: Literal["path", "url", "host"] | None = None
+    format: Literal["path", "url", "host", "text"] | None = None
 
 
 class CapabilitySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,6 +100,23 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return any(c.name == "fs:write" for c in self.capabilities)
 
 
+_PY_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+}
+
+
+def _default_fits(spec: ArgSpec) -> bool:
+    # bool is an int subclass in Python; TOML and JSON keep them apart, and so do we.
+    if isinstance(spec.default, bool) and spec.type != "boolean":
+        return False
+    return isinstance(spec.default, _PY_TYPES[spec.type])
+
+
 def _validate(manifest: Manifest, where: Path) -> None:
     def bad(field: str, problem: str) -> BadManifest:
         return BadManifest(f"{where}: field `{field}`: {problem}")
@@ -110,6 +129,11 @@ def _validate(manifest: Manifest, where: Path) -> None:
     if not (where.parent / entry).is_file():
         raise bad("entry", f"{manifest.entry!r} does not exist next to the manifest")
     for arg_name, spec in manifest.args.items():
+        if spec.default is not None and not _default_fits(spec):
+            raise bad(
+                f"args.{arg_name}.default",
+                f"{spec.default!r} is not of type {spec.type}",
+            )
         if spec.enum is not None:
             if not spec.enum:
                 raise bad(f"args.{arg_name}.enum", "must not be empty")
@@ -203,13 +227,13 @@ class ExecutorRegistry(Mapping[str, Executor]):
                 errors[mf.parent.name] = exc
                 continue
             if manifest.name in found:
-                exc = BadManifest(
+                dup = BadManifest(
                     f"{mf}: field `name`: {manifest.name!r} is already defined in "
                     f"{found[manifest.name].path}"
                 )
                 if strict:
-                    raise exc
-                errors[manifest.name] = exc
+                    raise dup
+                errors[manifest.name] = dup
                 continue
             found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
         return cls(found, errors)
