@@ -78,7 +78,7 @@ def test_final_args_accepts_number_int_and_float() -> None:
 
 def test_final_args_rejects_unknown_missing_and_off_enum() -> None:
     m = mk({"a": {"type": "string", "required": True}, "m": {"enum": ["x", "y"]}})
-    with pytest.raises(BadArguments, match="unknown argument.*zz"):
+    with pytest.raises(BadArguments, match=r"unknown argument.*zz"):
         final_args(m, {"a": "1", "zz": 2})
     with pytest.raises(BadArguments, match="`a` is required"):
         final_args(m, {})
