@@ -21,6 +21,7 @@ __all__ = (
     "Killed",
     "MemoryExceeded",
     "Mount",
+    "PYTHON_WASM_MODULE",
     "ResourceLimits",
     "Sandbox",
     "SandboxExit",
@@ -59,6 +60,11 @@ class ResourceLimits(msgspec.Struct, frozen=True):
     cpu_time_s: int | None = None
     file_size_bytes: int | None = 64 * 1024 * 1024
     open_files: int | None = 256
+
+
+#: `WasmProgram.module` sentinel for CPython-on-WASI: the wasm arm resolves it to the
+#: pinned, hash-verified python.wasm (never a path an executor could choose).
+PYTHON_WASM_MODULE = "metnos:python-3.12"
 
 
 class WasmProgram(msgspec.Struct, frozen=True):
