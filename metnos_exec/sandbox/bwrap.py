@@ -1,0 +1,395 @@
+"""The bwrap arm: a native subprocess inside bubblewrap, walls derived from the job.
+
+The flags come from `metnos_exec.sandbox.flags` (pure); the process lifecycle (one
+long-lived spawner thread so die-with-parent never fires early, tree kill on timeout,
+bounded output, a per-run pids cgroup) from `metnos_exec.process.run_process`. This module
+only glues them and reads back what happened, honestly:
+
+* bubblewrap writes JSON status documents to ``--json-status-fd``: ``child-pid`` once the
+  namespaces exist and the guest is being set up, ``exit-code`` once the guest has exited.
+  No ``exit-code`` and bubblewrap not killed by a signal means bubblewrap's own set-up
+  failed (a namespace it could not create, a mount source that vanished): a `HostFault`
+  (`BwrapSetupFailed`), never a ``Failure(1)`` blamed on the job.
+* ``exit-code`` follows bubblewrap's rule (``propagate_exit_status`` in ``bwrap.c``): the
+  guest's exit status, or ``128 + N`` when the guest was killed by signal N. bubblewrap
+  gives us nothing else to tell the two apart, so, like a shell, we read 129..192 as
+  "killed by signal N". The limit is named only when the kernel's signal says it
+  (SIGXCPU → ``cpu_time``, SIGXFSZ → ``file_size``) and that limit was set for the job.
+  Caveat, stated plainly: a guest calling ``exit(128 + N)`` itself is reported as killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import Any, final
+
+import msgspec
+
+from ..errors import HostFault
+from ..process import ProcessResult, ProcessSpec, run_process
+from ._types import (
+    AxisVerdict,
+    ContainmentReport,
+    Failure,
+    Killed,
+    SandboxExit,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+    Usage,
+)
+from .flags import BwrapFeatures, derive_bwrap_argv, derive_rlimits
+
+__all__ = (
+    "BwrapProbe",
+    "BwrapSandbox",
+    "BwrapSetupFailed",
+    "bwrap_probe",
+    "find_bwrap",
+    "map_exit",
+    "parse_json_status",
+)
+
+#: How long a failed namespace probe is trusted before bubblewrap is tried again: a fixed
+#: sysctl or a repaired install is picked up without restarting the worker.
+NEGATIVE_PROBE_TTL_S = 30.0
+
+_SIGNAL_BASE = 128
+#: Processes bubblewrap itself keeps in the job's cgroup: its monitor and the init.
+_BWRAP_PIDS = 2
+_MAX_SIGNAL = 64
+
+
+class BwrapSetupFailed(HostFault):
+    """bubblewrap could not build the sandbox (namespaces, mounts): no verdict on the job."""
+
+
+# --- probe ----------------------------------------------------------------------------
+
+
+class BwrapProbe(msgspec.Struct, frozen=True):
+    """What one probe of bubblewrap found.
+
+    Attributes:
+        path: the bubblewrap executable, or ``None`` when none was found.
+        version: parsed ``bwrap --version``; ``()`` when unknown.
+        working: a sandbox with our namespace flags could be created and ran ``true``.
+        error: why not, in bubblewrap's words (for people; decisions never parse it).
+    """
+
+    path: str | None
+    version: tuple[int, ...] = ()
+    working: bool = False
+    error: str | None = None
+
+    @property
+    def features(self) -> BwrapFeatures:
+        return BwrapFeatures(version=self.version)
+
+
+def find_bwrap(env: dict[str, str] | None = None) -> str | None:
+    """Locate bubblewrap: ``$METNOS_BWRAP`` (a path, or a name looked up on ``$PATH``),
+    else ``bwrap`` on ``$PATH``. Looked up on every call: installing bubblewrap later needs
+    no restart."""
+    env = dict(os.environ) if env is None else env
+    wanted = env.get("METNOS_BWRAP") or "bwrap"
+    if "/" in wanted:
+        return wanted if os.access(wanted, os.X_OK) else None
+    return shutil.which(wanted, path=env.get("PATH", os.defpath))
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    # "bubblewrap 0.8.0"
+    for word in text.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return tuple(int(p) for p in parts)
+    return ()
+
+
+def _probe_uncached(path: str) -> BwrapProbe:
+    # A one-shot, synchronous probe: it outlives nothing, needs no die-with-parent and is
+    # reaped (killed on timeout) by subprocess.run, so it does not go through run_process.
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, timeout=10, check=False, env={}
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return BwrapProbe(path=path, error=f"bwrap --version: {exc}")
+    version = _parse_version(out.stdout.decode(errors="replace"))
+    true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
+    # The very namespace set the arm uses (user, pid, ipc, uts, net, cgroup), so "working"
+    # means "our sandbox can be built here", not merely "bwrap starts".
+    argv = derive_bwrap_argv(
+        SandboxJob(argv=(true,)), bwrap=path, features=BwrapFeatures(version=version)
+    )
+    try:
+        run = subprocess.run(argv, capture_output=True, timeout=10, check=False, env={})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return BwrapProbe(path=path, version=version, error=f"bwrap probe: {exc}")
+    if run.returncode != 0:
+        err = run.stderr.decode(errors="replace").strip().splitlines()
+        reason = err[-1] if err else f"exit status {run.returncode}"
+        return BwrapProbe(path=path, version=version, error=reason)
+    return BwrapProbe(path=path, version=version, working=True)
+
+
+_cache_lock = threading.Lock()
+# key (path, inode, size, mtime_ns) -> (probe, monotonic time it was taken)
+_cache: dict[tuple[str, int, int, int], tuple[BwrapProbe, float]] = {}
+
+
+def bwrap_probe(env: dict[str, str] | None = None, *, refresh: bool = False) -> BwrapProbe:
+    """Find bubblewrap and probe that it can build our sandbox, cached.
+
+    A positive probe is cached for as long as the same binary (path, inode, size, mtime)
+    is installed; a negative one for `NEGATIVE_PROBE_TTL_S`; a missing binary is looked
+    for again on every call.
+
+    Args:
+        env: where ``METNOS_BWRAP`` and ``PATH`` are read; default `os.environ`.
+        refresh: ignore the cache.
+    """
+    path = find_bwrap(env)
+    if path is None:
+        return BwrapProbe(path=None, error="bubblewrap (bwrap) not found")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return BwrapProbe(path=path, error=f"cannot stat {path}: {exc}")
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and not refresh:
+            probe, taken = hit
+            if probe.working or now - taken < NEGATIVE_PROBE_TTL_S:
+                return probe
+    probe = _probe_uncached(path)
+    with _cache_lock:
+        _cache[key] = (probe, now)
+    return probe
+
+
+def forget_probes() -> None:
+    """Drop every cached probe (tests)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+# --- exit mapping ---------------------------------------------------------------------
+
+
+def parse_json_status(blob: bytes) -> dict[str, Any]:
+    """Merge the JSON documents bubblewrap wrote to ``--json-status-fd``.
+
+    Raises:
+        HostFault: the status stream is not what bubblewrap writes.
+    """
+    text = blob.decode("utf-8", errors="strict")
+    decoder = json.JSONDecoder()
+    merged: dict[str, Any] = {}
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text):
+            return merged
+        try:
+            doc, pos = decoder.raw_decode(text, pos)
+        except ValueError as exc:
+            raise HostFault(f"unreadable bubblewrap status {text!r}: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise HostFault(f"unexpected bubblewrap status document {doc!r}")
+        merged.update(doc)
+
+
+def _limit_for(sig: int, job: SandboxJob) -> str | None:
+    if sig == signal.SIGXCPU and job.limits.cpu_time_s is not None:
+        return "cpu_time"
+    if sig == signal.SIGXFSZ and job.limits.file_size_bytes is not None:
+        return "file_size"
+    return None
+
+
+def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> SandboxExit:
+    """Turn what bubblewrap and the process layer saw into a `SandboxExit`.
+
+    Raises:
+        BwrapSetupFailed: bubblewrap exited without reporting a guest exit.
+        HostFault: an exit code outside what bubblewrap can report.
+    """
+    if result.timed_out:
+        return Timeout()
+    code = status.get("exit-code")
+    if code is None:
+        if result.returncode < 0:
+            # bubblewrap itself was killed (SIGKILL from outside, or a limit that also
+            # binds it), and with it the guest (it is the pid namespace's init).
+            sig = -result.returncode
+            return Killed(signal=sig, limit=_limit_for(sig, job))
+        stderr = result.stderr.decode(errors="replace").strip()
+        raise BwrapSetupFailed(
+            f"bubblewrap could not set up the sandbox (exit status {result.returncode}, "
+            f"no guest exit reported): {stderr[-500:] or 'no message'}"
+        )
+    if not isinstance(code, int) or not 0 <= code <= 255:
+        raise HostFault(f"bubblewrap reported an exit code out of range: {code!r}")
+    if code == 0:
+        return Success()
+    if _SIGNAL_BASE < code <= _SIGNAL_BASE + _MAX_SIGNAL:
+        sig = code - _SIGNAL_BASE
+        return Killed(signal=sig, limit=_limit_for(sig, job))
+    return Failure(code=code)
+
+
+# --- containment ----------------------------------------------------------------------
+
+_FILES = AxisVerdict("kept", "only the declared mounts and read-only system trees are visible")
+_NET_KEPT = AxisVerdict("kept", "own empty network namespace (--unshare-net)")
+_NET_GRANTED = AxisVerdict("not_kept", "network capability granted: host network shared")
+_TREE = AxisVerdict(
+    "kept", "own pid namespace with bubblewrap as init; --die-with-parent; tree killed"
+)
+_USER_REASON = "uid 65534 without capabilities in its own user namespace"
+
+
+def _user_verdict(features: BwrapFeatures) -> AxisVerdict:
+    if features.disable_userns:
+        return AxisVerdict("kept", _USER_REASON + "; nested user namespaces disabled")
+    return AxisVerdict(
+        "partial", _USER_REASON + "; nested user namespaces allowed (bubblewrap < 0.8)"
+    )
+
+
+def _resources_verdict(job: SandboxJob, pids_enforced: bool | None) -> AxisVerdict:
+    lim = job.limits
+    missing: list[str] = []
+    if lim.memory_bytes is None:
+        missing.append("no memory limit")
+    if lim.pids is None:
+        missing.append("no process limit")
+    elif pids_enforced is False:
+        missing.append("process limit not enforced (no pids cgroup; RLIMIT_NPROC is void for root)")
+    elif pids_enforced is None:
+        missing.append("process limit enforcement unknown until run")
+    if lim.file_size_bytes is None:
+        missing.append("no file size limit")
+    if missing:
+        return AxisVerdict("partial", "; ".join(missing))
+    cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
+    return AxisVerdict("kept", f"address space, pids cgroup, file size and {cpu} limits applied")
+
+
+# --- the arm --------------------------------------------------------------------------
+
+
+@final
+class BwrapSandbox:
+    """Native jobs inside bubblewrap.
+
+    Args:
+        bwrap: the bubblewrap executable; default: `bwrap_probe()`'s.
+        features: what that bubblewrap supports; default: from the probe.
+    """
+
+    name = "bwrap"
+
+    def __init__(self, bwrap: str | None = None, *, features: BwrapFeatures | None = None) -> None:
+        if bwrap is None or features is None:
+            probe = bwrap_probe()
+            bwrap = bwrap or probe.path or "bwrap"
+            features = features or probe.features
+        self._bwrap = bwrap
+        self._features = features
+
+    def containment(self, job: SandboxJob) -> ContainmentReport:
+        """The report before running: resources stay ``partial`` until the run shows
+        whether the pids cgroup really held (see `run`)."""
+        return self._report(job, pids_enforced=None)
+
+    def _report(self, job: SandboxJob, *, pids_enforced: bool | None) -> ContainmentReport:
+        return ContainmentReport(
+            sandbox="bwrap",
+            files=_FILES,
+            network=_NET_GRANTED if job.network else _NET_KEPT,
+            process_tree=_TREE,
+            user=_user_verdict(self._features),
+            resources=_resources_verdict(job, pids_enforced),
+        )
+
+    async def run(self, job: SandboxJob) -> SandboxOutcome:
+        """Run `job` in bubblewrap until it exits or its wall time passes.
+
+        Raises:
+            BwrapSetupFailed: bubblewrap could not build the sandbox.
+            HostFault: the harness broke (status unreadable, exit out of range).
+        """
+        if not job.argv:
+            raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            argv = derive_bwrap_argv(
+                job, bwrap=self._bwrap, features=self._features, json_status_fd=status_w
+            )
+            spec = ProcessSpec(
+                argv=tuple(argv),
+                # bubblewrap needs no environment; the guest's comes from --setenv.
+                env={},
+                stdin=job.stdin,
+                cwd=None,
+                rlimits=derive_rlimits(job.limits),
+                pass_fds=(status_w,),
+                pdeathsig=True,
+                output_bytes=job.limits.output_bytes,
+                # bubblewrap's monitor and its init (pid 1 of the namespace) live in the
+                # cgroup too: the guest gets exactly its budget.
+                pids_max=None if job.limits.pids is None else job.limits.pids + _BWRAP_PIDS,
+                # The pid namespace and --die-with-parent already hold the tree: no shim.
+                reaper=False,
+            )
+            result = await run_process(spec, timeout=job.limits.wall_time_s)
+            os.close(status_w)
+            status_w = -1
+            status = parse_json_status(_drain(status_r))
+        finally:
+            if status_w >= 0:
+                os.close(status_w)
+            os.close(status_r)
+        exit_ = map_exit(job, result, status)
+        return SandboxOutcome(
+            stdout=result.stdout,
+            stderr=result.stderr,
+            exit=exit_,
+            usage=Usage(
+                wall_s=result.wall_s,
+                cpu_s=result.cpu_s,
+                peak_memory_bytes=result.peak_rss_bytes,
+            ),
+            containment=self._report(job, pids_enforced=result.pids_limited),
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
+        )
+
+
+def _drain(fd: int) -> bytes:
+    # bubblewrap has exited and our copy of the write end is closed, so normally this hits
+    # EOF at once. Non-blocking anyway: should any process still hold the write end, we
+    # take what was written instead of hanging the worker.
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return b"".join(chunks)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
