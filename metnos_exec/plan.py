@@ -1,0 +1,248 @@
+"""The invocation planner: executor + arguments + autonomy → a vetted `SandboxJob`.
+
+`plan_invocation` is the single place where a job's walls are decided. It runs, in order:
+schema check and defaults (`final_args`), effective capabilities (``when`` clauses,
+provider authority), the autonomy profile (`policy.PROFILES`), argument vetting (the first
+wall) and finally the mechanical construction of the `SandboxJob` that an arm turns into
+the second wall. Anything refused here is refused before a process exists.
+
+Construction rules (each tested in ``tests/test_plan.py``):
+
+* The executor's folder is mounted read-only at its own (resolved) path and is the guest's
+  working directory: it can import its siblings, never modify itself, even when a
+  ``fs:write`` hint covers it.
+* ``fs:read`` hints → read-only mounts, ``fs:write`` hints → writable mounts, each hint cut
+  at its first glob segment (`sandbox.flags.expand_hint`) and resolved through symlinks
+  (vetting hands resolved paths to the executor, so the guest must see the same paths).
+  Only existing paths are mounted; a hint naming a missing folder is skipped and noted.
+  A path declared both read and write is writable once; a path below another mount stays
+  a separate mount (mounts are sorted parent-first, so the deeper, more specific one wins).
+  Under ``read_only`` autonomy every mount is read-only.
+* A valid provider binding mounts ``<skills_root>/<skill>`` read-write (token refresh
+  needs it, even under ``read_only``: it is the skill's own state, not the user's files),
+  opens the network and pins the job to the server. ``skills_root`` defaults to
+  ``$METNOS_SKILLS_ROOT`` or ``<home>/.metnos/skills``.
+* ``network`` is on iff an active ``network:*`` capability or a valid provider binding
+  exists, or the autonomy profile allows the override (``full``).
+* runtime ``python``: ``argv = (<base interpreter>, "-I", "-S", <main.py>)``. The venv's
+  ``python`` is a symlink to the base interpreter; `os.path.realpath` names the file the
+  sandbox can actually mount and execute, and ``-I -S`` keep the venv's and the user's
+  site-packages out (executors are stdlib-only by contract). The environment is a fixed
+  allow-list (``PATH``, ``LANG``, ``HOME``, ``PYTHONDONTWRITEBYTECODE``,
+  ``PYTHONUNBUFFERED``); nothing is inherited from the worker. stdin is the vetted
+  arguments as one JSON document.
+* runtime ``wasm``: ``WasmProgram(module=<entry>, args=(<name>,))``; ``wasm-python``:
+  ``WasmProgram(module=PYTHON_WASM_MODULE, args=("python", "-u", <main.py>))``, the arm
+  resolves the sentinel to the pinned CPython-on-WASI runtime.
+* Limits come from the manifest; a job's own ``timeout_s`` may only shorten the wall time.
+  ``fuel`` is passed for the wasm runtimes only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from .capabilities import (
+    EffectiveCapabilities,
+    InactiveCapability,
+    VettedValue,
+    effective_capabilities,
+    final_args,
+    vet_arguments,
+)
+from .errors import AutonomyDenied
+from .manifest import Executor, Manifest, Runtime
+from .policy import Policy, Profile, profile_for
+from .sandbox._types import (
+    PYTHON_WASM_MODULE,
+    Mount,
+    ResourceLimits,
+    SandboxJob,
+    WasmProgram,
+)
+from .sandbox.flags import expand_hint
+
+__all__ = ("Invocation", "default_skills_root", "plan_invocation")
+
+_MiB = 1024 * 1024
+
+
+class Invocation(msgspec.Struct, frozen=True):
+    """A planned, vetted invocation, ready for an arm.
+
+    Attributes:
+        executor: the executor's name.
+        runtime: the manifest's runtime (selects the arm family).
+        autonomy: the profile that shaped the job.
+        args: the arguments the executor receives (vetted, paths resolved).
+        effective: effective capabilities (active, inactive, provider bindings).
+        job: what the sandbox runs.
+        server_pinned: never send this job to a remote device (provider binding or a
+            non-packable executor).
+        require_sandbox: policy forbids running this invocation on the direct arm.
+        inactive: what the manifest declared but grants nothing here (for reporting).
+        checked: every argument value vetting checked and the hint that admitted it.
+        notes: decisions worth a log line (e.g. a hint not mounted because it is missing).
+    """
+
+    executor: str
+    runtime: Runtime
+    autonomy: Profile
+    args: dict[str, Any]
+    effective: EffectiveCapabilities
+    job: SandboxJob
+    server_pinned: bool
+    require_sandbox: bool
+    inactive: tuple[InactiveCapability, ...] = ()
+    checked: tuple[VettedValue, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def default_skills_root(home: str, environ: Mapping[str, str] | None = None) -> str:
+    """``$METNOS_SKILLS_ROOT`` or ``<home>/.metnos/skills``."""
+    env = os.environ if environ is None else environ
+    return env.get("METNOS_SKILLS_ROOT") or os.path.join(home, ".metnos", "skills")
+
+
+def _limits(manifest: Manifest, timeout_s: float | None) -> ResourceLimits:
+    lim = manifest.limits
+    wall = lim.timeout_s if timeout_s is None else min(float(timeout_s), lim.timeout_s)
+    return ResourceLimits(
+        wall_time_s=wall,
+        memory_bytes=lim.memory_mb * _MiB,
+        pids=lim.pids,
+        output_bytes=lim.output_kb * 1024,
+        fuel=lim.fuel if manifest.runtime != "python" else None,
+        cpu_time_s=lim.cpu_s,
+        file_size_bytes=lim.file_size_mb * _MiB,
+        open_files=lim.open_files,
+    )
+
+
+def _mounts(
+    folder: str,
+    effective: EffectiveCapabilities,
+    profile: Profile,
+    home: str,
+    skills_root: str,
+    notes: list[str],
+) -> tuple[Mount, ...]:
+    writable: dict[str, bool] = {}
+    for cap in effective.of("fs"):
+        if cap.mode not in ("read", "write"):
+            continue
+        for hint in cap.hints:
+            try:
+                root = os.path.realpath(expand_hint(hint, home))
+            except ValueError as exc:
+                notes.append(f"{cap.name} hint {hint!r} not mounted: {exc}")
+                continue
+            if not os.path.exists(root):
+                notes.append(f"{cap.name} hint {hint!r} not mounted: {root} does not exist")
+                continue
+            rw = cap.mode == "write" and not profile.force_read_only_mounts
+            writable[root] = writable.get(root, False) or rw
+    for skill in effective.provider_bindings:
+        skill_home = os.path.realpath(os.path.join(skills_root, skill))
+        if not os.path.isdir(skill_home):
+            notes.append(f"provider skill {skill!r} home {skill_home} does not exist")
+            continue
+        writable[skill_home] = True
+    # The executor never modifies itself, whatever a hint above it says.
+    writable[folder] = False
+    return tuple(
+        Mount(host=path, guest=path, writable=rw)
+        # Parent-first: bubblewrap applies binds in order, so a deeper mount lands on top.
+        for path, rw in sorted(writable.items(), key=lambda kv: kv[0].split("/"))
+    )
+
+
+def plan_invocation(
+    executor: Executor,
+    args: Mapping[str, Any],
+    *,
+    autonomy: str = "supervised",
+    home: str | None = None,
+    skills_root: str | None = None,
+    policy: Policy | None = None,
+    timeout_s: float | None = None,
+) -> Invocation:
+    """Decide everything about one invocation before anything runs.
+
+    Args:
+        executor: the loaded executor.
+        args: the caller's arguments.
+        autonomy: ``read_only``, ``supervised`` (default) or ``full``.
+        home: what ``~`` means for this job (default: the worker's home).
+        skills_root: where provider skills keep their homes (see `default_skills_root`).
+        policy: degradation policy (default: `Policy.from_env`).
+        timeout_s: the job's own timeout; may only shorten the manifest's.
+
+    Returns:
+        The vetted `Invocation`.
+
+    Raises:
+        BadArguments: the arguments do not fit the schema.
+        AutonomyDenied: unknown level, or a mutating executor under ``read_only``.
+        CapabilityDenied: a path/URL/host argument outside the active hints.
+    """
+    manifest = executor.manifest
+    profile = profile_for(autonomy)
+    if profile.refuse_mutating and manifest.is_mutating:
+        raise AutonomyDenied(
+            f"{manifest.name} mutates files and autonomy is {profile.level}; "
+            "run it under supervised or full autonomy"
+        )
+    home = os.path.expanduser("~") if home is None else home
+    skills_root = default_skills_root(home) if skills_root is None else skills_root
+    policy = Policy.from_env() if policy is None else policy
+
+    final = final_args(manifest, args)
+    effective = effective_capabilities(manifest, final)
+    vetted = vet_arguments(manifest, final, effective, home=home)
+
+    folder = os.path.realpath(executor.path)
+    entry = os.path.join(folder, manifest.entry)
+    notes: list[str] = []
+    mounts = _mounts(folder, effective, profile, home, skills_root, notes)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": home,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    common: dict[str, Any] = {
+        "env": env,
+        "stdin": msgspec.json.encode(vetted.args),
+        "mounts": mounts,
+        "network": effective.network or profile.allow_network_override,
+        "cwd": folder,
+        "limits": _limits(manifest, timeout_s),
+    }
+    if manifest.runtime == "python":
+        job = SandboxJob(argv=(os.path.realpath(sys.executable), "-I", "-S", entry), **common)
+    elif manifest.runtime == "wasm":
+        job = SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
+    else:
+        job = SandboxJob(
+            wasm=WasmProgram(module=PYTHON_WASM_MODULE, args=("python", "-u", entry)), **common
+        )
+    return Invocation(
+        executor=manifest.name,
+        runtime=manifest.runtime,
+        autonomy=profile,
+        args=vetted.args,
+        effective=effective,
+        job=job,
+        server_pinned=effective.server_pinned or not manifest.packable,
+        require_sandbox=policy.sandbox_required(manifest, effective),
+        inactive=effective.inactive,
+        checked=vetted.checked,
+        notes=tuple(notes),
+    )
