@@ -1,0 +1,557 @@
+"""``metnos-exec``: run workers, submit jobs, read results and logs.
+
+Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``tail``, ``undo``,
+``bench``. ``metnos-exec COMMAND --help`` explains each. The broker URL comes from
+``--broker``, else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
+
+Exit codes (stable; scripts may rely on them):
+
+====  =====================================================================
+0     success (the job succeeded, the command did what was asked)
+1     the job ended badly: failed, timed_out, cancelled or dead
+2     usage error (bad option, bad ``--arg``)
+3     the job was rejected before running (capability, manifest, policy)
+4     the broker is unreachable or its URL is wrong
+5     not found (unknown job id, missing log file)
+6     still pending: no result within the wait
+7     not implemented yet (``undo``)
+130   interrupted (Ctrl-C)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, NoReturn, TextIO
+
+import anyio
+import msgspec
+
+from .brokers import BadBrokerURL, Broker, open_broker
+from .client import Client, NotImplementedYet, default_broker_url
+from .errors import BadMessage, MetnosError
+from .messages import Result
+
+__all__ = ("EXIT", "main")
+
+#: Exit codes by meaning (see the module docstring).
+EXIT: Final = {
+    "ok": 0,
+    "job_failed": 1,
+    "usage": 2,
+    "rejected": 3,
+    "broker": 4,
+    "not_found": 5,
+    "pending": 6,
+    "not_implemented": 7,
+    "interrupted": 130,
+}
+
+_EPILOG = """\
+exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage error ·
+3 rejected (capability/manifest/policy) · 4 broker unreachable · 5 not found ·
+6 still pending · 7 not implemented yet · 130 interrupted
+
+broker URL: --broker, else $METNOS_BROKER, else sqlite:///./metnos.db
+"""
+
+_STATUS_EXIT: Final = {
+    "succeeded": 0,
+    "failed": 1,
+    "timed_out": 1,
+    "cancelled": 1,
+    "dead": 1,
+    "rejected": 3,
+}
+
+
+class _Exit(Exception):
+    """Leave with `code` after printing `message` to stderr."""
+
+    def __init__(self, code: int, message: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# --- helpers --------------------------------------------------------------------------
+
+
+def _open(url: str) -> Broker:
+    try:
+        return open_broker(url)
+    except BadBrokerURL as exc:
+        raise _Exit(EXIT["broker"], str(exc)) from None
+    except (OSError, MetnosError) as exc:
+        raise _Exit(EXIT["broker"], f"cannot open broker {url}: {exc}") from None
+
+
+def _run(fn: Callable[[], Awaitable[int]]) -> int:
+    try:
+        return anyio.run(fn)
+    except _Exit:
+        raise
+    except BadBrokerURL as exc:
+        raise _Exit(EXIT["broker"], str(exc)) from None
+    except OSError as exc:
+        raise _Exit(EXIT["broker"], f"broker unreachable: {exc}") from None
+
+
+def _parse_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise _Exit(EXIT["usage"], f"--arg {text!r}: expected KEY=VALUE")
+    try:
+        # JSON when it parses (numbers, true, lists, quoted strings), else the text itself:
+        # `--arg n=3` is the integer 3, `--arg path=~/x.md` the string.
+        return key, msgspec.json.decode(value.encode())
+    except msgspec.DecodeError:
+        return key, value
+
+
+def _dump_json(obj: Any, out: TextIO) -> None:
+    out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")
+
+
+def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        _dump_json(result, out)
+        return
+    arm = result.containment.sandbox if result.containment else "-"
+    lines = [f"{result.status}  job {result.job_id}  (attempt {result.attempt}, sandbox {arm})"]
+    if result.error is not None:
+        lines.append(f"  error: {result.error.code}: {result.error.message}")
+    if result.exit is not None:
+        exit_name = type(result.exit).__name__
+        detail = msgspec.to_builtins(result.exit)
+        extra = {k: v for k, v in detail.items() if k != "type"} if isinstance(detail, dict) else {}
+        lines.append(f"  exit: {exit_name}{' ' + str(extra) if extra else ''}")
+    if result.containment is not None:
+        lost = result.containment.lost()
+        lines.append(
+            "  containment: " + ("all walls kept" if not lost else "not kept: " + ", ".join(lost))
+        )
+    if result.usage is not None:
+        lines.append(f"  wall: {result.usage.wall_s:.3f} s")
+    if result.output is not None:
+        text = msgspec.json.format(msgspec.json.encode(result.output), indent=2).decode()
+        if len(text) > 4000:
+            text = text[:4000] + "\n  … (truncated; use --json for everything)"
+        lines.append("  output: " + text.replace("\n", "\n  "))
+    if result.stderr.strip():
+        tail_ = result.stderr.strip()[-1000:]
+        lines.append("  stderr: " + tail_.replace("\n", "\n          "))
+    out.write("\n".join(lines) + "\n")
+
+
+class _Progress:
+    """Elapsed-time feedback on stderr while waiting: a spinner on a TTY, else a line
+    every `period_s` (so CI logs show liveness without flooding)."""
+
+    _FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+    def __init__(self, what: str, *, stream: TextIO | None = None, period_s: float = 10.0):
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.period_s = period_s
+        self.start = time.monotonic()
+        self._last = self.start
+        self._i = 0
+
+    def tick(self, state: str = "") -> None:
+        now = time.monotonic()
+        elapsed = now - self.start
+        if self.tty:
+            frame = self._FRAMES[self._i % len(self._FRAMES)]
+            self._i += 1
+            self.stream.write(f"\r{frame} {self.what} {state} {elapsed:5.1f}s ")
+            self.stream.flush()
+        elif now - self._last >= self.period_s:
+            self._last = now
+            self.stream.write(f"… {self.what} {state} ({elapsed:.0f} s)\n")
+            self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+async def _wait_result(client: Client, job_id: str, wait: float | None) -> Result | None:
+    progress = _Progress(f"waiting for {job_id}")
+    deadline = None if wait is None else time.monotonic() + wait
+    step = 0.1 if progress.tty else 1.0
+    try:
+        while True:
+            chunk = step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))
+            result = await client.broker.wait_result(job_id, timeout=chunk)
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            state = await client.broker.get_job_state(job_id)
+            progress.tick(state.state if state else "")
+    finally:
+        progress.done()
+
+
+# --- commands -------------------------------------------------------------------------
+
+
+def _cmd_worker(ns: argparse.Namespace) -> int:
+    from .worker import ARM_OVERRIDE_ENV, run_worker
+
+    if ns.arm:
+        os.environ[ARM_OVERRIDE_ENV] = ns.arm
+    try:
+        return run_worker(
+            ns.broker,
+            ns.executors,
+            concurrency=ns.concurrency,
+            worker_id=ns.worker_id,
+            device=ns.device,
+            log_file=ns.log_file,
+            log_level=ns.log_level,
+            grace_s=ns.grace,
+            burst=ns.burst,
+            visibility_s=ns.visibility,
+            backend=ns.backend,
+        )
+    except BadBrokerURL as exc:
+        raise _Exit(EXIT["broker"], str(exc)) from None
+    except MetnosError as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+
+
+def _cmd_submit(ns: argparse.Namespace) -> int:
+    args: dict[str, Any] = {}
+    if ns.args_json:
+        try:
+            loaded = msgspec.json.decode(ns.args_json.encode())
+        except msgspec.DecodeError as exc:
+            raise _Exit(EXIT["usage"], f"--args-json: not JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise _Exit(EXIT["usage"], "--args-json: expected a JSON object")
+        args.update(loaded)
+    for item in ns.arg or ():
+        key, value = _parse_arg(item)
+        args[key] = value
+    fields: dict[str, Any] = {}
+    for name, attr in (
+        ("timeout_s", "timeout"),
+        ("autonomy", "autonomy"),
+        ("device", "device"),
+        ("max_attempts", "max_attempts"),
+        ("idempotency_key", "idempotency_key"),
+        ("correlation_id", "correlation_id"),
+        ("priority", "priority"),
+    ):
+        value = getattr(ns, attr)
+        if value is not None:
+            fields[name] = value
+
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            client = Client(broker)
+            try:
+                job_id = await client.submit(ns.executor, args, **fields)
+            except BadMessage as exc:
+                raise _Exit(EXIT["usage"], str(exc)) from None
+            if not ns.wait:
+                if ns.json:
+                    _dump_json({"job_id": job_id}, sys.stdout)
+                else:
+                    sys.stdout.write(job_id + "\n")
+                return 0
+            if not ns.json:
+                sys.stderr.write(f"submitted {job_id}\n")
+            wait = None if ns.wait is True else float(ns.wait)
+            result = await _wait_result(client, job_id, wait)
+            if result is None:
+                raise _Exit(EXIT["pending"], f"no result for {job_id} within {wait} s")
+            _print_result(result, as_json=ns.json, out=sys.stdout)
+            return _STATUS_EXIT[result.status]
+
+    return _run(go)
+
+
+def _cmd_result(ns: argparse.Namespace) -> int:
+    async def go() -> int:
+        broker = _open(ns.broker)
+        async with broker:
+            client = Client(broker)
+            if ns.wait:
+                result = await _wait_result(client, ns.job_id, ns.wait)
+            else:
+                result = await client.result(ns.job_id)
+            if result is None:
+                state = await broker.get_job_state(ns.job_id)
+                if state is None:
+                    raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
+                raise _Exit(EXIT["pending"], f"job {ns.job_id} is {state.state}, no result yet")
+            _print_result(result, as_json=ns.json, out=sys.stdout)
+            return _STATUS_EXIT[result.status]
+
+    return _run(go)
+
+
+def _cmd_cancel(ns: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            outcome = await broker.cancel(ns.job_id)
+        messages = {
+            "cancelled": "cancelled (it had not started)",
+            "cancelling": "cancelling: the worker running it will stop it",
+            "finished": "already finished; nothing to cancel",
+            "unknown": "no such job",
+        }
+        sys.stdout.write(f"{ns.job_id}: {messages[outcome]}\n")
+        return EXIT["not_found"] if outcome == "unknown" else 0
+
+    return _run(go)
+
+
+def _sandbox_status() -> dict[str, Any]:
+    try:
+        from .sandbox import status as status_mod
+    except ImportError as exc:
+        return {"error": f"sandbox status unavailable: {exc}"}
+    report = status_mod.status()
+    built = msgspec.to_builtins(report)
+    return built if isinstance(built, dict) else {"status": built}
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            stats = await broker.stats()
+            dead = await broker.dead_letters(limit=5)
+        doc = {
+            "broker": {"url": ns.broker, **msgspec.to_builtins(stats)},
+            "sandbox": _sandbox_status(),
+            "recent_dead_letters": [
+                {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
+            ],
+        }
+        if ns.json:
+            _dump_json(doc, sys.stdout)
+            return 0
+        out = [f"broker {ns.broker}"]
+        out.append("  " + "  ".join(f"{k}={v}" for k, v in msgspec.to_builtins(stats).items()))
+        out.append("sandbox")
+        for key, value in doc["sandbox"].items():
+            out.append(f"  {key}: {value}")
+        if dead:
+            out.append("recent dead letters")
+            for d in dead:
+                out.append(f"  {d.job_id} {d.error.code}: {d.error.message}")
+        sys.stdout.write("\n".join(out) + "\n")
+        return 0
+
+    return _run(go)
+
+
+def _cmd_tail(ns: argparse.Namespace) -> int:
+    from .logs import tail
+
+    if not os.path.exists(ns.file):
+        raise _Exit(EXIT["not_found"], f"no log file {ns.file}")
+    color = ns.color if ns.color is not None else sys.stdout.isatty()
+    try:
+        tail(
+            ns.file,
+            job=ns.job,
+            event=ns.event,
+            level=ns.level,
+            follow=ns.follow,
+            color=color,
+            raw=ns.json,
+        )
+    except BrokenPipeError:
+        # `metnos-exec tail f | head`: the reader left; that is not an error.
+        with contextlib.suppress(OSError):
+            sys.stdout.close()
+    return 0
+
+
+def _cmd_undo(ns: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            await Client(broker).undo(ns.job_id)
+        return 0
+
+    try:
+        return _run(go)
+    except NotImplementedYet as exc:
+        raise _Exit(EXIT["not_implemented"], str(exc)) from None
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(list(ns.argv or ()))
+
+
+# --- parser ---------------------------------------------------------------------------
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--broker",
+        default=default_broker_url(),
+        metavar="URL",
+        help="broker URL: sqlite:///path.db, memory://, redis://host:port/db "
+        "(default: $METNOS_BROKER or sqlite:///./metnos.db)",
+    )
+    p = argparse.ArgumentParser(
+        prog="metnos-exec",
+        description="Run sandboxed executors from a job queue.",
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help_,
+            description=desc or help_,
+            epilog=_EPILOG,
+            parents=[common],
+            formatter_class=_Formatter,
+        )
+
+    w = add(
+        "worker",
+        "serve jobs until SIGTERM/Ctrl-C",
+        "Serve jobs: lease, vet, sandbox, run, store results. SIGTERM or Ctrl-C drains "
+        "(no new jobs; running ones get --grace seconds, then are cancelled and handed "
+        "back); a second signal stops at once.",
+    )
+    w.add_argument("--executors", required=True, metavar="DIR", help="folder of executors")
+    w.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs at once (4)")
+    w.add_argument("--log-file", metavar="FILE", help="JSON-lines log file (default: stderr)")
+    w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    w.add_argument("--worker-id", metavar="ID", help="default: HOSTNAME-PID")
+    w.add_argument("--device", default="server", metavar="ID", help="device id (server)")
+    w.add_argument("--grace", type=float, default=30.0, metavar="S", help="drain grace (30)")
+    w.add_argument("--visibility", type=float, default=30.0, metavar="S", help="lease window")
+    w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    # Tests and benchmarks only: run every job in the echo double (queue cost alone).
+    w.add_argument("--arm", choices=["echo"], help=argparse.SUPPRESS)
+    w.set_defaults(fn=_cmd_worker)
+
+    s = add(
+        "submit",
+        "queue a job",
+        "Queue a job and print its id (or, with --wait, its result).\n\n"
+        "  metnos-exec submit write_note --arg path=~/notes/today.md --arg text='buy milk' "
+        "--wait",
+    )
+    s.add_argument("executor", help="executor name")
+    s.add_argument(
+        "--arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an argument; VALUE is parsed as JSON when it parses, else taken as text (repeatable)",
+    )
+    s.add_argument("--args-json", metavar="JSON", help="all arguments as one JSON object")
+    s.add_argument("--timeout", type=float, metavar="S", help="wall-time budget")
+    s.add_argument("--autonomy", choices=["read_only", "supervised", "full"])
+    s.add_argument("--device", metavar="ID", help="target device (default: a server worker)")
+    s.add_argument("--max-attempts", type=int, metavar="N")
+    s.add_argument("--idempotency-key", metavar="KEY")
+    s.add_argument("--correlation-id", metavar="ID")
+    s.add_argument("--priority", type=int)
+    s.add_argument(
+        "--wait",
+        nargs="?",
+        const=True,
+        default=False,
+        type=float,
+        metavar="S",
+        help="wait for the result (at most S seconds if given) and exit by its status",
+    )
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=_cmd_submit)
+
+    r = add("result", "show a job's result")
+    r.add_argument("job_id")
+    r.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds")
+    r.add_argument("--json", action="store_true", help="the Result as JSON")
+    r.set_defaults(fn=_cmd_result)
+
+    c = add("cancel", "cancel a queued or running job")
+    c.add_argument("job_id")
+    c.set_defaults(fn=_cmd_cancel)
+
+    st = add("status", "sandbox arms available here and queue counts")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=_cmd_status)
+
+    t = add(
+        "tail",
+        "show (and follow) a worker's JSON log",
+        "Show a JSON-lines log readably; filter by job, event (exact, or a family such as "
+        "'job.') and minimum level.",
+    )
+    t.add_argument("file")
+    t.add_argument("--job", metavar="JOB_ID")
+    t.add_argument("--event", metavar="NAME")
+    t.add_argument("--level", choices=["debug", "info", "warning", "error", "critical"])
+    t.add_argument("-f", "--follow", action="store_true", help="keep following the file")
+    t.add_argument("--color", dest="color", action="store_true", default=None)
+    t.add_argument("--no-color", dest="color", action="store_false")
+    t.add_argument("--json", action="store_true", help="print the matching raw JSON lines")
+    t.set_defaults(fn=_cmd_tail)
+
+    u = add("undo", "undo a job's file changes (not available yet)")
+    u.add_argument("job_id")
+    u.set_defaults(fn=_cmd_undo)
+
+    b = add("bench", "run benchmarks from bench/ (all when none named)")
+    b.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="NAME ...",
+        help="benchmark names (e.g. queue_throughput) and their options; --list lists them",
+    )
+    b.set_defaults(fn=_cmd_bench)
+    return p
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    if message:
+        sys.stderr.write(f"metnos-exec: {message}\n")
+    raise SystemExit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``metnos-exec``; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        code: int = ns.fn(ns)
+    except _Exit as exc:
+        _fail(exc.code, exc.message)
+    except KeyboardInterrupt:
+        _fail(EXIT["interrupted"], "interrupted")
+    except MetnosError as exc:
+        _fail(EXIT["rejected"] if exc.code == "E_CAPABILITY_DENIED" else 1, str(exc))
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The Python API the agent loop uses: submit, await a result, run, cancel, undo.
+
+Async (anyio: asyncio or trio)::
+
+    async with Client("sqlite:///./metnos.db") as client:
+        result = await client.run("read_note", {"path": "~/notes/today.md"}, timeout=30)
+        if result.status == "succeeded":
+            print(result.output)
+
+Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
+
+    with SyncClient("sqlite:///./metnos.db") as client:
+        job_id = client.submit("write_note", {"path": "~/notes/x.md", "text": "hi"})
+        print(client.result(job_id, wait=10))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from types import TracebackType
+from typing import Any, Final, TypeVar
+
+import msgspec
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .brokers import Broker, CancelOutcome, open_broker
+from .errors import BadMessage, MetnosError
+from .messages import Job, Result
+
+__all__ = (
+    "DEFAULT_BROKER_URL",
+    "Client",
+    "NotImplementedYet",
+    "SyncClient",
+    "default_broker_url",
+)
+
+#: Used when neither an argument nor ``METNOS_BROKER`` names a broker.
+DEFAULT_BROKER_URL: Final = "sqlite:///./metnos.db"
+
+T = TypeVar("T")
+
+
+def default_broker_url() -> str:
+    """``$METNOS_BROKER``, else `DEFAULT_BROKER_URL`."""
+    return os.environ.get("METNOS_BROKER") or DEFAULT_BROKER_URL
+
+
+class NotImplementedYet(MetnosError):
+    """The operation is part of the interface but not built yet (it names the issue)."""
+
+    code = "E_NOT_IMPLEMENTED"
+
+
+class Client:
+    """Async client of the queue.
+
+    Args:
+        broker: a broker URL (``sqlite:///...``, ``memory://``, ``redis://...``), an open
+            `Broker` (not closed by the client), or ``None`` for `default_broker_url`.
+    """
+
+    def __init__(self, broker: str | Broker | None = None) -> None:
+        if isinstance(broker, Broker):
+            self._broker = broker
+            self._owns = False
+        else:
+            self._broker = open_broker(broker or default_broker_url())
+            self._owns = True
+
+    @property
+    def broker(self) -> Broker:
+        return self._broker
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the broker if this client opened it."""
+        if self._owns:
+            await self._broker.close()
+
+    async def submit(self, executor: str, args: dict[str, Any] | None = None, **fields: Any) -> str:
+        """Queue a job and return its id.
+
+        Args:
+            executor: the executor's name.
+            args: its arguments.
+            **fields: other `Job` fields: ``timeout_s``, ``autonomy``, ``device``,
+                ``max_attempts``, ``idempotency_key``, ``correlation_id``, ``priority``,
+                ``not_before``, ``id``.
+
+        Returns:
+            The job id; for a repeated idempotency key, the first submission's id.
+
+        Raises:
+            BadMessage: a field of the wrong type or range (the message names it).
+        """
+        job = _make_job(executor, args or {}, fields)
+        receipt = await self._broker.submit(job)
+        return receipt.job_id
+
+    async def result(self, job_id: str, *, wait: bool | float = False) -> Result | None:
+        """The job's result.
+
+        Args:
+            wait: ``False`` returns at once (``None`` while there is no result); ``True``
+                waits as long as it takes; a number waits at most that many seconds.
+        """
+        if wait is False:
+            return await self._broker.get_result(job_id)
+        timeout = None if wait is True else float(wait)
+        return await self._broker.wait_result(job_id, timeout=timeout)
+
+    async def run(
+        self,
+        executor: str,
+        args: dict[str, Any] | None = None,
+        *,
+        # The job's budget (shipped as ``timeout_s``), not a deadline for this call.
+        timeout: float | None = None,  # noqa: ASYNC109
+        wait: float | None = None,
+        **fields: Any,
+    ) -> Result:
+        """Submit and await the result.
+
+        Args:
+            timeout: the job's wall-time budget (``timeout_s``); ``None``: the manifest's.
+            wait: how long to wait for a result (default: the job's timeout plus time to
+                be picked up, or forever when no timeout is given).
+
+        Raises:
+            TimeoutError: no result within `wait` (the job stays queued; cancel it if
+                you no longer want it).
+        """
+        if timeout is not None:
+            fields["timeout_s"] = timeout
+        job_id = await self.submit(executor, args, **fields)
+        if wait is None and timeout is not None:
+            wait = timeout * 3 + 30
+        result = await self._broker.wait_result(job_id, timeout=wait)
+        if result is None:
+            raise TimeoutError(f"no result for job {job_id} within {wait} s")
+        return result
+
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        """Cancel a queued or running job; see `Broker.cancel` for the outcomes."""
+        return await self._broker.cancel(job_id)
+
+    async def undo(self, job_id: str) -> None:
+        """Undo the file changes a job made (not built yet).
+
+        Raises:
+            NotImplementedYet: always, for now (``E_NOT_IMPLEMENTED``).
+        """
+        raise NotImplementedYet(
+            f"undo of job {job_id} is not available yet: reversible mutations are the "
+            "next issue; the job's changes were not recorded for undo"
+        )
+
+
+def _make_job(executor: str, args: dict[str, Any], fields: dict[str, Any]) -> Job:
+    try:
+        # Through the validating decoder, so constraints (max_attempts >= 1, ...) hold
+        # for Python callers exactly as for producers on the wire.
+        return msgspec.convert({"executor": executor, "args": args, **fields}, Job)
+    except msgspec.ValidationError as exc:
+        raise BadMessage(f"job rejected: {exc}") from None
+
+
+class SyncClient(AbstractContextManager["SyncClient"]):
+    """Blocking wrapper around `Client`, with the same methods.
+
+    It runs an event loop in one helper thread (an anyio blocking portal) for its whole
+    life: use it as a context manager, or call `close`.
+    """
+
+    def __init__(self, broker: str | None = None, *, backend: str = "asyncio") -> None:
+        self._stack = ExitStack()
+        self._closed = False
+        self._portal: BlockingPortal = self._stack.enter_context(
+            start_blocking_portal(backend=backend)
+        )
+        try:
+            self._client = self._portal.call(Client, broker)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._portal.call(lambda: fn(*args, **kwargs))
+
+    def submit(self, executor: str, args: dict[str, Any] | None = None, **fields: Any) -> str:
+        """See `Client.submit`."""
+        out: str = self._call(self._client.submit, executor, args, **fields)
+        return out
+
+    def result(self, job_id: str, *, wait: bool | float = False) -> Result | None:
+        """See `Client.result`."""
+        out: Result | None = self._call(self._client.result, job_id, wait=wait)
+        return out
+
+    def run(
+        self,
+        executor: str,
+        args: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        wait: float | None = None,
+        **fields: Any,
+    ) -> Result:
+        """See `Client.run`."""
+        out: Result = self._call(
+            self._client.run, executor, args, timeout=timeout, wait=wait, **fields
+        )
+        return out
+
+    def cancel(self, job_id: str) -> CancelOutcome:
+        """See `Client.cancel`."""
+        out: CancelOutcome = self._call(self._client.cancel, job_id)
+        return out
+
+    def undo(self, job_id: str) -> None:
+        """See `Client.undo`."""
+        self._call(self._client.undo, job_id)
+
+    def close(self) -> None:
+        """Close the broker and stop the helper thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self._client.aclose)
+        finally:
+            self._stack.close()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

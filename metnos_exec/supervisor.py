@@ -1,0 +1,597 @@
+"""The supervisor: lease jobs, vet them, run them in their sandbox, store one result.
+
+One `Supervisor` per worker process. It owns a task group with a fixed number of slots
+(``concurrency``); each leased job runs in its own task, inside that group, so nothing
+outlives `run` and there is no fire-and-forget task anywhere.
+
+Per job, in order:
+
+1. bind ``job_id``, ``executor``, ``worker``, ``device`` (and later ``sandbox``) into the
+   structlog contextvars, so every record of the job carries them; log ``job.received``;
+2. look the executor up (unknown executor, bad manifest → ``rejected`` with the code);
+3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
+   ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
+4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); log ``job.started``;
+5. run the arm while heart-beating every ``heartbeat_s`` (default ``visibility_s / 3``);
+   a heartbeat that finds the lease gone → ``lease.lost``, the run is cancelled and
+   nothing is acked (the broker redelivers it); a heartbeat that reports a cancel request
+   → the run is cancelled and a ``cancelled`` result is acked;
+6. map the outcome to a result and ack it (``job.finished``), or schedule a retry.
+
+Retry rule. Retried (with `retry_delay(attempt)`, until ``max_attempts``, then dead-
+lettered with the last error): a `HostFault` from the arm (the harness broke; no verdict
+exists, another try may find it healthy), and an executor that exits with code 75
+(``EX_TEMPFAIL`` from sysexits.h: "try again later", the executor's own way of saying its
+failure is transient). A lost lease is redelivered by the broker itself (the delivery
+counts as an attempt there). Every other failure is final: an executor that fails, times
+out, traps or runs out of fuel has given a verdict about these arguments, and running it
+again would only give the same verdict later.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import TaskStatus
+
+from .backoff import retry_delay
+from .brokers.base import Broker, Lease
+from .errors import HostFault, MetnosError
+from .manifest import ExecutorRegistry
+from .messages import ErrorInfo, Result, cap_text
+from .plan import plan_invocation
+from .sandbox._types import (
+    ContainmentReport,
+    Failure,
+    FuelExhausted,
+    Killed,
+    MemoryExceeded,
+    Sandbox,
+    SandboxExit,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+    Trap,
+    Usage,
+)
+
+__all__ = (
+    "EX_TEMPFAIL",
+    "RAW_OUTPUT_CAP_BYTES",
+    "ArmChooser",
+    "Supervisor",
+)
+
+#: sysexits.h ``EX_TEMPFAIL``: an executor exiting with it asks to be retried later.
+EX_TEMPFAIL: Final = 75
+
+#: How much of a non-JSON stdout is kept (as text in ``Result.output``) for diagnosis.
+RAW_OUTPUT_CAP_BYTES: Final = 4096
+
+#: Extra wall time the supervisor's own backstop gives an arm past the job's budget: the
+#: arms enforce ``wall_time_s`` themselves (TERM, grace, KILL, reap); this scope only
+#: catches an arm that failed to.
+_BACKSTOP_MARGIN_S: Final = 10.0
+
+_log = structlog.get_logger("metnos_exec")
+
+
+class _ArmChoice(Protocol):
+    @property
+    def sandbox(self) -> Sandbox: ...
+
+    @property
+    def degraded(self) -> bool: ...
+
+
+class ArmChooser(Protocol):
+    """`sandbox.select.choose_arm`'s shape (injectable for tests)."""
+
+    def __call__(self, runtime: str, *, require_sandbox: bool) -> _ArmChoice: ...
+
+
+_StopReason = Literal["lease_lost", "cancel_requested", "drain"]
+
+
+@dataclass(eq=False)
+class _Running:
+    """A job in flight: its lease and the scope that cancels its run."""
+
+    lease: Lease
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    stop: _StopReason | None = None
+
+
+def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
+    if exit_ is None:
+        return {"exit": None}
+    return {"exit": msgspec.to_builtins(exit_)}
+
+
+class Supervisor:
+    """Serve jobs from `broker` with executors from `registry`.
+
+    Args:
+        broker: where jobs come from and results go.
+        registry: the executors this worker can run.
+        worker_id: this worker's id (leases, results, logs).
+        device: the device this worker runs on (``"server"`` or a device id).
+        concurrency: jobs run at once.
+        visibility_s: lease window; a worker silent this long loses the job.
+        heartbeat_s: heartbeat period while a job runs (default ``visibility_s / 3``).
+        arm_chooser: picks the sandbox arm for a runtime (default `choose_arm`).
+        policy: passed to `plan_invocation` (``None``: its default policy).
+        home: the user's home for ``~`` in hints and arguments (default ``$HOME``).
+        skills_root: where provider skills keep their homes.
+        clock: unix-seconds clock for ``started_at`` / ``finished_at``.
+        retry_delay: attempt → seconds before redelivery (default `backoff.retry_delay`).
+        idle_poll_s: longest wait for new work before polling the broker again.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        registry: ExecutorRegistry,
+        *,
+        worker_id: str,
+        device: str = "server",
+        concurrency: int = 4,
+        visibility_s: float = 30.0,
+        heartbeat_s: float | None = None,
+        arm_chooser: ArmChooser | Callable[..., Any] | None = None,
+        policy: Any = None,
+        home: str | os.PathLike[str] | None = None,
+        skills_root: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.time,
+        retry_delay: Callable[[int], float] = retry_delay,
+        idle_poll_s: float = 1.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if visibility_s <= 0:
+            raise ValueError("visibility_s must be positive")
+        self.broker = broker
+        self.registry = registry
+        self.worker_id = worker_id
+        self.device = device
+        self.concurrency = concurrency
+        self.visibility_s = visibility_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else visibility_s / 3
+        if arm_chooser is None:
+            # Imported here so the supervisor module loads without the arms (tests inject
+            # doubles; the arms pull in wasmtime lazily anyway).
+            from .sandbox.select import choose_arm
+
+            arm_chooser = choose_arm
+        self.arm_chooser = arm_chooser
+        self.policy = policy
+        self.home = os.fspath(home) if home is not None else None
+        self.skills_root = os.fspath(skills_root) if skills_root is not None else None
+        self.clock = clock
+        self.retry_delay = retry_delay
+        self.idle_poll_s = idle_poll_s
+        self._running: dict[str, _Running] = {}
+        self._draining = False
+        self._lease_scope: anyio.CancelScope | None = None
+        self._slot_freed = anyio.Event()
+        self._stopped = anyio.Event()
+        #: Counters for status and tests: leased, acked, retried, rejected, released.
+        self.stats: dict[str, int] = {
+            "leased": 0,
+            "finished": 0,
+            "rejected": 0,
+            "retried": 0,
+            "dead": 0,
+            "released": 0,
+            "lease_lost": 0,
+        }
+
+    # --- the loop ---------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Jobs in flight right now."""
+        return len(self._running)
+
+    async def run(
+        self,
+        *,
+        burst: bool = False,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until `drain` is called (or, with ``burst=True``, until the queue is empty).
+
+        Args:
+            burst: return once no job is ready and none is running (deterministic tests,
+                one-shot batch runs). Jobs delayed for a retry are not waited for.
+            task_status: signalled once the worker is ready to lease (use ``tg.start``).
+        """
+        _log.info(
+            "worker.started",
+            worker=self.worker_id,
+            device=self.device,
+            concurrency=self.concurrency,
+            visibility_s=self.visibility_s,
+            executors=sorted(self.registry),
+            burst=burst,
+        )
+        for name, exc in sorted(self.registry.errors.items()):
+            _log.warning("executor.load_failed", executor=name, error=exc.message)
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                await self._lease_loop(tg, burst=burst)
+        finally:
+            self._stopped.set()
+            _log.info(
+                "worker.stopped",
+                worker=self.worker_id,
+                device=self.device,
+                **self.stats,
+            )
+
+    async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
+        while not self._draining:
+            free = self.concurrency - len(self._running)
+            if free <= 0:
+                await self._wait_slot()
+                continue
+            # Not cancellable by drain: a lease taken by a call we abandoned half-way
+            # would sit unserved until its visibility window ran out.
+            leases = await self.broker.lease(
+                self.worker_id,
+                visibility_s=self.visibility_s,
+                device=self.device,
+                limit=free,
+            )
+            if not leases:
+                if burst and not self._running:
+                    return
+                with anyio.CancelScope() as scope:
+                    # Drain cancels this scope: a worker idle-waiting stops at once.
+                    self._lease_scope = scope
+                    if self._draining:
+                        scope.cancel()
+                    if burst:
+                        await self._wait_slot()
+                    else:
+                        await self.broker.wait_for_work(self.idle_poll_s)
+                self._lease_scope = None
+                continue
+            for lease in leases:
+                if self._draining:
+                    # Leased in the instant drain began: hand it back untouched.
+                    with anyio.CancelScope(shield=True):
+                        await self.broker.release(lease)
+                    self.stats["released"] += 1
+                    continue
+                running = _Running(lease)
+                self._running[lease.job.id] = running
+                self.stats["leased"] += 1
+                tg.start_soon(self._job_task, running, name=f"job {lease.job.id}")
+
+    async def _wait_slot(self) -> None:
+        await self._slot_freed.wait()
+        self._slot_freed = anyio.Event()
+
+    async def wait_stopped(self) -> None:
+        """Return once `run` has returned."""
+        await self._stopped.wait()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop leasing; let running jobs finish for `grace_s`, then cancel and release them.
+
+        Released jobs go back to the queue without using an attempt (the broker's
+        `release`). Returns once `run` has returned.
+        """
+        if not self._draining:
+            self._draining = True
+            _log.info(
+                "worker.draining",
+                worker=self.worker_id,
+                device=self.device,
+                running=len(self._running),
+                grace_s=grace_s,
+            )
+        if self._lease_scope is not None:
+            self._lease_scope.cancel()
+        self._slot_freed.set()
+        with anyio.move_on_after(grace_s):
+            while self._running:
+                await self._wait_slot()
+        for running in list(self._running.values()):
+            running.stop = "drain"
+            running.scope.cancel()
+        await self._stopped.wait()
+
+    # --- one job ----------------------------------------------------------------------
+
+    async def _job_task(self, running: _Running) -> None:
+        lease = running.lease
+        job = lease.job
+        try:
+            with structlog.contextvars.bound_contextvars(
+                job_id=job.id,
+                executor=job.executor,
+                worker=self.worker_id,
+                device=self.device,
+                attempt=lease.attempt,
+            ):
+                if job.correlation_id is not None:
+                    structlog.contextvars.bind_contextvars(correlation_id=job.correlation_id)
+                try:
+                    await self._serve(running)
+                except Exception as exc:
+                    # A bug in our own pipeline must not stop the worker serving others;
+                    # the job is retried like a host fault (the harness broke, not the job).
+                    _log.exception("worker.error", error=f"{type(exc).__name__}: {exc}")
+                    with anyio.CancelScope(shield=True):
+                        await self._retry(
+                            lease,
+                            ErrorInfo(code=HostFault.code, message=f"internal error: {exc}"),
+                        )
+        finally:
+            self._running.pop(job.id, None)
+            self._slot_freed.set()
+
+    def _result(self, lease: Lease, status: Any, **fields: Any) -> Result:
+        return Result(
+            job_id=lease.job.id,
+            status=status,
+            worker=self.worker_id,
+            device=self.device,
+            attempt=lease.attempt,
+            finished_at=self.clock(),
+            **fields,
+        )
+
+    async def _reject(self, lease: Lease, exc: MetnosError) -> None:
+        _log.warning("job.rejected", code=exc.code, message=exc.message)
+        result = self._result(
+            lease, "rejected", error=ErrorInfo(code=exc.code, message=exc.message)
+        )
+        self.stats["rejected"] += 1
+        await self._ack(lease, result)
+
+    async def _ack(self, lease: Lease, result: Result) -> None:
+        with anyio.CancelScope(shield=True):
+            stored = await self.broker.ack(lease, result)
+        _log.info(
+            "job.finished",
+            status=result.status,
+            stored=stored,
+            code=result.error.code if result.error else None,
+            usage=result.usage,
+            containment=_containment_summary(result.containment),
+            **_exit_fields(result.exit),
+        )
+        self.stats["finished"] += 1
+
+    async def _retry(self, lease: Lease, error: ErrorInfo) -> None:
+        delay = self.retry_delay(lease.attempt)
+        with anyio.CancelScope(shield=True):
+            # The broker dead-letters instead when this was the last allowed delivery.
+            outcome = await self.broker.retry(lease, error=error, delay_s=delay)
+        if outcome == "dead":
+            self.stats["dead"] += 1
+            _log.error(
+                "job.dead_lettered",
+                code=error.code,
+                message=error.message,
+                attempts=lease.attempt,
+            )
+        elif outcome == "scheduled":
+            self.stats["retried"] += 1
+            _log.warning(
+                "job.retry_scheduled",
+                code=error.code,
+                message=error.message,
+                delay_s=round(delay, 3),
+                next_attempt=lease.attempt + 1,
+                max_attempts=lease.job.max_attempts,
+            )
+        else:
+            self.stats["lease_lost"] += 1
+            _log.warning("lease.lost", visibility_s=self.visibility_s, during="retry")
+
+    async def _serve(self, running: _Running) -> None:
+        lease = running.lease
+        job = lease.job
+        _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
+        try:
+            executor = self.registry.get_executor(job.executor)
+            invocation = plan_invocation(
+                executor,
+                job.args,
+                autonomy=job.autonomy,
+                home=self.home,
+                skills_root=self.skills_root,
+                policy=self.policy,
+                timeout_s=job.timeout_s,
+            )
+            choice = self.arm_chooser(
+                invocation.runtime, require_sandbox=invocation.require_sandbox
+            )
+        except MetnosError as exc:
+            await self._reject(lease, exc)
+            return
+        arm: Sandbox = choice.sandbox
+        structlog.contextvars.bind_contextvars(sandbox=arm.name)
+        # The job's timeout_s is applied by the planner (it may only shorten the manifest's).
+        sjob = invocation.job
+        for item in invocation.inactive:
+            _log.info("capability.inactive", detail=item)
+        _log.info(
+            "job.started",
+            timeout_s=sjob.limits.wall_time_s,
+            degraded=bool(choice.degraded),
+        )
+        started_at = self.clock()
+        outcome, fault = await self._run_with_heartbeat(running, arm, sjob)
+        if running.stop == "lease_lost":
+            # The broker may already have handed the job to another worker: acking or
+            # retrying now would race it. Redelivery is the broker's job.
+            self.stats["lease_lost"] += 1
+            return
+        if running.stop == "drain":
+            with anyio.CancelScope(shield=True):
+                await self.broker.release(lease)
+            self.stats["released"] += 1
+            _log.info("job.released", reason="drain")
+            return
+        if running.stop == "cancel_requested":
+            _log.info("job.cancelled")
+            await self._ack(
+                lease,
+                self._result(
+                    lease,
+                    "cancelled",
+                    error=ErrorInfo(code="E_CANCELLED", message="the job was cancelled"),
+                    containment=arm.containment(sjob),
+                    started_at=started_at,
+                ),
+            )
+            return
+        if fault is not None:
+            if isinstance(fault, MetnosError):
+                await self._reject(lease, fault)
+            else:
+                await self._retry(lease, ErrorInfo(code=fault.code, message=fault.message))
+            return
+        if outcome is None:
+            # Our backstop fired: the arm overran its own wall-time budget.
+            await self._ack(
+                lease,
+                self._result(
+                    lease,
+                    "timed_out",
+                    exit=Timeout(),
+                    error=ErrorInfo(
+                        code="E_TIMEOUT",
+                        message=f"the job exceeded {sjob.limits.wall_time_s:g} s",
+                    ),
+                    containment=arm.containment(sjob),
+                    usage=Usage(wall_s=self.clock() - started_at),
+                    started_at=started_at,
+                ),
+            )
+            return
+        if isinstance(outcome.exit, Failure) and outcome.exit.code == EX_TEMPFAIL:
+            stderr, _ = cap_text(outcome.stderr, 512)
+            await self._retry(
+                lease,
+                ErrorInfo(
+                    code="E_TEMPFAIL",
+                    message=f"the executor asked to be retried (exit 75): {stderr.strip()}",
+                ),
+            )
+            return
+        await self._ack(lease, _outcome_result(self, lease, outcome, started_at))
+
+    async def _run_with_heartbeat(
+        self, running: _Running, arm: Sandbox, sjob: SandboxJob
+    ) -> tuple[SandboxOutcome | None, HostFault | MetnosError | None]:
+        outcome: SandboxOutcome | None = None
+        fault: HostFault | MetnosError | None = None
+
+        async def heartbeat() -> None:
+            while True:
+                await anyio.sleep(self.heartbeat_s)
+                reply = await self.broker.heartbeat(running.lease)
+                if not reply.ok:
+                    running.stop = "lease_lost"
+                    _log.warning("lease.lost", visibility_s=self.visibility_s)
+                    running.scope.cancel()
+                    return
+                if reply.cancel_requested:
+                    running.stop = "cancel_requested"
+                    running.scope.cancel()
+                    return
+
+        with running.scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(heartbeat)
+                try:
+                    with anyio.move_on_after(sjob.limits.wall_time_s + _BACKSTOP_MARGIN_S):
+                        outcome = await arm.run(sjob)
+                except (HostFault, MetnosError) as exc:
+                    fault = exc
+                tg.cancel_scope.cancel()
+        return outcome, fault
+
+
+def _containment_summary(report: ContainmentReport | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    return {"sandbox": report.sandbox, **{k: v.state for k, v in report.axes().items()}}
+
+
+def _outcome_result(
+    sup: Supervisor, lease: Lease, outcome: SandboxOutcome, started_at: float
+) -> Result:
+    exit_ = outcome.exit
+    stderr, stderr_cut = cap_text(outcome.stderr)
+    common: dict[str, Any] = {
+        "exit": exit_,
+        "stderr": stderr,
+        "stderr_truncated": outcome.stderr_truncated or stderr_cut,
+        "stdout_truncated": outcome.stdout_truncated,
+        "containment": outcome.containment,
+        "usage": outcome.usage,
+        "started_at": started_at,
+    }
+    output, bad = _parse_output(outcome.stdout)
+    if isinstance(exit_, Success):
+        if bad is not None:
+            return sup._result(lease, "failed", output=output, error=bad, **common)
+        return sup._result(lease, "succeeded", output=output, **common)
+    if isinstance(exit_, Timeout):
+        budget = lease.job.timeout_s
+        limit = f"{budget:g} s" if budget is not None else "manifest"
+        err = ErrorInfo(code="E_TIMEOUT", message=f"the job exceeded its {limit} wall-time budget")
+        return sup._result(lease, "timed_out", output=output, error=err, **common)
+    return sup._result(lease, "failed", output=output, error=_exit_error(exit_), **common)
+
+
+def _exit_error(exit_: SandboxExit) -> ErrorInfo:
+    if isinstance(exit_, Failure):
+        return ErrorInfo(code="E_EXIT", message=f"the executor exited with code {exit_.code}")
+    if isinstance(exit_, Killed):
+        why = f" ({exit_.limit} limit)" if exit_.limit else ""
+        return ErrorInfo(
+            code="E_KILLED", message=f"the executor was killed by signal {exit_.signal}{why}"
+        )
+    if isinstance(exit_, MemoryExceeded):
+        return ErrorInfo(code="E_MEMORY", message="the executor exceeded its memory budget")
+    if isinstance(exit_, FuelExhausted):
+        return ErrorInfo(code="E_FUEL", message="the executor ran out of fuel")
+    if isinstance(exit_, Trap):
+        return ErrorInfo(code="E_TRAP", message=f"the guest trapped: {exit_.message}")
+    return ErrorInfo(code="E_FAILED", message=f"the executor ended with {exit_!r}")
+
+
+_ANY_JSON = msgspec.json.Decoder()
+
+
+def _parse_output(stdout: bytes) -> tuple[Any, ErrorInfo | None]:
+    """One JSON document, or the raw text (capped) and an ``E_BAD_OUTPUT`` error."""
+    if not stdout.strip():
+        return None, ErrorInfo(
+            code="E_BAD_OUTPUT", message="the executor wrote nothing to stdout (expected JSON)"
+        )
+    try:
+        return _ANY_JSON.decode(stdout), None
+    except msgspec.DecodeError as exc:
+        raw, _ = cap_text(stdout, RAW_OUTPUT_CAP_BYTES)
+        return raw, ErrorInfo(
+            code="E_BAD_OUTPUT",
+            message=f"stdout is not one JSON document ({exc}); the raw text is in output",
+        )

@@ -1,0 +1,149 @@
+"""The worker process: open the broker, load the executors, serve until told to stop.
+
+Signals (installed with `anyio.open_signal_receiver`, so both backends behave alike):
+
+- the first SIGTERM or SIGINT drains: ``worker.draining`` is logged, no new job is leased,
+  running jobs get ``grace_s`` seconds to finish; those still running are then cancelled
+  (their sandboxes killed and reaped) and their leases *released* — handed back without
+  using an attempt — and the worker logs ``worker.stopped`` and exits 0;
+- a second signal while draining cuts the grace short (same release path).
+
+SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-parent)
+and the broker redelivers the jobs once their leases expire.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any, Final
+
+import anyio
+import structlog
+
+from .brokers import Broker, open_broker
+from .logs import configure_logging
+from .manifest import ExecutorRegistry
+from .supervisor import Supervisor
+
+__all__ = ("ARM_OVERRIDE_ENV", "default_worker_id", "run_worker", "serve")
+
+#: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
+#: (no executor process at all), to measure the queue alone. Never set it in production:
+#: the results then say ``sandbox: "echo"``, which is honest but useless.
+ARM_OVERRIDE_ENV: Final = "METNOS_ARM_OVERRIDE"
+
+_log = structlog.get_logger("metnos_exec")
+
+
+def default_worker_id() -> str:
+    """``<hostname>-<pid>``: unique per process on a machine, readable in logs."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _override_chooser(name: str) -> Callable[..., Any]:
+    from .sandbox import doubles
+
+    if name != "echo":
+        raise ValueError(f"{ARM_OVERRIDE_ENV}={name!r}: only 'echo' is supported")
+    from .sandbox.select import ArmChoice
+
+    arm = doubles.EchoSandbox()
+
+    def choose(runtime: str, *, require_sandbox: bool = False, **_: Any) -> Any:
+        return ArmChoice(sandbox=arm, degraded=False)
+
+    return choose
+
+
+async def serve(
+    broker: Broker,
+    registry: ExecutorRegistry,
+    *,
+    grace_s: float = 30.0,
+    burst: bool = False,
+    handle_signals: bool = True,
+    task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
+    **supervisor_kw: Any,
+) -> None:
+    """Run a `Supervisor` until drained by a signal (or, in burst mode, the queue empties).
+
+    Args:
+        grace_s: how long running jobs may finish after SIGTERM/SIGINT.
+        handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        task_status: receives the supervisor once it is ready to lease.
+        **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...).
+    """
+    if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
+        supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
+    sup = Supervisor(broker, registry, **supervisor_kw)
+
+    async def on_signals(
+        *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async with anyio.create_task_group() as drains:
+                first = True
+                async for signum in signals:
+                    _log.info("worker.signal", signal=signal.Signals(signum).name)
+                    # The second signal cuts the grace short: drain() again with 0.
+                    drains.start_soon(sup.drain, grace_s if first else 0.0)
+                    first = False
+
+    async with anyio.create_task_group() as tg:
+        if handle_signals:
+            await tg.start(on_signals)
+        await tg.start(functools.partial(sup.run, burst=burst))
+        task_status.started(sup)
+        await sup.wait_stopped()
+        tg.cancel_scope.cancel()
+
+
+def run_worker(
+    broker_url: str,
+    executors_dir: str | os.PathLike[str],
+    *,
+    concurrency: int = 4,
+    worker_id: str | None = None,
+    device: str = "server",
+    log_file: str | os.PathLike[str] | None = None,
+    log_level: str = "info",
+    grace_s: float = 30.0,
+    burst: bool = False,
+    visibility_s: float = 30.0,
+    backend: str = "asyncio",
+    configure_logs: bool = True,
+) -> int:
+    """The worker process's main: configure logs, serve, return the exit code (0).
+
+    Raises:
+        MetnosError: the broker URL or the executors folder is unusable (before serving).
+    """
+    if configure_logs:
+        configure_logging(file=log_file, level=log_level)
+    registry = ExecutorRegistry.load(executors_dir)
+    wid = worker_id or default_worker_id()
+
+    async def main() -> None:
+        broker = open_broker(broker_url)
+        try:
+            await serve(
+                broker,
+                registry,
+                grace_s=grace_s,
+                burst=burst,
+                worker_id=wid,
+                device=device,
+                concurrency=concurrency,
+                visibility_s=visibility_s,
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await broker.close()
+
+    anyio.run(main, backend=backend)
+    return 0

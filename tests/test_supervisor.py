@@ -1,0 +1,416 @@
+"""Supervisor unit tests: the in-memory broker on a virtual clock, scripted arms."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from metnos_exec.backoff import retry_delay
+from metnos_exec.brokers.memory import MemoryBroker
+from metnos_exec.errors import HostFault, SandboxRequired
+from metnos_exec.manifest import ExecutorRegistry
+from metnos_exec.messages import Job
+from metnos_exec.sandbox._types import (
+    AxisVerdict,
+    ContainmentReport,
+    Failure,
+    SandboxExit,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+    Usage,
+)
+from metnos_exec.supervisor import EX_TEMPFAIL, Supervisor
+
+pytestmark = pytest.mark.anyio
+
+_K = AxisVerdict(state="kept", reason="test")
+REPORT = ContainmentReport(
+    sandbox="scripted", files=_K, network=_K, process_tree=_K, user=_K, resources=_K
+)
+
+
+class Clock:
+    """A virtual unix clock the memory broker and the supervisor share."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Step = SandboxExit | tuple[SandboxExit, bytes] | BaseException | Callable[[SandboxJob], Any]
+
+
+class ScriptedArm:
+    """Pops one step per run: an exit (stdout = stdin), (exit, stdout), an exception to
+    raise, or an async callable. Records every job it was given."""
+
+    name = "scripted"
+
+    def __init__(self, *steps: Step) -> None:
+        self.steps = list(steps)
+        self.jobs: list[SandboxJob] = []
+
+    def containment(self, job: SandboxJob) -> ContainmentReport:
+        return REPORT
+
+    async def run(self, job: SandboxJob) -> SandboxOutcome:
+        self.jobs.append(job)
+        step = self.steps.pop(0) if self.steps else Success()
+        if isinstance(step, BaseException):
+            raise step
+        if callable(step) and not isinstance(step, type):
+            await step(job)
+            step = Success()
+        if isinstance(step, tuple):
+            exit_, out = step
+        else:
+            exit_, out = step, job.stdin
+        return SandboxOutcome(
+            stdout=out, stderr=b"", exit=exit_, usage=Usage(wall_s=0.01), containment=REPORT
+        )
+
+
+class Choice(msgspec.Struct):
+    sandbox: Any
+    degraded: bool = False
+
+
+def chooser(arm: Any) -> Callable[..., Choice]:
+    def choose(runtime: str, *, require_sandbox: bool = False, **_: Any) -> Choice:
+        return Choice(arm)
+
+    return choose
+
+
+@pytest.fixture
+def executors(tmp_path: Path) -> Path:
+    root = tmp_path / "executors"
+    for name, manifest in {
+        "echo": 'name = "echo"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+        '[args.x]\ntype = "integer"\ndefault = 1\n',
+        "broken": 'name = "broken"\nversion = "1"\nruntime = "cobol"\nentry = "main.py"\n',
+        "reader": 'name = "reader"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+        '[args.path]\ntype = "string"\nrequired = true\nformat = "path"\n'
+        '[[capabilities]]\nname = "fs:read"\nhints = ["~/notes/**"]\n',
+    }.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "manifest.toml").write_text(manifest)
+        (root / name / "main.py").write_text("print('{}')\n")
+    return root
+
+
+@pytest.fixture
+def registry(executors: Path) -> ExecutorRegistry:
+    return ExecutorRegistry.load(executors)
+
+
+def make(broker: MemoryBroker, registry: ExecutorRegistry, arm: Any, **kw: Any) -> Supervisor:
+    kw.setdefault("worker_id", "w1")
+    kw.setdefault("concurrency", 2)
+    return Supervisor(broker, registry, arm_chooser=chooser(arm), home="/nonexistent", **kw)
+
+
+async def test_success_parses_stdout_json(registry: ExecutorRegistry) -> None:
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    arm = ScriptedArm()
+    sup = make(broker, registry, arm, clock=clock)
+    ids = [(await broker.submit(Job(executor="echo", args={"x": i}))).job_id for i in range(5)]
+    with capture_logs() as logs:
+        await sup.run(burst=True)
+    for i, job_id in enumerate(ids):
+        result = await broker.get_result(job_id)
+        assert result is not None
+        assert result.status == "succeeded"
+        assert result.output == {"x": i}
+        assert result.worker == "w1" and result.attempt == 1
+        assert result.containment == REPORT
+    assert len(arm.jobs) == 5
+    events = [e["event"] for e in logs]
+    assert events[0] == "worker.started" and events[-1] == "worker.stopped"
+    assert events.count("job.received") == events.count("job.started") == 5
+    finished = [e for e in logs if e["event"] == "job.finished"]
+    assert len(finished) == 5
+    assert all(e["status"] == "succeeded" for e in finished)
+    assert all(e["exit"] == {"type": "success"} for e in finished)
+    assert finished[0]["containment"]["sandbox"] == "scripted"
+
+
+async def test_context_is_bound_on_every_job_record(registry: ExecutorRegistry) -> None:
+    import structlog
+
+    seen: list[dict[str, Any]] = []
+
+    def keep(_: Any, __: str, ev: dict[str, Any]) -> dict[str, Any]:
+        seen.append(dict(ev))
+        raise structlog.DropEvent
+
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, keep])
+    try:
+        broker = MemoryBroker()
+        job_id = (await broker.submit(Job(executor="echo", correlation_id="run-1/3"))).job_id
+        await make(broker, registry, ScriptedArm(), device="server").run(burst=True)
+    finally:
+        structlog.reset_defaults()
+    job_records = [e for e in seen if e["event"].startswith("job.")]
+    assert {e["event"] for e in job_records} >= {"job.received", "job.started", "job.finished"}
+    for e in job_records:
+        assert e["job_id"] == job_id
+        assert e["executor"] == "echo" and e["worker"] == "w1" and e["device"] == "server"
+        assert e["correlation_id"] == "run-1/3"
+    assert all(e["sandbox"] == "scripted" for e in job_records if e["event"] != "job.received")
+
+
+async def test_bad_output_is_failed_with_raw_text(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    arm = ScriptedArm((Success(), b"hello\nnot json"), (Success(), b"{} {}"), (Success(), b""))
+    ids = [(await broker.submit(Job(executor="echo"))).job_id for _ in range(3)]
+    await make(broker, registry, arm, concurrency=1).run(burst=True)
+    results = [await broker.get_result(i) for i in ids]
+    for r in results:
+        assert r is not None and r.status == "failed"
+        assert r.error is not None and r.error.code == "E_BAD_OUTPUT"
+    assert results[0] is not None and results[0].output == "hello\nnot json"
+    assert results[1] is not None and results[1].output == "{} {}"
+
+
+async def test_exit_mapping(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    arm = ScriptedArm(Failure(code=3), Timeout())
+    ids = [(await broker.submit(Job(executor="echo"))).job_id for _ in range(2)]
+    await make(broker, registry, arm, concurrency=1).run(burst=True)
+    failed, timed_out = [await broker.get_result(i) for i in ids]
+    assert failed is not None and failed.status == "failed" and failed.exit == Failure(code=3)
+    assert failed.error is not None and failed.error.code == "E_EXIT"
+    assert timed_out is not None and timed_out.status == "timed_out"
+    # A verdict is final: nothing was retried.
+    assert len(arm.jobs) == 2
+
+
+async def test_rejections_run_nothing(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    arm = ScriptedArm()
+    jobs = {
+        "unknown": Job(executor="nope"),
+        "manifest": Job(executor="broken"),
+        "capability": Job(executor="reader", args={"path": "/etc/passwd"}),
+        "args": Job(executor="echo", args={"x": "not an int"}),
+    }
+    ids = {k: (await broker.submit(j)).job_id for k, j in jobs.items()}
+    ok = (await broker.submit(Job(executor="echo"))).job_id
+    with capture_logs() as logs:
+        await make(broker, registry, arm).run(burst=True)
+    codes = {}
+    for k, job_id in ids.items():
+        r = await broker.get_result(job_id)
+        assert r is not None and r.status == "rejected", k
+        assert r.error is not None
+        codes[k] = r.error.code
+    assert codes == {
+        "unknown": "E_UNKNOWN_EXECUTOR",
+        "manifest": "E_BAD_MANIFEST",
+        "capability": "E_CAPABILITY_DENIED",
+        "args": "E_BAD_ARGS",
+    }
+    assert len(arm.jobs) == 1  # only the good job ran
+    ok_result = await broker.get_result(ok)
+    assert ok_result is not None and ok_result.status == "succeeded"
+    rejected = [e for e in logs if e["event"] == "job.rejected"]
+    assert sorted(e["code"] for e in rejected) == sorted(codes.values())
+
+
+async def test_sandbox_required_is_rejected(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+
+    def refuse(runtime: str, **_: Any) -> Choice:
+        raise SandboxRequired("bwrap is not usable here and policy requires it")
+
+    sup = Supervisor(broker, registry, worker_id="w", arm_chooser=refuse)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    await sup.run(burst=True)
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "rejected"
+    assert r.error is not None and r.error.code == "E_SANDBOX_REQUIRED"
+
+
+async def test_malformed_message_is_dead_lettered_and_serving_goes_on(
+    registry: ExecutorRegistry,
+) -> None:
+    broker = MemoryBroker()
+    bad = await broker.submit_raw(b'{"executor": 42')
+    bad2 = await broker.submit_raw(b'{"executor": "echo", "max_attempts": "x"}')
+    good = (await broker.submit(Job(executor="echo"))).job_id
+    await make(broker, registry, ScriptedArm()).run(burst=True)
+    for job_id in (bad, bad2):
+        r = await broker.get_result(job_id)
+        assert r is not None and r.status == "dead"
+        assert r.error is not None and r.error.code == "E_BAD_MESSAGE"
+    r = await broker.get_result(good)
+    assert r is not None and r.status == "succeeded"
+
+
+async def test_retry_schedule_follows_backoff_then_dead(registry: ExecutorRegistry) -> None:
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    faults = [HostFault("pipe broke"), (Failure(code=EX_TEMPFAIL), b""), HostFault("last one")]
+    arm = ScriptedArm(*faults)
+    delays = functools.partial(retry_delay, rng=random.Random(7))
+    expected = [retry_delay(a, rng=r) for r in [random.Random(7)] for a in (1, 2)]
+    sup = make(broker, registry, arm, clock=clock, retry_delay=delays)
+    job_id = (await broker.submit(Job(executor="echo", max_attempts=3))).job_id
+    scheduled: list[float] = []
+    for attempt, delay in enumerate(expected, start=1):
+        with capture_logs() as logs:
+            await sup.run(burst=True)
+        assert len(arm.jobs) == attempt
+        retry = [e for e in logs if e["event"] == "job.retry_scheduled"]
+        assert len(retry) == 1
+        scheduled.append(retry[0]["delay_s"])
+        # Not due a moment before the delay ends: a burst run finds nothing to do.
+        clock.now += delay - 0.01
+        await sup.run(burst=True)
+        assert len(arm.jobs) == attempt
+        clock.now += 0.02
+    assert scheduled == [round(d, 3) for d in expected]
+    assert expected[1] > expected[0]
+    with capture_logs() as logs:
+        await sup.run(burst=True)
+    assert len(arm.jobs) == 3
+    assert [e["event"] for e in logs if e["event"].startswith("job.dead")] == ["job.dead_lettered"]
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "dead" and r.attempt == 3
+    assert r.error is not None and r.error.code == "E_HOST_FAULT"
+    assert "last one" in r.error.message
+    letters = await broker.dead_letters()
+    assert letters[0].job_id == job_id and letters[0].error.message.endswith("last one")
+
+
+async def test_cancel_running_job(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    started = anyio.Event()
+
+    async def block(_: SandboxJob) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    arm = ScriptedArm(block)
+    sup = make(broker, registry, arm, heartbeat_s=0.01)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sup.run, burst=True))
+        await started.wait()
+        assert await broker.cancel(job_id) == "cancelling"
+        with anyio.fail_after(5):
+            r = await broker.wait_result(job_id, timeout=None)
+    assert r is not None and r.status == "cancelled"
+    assert r.error is not None and r.error.code == "E_CANCELLED"
+
+
+async def test_lost_lease_cancels_run_and_acks_nothing(registry: ExecutorRegistry) -> None:
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    started = anyio.Event()
+    cancelled = anyio.Event()
+
+    async def block(_: SandboxJob) -> None:
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    sup = make(broker, registry, ScriptedArm(block), clock=clock, visibility_s=3, heartbeat_s=0.01)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(sup.run, burst=True))
+            await started.wait()
+            # The worker "stalled" past its window; another worker takes the job over.
+            clock.now += 10
+            [thief] = await broker.lease("w2", visibility_s=30)
+            assert thief.attempt == 2
+            with anyio.fail_after(5):
+                await cancelled.wait()
+    assert "lease.lost" in [e["event"] for e in logs]
+    assert await broker.get_result(job_id) is None  # w1 acked nothing
+    assert sup.stats["lease_lost"] == 1
+
+
+async def test_drain_releases_running_jobs(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    started = anyio.Event()
+
+    async def block(_: SandboxJob) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    sup = make(broker, registry, ScriptedArm(block), heartbeat_s=5)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await started.wait()
+            with anyio.fail_after(5):
+                await sup.drain(0.05)
+    events = [e["event"] for e in logs]
+    assert events.index("worker.draining") < events.index("job.released")
+    assert events[-1] == "worker.stopped"
+    state = await broker.get_job_state(job_id)
+    # Handed back without using an attempt: the next worker gets delivery 1 again.
+    assert state is not None and state.state == "queued" and state.attempt == 0
+    [again] = await broker.lease("w2", visibility_s=30)
+    assert again.job.id == job_id and again.attempt == 1
+
+
+async def test_drain_lets_short_jobs_finish(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    started = anyio.Event()
+    go = anyio.Event()
+
+    async def wait_go(_: SandboxJob) -> None:
+        started.set()
+        await go.wait()
+
+    sup = make(broker, registry, ScriptedArm(wait_go))
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await started.wait()
+        tg.start_soon(sup.drain, 30.0)
+        go.set()
+        with anyio.fail_after(5):
+            await sup.wait_stopped()
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "succeeded"
+
+
+async def test_concurrency_limit_holds(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    live = 0
+    peak = 0
+
+    async def count(_: SandboxJob) -> None:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await anyio.sleep(0.005)
+        live -= 1
+
+    arm = ScriptedArm(*[count] * 12)
+    for _ in range(12):
+        await broker.submit(Job(executor="echo"))
+    await make(broker, registry, arm, concurrency=3).run(burst=True)
+    assert peak == 3
+    assert (await broker.stats()).done == 12
