@@ -1,0 +1,769 @@
+"""The embedded default broker: one SQLite file, WAL, several worker processes.
+
+Concurrency model. Every connection belongs to one broker object and is used from worker
+threads one call at a time (`anyio.to_thread.run_sync` behind a `CapacityLimiter(1)`), so
+the event loop never blocks on a busy database. Across processes SQLite's own locking does
+the work: every read-modify-write runs in ``BEGIN IMMEDIATE`` (the write lock is taken
+*before* reading, so two workers can never pick the same row) and leasing is one
+``UPDATE ... WHERE seq IN (SELECT ... LIMIT n) RETURNING`` statement. Settling a job is
+guarded by the lease token: the row is updated only while the caller's token is current,
+and the result row is ``INSERT OR IGNORE`` on its primary key, so a result is written once.
+
+Idle waiting (`wait_for_work`, `wait_result`) polls every ``poll_interval_s`` (50 ms by
+default): other processes cannot signal us, and a read of an idle WAL database costs a few
+microseconds. A submit or ack through the same broker object wakes waiters at once.
+
+Needs SQLite >= 3.35 (``RETURNING``), checked at open.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from ..errors import BadMessage, MetnosError
+from ..messages import (
+    E_CANCELLED,
+    E_LEASE_EXPIRED,
+    SERVER_DEVICE,
+    DeadLetter,
+    ErrorInfo,
+    Job,
+    Result,
+    decode_dead_letter,
+    decode_job,
+    decode_result,
+    encode,
+    new_job_id,
+)
+from .base import (
+    Broker,
+    BrokerStats,
+    CancelOutcome,
+    HeartbeatReply,
+    JobState,
+    Lease,
+    RetryOutcome,
+    SubmitReceipt,
+)
+
+__all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
+
+_log = structlog.get_logger("metnos_exec")
+
+SCHEMA_VERSION: Final = 1
+
+#: The schema; identical to ``queue/sqlite_schema.sql`` (a test keeps them in step). Kept
+#: in the code rather than read from the package so a wheel needs no data files.
+SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
+-- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
+-- identical. Producers in other languages: see queue/README.md.
+--
+-- journal_mode=WAL is persistent in the file; synchronous=NORMAL and busy_timeout are per
+-- connection: the broker sets them, and another-language producer should set busy_timeout.
+
+-- One row per job. `body` is the job exactly as submitted (JSON text, see
+-- queue/schemas/job.json). The routing columns are derived from it by SQLite itself, so a
+-- producer only inserts (id, body) and they can never disagree with the body. For a body
+-- that is not valid JSON they are NULL / defaults, and the first server worker to lease
+-- the row dead-letters it with E_BAD_MESSAGE.
+CREATE TABLE IF NOT EXISTS jobs (
+    seq              INTEGER PRIMARY KEY,         -- submission order (FIFO tie-break)
+    id               TEXT NOT NULL UNIQUE,        -- the job id (equal to body's "id")
+    body             TEXT NOT NULL,
+    -- A field of the wrong JSON type yields the default here (json_type check), so the row
+    -- is still leased by a server worker and dead-lettered rather than stranded.
+    device           TEXT GENERATED ALWAYS AS (coalesce(
+        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.device')
+            WHEN 'text' THEN json_extract(body, '$.device') END END, 'server')) STORED,
+    priority         INTEGER GENERATED ALWAYS AS (coalesce(
+        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.priority')
+            WHEN 'integer' THEN json_extract(body, '$.priority') END END, 0)) STORED,
+    max_attempts     INTEGER GENERATED ALWAYS AS (coalesce(
+        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.max_attempts')
+            WHEN 'integer' THEN json_extract(body, '$.max_attempts') END END, 3)) STORED,
+    idempotency_key  TEXT GENERATED ALWAYS AS (
+        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.idempotency_key')
+            WHEN 'text' THEN json_extract(body, '$.idempotency_key') END END) STORED,
+    not_before       REAL GENERATED ALWAYS AS (
+        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.not_before')
+            WHEN 'real' THEN json_extract(body, '$.not_before')
+            WHEN 'integer' THEN json_extract(body, '$.not_before') END END) STORED,
+    -- Mutable delivery state, owned by the broker.
+    state            TEXT NOT NULL DEFAULT 'queued'
+                     CHECK (state IN ('queued', 'running', 'done', 'dead')),
+    due_at           REAL,                        -- NULL: use not_before (NULL: now)
+    attempt          INTEGER NOT NULL DEFAULT 0,  -- deliveries so far
+    token            TEXT,                        -- fencing token of the current lease
+    lease_until      REAL,
+    worker           TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+
+-- Leasing: the best queued job for one device.
+CREATE INDEX IF NOT EXISTS jobs_ready
+    ON jobs (device, priority DESC, seq) WHERE state = 'queued';
+-- Expired leases (workers that died).
+CREATE INDEX IF NOT EXISTS jobs_running
+    ON jobs (lease_until) WHERE state = 'running';
+-- Idempotency: a second job with the same key is not inserted.
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency
+    ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL;
+
+-- One result per job, written once (see queue/schemas/result.json).
+CREATE TABLE IF NOT EXISTS results (
+    job_id  TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    status  TEXT NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
+
+-- Jobs that will not run again, with the last error (see queue/schemas/dead_letter.json).
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq     INTEGER PRIMARY KEY,
+    job_id  TEXT NOT NULL UNIQUE,
+    body    TEXT NOT NULL,
+    at      REAL NOT NULL
+);
+
+PRAGMA user_version = 1;
+"""
+
+_MIN_SQLITE = (3, 35, 0)
+
+
+class BrokerUnavailable(MetnosError):
+    """The broker's store cannot be used (SQLite too old, newer schema, unreadable file)."""
+
+    code = "E_BROKER_UNAVAILABLE"
+
+
+# --- SQL ------------------------------------------------------------------------------
+
+_INSERT = "INSERT INTO jobs (id, body) VALUES (?, ?) ON CONFLICT DO NOTHING"
+_FIND_BY_KEY = "SELECT id FROM jobs WHERE idempotency_key = ?"
+_DUE = "coalesce(due_at, not_before, 0) <= :now"
+_ANY_DUE = (
+    "SELECT 1 FROM jobs WHERE state = 'queued' AND device = :dev AND "
+    + _DUE
+    + " UNION ALL SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= :now LIMIT 1"
+)
+_ANY_EXPIRED = "SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= ? LIMIT 1"
+# Expired leases with attempts left go back to the queue (the next lease redelivers them
+# with attempt + 1); the rest are settled by _SETTLE_EXPIRED.
+_REQUEUE_EXPIRED = (
+    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, due_at = :now "
+    "WHERE state = 'running' AND lease_until <= :now AND attempt < max_attempts "
+    "AND cancel_requested = 0"
+)
+_SETTLE_EXPIRED = (
+    "UPDATE jobs SET state = CASE WHEN cancel_requested THEN 'done' ELSE 'dead' END, "
+    "token = NULL, lease_until = NULL "
+    "WHERE state = 'running' AND lease_until <= :now "
+    "RETURNING id, body, attempt, worker, device, cancel_requested"
+)
+_LEASE = (
+    "UPDATE jobs SET state = 'running', attempt = attempt + 1, "
+    "token = :token || '.' || seq, lease_until = :until, worker = :worker "
+    "WHERE seq IN (SELECT seq FROM jobs WHERE state = 'queued' AND device = :dev AND "
+    + _DUE
+    + " ORDER BY priority DESC, seq LIMIT :limit) "
+    "RETURNING seq, id, body, attempt, token, device"
+)
+_SETTLE = (
+    "UPDATE jobs SET state = ?, token = NULL, lease_until = NULL "
+    "WHERE id = ? AND token = ? AND state = 'running'"
+)
+_INSERT_RESULT = "INSERT OR IGNORE INTO results (job_id, body, status, at) VALUES (?, ?, ?, ?)"
+_INSERT_DEAD = "INSERT OR IGNORE INTO dead_letters (job_id, body, at) VALUES (?, ?, ?)"
+_HEARTBEAT = (
+    "UPDATE jobs SET lease_until = ? WHERE id = ? AND token = ? AND state = 'running' "
+    "RETURNING cancel_requested"
+)
+_RETRY_LOOKUP = (
+    "SELECT attempt, max_attempts, worker, device, body FROM jobs "
+    "WHERE id = ? AND token = ? AND state = 'running'"
+)
+_REQUEUE = (
+    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, due_at = ?, "
+    "attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
+)
+_GET_RESULT = "SELECT body FROM results WHERE job_id = ?"
+_GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+class SQLiteBroker(Broker):
+    """`Broker` on one SQLite file.
+
+    Args:
+        path: the database file (created with its schema when missing).
+        clock: unix-seconds clock for leases, delays and timestamps (tests inject one).
+        poll_interval_s: how often idle waits look at the file again.
+        busy_timeout_s: how long a statement waits for another process's write lock.
+        synchronous: ``NORMAL`` (default: durable across process crashes, may lose the
+            last transactions on power loss) or ``FULL``.
+
+    Raises:
+        BrokerUnavailable: SQLite older than 3.35, or the file has a newer schema.
+    """
+
+    scheme = "sqlite"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        poll_interval_s: float = 0.05,
+        busy_timeout_s: float = 10.0,
+        synchronous: str = "NORMAL",
+    ) -> None:
+        if sqlite3.sqlite_version_info < _MIN_SQLITE:
+            raise BrokerUnavailable(
+                f"SQLite {sqlite3.sqlite_version} is too old; the queue needs 3.35 or newer "
+                "(UPDATE ... RETURNING)"
+            )
+        if synchronous.upper() not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
+        self.path = Path(path)
+        self._clock = clock
+        self._poll = poll_interval_s
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
+        # (deferred) transactions would let two processes read the same due row.
+        self._db = sqlite3.connect(
+            self.path,
+            timeout=busy_timeout_s,
+            isolation_level=None,
+            check_same_thread=False,
+            cached_statements=64,
+        )
+        try:
+            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+            self._init_schema()
+        except BaseException:
+            self._db.close()
+            raise
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._work_event: anyio.Event | None = None
+        self._result_event: anyio.Event | None = None
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> SQLiteBroker:
+        """``sqlite:///relative.db`` or ``sqlite:////absolute.db``; query options
+        ``poll_interval_s``, ``busy_timeout_s``, ``synchronous``."""
+        rest = url.split("://", 1)[1].split("?", 1)[0]
+        if not rest.startswith("/") or rest == "/":
+            raise ValueError(f"expected sqlite:///path/to/file.db, got {url!r}")
+        path = rest[1:]
+        kwargs: dict[str, Any] = {}
+        for key in ("poll_interval_s", "busy_timeout_s"):
+            if key in options:
+                kwargs[key] = float(options.pop(key))
+        if "synchronous" in options:
+            kwargs["synchronous"] = str(options.pop("synchronous"))
+        if "clock" in options:
+            kwargs["clock"] = options.pop("clock")
+        if options:
+            raise ValueError(f"unknown sqlite broker options: {sorted(options)}")
+        return cls(path, **kwargs)
+
+    def _init_schema(self) -> None:
+        (version,) = self._db.execute("PRAGMA user_version").fetchone()
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise BrokerUnavailable(
+                f"{self.path} has queue schema version {version}; this metnos-exec "
+                f"understands {SCHEMA_VERSION}. Upgrade metnos-exec."
+            )
+        # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
+        # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
+        self._db.executescript("BEGIN IMMEDIATE;\n" + SCHEMA_SQL + "\nCOMMIT;")
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._closed:
+            raise BrokerUnavailable(f"the broker on {self.path} is closed")
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def _txn(self, body: Callable[[sqlite3.Connection], Any]) -> Any:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = body(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return out
+
+    def _wake_workers(self) -> None:
+        if self._work_event is not None:
+            self._work_event.set()
+            self._work_event = None
+
+    def _wake_results(self) -> None:
+        if self._result_event is not None:
+            self._result_event.set()
+            self._result_event = None
+
+    @staticmethod
+    def _store_result(db: sqlite3.Connection, result: Result, now: float) -> bool:
+        cur = db.execute(_INSERT_RESULT, (result.job_id, encode(result), result.status, now))
+        return cur.rowcount == 1
+
+    @staticmethod
+    def _store_dead(
+        db: sqlite3.Connection,
+        *,
+        job_id: str,
+        job: Job | None,
+        raw: bytes | None,
+        error: ErrorInfo,
+        attempt: int,
+        worker: str,
+        device: str,
+        now: float,
+    ) -> None:
+        letter = DeadLetter(
+            job_id=job_id, job=job, raw=raw, error=error, attempts=attempt, at=now, worker=worker
+        )
+        db.execute(_INSERT_DEAD, (job_id, encode(letter), now))
+        SQLiteBroker._store_result(
+            db,
+            Result(
+                job_id=job_id,
+                status="dead",
+                error=error,
+                worker=worker,
+                device=device,
+                attempt=attempt,
+                finished_at=now,
+            ),
+            now,
+        )
+
+    @staticmethod
+    def _decode_body(job_id: str, body: str | bytes) -> Job | ErrorInfo:
+        try:
+            job = decode_job(body)
+        except BadMessage as exc:
+            return ErrorInfo(code=exc.code, message=exc.message)
+        if job.id != job_id:
+            return ErrorInfo(
+                code=BadMessage.code,
+                message=f"job message rejected: body id {job.id!r} differs from row id",
+            )
+        return job
+
+    # --- producing --------------------------------------------------------------------
+
+    def _insert(
+        self, db: sqlite3.Connection, job_id: str, body: str | bytes, key: str | None
+    ) -> SubmitReceipt:
+        cur = db.execute(_INSERT, (job_id, body))
+        if cur.rowcount == 1:
+            return SubmitReceipt(job_id)
+        if key is not None:
+            row = db.execute(_FIND_BY_KEY, (key,)).fetchone()
+            if row is not None:
+                return SubmitReceipt(row[0], duplicate=True)
+        return SubmitReceipt(job_id, duplicate=True)
+
+    async def submit(self, job: Job) -> SubmitReceipt:
+        body = encode(job).decode()
+        receipt: SubmitReceipt = await self._run(
+            self._insert, self._db, job.id, body, job.idempotency_key
+        )
+        self._wake_workers()
+        return receipt
+
+    async def submit_many(self, jobs: Sequence[Job]) -> list[SubmitReceipt]:
+        items = [(job.id, encode(job).decode(), job.idempotency_key) for job in jobs]
+
+        def work(db: sqlite3.Connection) -> list[SubmitReceipt]:
+            return [self._insert(db, *item) for item in items]
+
+        receipts: list[SubmitReceipt] = await self._run(self._txn, work)
+        self._wake_workers()
+        return receipts
+
+    async def submit_raw(self, data: bytes) -> str:
+        try:
+            job = decode_job(data)
+        except BadMessage:
+            job_id = new_job_id()
+            body: str | bytes
+            try:
+                body = bytes(data).decode("utf-8")
+            except UnicodeDecodeError:
+                body = bytes(data)  # stored as a BLOB; leasing dead-letters it
+            await self._run(self._insert, self._db, job_id, body, None)
+            self._wake_workers()
+            return job_id
+        return (await self.submit(job)).job_id
+
+    # --- consuming --------------------------------------------------------------------
+
+    def _settle_expired(self, db: sqlite3.Connection, now: float) -> None:
+        db.execute(_REQUEUE_EXPIRED, {"now": now})
+        for job_id, body, attempt, worker, device, cancel in db.execute(
+            _SETTLE_EXPIRED, {"now": now}
+        ).fetchall():
+            if cancel:
+                self._store_result(
+                    db,
+                    Result(
+                        job_id=job_id,
+                        status="cancelled",
+                        error=ErrorInfo(
+                            code=E_CANCELLED,
+                            message="cancelled while running; its worker was lost",
+                        ),
+                        worker=worker or "",
+                        device=device,
+                        attempt=attempt,
+                        finished_at=now,
+                    ),
+                    now,
+                )
+                continue
+            decoded = self._decode_body(job_id, body)
+            error = ErrorInfo(
+                code=E_LEASE_EXPIRED,
+                message=(
+                    f"the lease expired on delivery {attempt}, the last allowed; "
+                    "its worker stopped heart-beating"
+                ),
+            )
+            self._store_dead(
+                db,
+                job_id=job_id,
+                job=decoded if isinstance(decoded, Job) else None,
+                raw=None,
+                error=error,
+                attempt=attempt,
+                worker=worker or "",
+                device=device,
+                now=now,
+            )
+            _log.warning("job.dead_lettered", job_id=job_id, code=error.code, message=error.message)
+
+    def _lease_sync(self, worker_id: str, visibility_s: float, dev: str, limit: int) -> list[Lease]:
+        db = self._db
+        now = self._clock()
+        # A plain read first: an idle worker polling an empty queue never takes the write
+        # lock, so it does not slow down the processes that have work.
+        if db.execute(_ANY_DUE, {"now": now, "dev": dev}).fetchone() is None:
+            return []
+        out: list[tuple[int, Lease]] = []
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if db.execute(_ANY_EXPIRED, (now,)).fetchone() is not None:
+                self._settle_expired(db, now)
+            until = now + visibility_s
+            while len(out) < limit:
+                rows = db.execute(
+                    _LEASE,
+                    {
+                        "token": os.urandom(8).hex(),
+                        "until": until,
+                        "worker": worker_id,
+                        "dev": dev,
+                        "now": now,
+                        "limit": limit - len(out),
+                    },
+                ).fetchall()
+                if not rows:
+                    break
+                for seq, job_id, body, attempt, token, device in rows:
+                    decoded = self._decode_body(job_id, body)
+                    if isinstance(decoded, ErrorInfo):
+                        db.execute(_SETTLE, ("dead", job_id, token))
+                        self._store_dead(
+                            db,
+                            job_id=job_id,
+                            job=None,
+                            raw=body.encode() if isinstance(body, str) else bytes(body),
+                            error=decoded,
+                            attempt=attempt,
+                            worker=worker_id,
+                            device=device,
+                            now=now,
+                        )
+                        _log.error(
+                            "job.bad_message",
+                            job_id=job_id,
+                            code=decoded.code,
+                            message=decoded.message,
+                        )
+                        continue
+                    out.append(
+                        (
+                            seq,
+                            Lease(
+                                job=decoded,
+                                attempt=attempt,
+                                token=token,
+                                lease_until=until,
+                                worker=worker_id,
+                                device=device,
+                                visibility_s=visibility_s,
+                            ),
+                        )
+                    )
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        # RETURNING order is unspecified: restore the subquery's order.
+        out.sort(key=lambda item: (-item[1].job.priority, item[0]))
+        return [lease for _, lease in out]
+
+    async def lease(
+        self,
+        worker_id: str,
+        *,
+        visibility_s: float,
+        device: str | None = None,
+        limit: int = 1,
+    ) -> list[Lease]:
+        leases: list[Lease] = await self._run(
+            self._lease_sync, worker_id, visibility_s, device or SERVER_DEVICE, limit
+        )
+        return leases
+
+    async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
+        if self._work_event is None:
+            self._work_event = anyio.Event()
+        event = self._work_event
+        with anyio.move_on_after(min(timeout, self._poll)):
+            await event.wait()
+
+    async def heartbeat(self, lease: Lease, *, visibility_s: float | None = None) -> HeartbeatReply:
+        window = lease.visibility_s if visibility_s is None else visibility_s
+        until = self._clock() + window
+
+        def work() -> Any:
+            return self._db.execute(_HEARTBEAT, (until, lease.job.id, lease.token)).fetchone()
+
+        row = await self._run(work)
+        if row is None:
+            return HeartbeatReply(ok=False)
+        return HeartbeatReply(ok=True, cancel_requested=bool(row[0]), lease_until=until)
+
+    def _ack_one(self, db: sqlite3.Connection, lease: Lease, result: Result, now: float) -> bool:
+        if result.job_id != lease.job.id:
+            return False
+        state = "dead" if result.status == "dead" else "done"
+        if db.execute(_SETTLE, (state, lease.job.id, lease.token)).rowcount != 1:
+            return False
+        return self._store_result(db, result, now)
+
+    async def ack(self, lease: Lease, result: Result) -> bool:
+        now = self._clock()
+        ok: bool = await self._run(self._txn, lambda db: self._ack_one(db, lease, result, now))
+        self._wake_results()
+        return ok
+
+    async def ack_many(self, items: Sequence[tuple[Lease, Result]]) -> list[bool]:
+        now = self._clock()
+
+        def work(db: sqlite3.Connection) -> list[bool]:
+            return [self._ack_one(db, lease, result, now) for lease, result in items]
+
+        oks: list[bool] = await self._run(self._txn, work)
+        self._wake_results()
+        return oks
+
+    async def retry(self, lease: Lease, *, error: ErrorInfo, delay_s: float) -> RetryOutcome:
+        now = self._clock()
+
+        def work(db: sqlite3.Connection) -> RetryOutcome:
+            row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
+            if row is None:
+                return "lost"
+            attempt, max_attempts, worker, device, _body = row
+            if attempt >= max_attempts:
+                db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
+                self._store_dead(
+                    db,
+                    job_id=lease.job.id,
+                    job=lease.job,
+                    raw=None,
+                    error=error,
+                    attempt=attempt,
+                    worker=worker or "",
+                    device=device,
+                    now=now,
+                )
+                return "dead"
+            db.execute(_REQUEUE, (now + max(0.0, delay_s), 0, lease.job.id, lease.token))
+            return "scheduled"
+
+        outcome: RetryOutcome = await self._run(self._txn, work)
+        if outcome == "dead":
+            self._wake_results()
+        return outcome
+
+    async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
+        now = self._clock()
+
+        def work(db: sqlite3.Connection) -> bool:
+            row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
+            if row is None:
+                return False
+            attempt, _max, worker, device, _body = row
+            db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
+            self._store_dead(
+                db,
+                job_id=lease.job.id,
+                job=lease.job,
+                raw=None,
+                error=error,
+                attempt=attempt,
+                worker=worker or "",
+                device=device,
+                now=now,
+            )
+            return True
+
+        ok: bool = await self._run(self._txn, work)
+        self._wake_results()
+        return ok
+
+    async def release(self, lease: Lease) -> bool:
+        now = self._clock()
+
+        def work() -> bool:
+            cur = self._db.execute(_REQUEUE, (now, 1, lease.job.id, lease.token))
+            return cur.rowcount == 1
+
+        ok: bool = await self._run(work)
+        self._wake_workers()
+        return ok
+
+    # --- control and inspection -------------------------------------------------------
+
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        now = self._clock()
+
+        def work(db: sqlite3.Connection) -> CancelOutcome:
+            row = db.execute(
+                "SELECT state, attempt, device FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
+            if row is None:
+                return "unknown"
+            state, attempt, device = row
+            if state == "queued":
+                db.execute("UPDATE jobs SET state = 'done' WHERE id = ?", (job_id,))
+                self._store_result(
+                    db,
+                    Result(
+                        job_id=job_id,
+                        status="cancelled",
+                        error=ErrorInfo(code=E_CANCELLED, message="cancelled before it started"),
+                        device=device,
+                        attempt=attempt,
+                        finished_at=now,
+                    ),
+                    now,
+                )
+                return "cancelled"
+            if state == "running":
+                db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+                return "cancelling"
+            return "finished"
+
+        outcome: CancelOutcome = await self._run(self._txn, work)
+        self._wake_results()
+        return outcome
+
+    async def get_result(self, job_id: str) -> Result | None:
+        row = await self._run(lambda: self._db.execute(_GET_RESULT, (job_id,)).fetchone())
+        return None if row is None else decode_result(row[0])
+
+    async def wait_result(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None,  # noqa: ASYNC109
+    ) -> Result | None:
+        with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+            while True:
+                result = await self.get_result(job_id)
+                if result is not None:
+                    return result
+                if self._result_event is None:
+                    self._result_event = anyio.Event()
+                event = self._result_event
+                with anyio.move_on_after(self._poll):
+                    await event.wait()
+        return await self.get_result(job_id)
+
+    async def get_job_state(self, job_id: str) -> JobState | None:
+        row = await self._run(lambda: self._db.execute(_GET_STATE, (job_id,)).fetchone())
+        if row is None:
+            return None
+        state, attempt, worker, lease_until, cancel = row
+        return JobState(
+            job_id=job_id,
+            state=state,
+            attempt=attempt,
+            worker=worker,
+            lease_until=lease_until,
+            cancel_requested=bool(cancel),
+        )
+
+    async def dead_letters(self, *, limit: int = 100) -> list[DeadLetter]:
+        rows = await self._run(
+            lambda: self._db.execute(
+                "SELECT body FROM dead_letters ORDER BY seq DESC LIMIT ?", (limit,)
+            ).fetchall()
+        )
+        return [decode_dead_letter(body) for (body,) in rows]
+
+    async def stats(self) -> BrokerStats:
+        now = self._clock()
+
+        def work() -> BrokerStats:
+            counts = {"queued": 0, "running": 0, "done": 0, "dead": 0}
+            for state, n in self._db.execute("SELECT state, count(*) FROM jobs GROUP BY state"):
+                counts[state] = n
+            (delayed,) = self._db.execute(
+                "SELECT count(*) FROM jobs WHERE state = 'queued' AND NOT (" + _DUE + ")",
+                {"now": now},
+            ).fetchone()
+            return BrokerStats(delayed=delayed, **counts)
+
+        stats: BrokerStats = await self._run(work)
+        return stats
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        # Through the limiter: a call still running in a worker thread finishes first.
+        await anyio.to_thread.run_sync(self._db.close, limiter=self._limiter)

@@ -1,0 +1,466 @@
+"""The broker conformance suite: every broker must pass all of it.
+
+A broker's test module subclasses `BrokerConformance` and implements `open_broker(clock)`
+as an async context manager yielding a fresh, empty broker that uses `clock` for leases,
+delays and timestamps. Time moves only when a test advances the `VirtualClock`, so lease
+expiry and backoff are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from metnos_exec.brokers import Broker, Lease
+from metnos_exec.messages import (
+    E_CANCELLED,
+    E_LEASE_EXPIRED,
+    ErrorInfo,
+    Job,
+    Result,
+    encode,
+)
+
+T0 = 1_900_000_000.0
+VIS = 30.0
+
+
+class VirtualClock:
+    """A unix-seconds clock that only moves when told to."""
+
+    def __init__(self, start: float = T0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def ok_result(lease: Lease, output: object = None, *, worker: str = "w1") -> Result:
+    return Result(
+        job_id=lease.job.id,
+        status="succeeded",
+        output=output,
+        worker=worker,
+        attempt=lease.attempt,
+        finished_at=T0,
+    )
+
+
+def job(executor: str = "echo", **kw: object) -> Job:
+    return Job(executor=executor, args={"n": 1}, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+class BrokerConformance:
+    """Behaviour every `Broker` promises (see `metnos_exec.brokers.base`)."""
+
+    @contextlib.asynccontextmanager
+    async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    @contextlib.asynccontextmanager
+    async def broker(self) -> AsyncIterator[tuple[Broker, VirtualClock]]:
+        clock = VirtualClock()
+        async with self.open_broker(clock) as b:
+            yield b, clock
+
+    # --- submit / lease / ack ---------------------------------------------------------
+
+    async def test_submit_lease_ack_stores_the_result(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job()
+            receipt = await b.submit(j)
+            assert receipt.job_id == j.id and not receipt.duplicate
+            assert (await b.get_job_state(j.id)).state == "queued"  # type: ignore[union-attr]
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert lease.job == j
+            assert lease.attempt == 1
+            assert lease.lease_until == T0 + VIS
+            state = await b.get_job_state(j.id)
+            assert state is not None and state.state == "running" and state.worker == "w1"
+            assert await b.get_result(j.id) is None
+            assert await b.ack(lease, ok_result(lease, {"x": 1}))
+            result = await b.get_result(j.id)
+            assert result is not None and result.output == {"x": 1}
+            assert result.status == "succeeded"
+            assert (await b.get_job_state(j.id)).state == "done"  # type: ignore[union-attr]
+            assert await b.lease("w1", visibility_s=VIS) == []
+            stats = await b.stats()
+            assert (stats.queued, stats.running, stats.done, stats.dead) == (0, 0, 1, 0)
+
+    async def test_lease_on_empty_queue_returns_nothing(self) -> None:
+        async with self.broker() as (b, _clock):
+            assert await b.lease("w1", visibility_s=VIS, limit=10) == []
+            assert await b.get_job_state("nope") is None
+            assert await b.get_result("nope") is None
+
+    async def test_result_is_stored_once(self) -> None:
+        async with self.broker() as (b, _clock):
+            await b.submit(job())
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert await b.ack(lease, ok_result(lease, "first"))
+            assert not await b.ack(lease, ok_result(lease, "second"))
+            result = await b.get_result(lease.job.id)
+            assert result is not None and result.output == "first"
+
+    async def test_ack_with_another_jobs_result_is_refused(self) -> None:
+        async with self.broker() as (b, _clock):
+            await b.submit(job())
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            wrong = Result(job_id="someone-else", status="succeeded")
+            assert not await b.ack(lease, wrong)
+            assert await b.get_result("someone-else") is None
+
+    async def test_batch_lease_and_ack_many(self) -> None:
+        async with self.broker() as (b, _clock):
+            jobs = [job() for _ in range(5)]
+            receipts = await b.submit_many(jobs)
+            assert [r.job_id for r in receipts] == [j.id for j in jobs]
+            leases = await b.lease("w1", visibility_s=VIS, limit=3)
+            assert [le.job.id for le in leases] == [j.id for j in jobs[:3]]
+            leases += await b.lease("w1", visibility_s=VIS, limit=10)
+            assert [le.job.id for le in leases] == [j.id for j in jobs]
+            oks = await b.ack_many([(le, ok_result(le, i)) for i, le in enumerate(leases)])
+            assert oks == [True] * 5
+            assert not any(await b.ack_many([(leases[0], ok_result(leases[0]))]))
+            for i, j in enumerate(jobs):
+                result = await b.get_result(j.id)
+                assert result is not None and result.output == i
+
+    # --- idempotency ------------------------------------------------------------------
+
+    async def test_idempotency_key_returns_the_original_id(self) -> None:
+        async with self.broker() as (b, _clock):
+            first = job(idempotency_key="run-7/step-3")
+            second = job(idempotency_key="run-7/step-3")
+            assert first.id != second.id
+            r1 = await b.submit(first)
+            r2 = await b.submit(second)
+            assert (r1.job_id, r1.duplicate) == (first.id, False)
+            assert (r2.job_id, r2.duplicate) == (first.id, True)
+            assert await b.get_job_state(second.id) is None
+            leases = await b.lease("w1", visibility_s=VIS, limit=10)
+            assert [le.job.id for le in leases] == [first.id]
+            # Still deduplicated after the original finished.
+            await b.ack(leases[0], ok_result(leases[0]))
+            r3 = await b.submit(job(idempotency_key="run-7/step-3"))
+            assert (r3.job_id, r3.duplicate) == (first.id, True)
+            # A different key is a different job; the same id twice is a duplicate.
+            r4 = await b.submit(job(idempotency_key="run-7/step-4"))
+            assert not r4.duplicate
+            again = await b.submit(first)
+            assert (again.job_id, again.duplicate) == (first.id, True)
+
+    async def test_submit_raw_accepts_a_valid_json_job(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job(idempotency_key="k")
+            assert await b.submit_raw(encode(j)) == j.id
+            assert await b.submit_raw(encode(job(idempotency_key="k"))) == j.id
+            [lease] = await b.lease("w1", visibility_s=VIS, limit=5)
+            assert lease.job == j
+
+    # --- ordering ---------------------------------------------------------------------
+
+    async def test_priority_then_fifo(self) -> None:
+        async with self.broker() as (b, _clock):
+            a, hi1, c, hi2, lo = (
+                job(priority=0),
+                job(priority=5),
+                job(priority=0),
+                job(priority=5),
+                job(priority=-1),
+            )
+            for j in (a, hi1, c, hi2, lo):
+                await b.submit(j)
+            order = []
+            while leases := await b.lease("w1", visibility_s=VIS):
+                order.append(leases[0].job.id)
+            assert order == [hi1.id, hi2.id, a.id, c.id, lo.id]
+
+    async def test_priority_order_within_one_batch(self) -> None:
+        async with self.broker() as (b, _clock):
+            js = [job(priority=p) for p in (0, 3, 1, 3, 0)]
+            for j in js:
+                await b.submit(j)
+            leases = await b.lease("w1", visibility_s=VIS, limit=10)
+            assert [le.job.id for le in leases] == [
+                js[1].id,
+                js[3].id,
+                js[2].id,
+                js[0].id,
+                js[4].id,
+            ]
+
+    async def test_not_before_delays_delivery(self) -> None:
+        async with self.broker() as (b, clock):
+            later = job(not_before=T0 + 10, priority=9)
+            now = job()
+            await b.submit(later)
+            await b.submit(now)
+            stats = await b.stats()
+            assert (stats.queued, stats.delayed) == (2, 1)
+            leases = await b.lease("w1", visibility_s=VIS, limit=10)
+            assert [le.job.id for le in leases] == [now.id]
+            clock.advance(9.5)
+            assert await b.lease("w1", visibility_s=VIS) == []
+            clock.advance(0.5)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert lease.job.id == later.id and lease.attempt == 1
+
+    # --- leases -----------------------------------------------------------------------
+
+    async def test_expired_lease_is_redelivered_with_next_attempt(self) -> None:
+        async with self.broker() as (b, clock):
+            j = job()
+            await b.submit(j)
+            [first] = await b.lease("w1", visibility_s=10)
+            clock.advance(9.9)
+            assert await b.lease("w2", visibility_s=10) == []
+            clock.advance(0.1)
+            [second] = await b.lease("w2", visibility_s=10)
+            assert second.job.id == j.id
+            assert second.attempt == 2
+            assert second.token != first.token
+            state = await b.get_job_state(j.id)
+            assert state is not None and state.attempt == 2 and state.worker == "w2"
+
+    async def test_heartbeat_extends_the_lease_and_reports_a_lost_one(self) -> None:
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [lease] = await b.lease("w1", visibility_s=10)
+            clock.advance(8)
+            beat = await b.heartbeat(lease)
+            assert beat.ok and not beat.cancel_requested
+            assert beat.lease_until == T0 + 18
+            clock.advance(8)  # 16 s after the lease: past the first window only
+            assert await b.lease("w2", visibility_s=10) == []
+            beat = await b.heartbeat(lease, visibility_s=2)
+            assert beat.ok and beat.lease_until == T0 + 18
+            clock.advance(2)
+            [taken] = await b.lease("w2", visibility_s=10)
+            assert taken.attempt == 2
+            assert not (await b.heartbeat(lease)).ok
+            assert (await b.heartbeat(taken)).ok
+
+    async def test_ack_after_a_lost_lease_is_refused_and_overwrites_nothing(self) -> None:
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [slow] = await b.lease("w1", visibility_s=10)
+            clock.advance(11)
+            [fast] = await b.lease("w2", visibility_s=10)
+            # The slow worker finishes first, but its lease is gone: refused.
+            assert not await b.ack(slow, ok_result(slow, "slow", worker="w1"))
+            assert await b.get_result(slow.job.id) is None
+            assert await b.ack(fast, ok_result(fast, "fast", worker="w2"))
+            assert not await b.ack(slow, ok_result(slow, "slow", worker="w1"))
+            result = await b.get_result(slow.job.id)
+            assert result is not None and (result.output, result.worker) == ("fast", "w2")
+            assert not (await b.heartbeat(fast)).ok  # settled: no longer a live lease
+            assert await b.retry(slow, error=ErrorInfo(code="E_X", message="x"), delay_s=0) == (
+                "lost"
+            )
+            assert not await b.release(slow)
+            assert not await b.dead_letter(slow, error=ErrorInfo(code="E_X", message="x"))
+
+    async def test_lease_expiring_on_the_last_attempt_is_dead(self) -> None:
+        async with self.broker() as (b, clock):
+            j = job(max_attempts=2)
+            await b.submit(j)
+            for _ in range(2):
+                assert len(await b.lease("w1", visibility_s=5)) == 1
+                clock.advance(5)
+            assert await b.lease("w1", visibility_s=5) == []
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "dead"
+            assert result.error is not None and result.error.code == E_LEASE_EXPIRED
+            [letter] = await b.dead_letters()
+            assert letter.job_id == j.id and letter.attempts == 2 and letter.job == j
+            assert (await b.get_job_state(j.id)).state == "dead"  # type: ignore[union-attr]
+
+    # --- retries and dead letters -----------------------------------------------------
+
+    async def test_retry_redelivers_after_the_delay_then_dead_letters_the_last_error(
+        self,
+    ) -> None:
+        async with self.broker() as (b, clock):
+            j = job(max_attempts=3)
+            await b.submit(j)
+            seen = []
+            for attempt, delay in ((1, 1.0), (2, 2.0)):
+                [lease] = await b.lease("w1", visibility_s=VIS)
+                assert lease.attempt == attempt
+                seen.append(attempt)
+                err = ErrorInfo(code="E_TRANSIENT", message=f"try {attempt}")
+                assert await b.retry(lease, error=err, delay_s=delay) == "scheduled"
+                state = await b.get_job_state(j.id)
+                assert state is not None and state.state == "queued"
+                clock.advance(delay - 0.01)
+                assert await b.lease("w1", visibility_s=VIS) == []
+                clock.advance(0.01)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert lease.attempt == 3
+            last = ErrorInfo(code="E_TRANSIENT", message="try 3")
+            assert await b.retry(lease, error=last, delay_s=4.0) == "dead"
+            clock.advance(10)
+            assert await b.lease("w1", visibility_s=VIS) == []
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "dead" and result.error == last
+            assert result.attempt == 3
+            [letter] = await b.dead_letters()
+            assert (letter.job_id, letter.error, letter.attempts) == (j.id, last, 3)
+            assert (await b.stats()).dead == 1
+
+    async def test_dead_letter_now(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job(max_attempts=5)
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            err = ErrorInfo(code="E_UNKNOWN_EXECUTOR", message="no such executor")
+            assert await b.dead_letter(lease, error=err)
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "dead" and result.error == err
+            assert [d.job_id for d in await b.dead_letters()] == [j.id]
+            assert not await b.ack(lease, ok_result(lease))
+
+    async def test_release_does_not_count_an_attempt(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job(max_attempts=1)
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert await b.release(lease)
+            [again] = await b.lease("w2", visibility_s=VIS)
+            assert again.attempt == 1 and again.job.id == j.id
+            assert not await b.ack(lease, ok_result(lease))
+            assert await b.ack(again, ok_result(again))
+
+    # --- cancel -----------------------------------------------------------------------
+
+    async def test_cancel_queued_running_finished_unknown(self) -> None:
+        async with self.broker() as (b, _clock):
+            queued, running = job(), job()
+            await b.submit(running)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            await b.submit(queued)
+
+            assert await b.cancel(queued.id) == "cancelled"
+            result = await b.get_result(queued.id)
+            assert result is not None and result.status == "cancelled"
+            assert result.error is not None and result.error.code == E_CANCELLED
+            assert await b.lease("w2", visibility_s=VIS) == []
+
+            assert await b.cancel(running.id) == "cancelling"
+            beat = await b.heartbeat(lease)
+            assert beat.ok and beat.cancel_requested
+            state = await b.get_job_state(running.id)
+            assert state is not None and state.cancel_requested
+            cancelled = Result(job_id=running.id, status="cancelled", attempt=1, worker="w1")
+            assert await b.ack(lease, cancelled)
+
+            assert await b.cancel(running.id) == "finished"
+            assert await b.cancel(queued.id) == "finished"
+            assert await b.cancel("no-such-job") == "unknown"
+
+    async def test_cancel_requested_job_whose_worker_died_ends_cancelled(self) -> None:
+        async with self.broker() as (b, clock):
+            j = job()
+            await b.submit(j)
+            await b.lease("w1", visibility_s=5)
+            assert await b.cancel(j.id) == "cancelling"
+            clock.advance(5)
+            assert await b.lease("w2", visibility_s=5) == []
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "cancelled"
+
+    # --- malformed messages -----------------------------------------------------------
+
+    async def test_malformed_messages_are_dead_lettered_and_leasing_continues(self) -> None:
+        async with self.broker() as (b, _clock):
+            bad_ids = [
+                await b.submit_raw(b"this is not json"),
+                await b.submit_raw(b'{"executor": 5}'),
+                await b.submit_raw(b'{"v": 99, "executor": "echo"}'),
+                await b.submit_raw(b"\xff\xfe\x00 binary"),
+                await b.submit_raw(b'{"executor": "echo", "device": 7, "priority": "high"}'),
+            ]
+            assert len(set(bad_ids)) == 5
+            good = job()
+            await b.submit(good)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert lease.job.id == good.id
+            letters = {d.job_id: d for d in await b.dead_letters()}
+            assert set(letters) == set(bad_ids)
+            for job_id in bad_ids:
+                assert letters[job_id].error.code == "E_BAD_MESSAGE"
+                assert letters[job_id].job is None
+                result = await b.get_result(job_id)
+                assert result is not None and result.status == "dead"
+                assert result.error is not None and result.error.code == "E_BAD_MESSAGE"
+            assert letters[bad_ids[0]].raw == b"this is not json"
+            assert letters[bad_ids[3]].raw == b"\xff\xfe\x00 binary"
+            assert "max_attempts" not in letters[bad_ids[1]].error.message
+            assert "$.executor" in letters[bad_ids[1]].error.message
+
+    # --- devices ----------------------------------------------------------------------
+
+    async def test_device_routing(self) -> None:
+        async with self.broker() as (b, _clock):
+            untargeted, on_server, on_phone = job(), job(device="server"), job(device="phone")
+            for j in (untargeted, on_server, on_phone):
+                await b.submit(j)
+            assert await b.lease("laptop", visibility_s=VIS, device="laptop") == []
+            phone = await b.lease("p1", visibility_s=VIS, device="phone", limit=10)
+            assert [le.job.id for le in phone] == [on_phone.id]
+            assert phone[0].device == "phone"
+            server = await b.lease("s1", visibility_s=VIS, limit=10)
+            assert [le.job.id for le in server] == [untargeted.id, on_server.id]
+            assert {le.device for le in server} == {"server"}
+
+    # --- waiting ----------------------------------------------------------------------
+
+    async def test_wait_result_wakes_on_ack_and_times_out(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job()
+            await b.submit(j)
+            assert await b.wait_result(j.id, timeout=0.01) is None
+            got: list[Result | None] = []
+
+            async def waiter() -> None:
+                got.append(await b.wait_result(j.id, timeout=None))
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    [lease] = await b.lease("w1", visibility_s=VIS)
+                    await b.ack(lease, ok_result(lease, "done"))
+            assert got and got[0] is not None and got[0].output == "done"
+            # Already there: returns at once.
+            with anyio.fail_after(10):
+                again = await b.wait_result(j.id, timeout=None)
+            assert again is not None and again.output == "done"
+
+    async def test_wait_for_work_wakes_on_submit(self) -> None:
+        async with self.broker() as (b, _clock):
+            woke = anyio.Event()
+
+            async def waiter() -> None:
+                await b.wait_for_work(timeout=60)
+                woke.set()
+
+            # The broker under test polls rarely (see open_broker), so only the in-process
+            # wake-up can end the wait in time. Submitting until it wakes avoids guessing
+            # when the waiter has parked.
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    while not woke.is_set():
+                        await b.submit(job())
+                        with anyio.move_on_after(0.5):
+                            await woke.wait()
+            assert len(await b.lease("w1", visibility_s=VIS, limit=100)) >= 1
