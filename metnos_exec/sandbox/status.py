@@ -1,0 +1,151 @@
+"""`status()`: what the sandbox can do on this host, without running a job.
+
+Every field is read from the host (files under ``/proc``, a syscall, the cached bubblewrap
+probe, the wasm arm's own report); a component that cannot be read says ``None`` /
+``"unknown"`` with the reason, it is never reported as present by default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from .bwrap import bwrap_probe
+from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
+
+__all__ = ("RUNTIMES", "BwrapStatus", "SandboxStatus", "landlock_abi", "status")
+
+#: Runtimes whose arm `status` reports.
+RUNTIMES: tuple[str, ...] = ("python", "wasm", "wasm-python")
+
+# landlock_create_ruleset(2): the same number on every architecture since Linux 5.13.
+_SYS_LANDLOCK_CREATE_RULESET = 444
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+
+
+class BwrapStatus(msgspec.Struct, frozen=True):
+    path: str | None
+    version: str | None
+    working: bool
+    error: str | None = None
+
+
+class SandboxStatus(msgspec.Struct, frozen=True):
+    """The sandbox's view of this host.
+
+    Attributes:
+        bwrap: bubblewrap found, its version, and whether our namespaces can be built.
+        user_namespaces: the kernel lets new user namespaces be created
+            (``user.max_user_namespaces > 0`` and, where the sysctl exists,
+            ``kernel.unprivileged_userns_clone`` for non-root).
+        wasm: the wasm arm's own report (engine importable + version, CPython-WASI
+            runtime present and hash-verified), or ``{"error": ...}``.
+        landlock_abi: the kernel's landlock ABI version, ``None`` when unsupported.
+        landlock_error: why it is ``None``.
+        seccomp: seccomp filters are available.
+        seccomp_actions: the filter actions the kernel supports.
+        overlay_staging: copy-on-write staging of writes (a later issue: ``untested``).
+        sandbox_off: ``METNOS_SANDBOX`` switches the kernel wall off.
+        arms: runtime → arm it would use now (``bwrap``, ``none``, ``wasm``, ``absent``).
+        degraded: runtime → degradation reason, for the runtimes that would degrade.
+    """
+
+    bwrap: BwrapStatus
+    user_namespaces: bool
+    wasm: dict[str, Any]
+    landlock_abi: int | None
+    seccomp: bool
+    seccomp_actions: tuple[str, ...]
+    overlay_staging: str
+    sandbox_off: bool
+    arms: dict[str, str]
+    degraded: dict[str, str]
+    landlock_error: str | None = None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _user_namespaces() -> bool:
+    max_ns = _read("/proc/sys/user/max_user_namespaces")
+    if max_ns is None or not max_ns.isdigit() or int(max_ns) == 0:
+        return False
+    clone = _read("/proc/sys/kernel/unprivileged_userns_clone")  # Debian/Ubuntu only
+    return not (clone == "0" and os.geteuid() != 0)
+
+
+def landlock_abi() -> tuple[int | None, str | None]:
+    """The landlock ABI version (``landlock_create_ruleset(NULL, 0, VERSION)``).
+
+    Returns:
+        ``(abi, None)`` when supported, else ``(None, reason)``.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(
+        _SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), _LANDLOCK_CREATE_RULESET_VERSION
+    )
+    if abi < 0:
+        err = ctypes.get_errno()
+        return None, f"landlock_create_ruleset: {os.strerror(err)}"
+    return int(abi), None
+
+
+def _seccomp() -> tuple[bool, tuple[str, ...]]:
+    actions = _read("/proc/sys/kernel/seccomp/actions_avail")
+    if actions is not None:
+        return True, tuple(actions.split())
+    # Older kernels: the Seccomp line exists in /proc/self/status when it is built in.
+    st = _read("/proc/self/status") or ""
+    return any(line.startswith("Seccomp:") for line in st.splitlines()), ()
+
+
+def _wasm_report(env: Mapping[str, str]) -> dict[str, Any]:
+    try:
+        from .wasm import wasm_status
+    except (ImportError, AttributeError) as exc:
+        return {"error": f"wasm arm not importable: {exc}"}
+    try:
+        report = wasm_status(env)
+    except Exception as exc:
+        return {"error": f"wasm_status failed: {exc!r}"}
+    return report if isinstance(report, dict) else msgspec.to_builtins(report)
+
+
+def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
+    """Report what each arm can do here; runs no job (only the cached bubblewrap probe).
+
+    Args:
+        env: where ``METNOS_*`` and ``PATH`` are read; default `os.environ`.
+    """
+    env = os.environ if env is None else env
+    probe = bwrap_probe(dict(env))
+    abi, abi_error = landlock_abi()
+    seccomp, actions = _seccomp()
+    decisions: dict[str, Decision] = {rt: decide_arm(rt, env) for rt in RUNTIMES}
+    return SandboxStatus(
+        bwrap=BwrapStatus(
+            path=probe.path,
+            version=".".join(map(str, probe.version)) or None,
+            working=probe.working,
+            error=probe.error,
+        ),
+        user_namespaces=_user_namespaces(),
+        wasm=_wasm_report(env),
+        landlock_abi=abi,
+        landlock_error=abi_error,
+        seccomp=seccomp,
+        seccomp_actions=actions,
+        overlay_staging="untested",
+        sandbox_off=env.get("METNOS_SANDBOX", "").strip().lower() in SANDBOX_OFF_VALUES,
+        arms={rt: d.arm for rt, d in decisions.items()},
+        degraded={rt: d.degraded.reason for rt, d in decisions.items() if d.degraded},
+    )
