@@ -1,0 +1,729 @@
+"""Process lifecycle: spawn one job's process, feed it, drain it, time it out, reap it.
+
+`run_process` is the single way metnos-exec starts a native process. It holds these
+promises on both anyio backends (asyncio and trio):
+
+* **Spawned from one long-lived thread.** PR_SET_PDEATHSIG fires when the *thread* that
+  forked the child exits, not the process. trio spawns from cached worker threads that exit
+  after 10 s idle, which SIGKILLed long jobs. Every fork here happens on a single daemon
+  "spawner" thread that lives as long as the worker; the async side hands it a request and
+  waits (on an eventfd, shielded: a spawned child is never abandoned) for the pid.
+* **Waited on with a pidfd** (``os.pidfd_open`` + ``anyio.wait_readable``), reaped with
+  ``os.wait4`` for its rusage. No SIGCHLD handler, no child watcher, no polling.
+* **Bounded output.** stdout and stderr are read as they come into buffers that keep the
+  first ``output_bytes`` and discard the rest while still draining, so a flood neither
+  blocks the child on a full pipe nor grows the worker.
+* **Whole-tree kill on timeout and cancellation:** SIGTERM, ``grace``, SIGKILL, reap. On
+  the caller's cancellation the same sequence runs in a shielded scope and the
+  cancellation is re-raised, never swallowed.
+* **Die-with-parent.** A SIGKILLed worker leaves no job process alive.
+
+Two ways to contain the tree, chosen by `ProcessSpec.reaper`:
+
+``reaper=True`` (default; the direct arm)
+    The target runs under `metnos_exec._reaper`, a stdlib-only Python shim (see its
+    docstring) that is a child subreaper. A grandchild that double-forks and calls
+    ``setsid`` leaves the process group but is re-parented to the shim, so the shim can
+    find and kill it: on the target's exit (SIGKILL at once), on our SIGTERM (TERM, grace,
+    KILL) and on the worker's death (its parent-death signal is SIGTERM, so it still gets
+    to clean up). Cost: one interpreter start (~15-25 ms) per job, and ``peak_rss_bytes`` /
+    ``cpu_s`` come from the shim's report of its reaped children (the job tree, not the
+    shim). No ``preexec_fn``: the shim does the child set-up itself, single-threaded.
+``reaper=False`` (the bwrap arm, whose pid namespace and ``--die-with-parent`` already hold
+    the tree)
+    The command is forked directly into a new session. The parent-death signal and the
+    rlimits need code between fork and exec, so this path uses a minimal ``preexec_fn``
+    (``prctl`` through a pre-resolved ctypes pointer, ``setrlimit``, the cgroup join with
+    raw ``os.write``): nothing in it takes a lock another thread could hold. The tree
+    kill is ``killpg`` of the session's group (plus the cgroup when there is one); a
+    descendant that calls ``setsid`` escapes it, which is why the direct arm uses the shim.
+
+Process limits: with ``pids_max`` and a writable cgroup (v1 ``pids`` controller, or a v2
+tree with ``pids`` delegable), each run gets ``metnos/<uuid>`` with ``pids.max`` set; the
+child joins it before it can fork, every pid in it is killed at the end, and the cgroup is
+removed (``pids_limited=True``; under the shim the limit is ``pids_max + 1`` because the
+shim counts). Otherwise RLIMIT_NPROC is applied to the target; it caps the *user's* process
+count, so for a non-root uid it holds (more strictly than asked) and ``pids_limited=True``,
+but the kernel does not enforce it for uid 0, so as root ``pids_limited=False``.
+
+Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
+interpreter or set-up, ``wait4``). A user-level command that cannot be executed is an
+ordinary result: exit 127 when not found, 126 otherwise (as a shell does), with the
+reason in ``exec_error`` and on stderr... under the shim; ``reaper=False`` reports the
+same codes and ``exec_error``, stderr stays empty.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import errno
+import json
+import math
+import os
+import queue
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.lowlevel
+import msgspec
+
+from metnos_exec import _reaper
+from metnos_exec.errors import HostFault
+
+__all__ = ("ProcessResult", "ProcessSpec", "run_process")
+
+PR_SET_PDEATHSIG: Final = 1
+
+_READ_CHUNK: Final = 1 << 16
+#: After the child exits, how long readers may still wait for EOF. Only a process that left
+#: the tree (possible with ``reaper=False``) can hold a pipe open past its exit.
+_DRAIN_S: Final = 1.0
+#: Extra time the shim gets beyond ``grace`` to kill and reap the tree before we SIGKILL it.
+_SHIM_MARGIN_S: Final = 2.0
+#: Bound on waiting for a SIGKILLed child to exit; past it the kernel is not cooperating.
+_KILL_WAIT_S: Final = 10.0
+
+_REAPER_PATH: Final = str(Path(_reaper.__file__).resolve())
+_libc = ctypes.CDLL(None, use_errno=True)
+# Resolved now, in the parent: a dlsym inside preexec_fn could take the loader's lock.
+_prctl = _libc.prctl
+
+
+class ProcessSpec(msgspec.Struct, frozen=True):
+    """What to run and how to hold it.
+
+    Attributes:
+        argv: the command; ``argv[0]`` is looked up in ``env["PATH"]``.
+        env: the whole environment; nothing is inherited from the worker.
+        stdin: bytes written to the child's stdin, which is then closed.
+        cwd: working directory of the child (``None``: the worker's).
+        rlimits: ``(resource.RLIMIT_*, soft, hard)`` applied in the child before exec.
+        pass_fds: extra fds the child inherits (e.g. one bwrap reads).
+        pdeathsig: the child dies when the worker dies (PR_SET_PDEATHSIG).
+        output_bytes: cap on the stdout kept, and separately on the stderr kept.
+        pids_max: process limit for the whole tree (cgroup when possible).
+        reaper: run under the subreaper shim, which kills escaped descendants too.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    stdin: bytes = b""
+    cwd: str | None = None
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    pass_fds: tuple[int, ...] = ()
+    pdeathsig: bool = True
+    output_bytes: int = 1 << 20
+    pids_max: int | None = None
+    reaper: bool = True
+
+
+class ProcessResult(msgspec.Struct, frozen=True):
+    """How the process ended.
+
+    Attributes:
+        returncode: exit status; negative means killed by signal ``-returncode``.
+        stdout: the first ``output_bytes`` of stdout.
+        stderr: the first ``output_bytes`` of stderr.
+        stdout_truncated: more stdout was produced (and discarded).
+        stderr_truncated: more stderr was produced (and discarded).
+        timed_out: the deadline passed and the tree was killed.
+        wall_s: from spawn to reap.
+        cpu_s: user + system CPU of the job tree.
+        peak_rss_bytes: largest resident set of any process of the tree.
+        pids_limited: whether ``pids_max`` was really enforced.
+        exec_error: why the command could not be executed (exit 127/126), else ``None``.
+    """
+
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    wall_s: float
+    cpu_s: float
+    peak_rss_bytes: int
+    pids_limited: bool
+    exec_error: str | None = None
+
+
+# --- the spawner thread -----------------------------------------------------------------
+
+
+class _Spawner:
+    """One daemon thread that performs every fork of this process, for its whole life.
+
+    Requests carry an eventfd that the thread signals when the request is done, so the
+    async side can wait for it with `anyio.wait_readable` on either backend.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any], int]
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any], done_fd: int) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve, name="metnos-spawner", daemon=True
+                )
+                self._thread.start()
+        self._requests.put((fn, future, done_fd))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            fn, future, done_fd = self._requests.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting task, re-raised there
+                future.set_exception(exc)
+            finally:
+                os.eventfd_write(done_fd, 1)
+
+
+_spawner = _Spawner()
+
+
+async def _on_spawner(fn: Callable[[], Any]) -> Any:
+    """Run `fn` on the spawner thread and return its result (shielded: see below)."""
+    done_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    try:
+        future = _spawner.submit(fn, done_fd)
+        # Shielded: once submitted, a child may exist; the caller must get its handle to
+        # kill and reap it, so we never walk away from a spawn in progress.
+        with anyio.CancelScope(shield=True):
+            await anyio.wait_readable(done_fd)
+    finally:
+        os.close(done_fd)
+    return future.result()
+
+
+# --- cgroups ------------------------------------------------------------------------------
+
+
+_V1_PIDS: Final = Path("/sys/fs/cgroup/pids")
+_V2_ROOT: Final = Path("/sys/fs/cgroup")
+
+
+def _cgroup_parent() -> Path | None:
+    """The writable ``metnos`` cgroup under which per-run cgroups with pids.max go."""
+    try:
+        if (_V1_PIDS / "cgroup.procs").exists():
+            parent = _V1_PIDS / "metnos"
+            parent.mkdir(exist_ok=True)
+            return parent
+        controllers = _V2_ROOT / "cgroup.controllers"
+        if controllers.exists() and "pids" in controllers.read_text().split():
+            parent = _V2_ROOT / "metnos"
+            parent.mkdir(exist_ok=True)
+            if "pids" not in (_V2_ROOT / "cgroup.subtree_control").read_text().split():
+                (_V2_ROOT / "cgroup.subtree_control").write_text("+pids")
+            if "pids" not in (parent / "cgroup.subtree_control").read_text().split():
+                (parent / "cgroup.subtree_control").write_text("+pids")
+            return parent
+    except OSError:
+        return None
+    return None
+
+
+class _Cgroup:
+    """A per-run pids cgroup; `close` kills whatever is left in it and removes it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.procs = str(path / "cgroup.procs")
+
+    @classmethod
+    def create(cls, pids_max: int) -> _Cgroup | None:
+        parent = _cgroup_parent()
+        if parent is None:
+            return None
+        path = parent / uuid.uuid4().hex
+        try:
+            path.mkdir()
+        except OSError:
+            return None
+        try:
+            (path / "pids.max").write_text(str(pids_max))
+        except OSError:
+            path.rmdir()
+            return None
+        return cls(path)
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in Path(self.procs).read_text().split()]
+        except OSError:
+            return []
+
+    def signal_all(self, sig: int) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    async def close(self) -> None:
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while True:
+            self.signal_all(signal.SIGKILL)
+            try:
+                self.path.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise HostFault(f"cannot remove cgroup {self.path}: {exc}") from exc
+            # Killed tasks leave the cgroup a moment after SIGKILL; poll until they do.
+            await anyio.sleep(0.01)
+
+
+# --- spawning -------------------------------------------------------------------------
+
+
+class _Child:
+    """Parent-side handles of one spawned child. Owned by `run_process`."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], pidfd: int, fds: dict[str, int]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.pidfd = pidfd
+        self.fds = fds  # "stdin", "stdout", "stderr", "status" (shim only)
+        self.t0 = time.monotonic()
+        self.exited = False
+        self.term_sent = False
+        self.kill_sent = False
+        self.exec_error: str | None = None
+
+    def close_fd(self, name: str) -> None:
+        fd = self.fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for name in list(self.fds):
+            self.close_fd(name)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def _preexec(
+    pdeathsig: bool,
+    parent: int,
+    rlimits: tuple[tuple[int, int, int], ...],
+    cgroup_procs: str | None,
+) -> Callable[[], None]:
+    """The minimal between-fork-and-exec set-up for ``reaper=False`` (see module doc)."""
+
+    def setup() -> None:
+        if cgroup_procs is not None:
+            fd = os.open(cgroup_procs, os.O_WRONLY)
+            os.write(fd, b"0")  # "0" is the writer itself
+            os.close(fd)
+        if pdeathsig:
+            if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+            if os.getppid() != parent:
+                os._exit(125)  # the worker died before the prctl: nobody wants this job
+        for res, soft, hard in rlimits:
+            resource.setrlimit(res, (soft, hard))
+
+    return setup
+
+
+def _spawn(
+    spec: ProcessSpec,
+    rlimits: tuple[tuple[int, int, int], ...],
+    cgroup: _Cgroup | None,
+    grace: float,
+) -> _Child:
+    """Runs on the spawner thread. Creates the pipes and forks; never leaks an fd."""
+    ours: list[int] = []  # parent ends, closed on failure
+    theirs: list[int] = []  # child ends, always closed here once the child has them
+    try:
+        try:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:
+            raise HostFault(f"cannot create pipes for a job: {exc}") from exc
+        ours += [in_w, out_r, err_r]
+        theirs += [in_r, out_w, err_w]
+        fds = {"stdin": in_w, "stdout": out_r, "stderr": err_r}
+        pass_fds = list(spec.pass_fds)
+        if spec.reaper:
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            ours.append(status_r)
+            theirs.append(status_w)
+            fds["status"] = status_r
+            config = {
+                "status_fd": status_w,
+                "env": spec.env,
+                "grace": grace,
+                "pdeathsig": spec.pdeathsig,
+                "parent": os.getpid(),
+                "cgroup_procs": cgroup.procs if cgroup else None,
+                "rlimits": [list(r) for r in rlimits],
+                "cwd": spec.cwd,
+            }
+            # The job's environment can be large; a memfd has no argv size limit.
+            config_fd = os.memfd_create("metnos-reaper-config", os.MFD_CLOEXEC)
+            theirs.append(config_fd)
+            os.write(config_fd, json.dumps(config).encode())
+            os.lseek(config_fd, 0, os.SEEK_SET)
+            pass_fds += [status_w, config_fd]
+            argv: list[str] = [sys.executable, "-I", "-S", _REAPER_PATH, str(config_fd), "--"]
+            argv += spec.argv
+            popen_env: dict[str, str] = {}
+            cwd = None
+            preexec = None
+        else:
+            argv = list(spec.argv)
+            popen_env = spec.env
+            cwd = spec.cwd
+            preexec = _preexec(
+                spec.pdeathsig, os.getpid(), rlimits, cgroup.procs if cgroup else None
+            )
+        for fd in ours:
+            os.set_blocking(fd, False)
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=in_r,
+                stdout=out_w,
+                stderr=err_w,
+                env=popen_env,
+                cwd=cwd,
+                close_fds=True,
+                pass_fds=pass_fds,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            if spec.reaper:
+                raise HostFault(f"cannot start the reaper shim ({sys.executable}): {exc}") from exc
+            raise _ExecFailed(exc) from exc
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise HostFault(f"cannot spawn {argv[0]}: {exc}") from exc
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError as exc:  # pragma: no cover - Linux >= 5.3 is a precondition
+            popen.kill()
+            popen.wait()
+            raise HostFault(f"pidfd_open failed: {exc}") from exc
+        ours.clear()
+        return _Child(popen, pidfd, fds)
+    finally:
+        for fd in ours + theirs:
+            os.close(fd)
+
+
+class _ExecFailed(Exception):
+    """The user-level command could not be executed (``reaper=False`` path)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+# --- the async side --------------------------------------------------------------------
+
+
+class _Capped:
+    """Keeps the first `cap` bytes; counts (and drops) the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.parts: list[bytes] = []
+        self.kept = 0
+        self.truncated = False
+
+    def add(self, chunk: bytes) -> None:
+        room = self.cap - self.kept
+        if room <= 0:
+            self.truncated = True
+            return
+        if len(chunk) > room:
+            chunk = chunk[:room]
+            self.truncated = True
+        self.parts.append(chunk)
+        self.kept += len(chunk)
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+async def _pump(fd: int, sink: _Capped, done: anyio.Event) -> None:
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                await anyio.wait_readable(fd)
+                continue
+            if not chunk:
+                return
+            sink.add(chunk)
+            # A child that floods the pipe would otherwise starve the event loop.
+            await anyio.lowlevel.checkpoint()
+    finally:
+        done.set()
+
+
+async def _feed(child: _Child, data: bytes) -> None:
+    fd = child.fds["stdin"]
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view[:_READ_CHUNK])
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+                continue
+            except BrokenPipeError:
+                return  # the child closed its stdin: what it did not read, it did not want
+            view = view[n:]
+    finally:
+        child.close_fd("stdin")
+
+
+async def _wait_exit(child: _Child) -> None:
+    if not child.exited:
+        await anyio.wait_readable(child.pidfd)
+        child.exited = True
+
+
+def _signal_tree(child: _Child, sig: int, cgroup: _Cgroup | None, *, shim: bool) -> None:
+    """Signal the child's tree: the shim itself (it relays), or the session's group."""
+    if shim and sig != signal.SIGKILL:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, sig)
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, sig)
+    if cgroup is not None:
+        cgroup.signal_all(sig)
+
+
+async def _terminate(child: _Child, grace: float, cgroup: _Cgroup | None, shim: bool) -> None:
+    """SIGTERM the tree, wait `grace`, SIGKILL it, wait for the child to exit."""
+    if child.exited:
+        return
+    if not child.term_sent:
+        child.term_sent = True
+        _signal_tree(child, signal.SIGTERM, cgroup, shim=shim)
+        # The shim runs its own grace and kills the tree itself; give it time to.
+        with anyio.move_on_after(grace + (_SHIM_MARGIN_S if shim else 0.0)):
+            await _wait_exit(child)
+        if child.exited:
+            return
+    child.kill_sent = True
+    _signal_tree(child, signal.SIGKILL, cgroup, shim=shim)
+    with anyio.move_on_after(_KILL_WAIT_S):
+        await _wait_exit(child)
+    if not child.exited:
+        raise HostFault(f"process {child.pid} did not exit {_KILL_WAIT_S} s after SIGKILL")
+
+
+def _read_status(child: _Child) -> tuple[str | None, str | None, tuple[float, int] | None]:
+    """Parse the shim's status lines: (exec error, host fault, (cpu_s, maxrss_kib))."""
+    fd = child.fds.get("status")
+    if fd is None:
+        return None, None, None
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, _READ_CHUNK):
+            data += chunk
+    exec_error = fault = None
+    usage = None
+    for line in data.decode(errors="replace").splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "X":
+            exec_error = rest.partition(" ")[2]
+        elif kind == "H":
+            fault = rest
+        elif kind == "U":
+            utime, stime, maxrss = rest.split()
+            usage = (float(utime) + float(stime), int(maxrss))
+    return exec_error, fault, usage
+
+
+def _validate(spec: ProcessSpec, timeout: float, grace: float) -> None:
+    if not spec.argv:
+        raise ValueError("ProcessSpec.argv must not be empty")
+    if not (timeout > 0 and grace >= 0) or math.isnan(timeout):
+        raise ValueError(f"need timeout > 0 and grace >= 0, got {timeout}, {grace}")
+    if spec.output_bytes < 0:
+        raise ValueError("ProcessSpec.output_bytes must be >= 0")
+    if spec.pids_max is not None and spec.pids_max < 1:
+        raise ValueError("ProcessSpec.pids_max must be >= 1")
+    inf = resource.RLIM_INFINITY
+    for res, soft, hard in spec.rlimits:
+        if (soft < 0 and soft != inf) or (hard < 0 and hard != inf):
+            raise ValueError(f"rlimit {res}: negative limit ({soft}, {hard})")
+        if hard != inf and (soft == inf or soft > hard):
+            raise ValueError(f"rlimit {res}: soft {soft} above hard {hard}")
+
+
+# The timeout is the job's budget, enforced by a TERM/grace/KILL sequence a cancel scope around
+# the call could not express (it would give no grace and no `timed_out` verdict).
+async def run_process(
+    spec: ProcessSpec,
+    *,
+    timeout: float,  # noqa: ASYNC109
+    grace: float = 0.5,
+) -> ProcessResult:
+    """Run `spec` to completion, or kill its whole tree at `timeout` seconds.
+
+    Args:
+        spec: what to run.
+        timeout: wall-clock budget in seconds, from spawn.
+        grace: seconds between SIGTERM and SIGKILL when the tree is killed.
+
+    Returns:
+        The result; ``timed_out`` tells a deadline kill from an ordinary exit.
+
+    Raises:
+        HostFault: the harness broke (pipes, spawner, shim, wait4).
+        ValueError: `spec` is malformed.
+    """
+    _validate(spec, timeout, grace)
+    rlimits = spec.rlimits
+    cgroup = _Cgroup.create(spec.pids_max + (1 if spec.reaper else 0)) if spec.pids_max else None
+    pids_limited = cgroup is not None
+    if spec.pids_max is not None and cgroup is None:
+        rlimits = (*rlimits, (resource.RLIMIT_NPROC, spec.pids_max, spec.pids_max))
+        # The kernel does not apply RLIMIT_NPROC to uid 0 (see module docstring).
+        pids_limited = os.geteuid() != 0
+    try:
+        try:
+            child: _Child = await _on_spawner(lambda: _spawn(spec, rlimits, cgroup, grace))
+        except _ExecFailed as failed:
+            code = 127 if failed.exc.errno == errno.ENOENT else 126
+            return ProcessResult(
+                returncode=code,
+                stdout=b"",
+                stderr=b"",
+                stdout_truncated=False,
+                stderr_truncated=False,
+                timed_out=False,
+                wall_s=0.0,
+                cpu_s=0.0,
+                peak_rss_bytes=0,
+                pids_limited=pids_limited,
+                exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
+            )
+        try:
+            return await _supervise(child, spec, timeout, grace, cgroup, pids_limited)
+        finally:
+            child.close()
+    finally:
+        if cgroup is not None:
+            with anyio.CancelScope(shield=True):
+                await cgroup.close()
+
+
+async def _supervise(
+    child: _Child,
+    spec: ProcessSpec,
+    budget_s: float,
+    grace: float,
+    cgroup: _Cgroup | None,
+    pids_limited: bool,
+) -> ProcessResult:
+    out, err = _Capped(spec.output_bytes), _Capped(spec.output_bytes)
+    timed_out = False
+    reaped: tuple[int, int, Any] | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            out_done, err_done = anyio.Event(), anyio.Event()
+            tg.start_soon(_pump, child.fds["stdout"], out, out_done)
+            tg.start_soon(_pump, child.fds["stderr"], err, err_done)
+            tg.start_soon(_feed, child, spec.stdin)
+            with anyio.move_on_after(budget_s - (time.monotonic() - child.t0)):
+                await _wait_exit(child)
+            if not child.exited:
+                timed_out = True
+                # Readers keep draining while the tree dies, so it never blocks on a pipe.
+                await _terminate(child, grace, cgroup, spec.reaper)
+            _kill_leftovers(child, cgroup, spec.reaper)
+            with anyio.move_on_after(_DRAIN_S):
+                await out_done.wait()
+                await err_done.wait()
+            tg.cancel_scope.cancel()
+        reaped = _reap(child, cgroup, spec.reaper)
+    finally:
+        if reaped is None:
+            # Cancelled from outside, or something broke: the tree still dies and is
+            # reaped before the exception (cancellation included) goes on.
+            with anyio.CancelScope(shield=True):
+                await _terminate(child, grace, cgroup, spec.reaper)
+                _reap(child, cgroup, spec.reaper)
+    _, status, rusage = reaped
+    wall = time.monotonic() - child.t0
+    exec_error, fault, usage = _read_status(child)
+    if fault is not None:
+        raise HostFault(f"the reaper shim could not set up: {fault}")
+    if spec.reaper and usage is None and not child.kill_sent:
+        raise HostFault(
+            f"the reaper shim exited without a report (status {status}); stderr: "
+            f"{err.value()[-500:]!r}"
+        )
+    if usage is not None:
+        cpu_s, maxrss_kib = usage
+    else:
+        cpu_s, maxrss_kib = rusage.ru_utime + rusage.ru_stime, rusage.ru_maxrss
+    return ProcessResult(
+        returncode=os.waitstatus_to_exitcode(status),
+        stdout=out.value(),
+        stderr=err.value(),
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        timed_out=timed_out,
+        wall_s=wall,
+        cpu_s=cpu_s,
+        peak_rss_bytes=maxrss_kib * 1024,
+        pids_limited=pids_limited,
+        exec_error=exec_error,
+    )
+
+
+def _kill_leftovers(child: _Child, cgroup: _Cgroup | None, shim: bool) -> None:
+    """Once the child has exited, nothing of its job may outlive it.
+
+    The shim has already killed its tree. Without it, what is left of the session's group
+    (and of the cgroup) is SIGKILLed; while the leader is an unreaped zombie its pgid cannot
+    be reused, so this only reaches this job's own processes.
+    """
+    if shim:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    if cgroup is not None:
+        cgroup.signal_all(signal.SIGKILL)
+
+
+def _reap(child: _Child, cgroup: _Cgroup | None, shim: bool) -> tuple[int, int, Any]:
+    """Reap the exited child with its rusage, after killing its leftovers."""
+    _kill_leftovers(child, cgroup, shim)
+    try:
+        pid, status, rusage = os.wait4(child.pid, 0)
+    except ChildProcessError as exc:
+        raise HostFault(f"wait4({child.pid}) failed: somebody else reaped our child") from exc
+    # Popen would warn that the process is "still running" when collected.
+    child.popen.returncode = os.waitstatus_to_exitcode(status)
+    return pid, status, rusage
