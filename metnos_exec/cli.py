@@ -87,7 +87,7 @@ def _open(url: str) -> Broker:
         return open_broker(url)
     except BadBrokerURL as exc:
         raise _Exit(EXIT["broker"], str(exc)) from None
-    except (OSError, MetnosError) as exc:
+    except (OSError, ValueError, MetnosError) as exc:
         raise _Exit(EXIT["broker"], f"cannot open broker {url}: {exc}") from None
 
 

@@ -54,7 +54,7 @@ def _override_chooser(name: str) -> Callable[..., Any]:
     arm = doubles.EchoSandbox()
 
     def choose(runtime: str, *, require_sandbox: bool = False, **_: Any) -> Any:
-        return ArmChoice(sandbox=arm, degraded=False)
+        return ArmChoice(sandbox=arm)
 
     return choose
 

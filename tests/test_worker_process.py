@@ -1,0 +1,310 @@
+"""Acceptance tests on real worker processes and a real SQLite file.
+
+2. kill -9 of a worker mid-job: another worker finishes it after the lease expires.
+3. two worker processes drain 1,000 jobs (echo arm): one result each, no double run.
+4. malformed message, unknown executor, manifest violation: dead/rejected with the code,
+   and the worker keeps serving.
+5. SIGTERM during a run: finish or release within the grace, exit 0, nothing lost.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from metnos_exec.brokers import Broker, open_broker
+from metnos_exec.logs import iter_records
+from metnos_exec.messages import Job, Result
+from tests.conftest import need
+
+pytestmark = pytest.mark.slow
+
+SLEEPY_MANIFEST = """\
+name = "sleepy"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.s]
+type = "number"
+default = 0
+"""
+SLEEPY_MAIN = """\
+import json, sys, time
+a = json.load(sys.stdin)
+time.sleep(a["s"])
+print(json.dumps({"slept": a["s"]}))
+"""
+READER_MANIFEST = """\
+name = "reader"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.path]
+type = "string"
+required = true
+format = "path"
+[[capabilities]]
+name = "fs:read"
+hints = ["~/notes/**"]
+"""
+
+
+def _bwrap_ok() -> bool:
+    return shutil.which("bwrap") is not None
+
+
+@pytest.fixture
+def executors(tmp_path: Path) -> Path:
+    root = tmp_path / "executors"
+    (root / "sleepy").mkdir(parents=True)
+    (root / "sleepy" / "manifest.toml").write_text(SLEEPY_MANIFEST)
+    (root / "sleepy" / "main.py").write_text(SLEEPY_MAIN)
+    (root / "reader").mkdir()
+    (root / "reader" / "manifest.toml").write_text(READER_MANIFEST)
+    (root / "reader" / "main.py").write_text("print('{}')\n")
+    (root / "broken").mkdir()
+    (root / "broken" / "manifest.toml").write_text('name = "broken"\nversion = 1\n')
+    return root
+
+
+class Workers:
+    """Starts worker processes; kills whatever is left at teardown (and reaps it)."""
+
+    def __init__(self, tmp_path: Path, executors: Path) -> None:
+        self.tmp = tmp_path
+        self.executors = executors
+        self.url = f"sqlite:///{tmp_path / 'q.db'}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, wid: str, *extra: str, env: dict[str, str] | None = None) -> Path:
+        log = self.tmp / f"{wid}.jsonl"
+        full_env = {**os.environ, "HOME": str(self.tmp), **(env or {})}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "metnos_exec",
+                "worker",
+                "--broker",
+                self.url,
+                "--executors",
+                str(self.executors),
+                "--worker-id",
+                wid,
+                "--log-file",
+                str(log),
+                *extra,
+            ],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        return log
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, executors: Path) -> Iterator[Workers]:
+    w = Workers(tmp_path, executors)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def with_broker(url: str, fn: Callable[[Broker], Any]) -> Any:
+    async def main() -> Any:
+        async with open_broker(url) as broker:
+            return await fn(broker)
+
+    return anyio.run(main)
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)  # polling with a deadline, not a synchronisation sleep
+
+
+def events(log: Path, **kw: Any) -> list[dict[str, Any]]:
+    if not log.exists():
+        return []
+    return list(iter_records(log, **kw))
+
+
+def has_event(log: Path, event: str, job: str | None = None) -> bool:
+    return bool(events(log, event=event, job=job))
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_kill_9_mid_job_is_finished_by_another_worker(workers: Workers, backend: str) -> None:
+    need(_bwrap_ok(), "bubblewrap is not installed")
+    log_a = workers.start("A", "--visibility", "2", "--backend", backend)
+    wait_until(lambda: has_event(log_a, "worker.started"), 10, "worker A")
+    job_id = with_broker(
+        workers.url,
+        lambda b: b.submit(Job(executor="sleepy", args={"s": 1.5}, max_attempts=3)),
+    ).job_id
+    wait_until(lambda: has_event(log_a, "job.started", job_id), 10, "A starts the job")
+    workers.procs[0].send_signal(signal.SIGKILL)
+    workers.procs[0].wait()
+    killed_at = time.monotonic()
+    log_b = workers.start("B", "--visibility", "2", "--backend", backend)
+
+    result: Result = wait_until(
+        lambda: with_broker(workers.url, lambda b: b.get_result(job_id)), 20, "the result"
+    )
+    assert result.status == "succeeded", result
+    assert result.worker == "B" and result.attempt == 2
+    assert result.output == {"slept": 1.5}
+    # B could only take it once A's lease lapsed (visibility 2 s after A's last beat).
+    assert time.monotonic() - killed_at >= 1.0
+    received = events(log_b, event="job.received", job=job_id)
+    assert [r["attempt"] for r in received] == [2]
+    workers.procs[1].send_signal(signal.SIGTERM)
+    assert workers.procs[1].wait(10) == 0
+    stats = with_broker(workers.url, lambda b: b.stats())
+    assert (stats.done, stats.queued, stats.running, stats.dead) == (1, 0, 0, 0)
+
+
+def test_two_workers_drain_1000_jobs_exactly_once(workers: Workers) -> None:
+    echo = {"METNOS_ARM_OVERRIDE": "echo"}
+    logs = [
+        workers.start(wid, "--concurrency", "8", "--visibility", "30", env=echo)
+        for wid in ("W1", "W2")
+    ]
+    for log in logs:
+        wait_until(lambda log=log: has_event(log, "worker.started"), 10, "workers up")
+    jobs = [Job(executor="sleepy", args={"s": i / 1000}) for i in range(1000)]
+    receipts = with_broker(workers.url, lambda b: b.submit_many(jobs))
+    ids = {r.job_id for r in receipts}
+    assert len(ids) == 1000
+
+    def done() -> bool:
+        return with_broker(workers.url, lambda b: b.stats()).done == 1000
+
+    wait_until(done, 60, "1000 results")
+    for p in workers.procs:
+        p.send_signal(signal.SIGTERM)
+    assert [p.wait(20) for p in workers.procs] == [0, 0]
+
+    async def fetch(b: Broker) -> list[Result | None]:
+        return [await b.get_result(i) for i in sorted(ids)]
+
+    results = with_broker(workers.url, fetch)
+    assert all(r is not None and r.status == "succeeded" for r in results)
+    assert {r.job_id for r in results if r} == ids
+    assert all(r is not None and r.attempt == 1 for r in results)
+    # No double execution: across both logs, every job was received (run) exactly once.
+    received = [rec["job_id"] for log in logs for rec in events(log, event="job.received")]
+    assert len(received) == 1000 and set(received) == ids
+    per_worker = [len(events(log, event="job.received")) for log in logs]
+    assert sum(per_worker) == 1000
+    assert min(per_worker) > 0, per_worker  # both processes really competed
+    stats = with_broker(workers.url, lambda b: b.stats())
+    assert (stats.done, stats.queued, stats.running, stats.dead) == (1000, 0, 0, 0)
+
+
+def test_bad_jobs_end_with_codes_and_the_worker_keeps_serving(workers: Workers) -> None:
+    need(_bwrap_ok(), "bubblewrap is not installed")
+    log = workers.start("W", "--visibility", "5")
+    wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
+
+    async def submit(b: Broker) -> dict[str, str]:
+        return {
+            "malformed": await b.submit_raw(b'{"executor": "sleepy", "args": [1, 2'),
+            "unknown": (await b.submit(Job(executor="no_such_tool"))).job_id,
+            "denied": (await b.submit(Job(executor="reader", args={"path": "/etc/passwd"}))).job_id,
+            "bad_manifest": (await b.submit(Job(executor="broken"))).job_id,
+            "good": (await b.submit(Job(executor="sleepy", args={"s": 0}))).job_id,
+        }
+
+    ids = with_broker(workers.url, submit)
+
+    async def fetch(b: Broker) -> dict[str, Result | None]:
+        return {k: await b.wait_result(v, timeout=20) for k, v in ids.items()}
+
+    results = with_broker(workers.url, fetch)
+    summary = {
+        k: (r.status, r.error.code if r.error else None) if r else None for k, r in results.items()
+    }
+    assert summary == {
+        "malformed": ("dead", "E_BAD_MESSAGE"),
+        "unknown": ("rejected", "E_UNKNOWN_EXECUTOR"),
+        "denied": ("rejected", "E_CAPABILITY_DENIED"),
+        "bad_manifest": ("rejected", "E_BAD_MANIFEST"),
+        "good": ("succeeded", None),
+    }
+    letters = with_broker(workers.url, lambda b: b.dead_letters())
+    assert [d.job_id for d in letters] == [ids["malformed"]]
+    assert letters[0].raw is not None and letters[0].raw.startswith(b'{"executor"')
+    # Still serving after all that.
+    assert workers.procs[0].poll() is None
+    again = with_broker(
+        workers.url,
+        lambda b: b.submit(Job(executor="sleepy", args={"s": 0})),
+    ).job_id
+    r = with_broker(workers.url, lambda b: b.wait_result(again, timeout=20))
+    assert r is not None and r.status == "succeeded"
+    assert has_event(log, "executor.load_failed")
+    workers.procs[0].send_signal(signal.SIGTERM)
+    assert workers.procs[0].wait(10) == 0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sigterm_finishes_or_releases_within_grace(workers: Workers, backend: str) -> None:
+    need(_bwrap_ok(), "bubblewrap is not installed")
+    log = workers.start("W", "--grace", "1.5", "--backend", backend, "--concurrency", "2")
+    wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
+
+    async def submit(b: Broker) -> tuple[str, str]:
+        short = (await b.submit(Job(executor="sleepy", args={"s": 0.6}))).job_id
+        long = (await b.submit(Job(executor="sleepy", args={"s": 60}))).job_id
+        return short, long
+
+    short, long = with_broker(workers.url, submit)
+    wait_until(
+        lambda: has_event(log, "job.started", short) and has_event(log, "job.started", long),
+        10,
+        "both jobs running",
+    )
+    t0 = time.monotonic()
+    workers.procs[0].send_signal(signal.SIGTERM)
+    assert workers.procs[0].wait(15) == 0
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.5 + 3.0  # grace plus the kill-and-reap of the long job
+
+    async def check(b: Broker) -> tuple[Result | None, Any, Any]:
+        return await b.get_result(short), await b.get_job_state(long), await b.stats()
+
+    short_result, long_state, stats = with_broker(workers.url, check)
+    assert short_result is not None and short_result.status == "succeeded"
+    # The long one was handed back untouched: queued again, no attempt used.
+    assert long_state is not None and long_state.state == "queued"
+    assert long_state.attempt == 0
+    assert (stats.done, stats.queued, stats.running) == (1, 1, 0)
+    names = [r["event"] for r in events(log)]
+    assert names.index("worker.draining") < names.index("job.released")
+    assert names[-1] == "worker.stopped"
+    stopped = events(log, event="worker.stopped")[0]
+    assert stopped["released"] == 1
