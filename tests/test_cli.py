@@ -1,0 +1,138 @@
+"""The command line through real processes (`python -m metnos_exec ...`) and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from metnos_exec.cli import EXIT, _parse_arg, build_parser
+
+SLEEPY = """\
+name = "sleepy"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.s]
+type = "number"
+default = 0
+[args.note]
+type = "string"
+default = ""
+"""
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    ex = tmp_path / "ex" / "sleepy"
+    ex.mkdir(parents=True)
+    (ex / "manifest.toml").write_text(SLEEPY)
+    (ex / "main.py").write_text("")
+    return {
+        **os.environ,
+        "METNOS_BROKER": f"sqlite:///{tmp_path / 'q.db'}",
+        "METNOS_ARM_OVERRIDE": "echo",
+        "HOME": str(tmp_path),
+    }
+
+
+def cli(
+    env: dict[str, str], *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "metnos_exec", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
+
+
+def test_parse_arg_json_or_text() -> None:
+    assert _parse_arg("n=3") == ("n", 3)
+    assert _parse_arg("flag=true") == ("flag", True)
+    assert _parse_arg("xs=[1,2]") == ("xs", [1, 2])
+    assert _parse_arg("path=~/notes/a.md") == ("path", "~/notes/a.md")
+    assert _parse_arg('q="3"') == ("q", "3")
+    assert _parse_arg("empty=") == ("empty", "")
+
+
+def test_help_everywhere() -> None:
+    parser = build_parser()
+    assert "exit codes" in parser.format_help()
+    for cmd in ("worker", "submit", "result", "cancel", "status", "tail", "undo", "bench"):
+        out = subprocess.run(
+            [sys.executable, "-m", "metnos_exec", cmd, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, cmd
+        assert "exit codes" in out.stdout and "--broker" in out.stdout, cmd
+
+
+def test_submit_worker_result_round_trip(env: dict[str, str], tmp_path: Path) -> None:
+    sub = cli(env, "submit", "sleepy", "--arg", "s=0", "--arg", "note=buy milk")
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip()
+    bad = cli(env, "submit", "sleepy", "--arg", "nope=1")
+    rejected_id = bad.stdout.strip()
+    pending = cli(env, "result", job_id)
+    assert pending.returncode == EXIT["pending"]
+    log = tmp_path / "w.jsonl"
+    work = cli(
+        env, "worker", "--executors", str(tmp_path / "ex"), "--burst", "--log-file", str(log)
+    )
+    assert work.returncode == 0, work.stderr
+    res = cli(env, "result", job_id, "--json")
+    assert res.returncode == 0
+    doc = json.loads(res.stdout)
+    assert doc["status"] == "succeeded" and doc["output"] == {"s": 0, "note": "buy milk"}
+    human = cli(env, "result", job_id)
+    assert human.stdout.startswith("succeeded") and "sandbox echo" in human.stdout
+    rej = cli(env, "result", rejected_id)
+    assert rej.returncode == EXIT["rejected"] and "E_BAD_ARGS" in rej.stdout
+    assert cli(env, "result", "01NOSUCHJOB").returncode == EXIT["not_found"]
+    # tail: readable by default, raw JSON with --json, filtered by job and event.
+    t = cli(env, "tail", str(log), "--job", job_id, "--event", "job.finished", "--no-color")
+    assert t.returncode == 0 and t.stdout.count("\n") == 1 and "job.finished" in t.stdout
+    raw = cli(env, "tail", str(log), "--event", "job.", "--json")
+    recs = [msgspec.json.decode(x) for x in raw.stdout.splitlines()]
+    assert {r["event"] for r in recs} >= {"job.received", "job.finished", "job.rejected"}
+    assert cli(env, "tail", str(tmp_path / "missing.jsonl")).returncode == EXIT["not_found"]
+    st = cli(env, "status", "--json")
+    assert st.returncode == 0
+    status = json.loads(st.stdout)
+    assert status["broker"]["done"] == 2 and "sandbox" in status
+
+
+def test_submit_wait_exit_codes(env: dict[str, str], tmp_path: Path) -> None:
+    # Nobody is serving: --wait gives up with "pending".
+    out = cli(env, "submit", "sleepy", "--wait", "0.2")
+    assert out.returncode == EXIT["pending"] and "no result" in out.stderr
+    assert cli(env, "cancel", "01NOSUCHJOB").returncode == EXIT["not_found"]
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    c = cli(env, "cancel", job)
+    assert c.returncode == 0 and "cancelled" in c.stdout
+    assert cli(env, "result", job).returncode == EXIT["job_failed"]
+
+
+def test_usage_and_broker_errors(env: dict[str, str]) -> None:
+    assert cli(env, "submit", "sleepy", "--arg", "novalue").returncode == EXIT["usage"]
+    assert cli(env, "submit", "sleepy", "--args-json", "[1]").returncode == EXIT["usage"]
+    assert cli(env, "submit", "sleepy", "--max-attempts", "0").returncode == EXIT["usage"]
+    assert cli(env, "frobnicate").returncode == EXIT["usage"]
+    bad = cli(env, "status", "--broker", "nosuch://x")
+    assert bad.returncode == EXIT["broker"] and "E_BAD_BROKER_URL" in bad.stderr
+
+
+def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
+    out = cli(env, "undo", "01JOB")
+    assert out.returncode == EXIT["not_implemented"]
+    assert "E_NOT_IMPLEMENTED" in out.stderr
