@@ -1,0 +1,575 @@
+"""The bwrap arm on real bubblewrap: every axis reported ``kept`` is attacked here.
+
+Jobs are small Python programs run by the base interpreter inside the sandbox; each prints
+one JSON line describing what it managed to do, so assertions read behaviour, not stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metnos_exec.sandbox._types import (
+    Failure,
+    Killed,
+    Mount,
+    ResourceLimits,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+)
+from metnos_exec.sandbox.bwrap import (
+    BwrapSandbox,
+    BwrapSetupFailed,
+    bwrap_probe,
+    map_exit,
+    parse_json_status,
+)
+from metnos_exec.sandbox.flags import guest_python
+from tests.conftest import need
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
+
+MiB = 1 << 20
+HAS_SHADOW = os.path.exists("/etc/shadow")
+
+
+def need_bwrap() -> None:
+    need(
+        shutil.which("bwrap") is not None and bwrap_probe().working,
+        "bubblewrap missing or unable to create namespaces here",
+    )
+
+
+@pytest.fixture
+def arm() -> BwrapSandbox:
+    need_bwrap()
+    return BwrapSandbox()
+
+
+def py_job(tmp_path: Path, code: str, *, mounts: tuple[Mount, ...] = (), **kw: Any) -> SandboxJob:
+    """A native Python job whose executor folder lives under the test's tmp dir (so under
+    /tmp: it also proves the executor bind is not hidden by the private /tmp)."""
+    exe = tmp_path / "executor"
+    exe.mkdir(exist_ok=True)
+    main = exe / f"main_{len(list(exe.iterdir()))}.py"
+    main.write_text(textwrap.dedent(code))
+    return SandboxJob(
+        argv=(guest_python(), "-I", "-S", str(main)),
+        mounts=(Mount(str(exe), str(exe)), *mounts),
+        **kw,
+    )
+
+
+def report(outcome: SandboxOutcome) -> dict[str, Any]:
+    assert outcome.exit == Success(), (outcome.exit, outcome.stderr[-2000:])
+    result: dict[str, Any] = json.loads(outcome.stdout)
+    return result
+
+
+# --- acceptance 2: files ----------------------------------------------------------------
+
+
+async def test_host_file_outside_mounts_is_not_visible(arm: BwrapSandbox, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    job = py_job(
+        tmp_path,
+        f"""
+        import json
+        try:
+            open({str(secret)!r}).read(); print(json.dumps({{"read": True}}))
+        except OSError as e:
+            print(json.dumps({{"read": False, "errno": e.errno}}))
+        """,
+    )
+    got = report(await arm.run(job))
+    assert got == {"read": False, "errno": 2}  # ENOENT: not mounted at all
+    assert arm.containment(job).files.state == "kept"
+
+
+async def test_root_only_host_secrets_are_masked(arm: BwrapSandbox, tmp_path: Path) -> None:
+    # The worker is root and the guest's uid maps to it: without the mask the read-only
+    # /etc bind would hand out /etc/shadow.
+    need(HAS_SHADOW, "/etc/shadow absent on this host")
+    job = py_job(
+        tmp_path,
+        """
+        import json
+        try:
+            data = open("/etc/shadow").read(); print(json.dumps({"read": len(data)}))
+        except OSError as e:
+            print(json.dumps({"read": None, "errno": e.errno}))
+        """,
+    )
+    got = report(await arm.run(job))
+    assert not got["read"], got
+
+
+async def test_write_into_read_only_mount_fails(arm: BwrapSandbox, tmp_path: Path) -> None:
+    data = tmp_path / "notes"
+    data.mkdir()
+    (data / "a.md").write_text("original")
+    job = py_job(
+        tmp_path,
+        f"""
+        import json, os
+        out = {{}}
+        for name, fn in [("overwrite", lambda: open({str(data / "a.md")!r}, "w").write("x")),
+                         ("create", lambda: open({str(data / "b.md")!r}, "w").write("x")),
+                         ("unlink", lambda: os.unlink({str(data / "a.md")!r}))]:
+            try:
+                fn(); out[name] = "ok"
+            except OSError as e:
+                out[name] = e.errno
+        print(json.dumps(out))
+        """,
+        mounts=(Mount(str(data), str(data), writable=False),),
+    )
+    got = report(await arm.run(job))
+    assert got == {"overwrite": 30, "create": 30, "unlink": 30}  # EROFS
+    assert (data / "a.md").read_text() == "original"
+    assert not (data / "b.md").exists()
+
+
+async def test_writable_mount_is_writable(arm: BwrapSandbox, tmp_path: Path) -> None:
+    # The control for the test above: the denial is the mount mode, not a broken job.
+    data = tmp_path / "out"
+    data.mkdir()
+    job = py_job(
+        tmp_path,
+        f"""
+        import json
+        open({str(data / "new.md")!r}, "w").write("written inside")
+        print(json.dumps({{"ok": True}}))
+        """,
+        mounts=(Mount(str(data), str(data), writable=True),),
+    )
+    assert report(await arm.run(job)) == {"ok": True}
+    assert (data / "new.md").read_text() == "written inside"
+
+
+async def test_executor_cannot_modify_itself(arm: BwrapSandbox, tmp_path: Path) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        import json
+        try:
+            open(__file__, "a").write("# evil"); print(json.dumps({"errno": 0}))
+        except OSError as e:
+            print(json.dumps({"errno": e.errno}))
+        """,
+    )
+    assert report(await arm.run(job)) == {"errno": 30}
+
+
+# --- acceptance 2: network and sockets ----------------------------------------------------
+
+_CONNECT_TCP = """
+import json, socket
+s = socket.socket()
+s.settimeout(5)
+try:
+    s.connect(("127.0.0.1", {port})); print(json.dumps({{"connected": True}}))
+except OSError as e:
+    print(json.dumps({{"connected": False, "errno": e.errno}}))
+"""
+
+
+@pytest.fixture
+def tcp_listener() -> Any:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    yield srv
+    srv.close()
+
+
+async def test_no_network_cannot_reach_host_listener(
+    arm: BwrapSandbox, tmp_path: Path, tcp_listener: socket.socket
+) -> None:
+    port = tcp_listener.getsockname()[1]
+    job = py_job(tmp_path, _CONNECT_TCP.format(port=port), network=False)
+    got = report(await arm.run(job))
+    assert got["connected"] is False, got
+    assert arm.containment(job).network.state == "kept"
+
+
+async def test_granted_network_reaches_host_listener(
+    arm: BwrapSandbox, tmp_path: Path, tcp_listener: socket.socket
+) -> None:
+    port = tcp_listener.getsockname()[1]
+    job = py_job(tmp_path, _CONNECT_TCP.format(port=port), network=True)
+    outcome = await arm.run(job)
+    assert report(outcome) == {"connected": True}
+    assert outcome.containment.network.state == "not_kept"
+    assert "granted" in outcome.containment.network.reason
+
+
+_CONNECT_UNIX = """
+import json, socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect({addr!r}); print(json.dumps({{"connected": True}}))
+except OSError as e:
+    print(json.dumps({{"connected": False, "errno": e.errno}}))
+"""
+
+
+async def test_host_unix_socket_not_reachable(arm: BwrapSandbox, tmp_path: Path) -> None:
+    sockdir = tmp_path / "run"
+    sockdir.mkdir()
+    path = str(sockdir / "host.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        got = report(await arm.run(py_job(tmp_path, _CONNECT_UNIX.format(addr=path))))
+    assert got == {"connected": False, "errno": 2}  # ENOENT: the path is not there
+
+
+async def test_host_abstract_unix_socket_not_reachable(arm: BwrapSandbox, tmp_path: Path) -> None:
+    # Abstract sockets have no path to hide; they belong to the network namespace.
+    addr = f"\0metnos-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(addr)
+        srv.listen(1)
+        got = report(await arm.run(py_job(tmp_path, _CONNECT_UNIX.format(addr=addr))))
+    assert got["connected"] is False, got
+
+
+async def test_unix_socket_inside_a_mounted_folder_is_reachable(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    """Documented limit: a filesystem socket travels with its folder. An fs:read or
+    fs:write hint on a folder holding a socket grants connecting to that socket, even
+    without network (path sockets ignore network namespaces). Seccomp (a later issue) is
+    the wall that could close this."""
+    sockdir = tmp_path / "shared"
+    sockdir.mkdir()
+    path = str(sockdir / "host.sock")
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(path)
+        srv.listen(1)
+        job = py_job(
+            tmp_path,
+            _CONNECT_UNIX.format(addr=path),
+            mounts=(Mount(str(sockdir), str(sockdir), writable=False),),
+        )
+        got = report(await arm.run(job))
+    assert got == {"connected": True}
+
+
+# --- acceptance 3: resources ----------------------------------------------------------------
+
+
+async def test_fork_bomb_stops_at_pids_limit(arm: BwrapSandbox, tmp_path: Path) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        import json, os, time
+        ok = failed = 0
+        for _ in range(200):
+            try:
+                pid = os.fork()
+            except OSError:
+                failed += 1
+                continue
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            ok += 1
+        print(json.dumps({"ok": ok, "failed": failed}))
+        """,
+        limits=ResourceLimits(pids=16),
+    )
+    outcome = await arm.run(job)
+    got = report(outcome)
+    # The guest itself is one of the 16; the children sleeping in the namespace die with
+    # it when it exits (bubblewrap's init goes, the kernel kills the namespace).
+    assert got["ok"] <= 15 and got["failed"] >= 185, got
+    if os.geteuid() == 0:
+        assert outcome.containment.resources.state == "kept", outcome.containment.resources
+
+
+async def test_big_allocation_fails_under_memory_limit(arm: BwrapSandbox, tmp_path: Path) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        import json
+        try:
+            b = bytearray(2 << 30); print(json.dumps({"allocated": True}))
+        except MemoryError:
+            print(json.dumps({"allocated": False}))
+        """,
+        limits=ResourceLimits(memory_bytes=256 * MiB),
+    )
+    assert report(await arm.run(job)) == {"allocated": False}
+
+
+async def test_big_file_cut_off_python_gets_efbig(arm: BwrapSandbox, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "big.bin"
+    job = py_job(
+        tmp_path,
+        f"""
+        import json
+        try:
+            with open({str(target)!r}, "wb") as f:
+                for _ in range(100):
+                    f.write(b"\\0" * {MiB})
+            print(json.dumps({{"errno": 0}}))
+        except OSError as e:
+            print(json.dumps({{"errno": e.errno}}))
+        """,
+        mounts=(Mount(str(out), str(out), writable=True),),
+        limits=ResourceLimits(file_size_bytes=2 * MiB),
+    )
+    # CPython ignores SIGXFSZ, so the kernel answers EFBIG (27).
+    assert report(await arm.run(job)) == {"errno": 27}
+    assert target.stat().st_size <= 2 * MiB
+
+
+async def test_big_file_from_shell_is_killed_by_sigxfsz(arm: BwrapSandbox, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "big.bin"
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", f"head -c {100 * MiB} /dev/zero > {target}"),
+        mounts=(Mount(str(out), str(out), writable=True),),
+        limits=ResourceLimits(file_size_bytes=MiB),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Killed(signal=signal.SIGXFSZ, limit="file_size"), outcome
+    assert target.stat().st_size == MiB
+
+
+async def test_cpu_limit_is_named_by_sigxcpu(arm: BwrapSandbox) -> None:
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", "while :; do :; done"),
+        limits=ResourceLimits(cpu_time_s=1, wall_time_s=20),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Killed(signal=signal.SIGXCPU, limit="cpu_time"), outcome
+
+
+# --- acceptance 4 and 7: lifecycle and output ------------------------------------------------
+
+
+async def test_double_fork_setsid_dies_at_timeout(arm: BwrapSandbox, tmp_path: Path) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(120)
+            os._exit(0)
+        time.sleep(120)
+        """,
+        limits=ResourceLimits(wall_time_s=1.0),
+    )
+    t0 = time.monotonic()
+    outcome = await arm.run(job)
+    elapsed = time.monotonic() - t0
+    assert outcome.exit == Timeout()
+    assert elapsed < 1.0 + 2.0, elapsed
+    # "Nothing left" is checked by the autouse _no_leaks fixture (we are a subreaper).
+
+
+async def test_stdout_flood_is_capped(arm: BwrapSandbox) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", f"head -c {100 * MiB} /dev/zero"),
+        limits=ResourceLimits(output_bytes=MiB, wall_time_s=30),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Success()
+    assert outcome.stdout_truncated and len(outcome.stdout) == MiB
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024, grown_kib
+
+
+# --- acceptance 9: process tree and user --------------------------------------------------
+
+
+async def test_guest_sees_only_its_own_pid_namespace(arm: BwrapSandbox, tmp_path: Path) -> None:
+    me = os.getpid()
+    job = py_job(
+        tmp_path,
+        f"""
+        import json, os, signal
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        try:
+            os.kill({me}, signal.SIGKILL); killed = True
+        except ProcessLookupError:
+            killed = False
+        print(json.dumps({{"pids": pids, "killed": killed, "me": os.getpid()}}))
+        """,
+    )
+    got = report(await arm.run(job))
+    assert got["killed"] is False
+    assert max(got["pids"]) < 10 and me not in got["pids"], got
+    assert got["me"] == 2  # bubblewrap's init is 1
+    assert arm.containment(job).process_tree.state == "kept"
+
+
+async def test_guest_is_unprivileged_without_nested_userns(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        import ctypes, json, os, socket
+        libc = ctypes.CDLL(None, use_errno=True)
+        CLONE_NEWUSER = 0x10000000
+        rc = libc.unshare(CLONE_NEWUSER)
+        caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")]
+        print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "unshare": rc,
+                          "caps": caps[0], "host": socket.gethostname(),
+                          "env": sorted(os.environ)}))
+        """,
+        env={"METNOS_VISIBLE": "1"},
+    )
+    outcome = await arm.run(job)
+    got = report(outcome)
+    assert (got["uid"], got["gid"]) == (65534, 65534)
+    assert got["unshare"] == -1  # --disable-userns
+    assert int(got["caps"], 16) == 0
+    assert got["host"] == "sandbox"
+    # Only what the job was given (bubblewrap adds PWD; CPython's C-locale coercion adds
+    # LC_CTYPE in its own process): nothing of the worker's environment.
+    assert set(got["env"]) <= {"METNOS_VISIBLE", "PWD", "LC_CTYPE"}, got["env"]
+    assert "METNOS_VISIBLE" in got["env"]
+    assert outcome.containment.user.state == "kept"
+
+
+# --- exits, isolation between runs, set-up faults -----------------------------------------
+
+
+async def test_exit_codes_and_signals_map(arm: BwrapSandbox, tmp_path: Path) -> None:
+    fail = await arm.run(py_job(tmp_path, "import sys; sys.exit(3)"))
+    assert fail.exit == Failure(code=3)
+    killed = await arm.run(
+        py_job(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    )
+    assert killed.exit == Killed(signal=9, limit=None)
+    assert fail.containment.sandbox == "bwrap"
+
+
+async def test_two_runs_do_not_poison_each_other(arm: BwrapSandbox, tmp_path: Path) -> None:
+    code = """
+        import json, os
+        seen = os.path.exists("/tmp/left-behind")
+        open("/tmp/left-behind", "w").write("x")
+        print(json.dumps({"seen": seen}))
+        """
+    first = report(await arm.run(py_job(tmp_path, code)))
+    second = report(await arm.run(py_job(tmp_path, code)))
+    assert first == second == {"seen": False}
+
+
+async def test_setup_failure_is_a_host_fault_not_a_job_failure(arm: BwrapSandbox) -> None:
+    job = SandboxJob(argv=("/bin/true",), cwd="/does/not/exist")
+    with pytest.raises(BwrapSetupFailed):
+        await arm.run(job)
+
+
+def test_map_exit_without_guest_exit_raises_and_reads_128_plus_n() -> None:
+    from metnos_exec.process import ProcessResult
+
+    def res(rc: int, timed_out: bool = False) -> ProcessResult:
+        return ProcessResult(
+            returncode=rc, stdout=b"", stderr=b"bwrap: oops", stdout_truncated=False,
+            stderr_truncated=False, timed_out=timed_out, wall_s=0.0, cpu_s=0.0,
+            peak_rss_bytes=0, pids_limited=True,
+        )  # fmt: skip
+
+    job = SandboxJob(argv=("x",), limits=ResourceLimits(cpu_time_s=1))
+    with pytest.raises(BwrapSetupFailed):
+        map_exit(job, res(1), {"child-pid": 5})
+    assert map_exit(job, res(152), {"exit-code": 152}) == Killed(24, "cpu_time")
+    nolimit = SandboxJob(argv=("x",), limits=ResourceLimits(file_size_bytes=None))
+    assert map_exit(nolimit, res(153), {"exit-code": 153}) == Killed(25, None)
+    assert map_exit(job, res(-9), {"child-pid": 5}) == Killed(9, None)
+    assert map_exit(job, res(-15, True), {}) == Timeout()
+    assert map_exit(job, res(2), {"exit-code": 2}) == Failure(2)
+    doc = parse_json_status(b'{ "child-pid": 7 }\n{ "exit-code": 0 }\n')
+    assert doc == {"child-pid": 7, "exit-code": 0}
+
+
+# --- acceptance 5 and 6: die-with-parent, and never too early ------------------------------
+
+_WORKER = """
+import anyio, sys
+from metnos_exec.sandbox.bwrap import BwrapSandbox
+from metnos_exec.sandbox._types import Mount, SandboxJob, ResourceLimits
+marker, token = sys.argv[1], sys.argv[2]
+d = marker.rsplit("/", 1)[0]
+job = SandboxJob(
+    argv=("/bin/sh", "-c", f"touch {marker}; sleep 600; : {token}"),
+    mounts=(Mount(d, d, writable=True),),
+    limits=ResourceLimits(wall_time_s=600),
+)
+anyio.run(BwrapSandbox().run, job)
+"""
+
+
+def _pids_with(token: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigkill_of_worker_leaves_no_sandboxed_process(tmp_path: Path) -> None:
+    need_bwrap()
+    marker = tmp_path / "started"
+    token = f"metnos-dwp-{os.getpid()}-{time.monotonic_ns()}"
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, str(marker), token])
+    try:
+        deadline = time.monotonic() + 20
+        while not marker.exists():  # polling with a deadline for the job to start
+            assert worker.poll() is None, "worker died before the job started"
+            assert time.monotonic() < deadline, "job never started"
+            time.sleep(0.02)
+        assert _pids_with(token), "the sandboxed job is not running"
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 5
+    while _pids_with(token) and time.monotonic() < deadline:
+        time.sleep(0.02)  # SIGKILL delivery and reaping take a moment
+    assert _pids_with(token) == []
+
+
+@pytest.mark.slow
+def test_job_outliving_trio_thread_cache_completes() -> None:
+    # trio's idle worker threads exit after 10 s; PR_SET_PDEATHSIG is tied to the forking
+    # thread, so a job spawned from one would be SIGKILLed then. 12 s > 10 s.
+    need_bwrap()
+    import trio
+
+    job = SandboxJob(argv=("/bin/sh", "-c", "sleep 12; echo done"))
+    outcome = trio.run(BwrapSandbox().run, job)
+    assert outcome.exit == Success() and outcome.stdout == b"done\n"
