@@ -1,0 +1,217 @@
+"""Every arm through the conformance suite (`tests/sandbox/conformance.py`).
+
+Arms written by other modules are imported lazily: until an arm exists its cases skip with
+that reason; once it exists they run for real (real bwrap, real wasmtime).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from metnos_exec.errors import HostFault
+from metnos_exec.sandbox._types import (
+    Failure,
+    ResourceLimits,
+    Sandbox,
+    SandboxExit,
+    SandboxJob,
+    Success,
+    Timeout,
+    WasmProgram,
+)
+from metnos_exec.sandbox.doubles import EchoSandbox, FaultSandbox
+
+from ..conftest import need
+from .conformance import CHECKS, ArmUnderTest, applicable, compile_wats, native_jobs, wasm_jobs
+
+
+def _import(module: str, attr: str) -> type:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        pytest.skip(f"{module} is not available yet: {exc}")
+    if not hasattr(mod, attr):
+        pytest.skip(f"{module}.{attr} is not available yet")
+    return getattr(mod, attr)  # type: ignore[no-any-return]
+
+
+def echo_arm() -> ArmUnderTest:
+    return ArmUnderTest(
+        name="echo",
+        make=lambda check: EchoSandbox(stdout=b"!"),
+        well_formed=lambda tmp: SandboxJob(stdin=b"ping"),
+        expected_stdout=b"ping!",
+        flood=lambda tmp: SandboxJob(stdin=b"x" * 5000, limits=ResourceLimits(output_bytes=1000)),
+        not_applicable={
+            "denial": "echo runs nothing, so there is nothing to deny",
+            "budget": "echo runs nothing, so no budget can be exceeded",
+        },
+    )
+
+
+def fault_arm() -> ArmUnderTest:
+    scripts: dict[str, tuple[list[SandboxExit | BaseException], bytes]] = {
+        "poison": ([Success(), Failure(13), Success()], b"scripted"),
+        "well_formed": ([Success()], b"scripted"),
+        "flood": ([Success()], b"x" * 5000),
+        "denial": ([Failure(13)], b""),
+        "granted": ([Success()], b""),
+        "budget": ([Timeout()], b""),
+    }
+
+    def make(check: str) -> Sandbox:
+        script, out = scripts[check]
+        return FaultSandbox(list(script), stdout=out)
+
+    return ArmUnderTest(
+        name="fault",
+        make=make,
+        well_formed=lambda tmp: SandboxJob(),
+        expected_stdout=b"scripted",
+        flood=lambda tmp: SandboxJob(limits=ResourceLimits(output_bytes=1000)),
+        forbidden=lambda tmp: SandboxJob(),
+        granted=lambda tmp: SandboxJob(),
+        over_budget=lambda tmp: SandboxJob(limits=ResourceLimits(wall_time_s=1.0)),
+    )
+
+
+def direct_arm() -> ArmUnderTest:
+    cls = _import("metnos_exec.sandbox.direct", "DirectSandbox")
+    return ArmUnderTest(name="none", make=lambda check: cls(), **native_jobs())
+
+
+def bwrap_arm() -> ArmUnderTest:
+    cls = _import("metnos_exec.sandbox.bwrap", "BwrapSandbox")
+    from metnos_exec.sandbox.bwrap import bwrap_probe
+
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    return ArmUnderTest(name="bwrap", make=lambda check: cls(), **native_jobs())
+
+
+@pytest.fixture(scope="session")
+def wasm_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Compile the suite's modules and load them into the process-wide engine once per
+    session: its compiled images stay mapped (memfds) for the session by design, which a
+    per-test fd check must not mistake for a leak."""
+    try:
+        from metnos_exec.sandbox.wasm import WasmSandbox
+    except ImportError:
+        return {}
+    try:
+        import wasmtime  # noqa: F401
+    except ImportError:
+        return {}
+    folder = tmp_path_factory.mktemp("conformance-wasm")
+    modules = compile_wats(folder)
+    cache = folder / "cache"
+    arm = WasmSandbox(cache_dir=cache)
+
+    async def warm() -> None:
+        # One instantiation per module: wasmtime maps each module's memory image, and its
+        # WASI runtime opens its event fds, once per process.
+        for path in modules.values():
+            job = SandboxJob(
+                wasm=WasmProgram(str(path), ("warm",)), limits=ResourceLimits(fuel=10_000)
+            )
+            await arm.run(job)
+
+    anyio.run(warm)
+    return {"modules": modules, "cache": cache}
+
+
+def wasm_arm(setup: dict[str, Any]) -> ArmUnderTest:
+    cls = _import("metnos_exec.sandbox.wasm", "WasmSandbox")
+    need(bool(setup), "wasmtime is not installed")
+    modules, cache = setup["modules"], setup["cache"]
+    return ArmUnderTest(name="wasm", make=lambda check: cls(cache_dir=cache), **wasm_jobs(modules))
+
+
+ARMS: dict[str, Callable[[dict[str, Any]], ArmUnderTest]] = {
+    "echo": lambda _: echo_arm(),
+    "fault": lambda _: fault_arm(),
+    "direct": lambda _: direct_arm(),
+    "bwrap": lambda _: bwrap_arm(),
+    "wasm": wasm_arm,
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("arm_name", list(ARMS))
+async def test_conformance(
+    arm_name: str, check: str, tmp_path: Path, wasm_setup: dict[str, Any]
+) -> None:
+    arm = ARMS[arm_name](wasm_setup)
+    reason = applicable(arm, check)
+    if reason is not None:
+        pytest.skip(reason)
+    await CHECKS[check](arm, tmp_path)
+
+
+# --- the doubles' own contract --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_echo_records_jobs_and_appends_scripted_output() -> None:
+    echo = EchoSandbox(stdout=b"+out", stderr=b"err", exit=Failure(2))
+    a, b = SandboxJob(stdin=b"a"), SandboxJob(stdin=b"b", argv=("x",))
+    oa, ob = await echo.run(a), await echo.run(b)
+    assert echo.jobs == [a, b]
+    assert (oa.stdout, ob.stdout, ob.stderr, ob.exit) == (b"a+out", b"b+out", b"err", Failure(2))
+    report = echo.containment(a)
+    assert report.sandbox == "echo"
+    assert {v.reason for v in report.axes().values()} == {"nothing runs: test double"}
+
+
+@pytest.mark.anyio
+async def test_fault_pops_the_standard_sequence_then_stops() -> None:
+    from metnos_exec.sandbox._types import FuelExhausted, Trap
+    from metnos_exec.sandbox.doubles import FaultScriptExhausted
+
+    fault = FaultSandbox.standard()
+    job = SandboxJob()
+    exits = [(await fault.run(job)).exit for _ in range(4)]
+    assert [type(e) for e in exits] == [Failure, FuelExhausted, Trap, Timeout]
+    with pytest.raises(HostFault, match="scripted host fault"):
+        await fault.run(job)
+    assert fault.remaining == 0
+    with pytest.raises(FaultScriptExhausted, match="exhausted after 5 run"):
+        await fault.run(job)
+    assert len(fault.jobs) == 6
+    assert fault.containment(job).sandbox == "fault"
+
+
+# --- the suite can fail -----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_suite_catches_a_lying_arm(tmp_path: Path) -> None:
+    # Echo "runs" every job successfully while reporting every axis kept: described as an
+    # arm that should deny and time out, it must fail both checks.
+    liar = ArmUnderTest(
+        name="echo",
+        make=lambda check: EchoSandbox(),
+        well_formed=lambda tmp: SandboxJob(stdin=b"x"),
+        expected_stdout=b"x",
+        forbidden=lambda tmp: SandboxJob(stdin=b"secret"),
+        over_budget=lambda tmp: SandboxJob(limits=ResourceLimits(wall_time_s=0.1)),
+    )
+    with pytest.raises(AssertionError, match="forbidden job succeeded"):
+        await CHECKS["denial"](liar, tmp_path)
+    with pytest.raises(AssertionError, match="exit=Success"):
+        await CHECKS["budget"](liar, tmp_path)
+    wrong_name = ArmUnderTest(
+        name="bwrap",
+        make=lambda check: EchoSandbox(),
+        well_formed=lambda tmp: SandboxJob(),
+        expected_stdout=b"",
+    )
+    with pytest.raises(AssertionError, match="arm reports name 'echo'"):
+        await CHECKS["well_formed"](wrong_name, tmp_path)
