@@ -117,7 +117,9 @@ def _native_decision(env: Mapping[str, str]) -> tuple[Decision, BwrapProbe | Non
 
 def _wasm_import_error() -> str | None:
     try:
-        from . import wasm  # noqa: F401 - imported for its availability only
+        # `from .wasm import X` (not `from . import wasm`): it honours sys.modules, so a
+        # module that failed to import is seen as missing even after a first success.
+        from .wasm import WasmSandbox  # noqa: F401 - imported for its availability only
     except ImportError as exc:
         return f"cannot import the wasm arm: {exc}"
     return None

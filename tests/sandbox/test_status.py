@@ -1,0 +1,65 @@
+"""`status()` is well-formed and matches what the host really offers."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+
+from metnos_exec.sandbox.bwrap import bwrap_probe, forget_probes
+from metnos_exec.sandbox.status import RUNTIMES, SandboxStatus, status
+from tests.conftest import need
+
+
+def test_status_is_well_formed_and_round_trips() -> None:
+    st = status()
+    back = msgspec.json.decode(msgspec.json.encode(st), type=SandboxStatus)
+    assert back == st
+    assert set(st.arms) == set(RUNTIMES)
+    assert st.overlay_staging == "untested"
+
+
+def test_status_matches_bwrap_reality() -> None:
+    need(shutil.which("bwrap") is not None, "bubblewrap not installed")
+    st = status()
+    found = shutil.which("bwrap")
+    assert st.bwrap.path is not None and found is not None
+    assert os.path.samefile(st.bwrap.path, found)
+    assert st.bwrap.working is bwrap_probe().working
+    if st.bwrap.working and not st.sandbox_off:
+        assert st.arms["python"] == "bwrap" and "python" not in st.degraded
+    assert st.bwrap.version is not None and st.bwrap.version[0].isdigit()
+
+
+def test_status_reports_degradation_without_bwrap(tmp_path: Path) -> None:
+    forget_probes()
+    st = status({"PATH": str(tmp_path)})
+    assert st.bwrap.path is None and st.bwrap.working is False
+    assert st.arms["python"] == "none"
+    assert st.degraded == {"python": "bwrap_missing"}
+    off = status({"METNOS_SANDBOX": "off", "PATH": os.environ.get("PATH", "")})
+    assert off.sandbox_off and off.degraded == {"python": "sandbox_off"}
+
+
+def test_status_kernel_features_match_the_kernel() -> None:
+    actions = Path("/proc/sys/kernel/seccomp/actions_avail")
+    st = status()
+    if actions.exists():
+        assert st.seccomp and st.seccomp_actions == tuple(actions.read_text().split())
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, ctypes.c_size_t(0), 1)
+    assert st.landlock_abi == (abi if abi > 0 else None)
+    max_ns = Path("/proc/sys/user/max_user_namespaces").read_text().strip()
+    if os.geteuid() == 0:  # the unprivileged_userns_clone sysctl does not bind root
+        assert st.user_namespaces is (int(max_ns) > 0)
+
+
+def test_status_wasm_section_present() -> None:
+    st = status()
+    assert "engine" in st.wasm or "error" in st.wasm
+    if "engine" in st.wasm:
+        assert isinstance(st.wasm["engine"]["importable"], bool)
+        assert st.arms["wasm"] == "wasm"
