@@ -154,6 +154,44 @@ def _validate(manifest: Manifest, where: Path) -> None:
         raise bad("limits.fuel", "must be positive")
 
 
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def _field_of(exc: msgspec.ValidationError, raw: bytes) -> tuple[str, str]:
+    """(message without the JSON path, the TOML field a person would edit)."""
+    text, at = str(exc), ""
+    if " - at `$" in text:
+        text, _, at = text.rpartition(" - at `$")
+        at = at.rstrip("`").lstrip(".")
+    if at.startswith("args[...]"):
+        # msgspec does not name the dict key; find the argument by checking each one.
+        try:
+            table = msgspec.toml.decode(raw)
+            bad_args = [
+                name
+                for name, value in dict(table.get("args", {})).items()
+                if not _converts(value, ArgSpec)
+            ]
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            bad_args = []
+        if len(bad_args) == 1:
+            at = f"args.{bad_args[0]}" + at[len("args[...]") :]
+    named = _UNKNOWN_FIELD.search(text) or _MISSING_FIELD.search(text)
+    if named:
+        # "Object contains unknown field `bogus` - at `$.limits`" → `limits.bogus`.
+        at = f"{at}.{named.group(1)}" if at else named.group(1)
+    return text, at or "(top level)"
+
+
+def _converts(value: Any, type_: type) -> bool:
+    try:
+        msgspec.convert(value, type_)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Load and validate one ``manifest.toml``.
 
@@ -170,13 +208,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     except msgspec.ValidationError as exc:
         # msgspec says "Expected `int`, got `str` - at `$.limits.timeout_s`"; turn the
         # JSON path into the TOML field a person would edit.
-        text = str(exc)
-        field = "?"
-        if " - at `$" in text:
-            text, _, at = text.rpartition(" - at `$")
-            field = at.rstrip("`").lstrip(".") or "(top level)"
-        elif "missing required field" in text:
-            field = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else "?"
+        text, field = _field_of(exc, raw)
         raise BadManifest(f"{p}: field `{field}`: {text}") from exc
     except msgspec.DecodeError as exc:
         raise BadManifest(f"{p}: not valid TOML: {exc}") from exc
