@@ -44,6 +44,9 @@ fuel = 10_000_000_000
 """
 
 
+MODE_TABLE = '[args.mode]\ntype = "string"\nenum = ["append", "replace", "sync"]\ndefault = "append"'
+
+
 def write(folder: Path, text: str, *, entry: str = "main.py") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / entry).write_text("")
@@ -109,13 +112,13 @@ def test_mutating_can_be_declared() -> None:
             "can not be required",
         ),
         (
-            '[args.mode]\ntype = "string"\nenum = ["append", "replace", "sync"]\ndefault = "append"',
+            MODE_TABLE,
             '[args.mode]\ntype = "integer"\ndefault = "append"',
             "args.mode.default",
             "is not of type integer",
         ),
         (
-            '[args.mode]\ntype = "string"\nenum = ["append", "replace", "sync"]\ndefault = "append"',
+            MODE_TABLE,
             '[args.mode]\ntype = "integer"\ndefault = true',
             "args.mode.default",
             "is not of type integer",
