@@ -166,7 +166,8 @@ def _die_like(raw: int) -> None:
         sig = os.WTERMSIG(raw)
         # A core dump of the shim would say nothing and litter the cwd.
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be (re)set
+            signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # only reached for a signal whose default is not fatal

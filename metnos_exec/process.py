@@ -221,8 +221,36 @@ _V1_PIDS: Final = Path("/sys/fs/cgroup/pids")
 _V2_ROOT: Final = Path("/sys/fs/cgroup")
 
 
+_parent_cache: list[Path | None] = []
+
+
 def _cgroup_parent() -> Path | None:
-    """The writable ``metnos`` cgroup under which per-run cgroups with pids.max go."""
+    """The writable ``metnos`` cgroup under which per-run cgroups go; probed once."""
+    if not _parent_cache:
+        parent = _find_cgroup_parent()
+        if parent is not None:
+            _sweep_stale(parent)
+        _parent_cache.append(parent)
+    return _parent_cache[0]
+
+
+def _sweep_stale(parent: Path) -> None:
+    """Remove per-run cgroups whose worker died without cleaning up (SIGKILL, power loss).
+
+    Per-run cgroups are named ``<worker pid>-<uuid>``; only those whose worker pid no longer
+    exists are touched, so a live worker's fresh, still-empty cgroup is never pulled from
+    under it. Best effort: a non-empty one is left (rmdir refuses) with its processes.
+    """
+    for entry in parent.iterdir():
+        owner, sep, _ = entry.name.partition("-")
+        if not (sep and owner.isdigit() and entry.is_dir()):
+            continue
+        if not Path(f"/proc/{owner}").exists():
+            with contextlib.suppress(OSError):
+                entry.rmdir()
+
+
+def _find_cgroup_parent() -> Path | None:
     try:
         if (_V1_PIDS / "cgroup.procs").exists():
             parent = _V1_PIDS / "metnos"
@@ -254,7 +282,7 @@ class _Cgroup:
         parent = _cgroup_parent()
         if parent is None:
             return None
-        path = parent / uuid.uuid4().hex
+        path = parent / f"{os.getpid()}-{uuid.uuid4().hex}"
         try:
             path.mkdir()
         except OSError:
