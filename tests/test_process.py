@@ -436,11 +436,11 @@ def test_pdeathsig_is_tied_to_the_forking_thread() -> None:
 
 @pytest.fixture
 def short_trio_thread_idle(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
-    """trio's idle worker threads exit after 10 s; make that 0.2 s for the test."""
+    """trio's idle worker threads exit after 10 s; make that 0.1 s for the test."""
     from trio._core import _thread_cache
 
-    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 0.2)
-    yield 0.2
+    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 0.1)
+    yield 0.1
 
 
 @pytest.mark.anyio
@@ -448,20 +448,21 @@ def short_trio_thread_idle(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
 async def test_a_job_outlives_an_idle_worker_thread(
     reaper: bool, anyio_backend: str, short_trio_thread_idle: float
 ) -> None:
+    result: list[ProcessResult] = []
     async with anyio.create_task_group() as tg:
-        result: list[ProcessResult] = []
 
         async def job() -> None:
-            result.append(await run_process(spec("sleep", "1.5", reaper=reaper), timeout=30))
+            result.append(await run_process(spec("sleep", "2.5", reaper=reaper), timeout=30))
 
         tg.start_soon(job)
         # Make the backend start a worker thread now, then watch it exit while the job runs.
         ident = await anyio.to_thread.run_sync(threading.get_ident)
         if anyio_backend == "trio":
-            with anyio.fail_after(1.2):
+            with anyio.fail_after(2.0):
                 # No event exists for "a thread exited": poll with the deadline above.
                 while ident in {t.ident for t in threading.enumerate()}:  # noqa: ASYNC110
                     await anyio.sleep(0.02)
+            assert result == [], "the worker thread must exit while the job still runs"
     assert result[0].returncode == 0, result[0]
 
 
