@@ -159,6 +159,7 @@ class WasmEngine:
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self._memory: dict[str, Loaded] = {}
+        self._denied: dict[str, str] = {}
         self._source_keys: dict[tuple[str, int, int, int], str] = {}
 
     # --- keys ---------------------------------------------------------------------------
@@ -208,8 +209,19 @@ class WasmEngine:
                 hit = self._memory.get(key)
             if hit is not None:
                 return Loaded(key, hit.module, hit.pre, "memory", time.perf_counter() - t0)
+            with self._lock:
+                denied = self._denied.get(key)
+            if denied is not None:
+                raise SandboxDenied(denied)
             module, how = self._from_disk_or_compile(key, data, source, cache_dir)
-            pre = self._link(module, source)
+            pre, refusal = self._link(module, source)
+            if pre is None:
+                # Remember the verdict, and drop the module before raising: a traceback
+                # kept by the caller would otherwise pin it (and its mapped file) alive.
+                del module
+                with self._lock:
+                    self._denied[key] = refusal
+                raise SandboxDenied(refusal)
             loaded = Loaded(key, module, pre, how, time.perf_counter() - t0)
             with self._lock:
                 self._memory[key] = loaded
@@ -237,27 +249,26 @@ class WasmEngine:
             _write_atomically(target, module.serialize())
         return module, "compiled"
 
-    def _link(self, module: wasmtime.Module, source: Path) -> wasmtime.InstancePre:
-        # Check imports first so the refusal names what was asked for, instead of
-        # parsing the linker's message.
+    def _link(
+        self, module: wasmtime.Module, source: Path
+    ) -> tuple[wasmtime.InstancePre | None, str]:
+        """The linked module, or None and the refusal. Imports are checked first so the
+        refusal names what was asked for, instead of relaying the linker's message."""
         wt = self.wt
         for imp in module.imports:
             if imp.module != WASI_P1 or imp.name is None or not _is_wasi_p1(imp.name):
-                raise SandboxDenied(
+                return None, (
                     f"wasm module {source.name} imports `{imp.module}::{imp.name}`, which "
                     "this sandbox does not provide (WASI preview 1 only; no sockets can "
                     "be opened, connected or bound)"
                 )
         if not any(e.name == "_start" and isinstance(e.type, wt.FuncType) for e in module.exports):
-            raise SandboxDenied(
-                f"wasm module {source.name} is not a WASI command: it exports no `_start`"
-            )
+            return None, f"wasm module {source.name} is not a WASI command: no `_start` export"
         try:
-            pre: wasmtime.InstancePre = self.linker.instantiate_pre(module)
+            return self.linker.instantiate_pre(module), ""
         except wt.WasmtimeError as exc:
             # Every name was a WASI p1 function, so this is a signature mismatch.
-            raise SandboxDenied(f"wasm module {source.name} does not link: {exc}") from exc
-        return pre
+            return None, f"wasm module {source.name} does not link: {exc}"
 
     def cached_keys(self) -> list[str]:
         with self._lock:
@@ -267,6 +278,7 @@ class WasmEngine:
         """Drop the in-memory cache (the bench measures disk hits with it)."""
         with self._lock:
             self._memory.clear()
+            self._denied.clear()
             self._source_keys.clear()
 
 

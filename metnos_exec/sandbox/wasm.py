@@ -36,10 +36,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from ..errors import HostFault, SandboxDenied, ToolUnavailable
 from ._types import (
+    PYTHON_WASM_MODULE,
     AxisVerdict,
     ContainmentReport,
     Failure,
@@ -81,11 +83,6 @@ __all__ = (
     "wasm_status",
 )
 
-try:  # The seam owns the sentinel; keep working while that lands.
-    from ._types import PYTHON_WASM_MODULE  # type: ignore[attr-defined,unused-ignore]
-except ImportError:  # pragma: no cover - depends on the seam's version
-    PYTHON_WASM_MODULE: Final[str] = "metnos:python-3.12"  # type: ignore[misc,no-redef,unused-ignore]
-
 #: Why `wasmtime>=50.0.1,<51`, and when to move it.
 WASMTIME_PIN_REASON: Final[str] = (
     "Read-only preopens are a wall only on wasmtime releases that fixed two WASI "
@@ -106,7 +103,7 @@ WASMTIME_PIN_REASON: Final[str] = (
 _PYTHON_ARGV0 = "python"
 #: Guest paths a wasm-python job must never preopen: the runtime's built-in standard
 #: library lives there, and a preopen would hide it (start-up then fails) or replace it.
-_PYTHON_RESERVED = ("/usr", "/usr/local", "/usr/local/lib")
+_PYTHON_RESERVED = ("/", "/usr", "/usr/local", "/usr/local/lib")
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
 _PAGE = 65536
@@ -115,12 +112,18 @@ _UNMETERED_FUEL = 2**63 - 1
 
 
 def python_program(script: str, *args: str) -> tuple[str, ...]:
-    """Python command-line arguments for `WasmProgram(PYTHON_WASM_MODULE, args=...)`.
+    """The guest argv for `WasmProgram(PYTHON_WASM_MODULE, args=...)` running `script`."""
+    return (_PYTHON_ARGV0, "-u", script, *args)
 
-    The arm always runs the interpreter unbuffered (`-u`): a guest stopped by fuel or time
-    would otherwise lose what it printed.
-    """
-    return (script, *args)
+
+def _python_argv(args: tuple[str, ...]) -> list[str]:
+    """`args` is the whole guest argv (argv[0] first, as the planner builds it). The arm
+    makes sure the interpreter runs unbuffered (`-u`): a guest stopped by fuel or time
+    would otherwise lose what it had printed."""
+    argv0, rest = (args[0], list(args[1:])) if args else (_PYTHON_ARGV0, [])
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    return [argv0, "-u", *rest]
 
 
 @dataclass
@@ -332,7 +335,9 @@ class WasmSandbox:
                 await anyio.to_thread.run_sync(work, abandon_on_cancel=False)
             finally:
                 tg.cancel_scope.cancel()
-        # Reached only when nobody cancelled us; a cancelled caller re-raised above.
+        # A cancelled caller must see its cancellation, not an outcome: trio raises it at
+        # the task group's exit, asyncio only at the next checkpoint, so take one.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         if failed:
             raise failed[0]
         return result[0]
@@ -353,7 +358,7 @@ class WasmSandbox:
             guest = "/" + m.guest.strip("/")
             if not m.guest.startswith("/"):
                 raise SandboxDenied(f"mount guest path {m.guest!r} must be absolute")
-            if is_python and guest in _PYTHON_RESERVED:
+            if is_python and (guest in _PYTHON_RESERVED or guest.startswith("/usr/local/lib/")):
                 raise SandboxDenied(
                     f"mount at {guest} would hide the python runtime's standard library"
                 )
@@ -383,7 +388,7 @@ class WasmSandbox:
         loaded = engine.load(self._module_path(job, is_python), self.cache_dir)
         lim = job.limits
         argv = (
-            [_PYTHON_ARGV0, "-u", *job.wasm.args]
+            _python_argv(job.wasm.args)
             if is_python
             else list(job.wasm.args or (Path(job.wasm.module).stem,))
         )

@@ -1,0 +1,634 @@
+"""The wasm arm on real wasmtime: reference assertions, budgets, preopens, the runtime pin.
+
+python.wasm is compiled once per session into a session cache folder (`wasm_cache`) and
+then loaded from the in-memory cache, so only the first wasm-python test pays the cold
+compile (4-8 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from metnos_exec.errors import HostFault, SandboxDenied, ToolUnavailable
+from metnos_exec.manifest import load_manifest
+from metnos_exec.sandbox._types import (
+    PYTHON_WASM_MODULE,
+    Failure,
+    FuelExhausted,
+    MemoryExceeded,
+    Mount,
+    ResourceLimits,
+    Sandbox,
+    SandboxJob,
+    Success,
+    Timeout,
+    Trap,
+    WasmProgram,
+)
+from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
+from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
+from metnos_exec.sandbox.wasm import (
+    WASMTIME_PIN_REASON,
+    RuntimeMismatch,
+    WasmSandbox,
+    python_program,
+    wasm_status,
+)
+from tests.conftest import need
+
+WAT = Path(__file__).parent / "wat"
+EXAMPLES = Path(__file__).parents[2] / "examples" / "executors"
+WT = load_wasmtime()
+
+
+def _runtime_available() -> bool:
+    try:
+        verified_python_wasm()
+    except ToolUnavailable:
+        return False
+    return True
+
+
+HAVE_ENGINE = WT is not None
+HAVE_RUNTIME = HAVE_ENGINE and _runtime_available()
+NO_ENGINE = "wasmtime is not installed (install metnos-exec[wasm])"
+NO_RUNTIME = (
+    "python.wasm is not installed (install metnos-exec[wasm-python] or set METNOS_PYTHON_WASM)"
+)
+
+FUEL = 1_000_000
+PY_FUEL = 20_000_000_000
+PY_MEM = 64 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def wasm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Session cache folder, warmed so per-test fd checks do not see the engine's own
+    one-time files (compiled module images stay mapped for the session)."""
+    cache = tmp_path_factory.mktemp("wasm-cache")
+    if HAVE_ENGINE:
+        # Run each module once: the first instance of a module maps its memory image
+        # (a memfd), and the first WASI call starts wasmtime's internal I/O runtime.
+        arm = WasmSandbox(cache_dir=cache)
+        lim = ResourceLimits(fuel=2000, wall_time_s=5)
+        jobs = [
+            SandboxJob(wasm=WasmProgram(str(wat)), limits=lim)
+            for wat in sorted(WAT.glob("*.wat"))
+            if wat.name != "sock.wat"
+        ]
+        jobs.append(SandboxJob(wasm=WasmProgram(str(EXAMPLES / "wasm_hello/hello.wat"))))
+        if HAVE_RUNTIME:
+            jobs.append(
+                SandboxJob(
+                    wasm=WasmProgram(PYTHON_WASM_MODULE, ("python", "-c", "pass")),
+                    limits=ResourceLimits(fuel=PY_FUEL),
+                )
+            )
+        for job in jobs:
+            anyio.run(arm.run, job)
+        with pytest.raises(SandboxDenied):  # the verdict is cached from here on
+            anyio.run(arm.run, SandboxJob(wasm=WasmProgram(str(WAT / "sock.wat"))))
+    yield cache
+
+
+@pytest.fixture
+def arm(wasm_cache: Path) -> WasmSandbox:
+    need(HAVE_ENGINE, NO_ENGINE)
+    return WasmSandbox(cache_dir=wasm_cache)
+
+
+@pytest.fixture
+def py_arm(arm: WasmSandbox) -> WasmSandbox:
+    need(HAVE_RUNTIME, NO_RUNTIME)
+    return arm
+
+
+def wat_job(name: str, *, fuel: int | None = FUEL, **kw: object) -> SandboxJob:
+    limits = kw.pop("limits", None) or ResourceLimits(fuel=fuel)
+    return SandboxJob(wasm=WasmProgram(str(WAT / f"{name}.wat"), (name,)), limits=limits, **kw)  # type: ignore[arg-type]
+
+
+def py_job(
+    folder: Path, code: str, *, mounts: tuple[Mount, ...] = (), **limits: object
+) -> SandboxJob:
+    """A wasm-python job running `code` as main.py from `folder` (mounted read-only)."""
+    (folder / "main.py").write_text(textwrap.dedent(code))
+    lim = {"fuel": PY_FUEL, "memory_bytes": PY_MEM, "wall_time_s": 20.0, **limits}
+    return SandboxJob(
+        wasm=WasmProgram(PYTHON_WASM_MODULE, python_program(str(folder / "main.py"))),
+        mounts=(Mount(str(folder), str(folder), writable=False), *mounts),
+        limits=ResourceLimits(**lim),  # type: ignore[arg-type]
+    )
+
+
+def test_protocol_and_pin_reason() -> None:
+    assert isinstance(WasmSandbox(cache_dir=False), Sandbox)
+    for needle in ("GHSA-2r75-cxrj-cmph", "GHSA-4ch3-9j33-3pmj", "45.0.3", "46.0.1"):
+        assert needle in WASMTIME_PIN_REASON
+
+
+# --- acceptance 1: the three reference assertions -------------------------------------
+
+
+@pytest.mark.anyio
+async def test_ok_within_fuel_is_success_byte_exact(arm: WasmSandbox) -> None:
+    out = await arm.run(wat_job("ok"))
+    assert out.exit == Success()
+    assert out.stdout == b"ok\n"
+    assert out.stderr == b""
+    assert out.usage.fuel_consumed is not None and 0 < out.usage.fuel_consumed < FUEL
+    assert out.containment.sandbox == "wasm"
+
+
+@pytest.mark.anyio
+async def test_path_open_denied_without_preopen_granted_with(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    (tmp_path / "hello.txt").write_text("hi")
+    denied = await arm.run(wat_job("open_or_7"))
+    assert denied.exit == Failure(7)
+    granted = await arm.run(wat_job("open_or_7", mounts=(Mount(str(tmp_path), "/data"),)))
+    assert granted.exit == Success()
+
+
+@pytest.mark.anyio
+async def test_infinite_loop_small_fuel_is_fuel_exhausted_returned(arm: WasmSandbox) -> None:
+    out = await arm.run(wat_job("spin", fuel=10_000))
+    assert out.exit == FuelExhausted()
+    assert out.usage.fuel_consumed == 10_000
+
+
+# --- acceptance 2: memory --------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_memory_growth_past_limit_is_memory_exceeded_and_worker_unharmed(
+    arm: WasmSandbox,
+) -> None:
+    lim = ResourceLimits(fuel=FUEL, memory_bytes=8 * 65536)
+    out = await arm.run(wat_job("grow", limits=lim))
+    assert out.exit == MemoryExceeded()
+    assert out.usage.peak_memory_bytes == 8 * 65536
+    # Without a limit the same guest is stopped by fuel instead: the verdict above came
+    # from the memory limit, not from the guest.
+    out = await arm.run(wat_job("grow", limits=ResourceLimits(fuel=2000, memory_bytes=None)))
+    assert out.exit == FuelExhausted()
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_initial_memory_over_limit_is_memory_exceeded_without_running(
+    arm: WasmSandbox,
+) -> None:
+    out = await arm.run(wat_job("ok", limits=ResourceLimits(fuel=FUEL, memory_bytes=1000)))
+    assert out.exit == MemoryExceeded()
+    assert out.stdout == b""
+
+
+@pytest.mark.anyio
+async def test_python_memory_error_at_limit_is_memory_exceeded(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    job = py_job(
+        tmp_path,
+        """
+        chunks = []
+        while True:
+            chunks.append(bytearray(30_000))
+        """,
+        memory_bytes=32 * 1024 * 1024,
+    )
+    out = await py_arm.run(job)
+    assert out.exit == MemoryExceeded()
+    assert b"MemoryError" in out.stderr
+    assert out.usage.peak_memory_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.anyio
+async def test_python_single_huge_allocation_is_reported_as_the_guests_failure(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # One request far past the limit fails while memory is far below it: the engine gives
+    # no signal saying which limit refused it, so the arm reports the guest's own exit
+    # rather than guess (documented under-report).
+    job = py_job(tmp_path, "bytearray(200 * 1024 * 1024)\n", memory_bytes=32 * 1024 * 1024)
+    out = await py_arm.run(job)
+    assert out.exit == Failure(1)
+    assert b"MemoryError" in out.stderr
+
+
+# --- acceptance 3: timeout and cancellation --------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_timeout_stops_a_looping_guest_within_100ms(arm: WasmSandbox) -> None:
+    deadline = 0.3
+    job = wat_job("spin", limits=ResourceLimits(fuel=10**15, wall_time_s=deadline))
+    t0 = time.monotonic()
+    out = await arm.run(job)
+    elapsed = time.monotonic() - t0
+    assert out.exit == Timeout()
+    assert deadline <= elapsed < deadline + 0.1, elapsed
+    # The deadline callback stops the guest before compiled code writes its fuel counter
+    # back; the arm says "unknown" rather than the stale number.
+    assert out.usage.fuel_consumed is None
+    assert not arm.engine.ticker.running
+
+
+@pytest.mark.anyio
+async def test_cancelling_the_caller_scope_stops_the_guest(arm: WasmSandbox) -> None:
+    job = wat_job("spin", limits=ResourceLimits(fuel=10**15, wall_time_s=30))
+    t0 = time.monotonic()
+    with anyio.move_on_after(0.3) as scope:
+        await arm.run(job)
+    elapsed = time.monotonic() - t0
+    assert scope.cancelled_caught
+    assert elapsed < 0.3 + 0.1, elapsed
+    assert not arm.engine.ticker.running  # the guest thread is gone, not abandoned
+    # and the arm still works
+    assert (await arm.run(wat_job("ok"))).exit == Success()
+
+
+@pytest.mark.anyio
+async def test_explicit_cancel_scope_cancel_stops_the_guest(arm: WasmSandbox) -> None:
+    job = wat_job("spin", limits=ResourceLimits(fuel=10**15, wall_time_s=30))
+    t_cancel = 0.0
+
+    async def canceller(scope: anyio.CancelScope) -> None:
+        nonlocal t_cancel
+        # Wait until the guest is really running (the ticker only runs during a guest).
+        with anyio.fail_after(5):
+            # Polling with a deadline: the guest thread has no event to hand us.
+            while not arm.engine.ticker.running:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        t_cancel = time.monotonic()
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        with anyio.CancelScope() as scope:
+            tg.start_soon(canceller, scope)
+            await arm.run(job)
+    assert scope.cancelled_caught
+    assert time.monotonic() - t_cancel < 0.1
+    assert not arm.engine.ticker.running
+
+
+# --- acceptance 4: wasm-python walls ---------------------------------------------------
+
+_PY_WALLS = """
+import json, os, socket
+res = {}
+def attempt(name, fn):
+    try:
+        fn()
+        res[name] = "ok"
+    except Exception as exc:
+        res[name] = type(exc).__name__
+def write_ro():
+    with open(RO + "/new.txt", "w") as f:
+        f.write("x")
+def modify_ro():
+    with open(RO + "/keep.txt", "a") as f:
+        f.write("x")
+def write_rw():
+    with open(RW + "/out.txt", "w") as f:
+        f.write("written")
+def connect():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.connect(("127.0.0.1", 9))
+def read_outside():
+    open("/etc/passwd").read()
+def list_outside():
+    os.listdir(OUTSIDE)
+attempt("write_ro", write_ro)
+attempt("modify_ro", modify_ro)
+attempt("write_rw", write_rw)
+attempt("connect", connect)
+attempt("read_outside", read_outside)
+attempt("list_outside", list_outside)
+attempt("read_ro", lambda: open(RO + "/keep.txt").read())
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.anyio
+async def test_python_guest_walls(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    app, ro, rw, outside = (tmp_path / n for n in ("app", "ro", "rw", "outside"))
+    for d in (app, ro, rw, outside):
+        d.mkdir()
+    (ro / "keep.txt").write_text("keep")
+    (outside / "secret.txt").write_text("s")
+    code = f"RO, RW, OUTSIDE = {str(ro)!r}, {str(rw)!r}, {str(outside)!r}\n" + _PY_WALLS
+    job = py_job(
+        app, code, mounts=(Mount(str(ro), str(ro)), Mount(str(rw), str(rw), writable=True))
+    )
+    out = await py_arm.run(job)
+    assert out.exit == Success(), out.stderr
+    res = json.loads(out.stdout)
+    assert res["read_ro"] == "ok"
+    assert res["write_ro"] != "ok" and not (ro / "new.txt").exists()
+    assert res["modify_ro"] != "ok" and (ro / "keep.txt").read_text() == "keep"
+    assert res["write_rw"] == "ok" and (rw / "out.txt").read_text() == "written"
+    assert res["connect"] != "ok"
+    assert res["read_outside"] != "ok"
+    assert res["list_outside"] != "ok"
+
+
+_PY_BYPASS = """
+import json, os
+res = {}
+def attempt(name, fn):
+    try:
+        fn()
+        res[name] = "ok"
+    except Exception as exc:
+        res[name] = type(exc).__name__
+# GHSA-2r75-cxrj-cmph: O_TRUNC with read-only rights on a read-only preopen.
+attempt("trunc_rdonly", lambda: os.close(os.open(RO + "/victim.txt", os.O_RDONLY | os.O_TRUNC)))
+attempt("trunc_wronly", lambda: os.close(os.open(RO + "/victim.txt", os.O_WRONLY | os.O_TRUNC)))
+# GHSA-4ch3-9j33-3pmj: links and renames across permission domains.
+attempt("link_out", lambda: os.link(RO + "/victim.txt", RW + "/alias.txt"))
+def write_alias():
+    with open(RW + "/alias.txt", "w") as f:
+        f.write("pwned")
+if res["link_out"] == "ok":
+    attempt("write_alias", write_alias)
+attempt("rename_out", lambda: os.rename(RO + "/victim.txt", RW + "/moved.txt"))
+attempt("rename_in", lambda: os.rename(RW + "/mine.txt", RO + "/planted.txt"))
+attempt("link_in", lambda: os.link(RW + "/mine.txt", RO + "/planted2.txt"))
+attempt("unlink_ro", lambda: os.unlink(RO + "/victim.txt"))
+attempt("symlink_ro", lambda: os.symlink("/", RO + "/escape"))
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.anyio
+async def test_read_only_preopen_bypasses_are_closed(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    app, ro, rw = (tmp_path / n for n in ("app", "ro", "rw"))
+    for d in (app, ro, rw):
+        d.mkdir()
+    (ro / "victim.txt").write_text("precious")
+    (rw / "mine.txt").write_text("mine")
+    code = f"RO, RW = {str(ro)!r}, {str(rw)!r}\n" + _PY_BYPASS
+    job = py_job(
+        app, code, mounts=(Mount(str(ro), str(ro)), Mount(str(rw), str(rw), writable=True))
+    )
+    out = await py_arm.run(job)
+    assert out.exit == Success(), out.stderr
+    res = json.loads(out.stdout)
+    assert all(v != "ok" for v in res.values()), res
+    assert (ro / "victim.txt").read_text() == "precious"
+    assert sorted(p.name for p in ro.iterdir()) == ["victim.txt"]
+    assert sorted(p.name for p in rw.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.anyio
+async def test_python_env_is_only_the_jobs_and_stdin_is_fed(
+    py_arm: WasmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METNOS_SECRET_FOR_TEST", "leak")
+    job = py_job(
+        tmp_path,
+        """
+        import json, os, sys
+        print(json.dumps({"env": dict(os.environ), "stdin": sys.stdin.read()}))
+        """,
+    )
+    job = SandboxJob(
+        wasm=job.wasm,
+        mounts=job.mounts,
+        limits=job.limits,
+        env={"A": "1"},
+        stdin=b'{"x": 1}',
+    )
+    out = await py_arm.run(job)
+    assert out.exit == Success(), out.stderr
+    assert json.loads(out.stdout) == {"env": {"A": "1"}, "stdin": '{"x": 1}'}
+
+
+@pytest.mark.anyio
+async def test_python_exit_codes_and_output_cap(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    job = py_job(tmp_path, "import sys\nprint('x' * 5000)\nsys.exit(3)\n", output_bytes=100)
+    out = await py_arm.run(job)
+    assert out.exit == Failure(3)
+    assert out.stdout == b"x" * 100
+    assert out.stdout_truncated and not out.stderr_truncated
+    # Codes >= 126 reach us without the code (wasmtime refuses them): never invented.
+    job = py_job(tmp_path, "import sys\nsys.exit(200)\n")
+    out = await py_arm.run(job)
+    assert isinstance(out.exit, Trap)
+    assert "126" in out.exit.message
+
+
+@pytest.mark.anyio
+async def test_python_output_printed_before_a_fuel_trap_is_kept(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    job = py_job(
+        tmp_path, "print('before', flush=False)\nwhile True:\n    pass\n", fuel=500_000_000
+    )
+    out = await py_arm.run(job)
+    assert out.exit == FuelExhausted()
+    assert out.stdout == b"before\n"
+
+
+@pytest.mark.anyio
+async def test_python_mount_hiding_the_stdlib_is_refused(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    job = py_job(tmp_path, "print(1)", mounts=(Mount(str(tmp_path), "/usr/local/lib"),))
+    with pytest.raises(SandboxDenied):
+        await py_arm.run(job)
+
+
+# --- acceptance 5: runs in a row -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_two_runs_in_a_row_do_not_share_state(arm: WasmSandbox) -> None:
+    first = await arm.run(wat_job("counter"))
+    second = await arm.run(wat_job("counter"))
+    assert first.exit == second.exit == Success()
+    # A failed run in between leaves nothing behind either.
+    assert (await arm.run(wat_job("spin", fuel=100))).exit == FuelExhausted()
+    assert (await arm.run(wat_job("counter"))).exit == Success()
+
+
+# --- acceptance 6: absence is a verdict ------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_missing_runtime_is_tool_unavailable_and_wat_still_runs(
+    wasm_cache: Path, tmp_path: Path
+) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    env = {"METNOS_PYTHON_WASM": str(tmp_path / "missing.wasm")}
+    arm = WasmSandbox(cache_dir=wasm_cache, env=env, use_runtime_package=False)
+    with pytest.raises(ToolUnavailable) as info:
+        await arm.run(py_job(tmp_path, "print(1)"))
+    assert info.value.code == "E_TOOL_UNAVAILABLE"
+    assert "METNOS_PYTHON_WASM" in info.value.message
+    assert (await arm.run(wat_job("ok"))).stdout == b"ok\n"
+    assert find_python_wasm({}, use_package=False) is None
+    with pytest.raises(ToolUnavailable):
+        verified_python_wasm({}, use_package=False)
+    status = wasm_status(env, use_runtime_package=False)
+    assert status["engine"]["importable"] is True
+    assert status["python_runtime"]["present"] is False
+    assert status["python_runtime"]["verified"] is False
+
+
+@pytest.mark.anyio
+async def test_runtime_with_wrong_hash_is_refused(wasm_cache: Path, tmp_path: Path) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    fake = tmp_path / "python.wasm"
+    fake.write_bytes((WAT / "ok.wat").read_bytes())
+    arm = WasmSandbox(cache_dir=wasm_cache, env={"METNOS_PYTHON_WASM": str(fake)})
+    with pytest.raises(RuntimeMismatch) as info:
+        await arm.run(py_job(tmp_path, "print(1)"))
+    assert info.value.code == "E_RUNTIME_MISMATCH"
+    assert isinstance(info.value, ToolUnavailable)
+
+
+@pytest.mark.anyio
+async def test_missing_engine_is_tool_unavailable_naming_another_arm() -> None:
+    arm = WasmSandbox(cache_dir=False, wasmtime_module=None)
+    job = SandboxJob(wasm=WasmProgram(str(WAT / "ok.wat")))
+    with pytest.raises(ToolUnavailable) as info:
+        await arm.run(job)
+    assert "bwrap" in info.value.message
+    assert arm.containment(job).user.state == "not_kept"
+
+
+def test_status_reports_engine_and_runtime(wasm_cache: Path) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    status = wasm_status(cache_dir=wasm_cache)
+    assert status["engine"]["importable"] is True
+    assert status["engine"]["version"].startswith("50.")
+    assert status["cache_dir"] == str(wasm_cache)
+    assert status["python_runtime"]["verified"] is HAVE_RUNTIME
+
+
+# --- denial at link time, containment, cache -------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_socket_import_fails_to_link_with_sandbox_denied(arm: WasmSandbox) -> None:
+    with pytest.raises(SandboxDenied) as info:
+        await arm.run(wat_job("sock"))
+    assert info.value.code == "E_SANDBOX_DENIED"
+    assert "sock_connect" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_exit_code_out_of_wasi_range_is_a_trap_not_a_code(arm: WasmSandbox) -> None:
+    out = await arm.run(wat_job("exit_code"))
+    assert isinstance(out.exit, Trap)
+
+
+@pytest.mark.anyio
+async def test_missing_module_is_a_host_fault(arm: WasmSandbox, tmp_path: Path) -> None:
+    with pytest.raises(HostFault):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(tmp_path / "nope.wasm"))))
+
+
+def test_containment_report() -> None:
+    arm = WasmSandbox(cache_dir=False)
+    both = SandboxJob(
+        wasm=WasmProgram("x.wasm"),
+        mounts=(Mount("/a", "/a"), Mount("/b", "/b", writable=True)),
+        limits=ResourceLimits(fuel=10, memory_bytes=1 << 20),
+    )
+    rep = arm.containment(both)
+    assert rep.sandbox == "wasm"
+    assert [rep.files.state, rep.network.state, rep.process_tree.state] == ["kept"] * 3
+    assert rep.user.state == "not_kept"
+    assert rep.resources.state == "kept"
+    assert "1 of them read-only" in rep.files.reason
+    no_fuel = SandboxJob(wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=None))
+    rep = arm.containment(no_fuel)
+    assert rep.resources.state == "partial" and "fuel" in rep.resources.reason
+    assert rep.lost() == ["user", "resources"]
+
+
+def test_module_cache_memory_then_disk_never_recompiles(wasm_cache: Path, tmp_path: Path) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    assert WT is not None
+    src = tmp_path / "ok.wat"
+    src.write_bytes((WAT / "ok.wat").read_bytes())
+    cache = tmp_path / "cache"
+    first = WasmEngine(WT)
+    a = first.load(src, cache)
+    b = first.load(src, cache)
+    assert (a.source, b.source) == ("compiled", "memory")
+    files = list(cache.iterdir())
+    assert [f.name for f in files] == [f"{a.key}.cwasm"]
+    assert oct(cache.stat().st_mode & 0o777) == "0o700"
+    # A restarted worker (new engine, same config) loads from disk.
+    second = WasmEngine(WT)
+    assert second.load(src, cache).source == "disk"
+    # A file others could have written is not trusted: recompiled and rewritten.
+    os.chmod(files[0], 0o666)
+    third = WasmEngine(WT)
+    assert third.load(src, cache).source == "compiled"
+    assert files[0].stat().st_mode & 0o022 == 0
+    # A corrupt file is recompiled, never loaded.
+    files[0].write_bytes(b"\0not a module")
+    os.chmod(files[0], 0o600)
+    assert WasmEngine(WT).load(src, cache).source == "compiled"
+    # Editing the module changes the key.
+    src.write_text(src.read_text().replace("ok\\n", "OK\\n"))
+    assert first.load(src, cache).key != a.key
+
+
+# --- examples --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_example_wasm_hello(arm: WasmSandbox) -> None:
+    folder = EXAMPLES / "wasm_hello"
+    manifest = load_manifest(folder / "manifest.toml")
+    assert manifest.runtime == "wasm"
+    job = SandboxJob(
+        wasm=WasmProgram(str(folder / manifest.entry), (manifest.name,)),
+        stdin=b"{}",
+        limits=ResourceLimits(fuel=manifest.limits.fuel),
+    )
+    out = await arm.run(job)
+    assert out.exit == Success()
+    assert json.loads(out.stdout) == {"greeting": "hello from wasm"}
+
+
+@pytest.mark.anyio
+async def test_example_word_count(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    folder = (EXAMPLES / "word_count").resolve()
+    manifest = load_manifest(folder / "manifest.toml")
+    assert manifest.runtime == "wasm-python"
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "a.md").write_text("the cat and the hat\n")
+    (notes / "sub" / "b.txt").write_text("The end. the END!\n")
+    (notes / "skip.bin").write_bytes(b"\xff\xfe the")
+    job = SandboxJob(
+        wasm=WasmProgram(PYTHON_WASM_MODULE, python_program(str(folder / manifest.entry))),
+        stdin=json.dumps({"path": str(notes), "top": 2}).encode(),
+        mounts=(Mount(str(folder), str(folder)), Mount(str(notes), str(notes))),
+        limits=ResourceLimits(
+            fuel=manifest.limits.fuel,
+            memory_bytes=manifest.limits.memory_mb * 1024 * 1024,
+            wall_time_s=manifest.limits.timeout_s,
+        ),
+    )
+    out = await py_arm.run(job)
+    assert out.exit == Success(), out.stderr
+    result = json.loads(out.stdout)
+    assert result == {"files": 2, "words": 9, "top": [["the", 4], ["end", 2]]}
