@@ -44,7 +44,9 @@ fuel = 10_000_000_000
 """
 
 
-MODE_TABLE = '[args.mode]\ntype = "string"\nenum = ["append", "replace", "sync"]\ndefault = "append"'
+MODE_TABLE = (
+    '[args.mode]\ntype = "string"\nenum = ["append", "replace", "sync"]\ndefault = "append"'
+)
 
 
 def write(folder: Path, text: str, *, entry: str = "main.py") -> Path:

@@ -1,0 +1,265 @@
+"""The example executors, end to end: plan_invocation, then a real arm (bwrap, direct).
+
+HOME is a tmp folder in every test; nothing touches the real home or the real network
+(fetch_url talks to a server on 127.0.0.1 through a manifest variant allowing it).
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from metnos_exec.errors import AutonomyDenied, CapabilityDenied
+from metnos_exec.manifest import Executor, ExecutorRegistry, load_manifest
+from metnos_exec.plan import plan_invocation
+from metnos_exec.sandbox._types import Failure, Sandbox, Success
+
+from .conftest import need
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "executors"
+REGISTRY = ExecutorRegistry.load(EXAMPLES)
+
+
+def _bwrap() -> Sandbox:
+    from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
+
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    return BwrapSandbox()
+
+
+def _direct() -> Sandbox:
+    try:
+        mod = importlib.import_module("metnos_exec.sandbox.direct")
+    except ImportError as exc:
+        pytest.skip(f"the direct arm is not available yet: {exc}")
+    sandbox: Sandbox = mod.DirectSandbox()
+    return sandbox
+
+
+ARMS: dict[str, Callable[[], Sandbox]] = {"bwrap": _bwrap, "direct": _direct}
+
+
+@pytest.fixture(params=list(ARMS))
+def arm(request: pytest.FixtureRequest) -> Sandbox:
+    return ARMS[request.param]()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    h = tmp_path / "home"
+    (h / "notes" / "work").mkdir(parents=True)
+    (h / "notes" / "today.md").write_text("milk\n")
+    (h / "notes" / "work" / "plan.md").write_text("ship it\n")
+    (h / "private").mkdir()
+    (h / "private" / "diary.md").write_text("secret\n")
+    return h
+
+
+async def run(
+    arm: Sandbox, executor: Executor | str, args: dict[str, Any], home: Path, **kw: Any
+) -> tuple[Any, Any]:
+    ex = REGISTRY[executor] if isinstance(executor, str) else executor
+    inv = plan_invocation(ex, args, home=str(home), **kw)
+    outcome = await arm.run(inv.job)
+    return outcome, msgspec.json.decode(outcome.stdout) if outcome.stdout else None
+
+
+def test_all_examples_load() -> None:
+    assert {"read_notes", "write_note", "fetch_url", "move_note", "delete_note"} <= set(REGISTRY)
+    assert not {n for n in REGISTRY.errors if not n.startswith("wasm")}
+
+
+@pytest.mark.anyio
+async def test_read_notes_lists_and_reads(arm: Sandbox, home: Path) -> None:
+    outcome, doc = await run(arm, "read_notes", {}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["kind"] == "folder"
+    assert [n["path"] for n in doc["notes"]] == ["today.md", "work/plan.md"]
+    outcome, doc = await run(arm, "read_notes", {"path": "~/notes/work/plan.md"}, home)
+    assert doc == {
+        "kind": "note",
+        "path": str(home / "notes/work/plan.md"),
+        "text": "ship it\n",
+        "truncated": False,
+    }
+    outcome, doc = await run(arm, "read_notes", {"path": "~/notes/nope.md"}, home)
+    assert outcome.exit == Failure(1) and "cannot read" in doc["error"]
+
+
+def test_read_notes_outside_notes_is_denied_before_running(home: Path) -> None:
+    for path in ("~/private/diary.md", "~/notes/../private/diary.md", "/etc/passwd"):
+        with pytest.raises(CapabilityDenied, match="argument `path`"):
+            plan_invocation(REGISTRY["read_notes"], {"path": path}, home=str(home))
+    (home / "notes" / "escape").symlink_to(home / "private")
+    with pytest.raises(CapabilityDenied, match="resolved"):
+        plan_invocation(REGISTRY["read_notes"], {"path": "~/notes/escape/diary.md"}, home=str(home))
+
+
+@pytest.mark.anyio
+async def test_write_note_append_and_replace(arm: Sandbox, home: Path) -> None:
+    note = home / "notes" / "today.md"
+    outcome, doc = await run(arm, "write_note", {"path": "~/notes/today.md", "text": "eggs"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["mode"] == "append" and "synced" not in doc
+    assert note.read_text() == "milk\neggs\n"
+    args = {"path": "~/notes/new/idea.md", "text": "fly", "mode": "replace"}
+    outcome, doc = await run(arm, "write_note", args, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert (home / "notes" / "new" / "idea.md").read_text() == "fly"
+    assert sorted(p.name for p in (home / "notes" / "new").iterdir()) == ["idea.md"]
+
+
+def test_write_note_sync_opens_network_only_in_sync_mode(home: Path) -> None:
+    ex = REGISTRY["write_note"]
+    plain = plan_invocation(ex, {"path": "~/notes/a.md", "text": "x"}, home=str(home))
+    sync = plan_invocation(
+        ex, {"path": "~/notes/a.md", "text": "x", "mode": "sync"}, home=str(home)
+    )
+    assert plain.job.network is False
+    assert [i.name for i in plain.inactive] == ["network:https"]
+    assert sync.job.network is True
+    assert [c.name for c in sync.effective.active] == ["fs:write", "network:https"]
+
+
+def test_write_note_refused_under_read_only_and_outside_notes(home: Path) -> None:
+    ex = REGISTRY["write_note"]
+    with pytest.raises(AutonomyDenied):
+        plan_invocation(
+            ex, {"path": "~/notes/a.md", "text": "x"}, home=str(home), autonomy="read_only"
+        )
+    with pytest.raises(CapabilityDenied, match="argument `path`"):
+        plan_invocation(ex, {"path": "~/.bashrc", "text": "x"}, home=str(home))
+    # read_notes is not mutating: read_only autonomy runs it.
+    plan_invocation(REGISTRY["read_notes"], {}, home=str(home), autonomy="read_only")
+
+
+@pytest.mark.anyio
+async def test_move_and_delete_note(arm: Sandbox, home: Path) -> None:
+    args = {"src": "~/notes/today.md", "dst": "~/notes/archive/2026.md"}
+    outcome, doc = await run(arm, "move_note", args, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["to"] == str(home / "notes/archive/2026.md")
+    assert not (home / "notes/today.md").exists()
+    assert (home / "notes/archive/2026.md").read_text() == "milk\n"
+    # An existing destination is refused unless overwrite is set.
+    args = {"src": "~/notes/work/plan.md", "dst": "~/notes/archive/2026.md"}
+    outcome, doc = await run(arm, "move_note", args, home)
+    assert outcome.exit == Failure(1) and "overwrite" in doc["error"]
+    outcome, doc = await run(arm, "move_note", {**args, "overwrite": True}, home)
+    assert isinstance(outcome.exit, Success)
+    assert (home / "notes/archive/2026.md").read_text() == "ship it\n"
+
+    outcome, doc = await run(arm, "delete_note", {"path": "~/notes/archive/2026.md"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc == {"deleted": str(home / "notes/archive/2026.md"), "bytes": 8}
+    assert not (home / "notes/archive/2026.md").exists()
+    outcome, doc = await run(arm, "delete_note", {"path": "~/notes/work"}, home)
+    assert outcome.exit == Failure(1) and "folder" in doc["error"]
+    with pytest.raises(CapabilityDenied):
+        plan_invocation(
+            REGISTRY["move_note"],
+            {"src": "~/notes/work/plan.md", "dst": "~/private/plan.md"},
+            home=str(home),
+        )
+
+
+# --- fetch_url against a local server -------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://evil.invalid/")
+            self.end_headers()
+            return
+        body = b"hello from 127.0.0.1"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def local_fetch(tmp_path: Path) -> Executor:
+    """fetch_url's code with a manifest variant allowing plain HTTP to 127.0.0.1."""
+    folder = tmp_path / "executors" / "fetch_url"
+    folder.mkdir(parents=True)
+    shutil.copy(EXAMPLES / "fetch_url" / "main.py", folder / "main.py")
+    text = (EXAMPLES / "fetch_url" / "manifest.toml").read_text()
+    text = text.replace('name = "network:https"', 'name = "network:http"')
+    text = text.replace(
+        'hints = ["example.com", "*.example.com", "docs.python.org"]', 'hints = ["127.0.0.1"]'
+    )
+    assert 'hints = ["127.0.0.1"]' in text
+    (folder / "manifest.toml").write_text(text)
+    return Executor(manifest=load_manifest(folder / "manifest.toml"), path=str(folder))
+
+
+@pytest.mark.anyio
+async def test_fetch_url_fetches_from_allowed_host(
+    arm: Sandbox, home: Path, server: str, local_fetch: Executor
+) -> None:
+    outcome, doc = await run(arm, local_fetch, {"url": f"{server}/hello"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["status"] == 200 and doc["body"] == "hello from 127.0.0.1"
+    assert doc["content_type"] == "text/plain"
+    outcome, doc = await run(arm, local_fetch, {"url": f"{server}/redirect"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["status"] == 302 and doc["location"] == "http://evil.invalid/"
+
+
+def test_fetch_url_refuses_hosts_and_schemes_outside_hints(home: Path, server: str) -> None:
+    ex = REGISTRY["fetch_url"]
+    for url in (f"{server}/hello", "https://evil.invalid/", "http://example.com/"):
+        with pytest.raises(CapabilityDenied, match="argument `url`"):
+            plan_invocation(ex, {"url": url}, home=str(home))
+    inv = plan_invocation(ex, {"url": "https://www.example.com/"}, home=str(home))
+    assert inv.job.network is True
+
+
+@pytest.mark.anyio
+async def test_no_network_capability_means_no_network(
+    arm: Sandbox, home: Path, server: str
+) -> None:
+    # read_notes declares no network: the same fetch code, smuggled in as a note reader,
+    # can not reach the local server under bwrap (the direct arm reports that it can).
+    inv = plan_invocation(REGISTRY["read_notes"], {}, home=str(home))
+    assert inv.job.network is False
+    if arm.name == "bwrap":
+        code = (
+            "import urllib.request,sys\n"
+            f"try: urllib.request.urlopen('{server}/hello', timeout=3)\n"
+            "except OSError: sys.exit(5)\n"
+        )
+        job = msgspec.structs.replace(inv.job, argv=(*inv.job.argv[:3], "-c", code))
+        outcome = await arm.run(job)
+        assert outcome.exit == Failure(5), outcome
+    else:
+        assert arm.containment(inv.job).network.state == "not_kept"
