@@ -6,32 +6,17 @@
 -- connection: the broker sets them, and another-language producer should set busy_timeout.
 
 -- One row per job. `body` is the job exactly as submitted (JSON text, see
--- queue/schemas/job.json). The routing columns are derived from it by SQLite itself, so a
--- producer only inserts (id, body) and they can never disagree with the body. For a body
--- that is not valid JSON they are NULL / defaults, and the first server worker to lease
--- the row dead-letters it with E_BAD_MESSAGE.
+-- queue/schemas/job.json); the routing columns copy fields of it. Producers in other
+-- languages insert into the `job_inbox` view below, which fills them from the body.
 CREATE TABLE IF NOT EXISTS jobs (
     seq              INTEGER PRIMARY KEY,         -- submission order (FIFO tie-break)
     id               TEXT NOT NULL UNIQUE,        -- the job id (equal to body's "id")
     body             TEXT NOT NULL,
-    -- A field of the wrong JSON type yields the default here (json_type check), so the row
-    -- is still leased by a server worker and dead-lettered rather than stranded.
-    device           TEXT GENERATED ALWAYS AS (coalesce(
-        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.device')
-            WHEN 'text' THEN json_extract(body, '$.device') END END, 'server')) STORED,
-    priority         INTEGER GENERATED ALWAYS AS (coalesce(
-        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.priority')
-            WHEN 'integer' THEN json_extract(body, '$.priority') END END, 0)) STORED,
-    max_attempts     INTEGER GENERATED ALWAYS AS (coalesce(
-        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.max_attempts')
-            WHEN 'integer' THEN json_extract(body, '$.max_attempts') END END, 3)) STORED,
-    idempotency_key  TEXT GENERATED ALWAYS AS (
-        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.idempotency_key')
-            WHEN 'text' THEN json_extract(body, '$.idempotency_key') END END) STORED,
-    not_before       REAL GENERATED ALWAYS AS (
-        CASE WHEN json_valid(body) THEN CASE json_type(body, '$.not_before')
-            WHEN 'real' THEN json_extract(body, '$.not_before')
-            WHEN 'integer' THEN json_extract(body, '$.not_before') END END) STORED,
+    device           TEXT NOT NULL DEFAULT 'server',
+    priority         INTEGER NOT NULL DEFAULT 0,
+    max_attempts     INTEGER NOT NULL DEFAULT 3,
+    idempotency_key  TEXT,
+    not_before       REAL,
     -- Mutable delivery state, owned by the broker.
     state            TEXT NOT NULL DEFAULT 'queued'
                      CHECK (state IN ('queued', 'running', 'done', 'dead')),
@@ -42,6 +27,33 @@ CREATE TABLE IF NOT EXISTS jobs (
     worker           TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0
 );
+
+-- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
+-- The trigger derives the routing columns from the body. A field of the wrong JSON type
+-- (or a body that is not JSON at all) yields the column's default, so the row is still
+-- leased by a server worker and dead-lettered with E_BAD_MESSAGE rather than stranded.
+-- OR IGNORE: a duplicate id or idempotency key inserts nothing (the first job stands).
+-- (Generated columns would say the same more briefly, but SQLite recomputes stored
+-- generated columns on every UPDATE of the row, which tripled the cost of a lease.)
+CREATE VIEW IF NOT EXISTS job_inbox AS SELECT id, body FROM jobs;
+CREATE TRIGGER IF NOT EXISTS job_inbox_insert INSTEAD OF INSERT ON job_inbox
+BEGIN
+    INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
+                                not_before)
+    SELECT NEW.id, NEW.body,
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.device')
+            WHEN 'text' THEN json_extract(NEW.body, '$.device') END END, 'server'),
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.priority')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.priority') END END, 0),
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.max_attempts')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.max_attempts') END END, 3),
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.idempotency_key')
+            WHEN 'text' THEN json_extract(NEW.body, '$.idempotency_key') END END,
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.not_before')
+            WHEN 'real' THEN json_extract(NEW.body, '$.not_before')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END
+    FROM (SELECT json_valid(NEW.body) AS ok);
+END;
 
 -- Leasing: the best queued job for one device.
 CREATE INDEX IF NOT EXISTS jobs_ready
