@@ -14,7 +14,8 @@ Construction rules (each tested in ``tests/test_plan.py``):
 * ``fs:read`` hints → read-only mounts, ``fs:write`` hints → writable mounts, each hint cut
   at its first glob segment (`sandbox.flags.expand_hint`) and resolved through symlinks
   (vetting hands resolved paths to the executor, so the guest must see the same paths).
-  Only existing paths are mounted; a hint naming a missing folder is skipped and noted.
+  Only existing paths are mounted; a hint naming a missing folder is skipped and noted
+  (so is a hint naming a single file for the wasm runtimes: WASI preopens folders only).
   A path declared both read and write is writable once; a path below another mount stays
   a separate mount (mounts are sorted parent-first, so the deeper, more specific one wins).
   Under ``read_only`` autonomy every mount is read-only.
@@ -131,6 +132,8 @@ def _mounts(
     home: str,
     skills_root: str,
     notes: list[str],
+    *,
+    dirs_only: bool,
 ) -> tuple[Mount, ...]:
     writable: dict[str, bool] = {}
     for cap in effective.of("fs"):
@@ -144,6 +147,10 @@ def _mounts(
                 continue
             if not os.path.exists(root):
                 notes.append(f"{cap.name} hint {hint!r} not mounted: {root} does not exist")
+                continue
+            if dirs_only and not os.path.isdir(root):
+                # WASI preopens are directories; mounting the parent would widen the grant.
+                notes.append(f"{cap.name} hint {hint!r} not mounted: {root} is not a folder")
                 continue
             rw = cap.mode == "write" and not profile.force_read_only_mounts
             writable[root] = writable.get(root, False) or rw
@@ -209,7 +216,9 @@ def plan_invocation(
     folder = os.path.realpath(executor.path)
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
-    mounts = _mounts(folder, effective, profile, home, skills_root, notes)
+    mounts = _mounts(
+        folder, effective, profile, home, skills_root, notes, dirs_only=manifest.runtime != "python"
+    )
     env = {
         "PATH": "/usr/bin:/bin",
         "LANG": "C.UTF-8",

@@ -305,3 +305,16 @@ def test_wasm_job_shapes(tmp_path: Path, home: Path) -> None:
     assert inv.job.wasm.args == ("python", "-u", f"{folder}/main.py")
     # main.py must be readable by the guest interpreter: the folder is a read-only preopen.
     assert Mount(folder, folder, False) in inv.job.mounts
+
+
+def test_wasm_skips_file_hints(tmp_path: Path, home: Path) -> None:
+    (home / "notes" / "one.md").write_text("x")
+    body = '[[capabilities]]\nname = "fs:read"\nhints = ["~/notes/one.md"]\n'
+    w = make_executor(tmp_path, body, runtime="wasm", name="w")
+    inv = plan_invocation(w, {}, home=str(home))
+    assert [m.host for m in inv.job.mounts] == [os.path.realpath(w.path)]
+    assert any("is not a folder" in n for n in inv.notes)
+    # The native arms bind single files fine.
+    p = make_executor(tmp_path, body, name="p")
+    one = str(home / "notes" / "one.md")
+    assert Mount(one, one, False) in plan_invocation(p, {}, home=str(home)).job.mounts
