@@ -1,0 +1,148 @@
+"""Overhead of the bwrap arm over the raw bubblewrap command it runs (acceptance 10).
+
+One native no-op Python job (`bench/noop.py` under ``python -I -S``) is run two ways,
+interleaved round by round so both see the same machine state:
+
+* **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the spawner thread, the pidfd
+  wait, the per-run pids cgroup, rlimits, the JSON status pipe, bounded output;
+* **raw**: the very same bubblewrap argv (`derive_bwrap_argv` of the same job, without the
+  status fd) run with ``subprocess.run``.
+
+The ratio of medians is printed; target: arm <= 1.10 x raw.
+
+With ``--breakdown`` two more variants join the interleaving, to show where the arm's
+time goes: ``raw_fork`` (the raw argv through ``subprocess.Popen`` with a no-op
+``preexec_fn``, which forces fork instead of vfork, as the process layer's pre-exec set-up
+does) and ``run_process`` (the raw argv through `run_process` with no rlimits and no
+cgroup: the spawner-thread hop, pidfd wait and bounded pumps only).
+
+Usage: python bench/bwrap_noop.py [--rounds 30] [--warmup 3] [--backend asyncio|trio]
+       [--json] [--breakdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from metnos_exec.process import ProcessSpec, run_process
+from metnos_exec.sandbox._types import Mount, SandboxJob, Success
+from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
+from metnos_exec.sandbox.flags import derive_bwrap_argv, guest_python
+
+HERE = Path(__file__).resolve().parent
+NOOP = HERE / "noop.py"
+
+
+def make_job() -> SandboxJob:
+    """The job plan.py would build for a no-op ``python`` executor living in bench/."""
+    return SandboxJob(
+        argv=(guest_python(), "-I", "-S", str(NOOP)),
+        stdin=b"{}",
+        mounts=(Mount(str(HERE), str(HERE)),),
+    )
+
+
+def _noop() -> None:
+    pass
+
+
+async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str, object]:
+    probe = bwrap_probe()
+    if not probe.working:
+        raise SystemExit(f"bubblewrap not usable here: {probe.error}")
+    arm = BwrapSandbox()
+    job = make_job()
+    raw_argv = derive_bwrap_argv(job, bwrap=probe.path or "bwrap", features=probe.features)
+
+    async def run_arm() -> bytes:
+        outcome = await arm.run(job)
+        if outcome.exit != Success():
+            raise SystemExit(f"arm run failed: {outcome}")
+        return outcome.stdout
+
+    async def run_raw() -> bytes:
+        done = subprocess.run(raw_argv, input=b"{}", capture_output=True, check=False)  # noqa: ASYNC221 - measured on purpose, blocking like a plain script would
+        return done.stdout
+
+    async def run_raw_fork() -> bytes:
+        with subprocess.Popen(  # noqa: ASYNC220 - as above
+            raw_argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_noop,
+        ) as proc:
+            out, _ = proc.communicate(b"{}")
+        return out
+
+    async def run_rp() -> bytes:
+        spec = ProcessSpec(argv=tuple(raw_argv), env={}, stdin=b"{}", reaper=False)
+        return (await run_process(spec, timeout=30)).stdout
+
+    variants = {"arm": run_arm, "raw": run_raw}
+    if breakdown:
+        variants |= {"raw_fork": run_raw_fork, "run_process": run_rp}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(warmup + rounds):
+        # Rotate the order, so no variant always runs on a warmer cache.
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            out = await variants[name]()
+            dt = time.perf_counter() - t0
+            if out != b"{}\n":
+                raise SystemExit(f"{name} run printed {out!r}")
+            if i >= warmup:
+                times[name].append(dt)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    result: dict[str, object] = {"rounds": rounds}
+    for name, v in times.items():
+        result[f"{name}_median_ms"] = round(med[name] * 1000, 2)
+        result[f"{name}_p90_ms"] = round(statistics.quantiles(v, n=10)[-1] * 1000, 2)
+    result["ratio"] = round(med["arm"] / med["raw"], 3)
+    result["bwrap"] = probe.path
+    result["bwrap_version"] = ".".join(map(str, probe.version))
+    result["loadavg"] = os.getloadavg()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns 0 when the ratio meets the 1.10 target, else 1."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--breakdown", action="store_true", help="add raw_fork, run_process")
+    args = parser.parse_args(argv)
+    result = anyio.run(measure, args.rounds, args.warmup, args.breakdown, backend=args.backend)
+    result["backend"] = args.backend
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"bwrap no-op job, {args.rounds} interleaved rounds ({args.backend}), "
+            f"load average {result['loadavg']}:"
+        )
+        for key, value in result.items():
+            if key.endswith("_median_ms"):
+                name = key.removesuffix("_median_ms")
+                print(f"  {name:12s} median {value} ms, p90 {result[name + '_p90_ms']} ms")
+        print(f"  ratio arm/raw: {result['ratio']}  (target <= 1.10)")
+    ratio = result["ratio"]
+    assert isinstance(ratio, float)
+    return 0 if ratio <= 1.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
