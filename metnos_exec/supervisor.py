@@ -108,6 +108,8 @@ class _Running:
     lease: Lease
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     stop: _StopReason | None = None
+    #: The run is over; the result is being settled (heartbeats no longer matter).
+    settling: bool = False
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -183,6 +185,11 @@ class Supervisor:
         self._lease_scope: anyio.CancelScope | None = None
         self._slot_freed = anyio.Event()
         self._stopped = anyio.Event()
+        self._acks = _AckBatcher(broker)
+        # With many slots, leasing one job each time one finishes turns every lease into
+        # a transaction of one; waiting for a quarter of the slots keeps batches large.
+        # With few slots (native jobs) every free slot is filled at once.
+        self._lease_min = max(1, concurrency // 4) if concurrency >= 16 else 1
         #: Counters for status and tests: leased, acked, retried, rejected, released.
         self.stats: dict[str, int] = {
             "leased": 0,
@@ -225,10 +232,16 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        self._stopped = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
+                # One heartbeat task for all running jobs, not one per job: a task per job
+                # would cost more than the echo arm's whole run.
+                tg.start_soon(self._heartbeat_loop, name="heartbeats")
                 task_status.started()
-                await self._lease_loop(tg, burst=burst)
+                async with anyio.create_task_group() as jobs:
+                    await self._lease_loop(jobs, burst=burst)
+                tg.cancel_scope.cancel()
         finally:
             self._stopped.set()
             _log.info(
@@ -241,7 +254,7 @@ class Supervisor:
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
         while not self._draining:
             free = self.concurrency - len(self._running)
-            if free <= 0:
+            if free <= 0 or (self._running and free < self._lease_min):
                 await self._wait_slot()
                 continue
             # Not cancellable by drain: a lease taken by a call we abandoned half-way
@@ -308,6 +321,8 @@ class Supervisor:
             while self._running:
                 await self._wait_slot()
         for running in list(self._running.values()):
+            if running.settling:
+                continue  # finished; its result is being stored
             running.stop = "drain"
             running.scope.cancel()
         await self._stopped.wait()
@@ -363,7 +378,7 @@ class Supervisor:
 
     async def _ack(self, lease: Lease, result: Result) -> None:
         with anyio.CancelScope(shield=True):
-            stored = await self.broker.ack(lease, result)
+            stored = await self._acks.ack(lease, result)
         _log.info(
             "job.finished",
             status=result.status,
@@ -435,8 +450,9 @@ class Supervisor:
             degraded=bool(choice.degraded),
         )
         started_at = self.clock()
-        outcome, fault = await self._run_with_heartbeat(running, arm, sjob)
+        outcome, fault = await self._run_arm(running, arm, sjob)
         if running.stop == "lease_lost":
+            _log.warning("lease.lost", visibility_s=self.visibility_s)
             # The broker may already have handed the job to another worker: acking or
             # retrying now would race it. Redelivery is the broker's job.
             self.stats["lease_lost"] += 1
@@ -496,36 +512,100 @@ class Supervisor:
             return
         await self._ack(lease, _outcome_result(self, lease, outcome, started_at))
 
-    async def _run_with_heartbeat(
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.heartbeat_s)
+            for running in list(self._running.values()):
+                if running.settling or running.stop is not None:
+                    continue
+                try:
+                    reply = await self.broker.heartbeat(running.lease)
+                except Exception as exc:
+                    # A broker hiccup (busy database, dropped connection): keep running;
+                    # the next beat may succeed, and the lease window has room for it.
+                    _log.warning(
+                        "worker.error",
+                        job_id=running.lease.job.id,
+                        error=f"heartbeat failed: {type(exc).__name__}: {exc}",
+                    )
+                    continue
+                if running.settling:
+                    continue  # it finished while we waited; its ack decides
+                if not reply.ok:
+                    running.stop = "lease_lost"
+                    running.scope.cancel()
+                elif reply.cancel_requested:
+                    running.stop = "cancel_requested"
+                    running.scope.cancel()
+
+    async def _run_arm(
         self, running: _Running, arm: Sandbox, sjob: SandboxJob
     ) -> tuple[SandboxOutcome | None, HostFault | MetnosError | None]:
         outcome: SandboxOutcome | None = None
         fault: HostFault | MetnosError | None = None
-
-        async def heartbeat() -> None:
-            while True:
-                await anyio.sleep(self.heartbeat_s)
-                reply = await self.broker.heartbeat(running.lease)
-                if not reply.ok:
-                    running.stop = "lease_lost"
-                    _log.warning("lease.lost", visibility_s=self.visibility_s)
-                    running.scope.cancel()
-                    return
-                if reply.cancel_requested:
-                    running.stop = "cancel_requested"
-                    running.scope.cancel()
-                    return
-
         with running.scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(heartbeat)
-                try:
-                    with anyio.move_on_after(sjob.limits.wall_time_s + _BACKSTOP_MARGIN_S):
-                        outcome = await arm.run(sjob)
-                except (HostFault, MetnosError) as exc:
-                    fault = exc
-                tg.cancel_scope.cancel()
+            try:
+                with anyio.move_on_after(sjob.limits.wall_time_s + _BACKSTOP_MARGIN_S):
+                    outcome = await arm.run(sjob)
+            except (HostFault, MetnosError) as exc:
+                fault = exc
+        running.settling = True
         return outcome, fault
+
+
+@dataclass(eq=False)
+class _AckSlot:
+    lease: Lease
+    result: Result
+    done: anyio.Event = field(default_factory=anyio.Event)
+    stored: bool = False
+    error: BaseException | None = None
+
+
+class _AckBatcher:
+    """Group acks that arrive while one is being written into one `ack_many` call.
+
+    Leader/follower, no extra task: the first job to ack while none is in flight writes
+    every pending ack (its own and those queued meanwhile) until none is left; the others
+    wait for their slot. Under load a batch grows to what arrived during one transaction,
+    which is what lets one SQLite worker keep up with the echo arm; when idle every ack is
+    written at once, alone.
+    """
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._pending: list[_AckSlot] = []
+        self._flushing = False
+
+    async def ack(self, lease: Lease, result: Result) -> bool:
+        slot = _AckSlot(lease, result)
+        self._pending.append(slot)
+        if not self._flushing:
+            self._flushing = True
+            try:
+                while self._pending:
+                    batch, self._pending = self._pending, []
+                    try:
+                        if len(batch) == 1:
+                            stored = [await self._broker.ack(batch[0].lease, batch[0].result)]
+                        else:
+                            stored = await self._broker.ack_many(
+                                [(b.lease, b.result) for b in batch]
+                            )
+                    except Exception as exc:
+                        for b in batch:
+                            b.error = exc
+                    else:
+                        for b, ok in zip(batch, stored, strict=True):
+                            b.stored = ok
+                    for b in batch:
+                        b.done.set()
+            finally:
+                self._flushing = False
+        await slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.stored
 
 
 def _containment_summary(report: ContainmentReport | None) -> dict[str, Any] | None:

@@ -1,0 +1,168 @@
+"""Throughput of the whole worker pipeline on the SQLite broker.
+
+Two measurements, in one run:
+
+1. queue only: the echo arm (no process), one worker (this process), one SQLite file:
+   jobs/s from "N jobs queued" to "N results stored". Logging is on, to a JSON-lines file,
+   as in production. Target: >= 2,500 jobs/s.
+2. end to end: a native no-op executor (``print("{}")`` under ``python -I -S``) through
+   the real bwrap arm at concurrency 1, 2 and 4, next to the *raw spawn rate* of the very
+   same bubblewrap command line (`derive_bwrap_argv` of the same planned job), launched
+   with plain ``anyio.run_process`` at the same concurrency. Target: e2e >= 85 % of raw.
+
+Usage: python bench/queue_throughput.py [--echo-jobs N] [--bwrap-jobs N]
+       [--concurrency 1,2,4] [--backend asyncio|trio] [--skip-bwrap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from metnos_exec.brokers.sqlite import SQLiteBroker
+from metnos_exec.logs import configure_logging
+from metnos_exec.manifest import ExecutorRegistry
+from metnos_exec.messages import Job
+from metnos_exec.plan import plan_invocation
+from metnos_exec.sandbox.doubles import EchoSandbox
+from metnos_exec.sandbox.select import ArmChoice
+from metnos_exec.supervisor import Supervisor
+
+NOOP_MANIFEST = """\
+name = "noop"
+version = "1"
+runtime = "python"
+entry = "main.py"
+"""
+
+
+def _executors(root: Path) -> ExecutorRegistry:
+    (root / "noop").mkdir(parents=True)
+    (root / "noop" / "manifest.toml").write_text(NOOP_MANIFEST)
+    (root / "noop" / "main.py").write_text('print("{}")\n')
+    return ExecutorRegistry.load(root)
+
+
+async def _drain(
+    tmp: Path, registry: ExecutorRegistry, jobs: int, concurrency: int, chooser: Any
+) -> float:
+    db = tmp / f"q-{time.monotonic_ns()}.db"
+    async with SQLiteBroker(db) as broker:
+        batch = [Job(executor="noop") for _ in range(jobs)]
+        for start in range(0, jobs, 1000):
+            await broker.submit_many(batch[start : start + 1000])
+        sup = Supervisor(
+            broker,
+            registry,
+            worker_id="bench",
+            concurrency=concurrency,
+            arm_chooser=chooser,
+            home=str(tmp),
+        )
+        t = time.perf_counter()
+        await sup.run(burst=True)
+        elapsed = time.perf_counter() - t
+        stats = await broker.stats()
+        assert stats.done == jobs, stats
+    return jobs / elapsed
+
+
+async def _raw_spawn(tmp: Path, registry: ExecutorRegistry, jobs: int, concurrency: int) -> float:
+    from metnos_exec.sandbox.bwrap import bwrap_probe
+    from metnos_exec.sandbox.flags import derive_bwrap_argv
+
+    probe = bwrap_probe()
+    assert probe.path is not None
+    inv = plan_invocation(registry.get_executor("noop"), {}, home=str(tmp))
+    argv = derive_bwrap_argv(inv.job, bwrap=probe.path, features=probe.features)
+    remaining = jobs
+
+    async def spawner() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            out = await anyio.run_process(argv, input=inv.job.stdin, env={})
+            assert out.stdout.strip() == b"{}", out
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(spawner)
+    return jobs / (time.perf_counter() - t)
+
+
+def _echo_chooser(runtime: str, **_: Any) -> ArmChoice:
+    return ArmChoice(EchoSandbox())
+
+
+async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
+    rows: list[tuple[str, float, str]] = []
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        registry = _executors(tmp / "executors")
+        configure_logging(file=tmp / "bench.jsonl")
+        try:
+            # Warm-up: SQLite page cache, structlog and msgspec decoders.
+            await _drain(tmp, registry, 200, ns.echo_concurrency, _echo_chooser)
+            rate = await _drain(tmp, registry, ns.echo_jobs, ns.echo_concurrency, _echo_chooser)
+            rows.append(
+                (
+                    f"queue only, echo arm, 1 worker, concurrency {ns.echo_concurrency}",
+                    rate,
+                    "target >= 2,500",
+                )
+            )
+            if not ns.skip_bwrap:
+                from metnos_exec.sandbox.select import choose_arm
+
+                await _raw_spawn(tmp, registry, 5, 1)
+                for c in ns.concurrency:
+                    raw = await _raw_spawn(tmp, registry, ns.bwrap_jobs, c)
+                    e2e = await _drain(tmp, registry, ns.bwrap_jobs, c, choose_arm)
+                    rows.append((f"raw bwrap spawn, concurrency {c}", raw, ""))
+                    rows.append(
+                        (
+                            f"e2e bwrap no-op, concurrency {c}",
+                            e2e,
+                            f"{100 * e2e / raw:.0f} % of raw (target >= 85 %)",
+                        )
+                    )
+        finally:
+            factory = structlog.get_config()["logger_factory"]
+            f = getattr(factory, "_file", None)
+            if f is not None:
+                f.close()
+            structlog.reset_defaults()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="queue_throughput", description=__doc__.split("\n")[0])
+    p.add_argument("--echo-jobs", type=int, default=10_000)
+    p.add_argument("--echo-concurrency", type=int, default=64)
+    p.add_argument("--bwrap-jobs", type=int, default=200)
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4]
+    )
+    p.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    p.add_argument("--skip-bwrap", action="store_true")
+    ns = p.parse_args(argv)
+    rows = anyio.run(_main, ns, backend=ns.backend)
+    width = max(len(r[0]) for r in rows)
+    print(f"backend {ns.backend}, {os.cpu_count()} cpus, python {sys.version.split()[0]}")
+    print(f"{'measurement':<{width}}  {'jobs/s':>9}  note")
+    for name, rate, note in rows:
+        print(f"{name:<{width}}  {rate:>9,.0f}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
