@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
-from metnos_exec.brokers import Broker, open_broker
-from metnos_exec.brokers.sqlite import SCHEMA_SQL, SQLiteBroker
+from metnos_exec.brokers import Broker, SubmitReceipt, open_broker
+from metnos_exec.brokers.sqlite import SCHEMA_SQL, BrokerUnavailable, SQLiteBroker
+from metnos_exec.messages import Job, Result, decode_result
 
 from .conformance import BrokerConformance, VirtualClock
 
@@ -34,8 +42,6 @@ def test_schema_file_matches_the_embedded_schema() -> None:
 
 
 def test_open_broker_sqlite_url(tmp_path: Path) -> None:
-    import anyio
-
     async def main() -> None:
         broker = open_broker(f"sqlite:///{tmp_path}/q.db?poll_interval_s=0.2")
         assert isinstance(broker, SQLiteBroker)
@@ -43,3 +49,196 @@ def test_open_broker_sqlite_url(tmp_path: Path) -> None:
         await broker.close()
 
     anyio.run(main)
+
+
+# --- real processes on one file -------------------------------------------------------
+
+CONSUMER = Path(__file__).with_name("_consumer.py")
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(CONSUMER), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+
+
+def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _all_results(db: Path) -> list[tuple[str, str]]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute("SELECT job_id, body FROM results").fetchall()
+
+
+@pytest.mark.slow
+def test_two_worker_processes_drain_1000_jobs_exactly_once(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    jobs = [Job(executor="echo", args={"i": i}) for i in range(1000)]
+
+    async def fill() -> None:
+        async with SQLiteBroker(db) as broker:
+            await broker.submit_many(jobs)
+
+    anyio.run(fill)
+    records = [tmp_path / "w1.ids", tmp_path / "w2.ids"]
+    go = tmp_path / "go"
+    procs = [
+        _spawn("drain", str(db), str(records[0]), "w1", "asyncio", str(go)),
+        _spawn("drain", str(db), str(records[1]), "w2", "trio", str(go)),
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(Path(f"{r}.ready").exists() for r in records):
+            assert all(p.poll() is None for p in procs), "a consumer died at start"
+            assert time.monotonic() < deadline, "consumers never got ready"
+            time.sleep(0.01)  # polling files with a deadline
+        go.touch()
+        for proc in procs:
+            _out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err.decode()
+    finally:
+        _reap(procs)
+    done = [r.read_text().split() for r in records]
+    assert all(done), "both workers should have taken part"
+    # No job ran twice, none was lost.
+    assert len(done[0]) == len(set(done[0])) and len(done[1]) == len(set(done[1]))
+    assert not set(done[0]) & set(done[1])
+    assert set(done[0]) | set(done[1]) == {j.id for j in jobs}
+    # Every job has exactly one result, from the worker that ran it.
+    results = _all_results(db)
+    assert len(results) == 1000
+    by_worker = {job_id: decode_result(body).output["by"] for job_id, body in results}
+    assert {k for k, v in by_worker.items() if v == "w1"} == set(done[0])
+
+
+@pytest.mark.slow
+def test_sigkilled_consumer_loses_its_lease_and_the_job_is_redelivered(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    ready = tmp_path / "ready"
+    job = Job(executor="echo", args={"n": 1})
+
+    async def fill() -> None:
+        async with SQLiteBroker(db) as broker:
+            await broker.submit(job)
+
+    anyio.run(fill)
+    proc = _spawn("hold", str(db), str(ready), "1.0")
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the consumer never leased the job"
+            time.sleep(0.01)  # polling a file with a deadline
+        assert ready.read_text().split() == [job.id, "1"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        _reap([proc])
+
+    async def take_over() -> None:
+        async with SQLiteBroker(db, poll_interval_s=0.05) as broker:
+            state = await broker.get_job_state(job.id)
+            assert state is not None and state.state == "running" and state.worker == "doomed"
+            with anyio.fail_after(30):
+                while not (leases := await broker.lease("rescuer", visibility_s=30)):
+                    await broker.wait_for_work(0.05)
+            [lease] = leases
+            assert (lease.job.id, lease.attempt) == (job.id, 2)
+            done = Result(job_id=job.id, status="succeeded", worker="rescuer", attempt=2)
+            assert await broker.ack(lease, done)
+            assert await broker.lease("rescuer", visibility_s=30) == []
+
+    anyio.run(take_over)
+    results = _all_results(db)
+    assert len(results) == 1
+    result = decode_result(results[0][1])
+    assert (result.worker, result.attempt) == ("rescuer", 2)
+
+
+# --- the producer edge and the lock fallback ------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_foreign_producer_inserting_into_job_inbox_is_served(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    async with SQLiteBroker(db) as broker:
+        # What a producer in another language does (queue/README.md): plain SQL.
+        with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+            conn.execute("PRAGMA busy_timeout = 5000")
+            body = {
+                "v": 1,
+                "id": "01JDX9FOREIGN0000000000000",
+                "executor": "echo",
+                "args": {"x": 1},
+                "priority": 7,
+                "device": "phone",
+                "idempotency_key": "k1",
+                "not_before": 0,
+            }
+            conn.execute(
+                "INSERT INTO job_inbox (id, body) VALUES (?, ?)", (body["id"], json.dumps(body))
+            )
+            dup = dict(body, id="01JDX9FOREIGN0000000000001")
+            conn.execute(
+                "INSERT INTO job_inbox (id, body) VALUES (?, ?)", (dup["id"], json.dumps(dup))
+            )
+            assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (1,)
+        assert await broker.lease("s", visibility_s=5) == []  # targeted at the phone
+        [lease] = await broker.lease("p", visibility_s=5, device="phone")
+        assert lease.job.id == body["id"] and lease.job.priority == 7
+        assert lease.job.args == {"x": 1}
+
+
+@pytest.mark.anyio
+async def test_a_write_lock_held_elsewhere_waits_in_a_thread_not_on_the_loop(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "queue.db"
+    async with SQLiteBroker(db, busy_timeout_s=20) as broker:
+        with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            receipts: list[SubmitReceipt] = []
+            ticks = 0
+
+            async def submit() -> None:
+                receipts.append(await broker.submit(Job(executor="echo")))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submit)
+                # The loop keeps running while the submit waits for the lock...
+                with anyio.move_on_after(0.3):
+                    while True:
+                        ticks += 1
+                        await anyio.sleep(0.01)
+                assert not receipts and ticks > 5
+                other.execute("COMMIT")
+                # ...and the submit completes once the lock is free.
+            assert len(receipts) == 1
+        [lease] = await broker.lease("w", visibility_s=5)
+        assert lease.job.id == receipts[0].job_id
+
+
+@pytest.mark.anyio
+async def test_jobs_survive_reopening_the_file(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    job = Job(executor="echo")
+    async with SQLiteBroker(db) as broker:
+        await broker.submit(job)
+    async with SQLiteBroker(db) as broker:
+        [lease] = await broker.lease("w", visibility_s=5)
+        assert lease.job == job
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "queue.db"
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA user_version = 2")
+    with pytest.raises(BrokerUnavailable, match="schema version 2"):
+        SQLiteBroker(db)

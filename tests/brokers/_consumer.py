@@ -1,0 +1,70 @@
+"""A bare consumer process for the SQLite multi-process tests (no supervisor).
+
+python _consumer.py drain DB RECORD WORKER BACKEND   lease -> record id -> ack, until empty
+python _consumer.py hold DB READY VISIBILITY_S      lease one job, report it, then hang
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+
+from metnos_exec.brokers.sqlite import SQLiteBroker
+from metnos_exec.messages import Result
+
+
+async def drain(db: str, record: str, worker: str, go: str) -> None:
+    async with SQLiteBroker(db, poll_interval_s=0.01) as broker:
+        # A start line: both processes begin leasing together, so both take part.
+        Path(record + ".ready").touch()  # noqa: ASYNC240
+        while not Path(go).exists():  # noqa: ASYNC110, ASYNC240 (another process signals)
+            await anyio.sleep(0.005)
+        # A test helper's small local file: blocking writes are fine here.
+        with open(record, "a", buffering=1) as out:  # noqa: ASYNC230
+            while True:
+                leases = await broker.lease(worker, visibility_s=60, limit=8)
+                if not leases:
+                    stats = await broker.stats()
+                    if stats.queued == 0:
+                        return
+                    await broker.wait_for_work(0.05)
+                    continue
+                for lease in leases:
+                    # Recorded before the ack: a job run twice would show up in both files.
+                    out.write(lease.job.id + "\n")
+                    result = Result(
+                        job_id=lease.job.id,
+                        status="succeeded",
+                        output={"by": worker},
+                        worker=worker,
+                        attempt=lease.attempt,
+                    )
+                    if not await broker.ack(lease, result):
+                        raise SystemExit(f"lost lease on {lease.job.id}")
+
+
+async def hold(db: str, ready: str, visibility_s: float) -> None:
+    async with SQLiteBroker(db) as broker:
+        while not (leases := await broker.lease("doomed", visibility_s=visibility_s)):
+            await broker.wait_for_work(0.05)
+        tmp = Path(ready + ".tmp")
+        tmp.write_text(f"{leases[0].job.id} {leases[0].attempt}\n")  # noqa: ASYNC240
+        tmp.rename(ready)  # noqa: ASYNC240 (atomic: the test never reads half a line)
+        await anyio.sleep_forever()
+
+
+def main(argv: list[str]) -> int:
+    mode, db, path = argv[:3]
+    if mode == "drain":
+        anyio.run(drain, db, path, argv[3], argv[5], backend=argv[4])
+    elif mode == "hold":
+        anyio.run(hold, db, path, float(argv[3]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
