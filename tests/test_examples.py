@@ -196,7 +196,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}"

@@ -297,7 +297,7 @@ def native_jobs() -> dict[str, Any]:
             mounts=(Mount(str(_secret(tmp)), str(_secret(tmp)), False),),
         ),
         "forbidden_axis": "files",
-        "over_budget": lambda tmp: _py(_SLEEP, limits=ResourceLimits(wall_time_s=1.0)),
+        "over_budget": lambda tmp: _py(_SLEEP, limits=ResourceLimits(wall_time_s=0.5)),
     }
 
 
@@ -399,6 +399,6 @@ def wasm_jobs(modules: dict[str, Path]) -> dict[str, Any]:
         # Fuel to spare: only the wall clock (epoch interruption) can stop it in time.
         "over_budget": lambda tmp: _wasm(
             "spin",
-            limits=ResourceLimits(wall_time_s=1.0, fuel=10**15),
+            limits=ResourceLimits(wall_time_s=0.5, fuel=10**15),
         ),
     }
