@@ -39,18 +39,23 @@ Two ways to contain the tree, chosen by `ProcessSpec.reaper`:
     descendant that calls ``setsid`` escapes it, which is why the direct arm uses the shim.
 
 Process limits: with ``pids_max`` and a writable cgroup (v1 ``pids`` controller, or a v2
-tree with ``pids`` delegable), each run gets ``metnos/<uuid>`` with ``pids.max`` set; the
-child joins it before it can fork, every pid in it is killed at the end, and the cgroup is
-removed (``pids_limited=True``; under the shim the limit is ``pids_max + 1`` because the
-shim counts). Otherwise RLIMIT_NPROC is applied to the target; it caps the *user's* process
-count, so for a non-root uid it holds (more strictly than asked) and ``pids_limited=True``,
-but the kernel does not enforce it for uid 0, so as root ``pids_limited=False``.
+tree with ``pids`` delegable), each run gets ``metnos/<worker pid>-<uuid>`` with
+``pids.max`` set; the child joins it before it can fork, every pid in it is killed at the
+end, and the cgroup is removed (``pids_limited=True``; under the shim the limit is
+``pids_max + 1`` because the shim counts). Otherwise the fallback is RLIMIT_NPROC, and
+``pids_limited=False``: that limit counts every thread of the *user* (not of the job), so
+it is set to what the uid runs now plus ``pids_max`` (a fork bomb still stops, an ordinary
+job still forks on a desktop with hundreds of processes), and the kernel does not enforce
+it at all for uid 0.
 
 Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
 interpreter or set-up, ``wait4``). A user-level command that cannot be executed is an
 ordinary result: exit 127 when not found, 126 otherwise (as a shell does), with the
-reason in ``exec_error`` and on stderr... under the shim; ``reaper=False`` reports the
-same codes and ``exec_error``, stderr stays empty.
+reason in ``exec_error`` (stderr stays the job's own), in both modes.
+
+Usage caveat: Linux counts the resident set a child inherits at fork (before exec) in its
+``ru_maxrss``, so ``peak_rss_bytes`` never reads below the image that forked it: ~9 MB under
+the shim, the worker's own RSS with ``reaper=False`` (``preexec_fn`` rules out vfork).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ import msgspec
 from metnos_exec import _reaper
 from metnos_exec.errors import HostFault
 
-__all__ = ("ProcessResult", "ProcessSpec", "run_process")
+__all__ = ("ProcessResult", "ProcessSpec", "pids_cgroup_available", "run_process")
 
 PR_SET_PDEATHSIG: Final = 1
 
@@ -232,6 +237,11 @@ def _cgroup_parent() -> Path | None:
             _sweep_stale(parent)
         _parent_cache.append(parent)
     return _parent_cache[0]
+
+
+def pids_cgroup_available() -> bool:
+    """Whether `run_process` can enforce ``pids_max`` with a cgroup here (probed once)."""
+    return _cgroup_parent() is not None
 
 
 def _sweep_stale(parent: Path) -> None:
@@ -590,6 +600,23 @@ def _read_status(child: _Child) -> tuple[str | None, str | None, tuple[float, in
     return exec_error, fault, usage
 
 
+def _threads_of_uid(uid: int) -> int:
+    """Threads the uid runs now: what RLIMIT_NPROC counts (real uid, approximated by owner)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        total += int(stat[stat.rfind(b")") + 2 :].split()[17])  # field 20: num_threads
+    return total
+
+
 def _validate(spec: ProcessSpec, timeout: float, grace: float) -> None:
     if not spec.argv:
         raise ValueError("ProcessSpec.argv must not be empty")
@@ -634,9 +661,8 @@ async def run_process(
     cgroup = _Cgroup.create(spec.pids_max + (1 if spec.reaper else 0)) if spec.pids_max else None
     pids_limited = cgroup is not None
     if spec.pids_max is not None and cgroup is None:
-        rlimits = (*rlimits, (resource.RLIMIT_NPROC, spec.pids_max, spec.pids_max))
-        # The kernel does not apply RLIMIT_NPROC to uid 0 (see module docstring).
-        pids_limited = os.geteuid() != 0
+        nproc = _threads_of_uid(os.getuid()) + spec.pids_max
+        rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
     try:
         try:
             child: _Child = await _on_spawner(lambda: _spawn(spec, rlimits, cgroup, grace))
