@@ -31,7 +31,7 @@ from typing import Any, final
 
 import msgspec
 
-from ..errors import HostFault
+from ..errors import HostFault, SandboxDenied
 from ..process import ProcessResult, ProcessSpec, run_process
 from ._types import (
     AxisVerdict,
@@ -329,6 +329,7 @@ class BwrapSandbox:
         """Run `job` in bubblewrap until it exits or its wall time passes.
 
         Raises:
+            SandboxDenied: a mount would replace a private tree (``/proc``, ``/dev``, ``/``).
             BwrapSetupFailed: bubblewrap could not build the sandbox.
             HostFault: the harness broke (status unreadable, exit out of range).
         """
@@ -336,9 +337,12 @@ class BwrapSandbox:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
-            argv = derive_bwrap_argv(
-                job, bwrap=self._bwrap, features=self._features, json_status_fd=status_w
-            )
+            try:
+                argv = derive_bwrap_argv(
+                    job, bwrap=self._bwrap, features=self._features, json_status_fd=status_w
+                )
+            except ValueError as exc:
+                raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
             spec = ProcessSpec(
                 argv=tuple(argv),
                 # bubblewrap needs no environment; the guest's comes from --setenv.

@@ -27,6 +27,7 @@ __all__ = (
     "GUEST_GID",
     "GUEST_UID",
     "MASKED_PATHS",
+    "RESERVED_GUEST_PATHS",
     "SYSTEM_PATHS",
     "BwrapFeatures",
     "default_interpreter_roots",
@@ -119,6 +120,9 @@ SYSTEM_PATHS: tuple[str, ...] = (
     "/opt",
     "/var/lib/python3",
 )
+
+#: Private trees no job mount may replace or enter (see `derive_bwrap_argv`).
+RESERVED_GUEST_PATHS: tuple[str, ...] = ("/proc", "/dev")
 
 #: Secrets inside the system trees above, hidden behind an empty file / directory.
 #: Why: the worker usually runs as root, and bubblewrap maps the guest's uid to the
@@ -243,7 +247,8 @@ def derive_bwrap_argv(
         The argv, ready for `ProcessSpec`.
 
     Raises:
-        ValueError: `job` has no argv (a wasm job cannot run in this arm).
+        ValueError: `job` has no argv (a wasm job cannot run in this arm), or a mount
+            targets ``/`` or lies at or below a private tree (`RESERVED_GUEST_PATHS`).
     """
     if not job.argv:
         raise ValueError("the bwrap arm runs native jobs only: job.argv is empty")
@@ -283,6 +288,13 @@ def derive_bwrap_argv(
     # (fail closed: an executor never gets to modify its own folder by accident).
     chosen: dict[str, Mount] = {}
     for mount in job.mounts:
+        guest = posixpath.normpath(mount.guest)
+        if not posixpath.isabs(guest) or guest in ("/", "//"):
+            raise ValueError(f"mount target {mount.guest!r} must be an absolute path below /")
+        if any(_under(guest, reserved) for reserved in RESERVED_GUEST_PATHS):
+            # A host /proc over ours would show (and let the guest signal) host processes;
+            # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
+            raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
         if not exists(mount.host):
             continue
         prev = chosen.get(mount.guest)

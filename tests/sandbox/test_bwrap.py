@@ -573,3 +573,57 @@ def test_job_outliving_trio_thread_cache_completes() -> None:
     job = SandboxJob(argv=("/bin/sh", "-c", "sleep 12; echo done"))
     outcome = trio.run(BwrapSandbox().run, job)
     assert outcome.exit == Success() and outcome.stdout == b"done\n"
+
+
+# --- the report follows what happened -------------------------------------------------
+
+
+async def test_resources_partial_when_pids_not_enforced(
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As root without a pids cgroup, RLIMIT_NPROC is void: the process layer says so with
+    # pids_limited=False, and the report must not claim the wall.
+    import msgspec
+
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+
+    real = bwrap_mod.run_process
+
+    async def no_cgroup(spec: Any, **kw: Any) -> Any:
+        return msgspec.structs.replace(await real(spec, **kw), pids_limited=False)
+
+    monkeypatch.setattr(bwrap_mod, "run_process", no_cgroup)
+    outcome = await arm.run(py_job(tmp_path, "print('{}')"))
+    assert outcome.containment.resources.state == "partial"
+    assert "not enforced" in outcome.containment.resources.reason
+
+
+async def test_resources_partial_without_limits(arm: BwrapSandbox, tmp_path: Path) -> None:
+    job = py_job(tmp_path, "print('{}')", limits=ResourceLimits(memory_bytes=None))
+    outcome = await arm.run(job)
+    assert outcome.exit == Success()
+    assert outcome.containment.resources.state == "partial"
+    assert "no memory limit" in outcome.containment.resources.reason
+
+
+async def test_mount_over_proc_is_denied_before_launch(arm: BwrapSandbox, tmp_path: Path) -> None:
+    from metnos_exec.errors import SandboxDenied
+
+    marker = tmp_path / "ran"
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", f"touch {marker}"),
+        mounts=(Mount("/proc", "/proc"), Mount(str(tmp_path), str(tmp_path), writable=True)),
+    )
+    with pytest.raises(SandboxDenied):
+        await arm.run(job)
+    assert not marker.exists()
+
+
+def test_containment_before_run_is_honest_about_unknowns() -> None:
+    need_bwrap()
+    report_ = BwrapSandbox().containment(SandboxJob(argv=("x",), network=True))
+    assert report_.sandbox == "bwrap"
+    assert report_.files.state == "kept" and report_.process_tree.state == "kept"
+    assert report_.network.state == "not_kept"
+    # Whether the pids cgroup holds is only known once run_process has tried.
+    assert report_.resources.state == "partial"

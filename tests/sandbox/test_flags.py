@@ -278,3 +278,17 @@ def test_rlimits_from_limits() -> None:
     }
     none = ResourceLimits(memory_bytes=None, pids=None, file_size_bytes=None, open_files=None)
     assert derive_rlimits(none) == ()
+
+
+@pytest.mark.parametrize("guest", ["/", "/proc", "/proc/1", "/dev", "/dev/shm", "relative"])
+def test_mounts_over_private_trees_are_refused(guest: str) -> None:
+    job = job_with(mounts=(Mount(EXE, EXE), Mount("/data", guest)))
+    with pytest.raises(ValueError):
+        derive(job, paths=BASE_FS | {"/data"})
+
+
+def test_hint_on_tmp_itself_replaces_private_tmp_as_asked() -> None:
+    # The spec's own example: `/tmp/*` → `/tmp`; the bind comes after the tmpfs, so wins.
+    job = job_with(mounts=(Mount(EXE, EXE), Mount("/tmp", "/tmp", writable=True)))
+    argv = derive(job, paths=BASE_FS | {"/tmp"})
+    assert index_of(argv, "--tmpfs", "/tmp") < index_of(argv, "--bind", "/tmp", "/tmp")
