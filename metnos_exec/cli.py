@@ -222,6 +222,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             burst=ns.burst,
             visibility_s=ns.visibility,
             backend=ns.backend,
+            home=ns.home,
         )
     except BadBrokerURL as exc:
         raise _Exit(EXIT["broker"], str(exc)) from None
@@ -447,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="server", metavar="ID", help="device id (server)")
     w.add_argument("--grace", type=float, default=30.0, metavar="S", help="drain grace (30)")
     w.add_argument("--visibility", type=float, default=30.0, metavar="S", help="lease window")
+    w.add_argument(
+        "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
+    )
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     # Tests and benchmarks only: run every job in the echo double (queue cost alone).

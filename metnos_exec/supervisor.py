@@ -175,7 +175,7 @@ class Supervisor:
             arm_chooser = choose_arm
         self.arm_chooser = arm_chooser
         self.policy = policy
-        self.home = os.fspath(home) if home is not None else None
+        self.home = os.path.abspath(os.fspath(home)) if home is not None else None
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
         self.clock = clock
         self.retry_delay = retry_delay

@@ -116,6 +116,7 @@ def run_worker(
     burst: bool = False,
     visibility_s: float = 30.0,
     backend: str = "asyncio",
+    home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
@@ -140,6 +141,7 @@ def run_worker(
                 device=device,
                 concurrency=concurrency,
                 visibility_s=visibility_s,
+                home=home,
             )
         finally:
             with anyio.CancelScope(shield=True):

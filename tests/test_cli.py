@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,24 @@ def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
     out = cli(env, "undo", "01JOB")
     assert out.returncode == EXIT["not_implemented"]
     assert "E_NOT_IMPLEMENTED" in out.stderr
+
+
+def test_demo_runs_and_reruns(tmp_path: Path) -> None:
+    from tests.conftest import need
+
+    need(shutil.which("bwrap") is not None, "bubblewrap is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "METNOS_BROKER"}
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "metnos_exec.demo"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "note:" not in out.stdout, out.stdout  # every case ended as expected
+        assert "E_CAPABILITY_DENIED" in out.stdout and "timed_out" in out.stdout
+        assert "next (in another terminal" in out.stdout
+    assert (tmp_path / "demo" / "worker.jsonl").exists()
