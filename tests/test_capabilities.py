@@ -151,6 +151,11 @@ def test_when_integers_compare_as_decimal_strings() -> None:
         ({"arg": "mode", "values": ["bogus"]}, "not in the enum"),
         ({"arg": "ratio", "values": ["1.5"]}, "type number"),
         ({"arg": "opt", "values": ["x"]}, "absent and has no default"),
+        ([], "expected {arg, values}, got list"),
+        (5, "expected {arg, values}, got int"),
+        ({"arg": 1, "values": ["sync"]}, "arg 1 is not a declared argument"),
+        ({"arg": "mode", "values": [["sync"]]}, "non-empty list of strings"),
+        ({"arg": "mode", "values": {"sync": 1}}, "non-empty list of strings"),
     ],
 )
 def test_malformed_or_unmatched_when_is_inactive_never_raises(when: Any, reason: str) -> None:
