@@ -248,7 +248,7 @@ async def _demo(root: Path) -> int:
     surprises = [(c, r) for c, r in rows if r.status != c.expect]
     for c, r in surprises:
         out.write(
-            f"\nnote: {c.title!r} ended {r.status}, expected {c.expect}"
+            f"\nunexpected: {c.title!r} ended {r.status}, expected {c.expect}"
             + (f" ({r.error.code})" if r.error else "")
         )
     out.write("\n\nlast log lines (" + str(log_path) + "):\n")

@@ -154,7 +154,7 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
             timeout=120,
         )
         assert out.returncode == 0, out.stderr
-        assert "note:" not in out.stdout, out.stdout  # every case ended as expected
+        assert "unexpected:" not in out.stdout, out.stdout  # every case ended as expected
         assert "E_CAPABILITY_DENIED" in out.stdout and "timed_out" in out.stdout
         assert "next (in another terminal" in out.stdout
     assert (tmp_path / "demo" / "worker.jsonl").exists()
