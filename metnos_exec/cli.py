@@ -333,9 +333,10 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         async with _open(ns.broker) as broker:
             stats = await broker.stats()
             dead = await broker.dead_letters(limit=5)
-        doc = {
+        sandbox = _sandbox_status()
+        doc: dict[str, Any] = {
             "broker": {"url": ns.broker, **msgspec.to_builtins(stats)},
-            "sandbox": _sandbox_status(),
+            "sandbox": sandbox,
             "recent_dead_letters": [
                 {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
             ],
@@ -346,7 +347,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         out = [f"broker {ns.broker}"]
         out.append("  " + "  ".join(f"{k}={v}" for k, v in msgspec.to_builtins(stats).items()))
         out.append("sandbox")
-        for key, value in doc["sandbox"].items():
+        for key, value in sandbox.items():
             out.append(f"  {key}: {value}")
         if dead:
             out.append("recent dead letters")
