@@ -356,9 +356,11 @@ def test_not_yet_existing_file_is_allowed_when_parent_matches(home: Path) -> Non
         "~root/notes/a.md",
         "file://otherhost/etc/passwd",
         "~/notes\0/a.md",
+        "file:///{home}/notes/%2e%2e/secret/key",  # percent-encoded `..`
     ],
 )
 def test_paths_outside_hints_are_denied(home: Path, value: str) -> None:
+    value = value.replace("{home}", str(home).lstrip("/"))
     m = mk({"path": {"format": "path"}}, NOTES_READ)
     with pytest.raises(CapabilityDenied) as ei:
         _vet(m, {"path": value}, home)
@@ -511,3 +513,9 @@ def test_url_with_inactive_network_capability_is_denied() -> None:
     fa = final_args(m, {"url": "https://notes.example.com/"})
     with pytest.raises(CapabilityDenied, match="no active network:https hint"):
         vet_arguments(m, fa, effective_capabilities(m, fa), home="/root")
+
+
+def test_relative_hints_admit_nothing_and_are_named(home: Path) -> None:
+    m = mk({"path": {"format": "path"}}, [{"name": "fs:read", "hints": ["notes/**"]}])
+    with pytest.raises(CapabilityDenied, match=r"ignored, not absolute: notes/\*\*"):
+        _vet(m, {"path": "~/notes/a.md"}, home)
