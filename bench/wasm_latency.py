@@ -1,0 +1,293 @@
+"""Latency of the wasm arm's `wasm-python` jobs next to a native CPython spawn (acceptance 7).
+
+Measures, in one run on one machine:
+
+* **cold compile** of python.wasm (empty cache: `Module(engine, bytes)` + serialize);
+* **cache-hit load**: a fresh engine loading the serialized module from disk (what a
+  restarted worker pays), and the in-memory hit every later job pays;
+* **per-job latency** of a `print(1)` job through `WasmSandbox.run`, interleaved round by
+  round with a native ``python -c 'print(1)'`` spawn (`anyio.run_process`, the base
+  interpreter, not a pyenv shim) so both see the same machine state; medians;
+* **throughput** of N jobs one at a time vs two at a time (the guest runs in a worker
+  thread and wasmtime releases the GIL while it runs);
+* **profile** (unless ``--no-profile``): the same guest on engines built without fuel
+  metering and without epoch interruption (each needs its own compile), the arm's
+  overhead over a bare `InstancePre.instantiate` + `_start`, and the cost of `site`.
+
+Targets: cached wasm-python job <= 1.25 x native spawn; 2 concurrent >= 1.5 x one.
+
+Usage: python bench/wasm_latency.py [--rounds 25] [--jobs 20] [--no-profile]
+       [--backend asyncio|trio] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from metnos_exec.errors import ToolUnavailable
+from metnos_exec.sandbox._types import (
+    PYTHON_WASM_MODULE,
+    ResourceLimits,
+    SandboxJob,
+    Success,
+    WasmProgram,
+)
+from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
+from metnos_exec.sandbox._wasm_runtime import verified_python_wasm
+from metnos_exec.sandbox.wasm import WasmSandbox
+
+LIMITS = ResourceLimits(fuel=20_000_000_000, memory_bytes=64 * 1024 * 1024, wall_time_s=30)
+NATIVE = os.path.realpath(sys.executable)
+
+
+def _median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 2)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _job(*args: str) -> SandboxJob:
+    return SandboxJob(wasm=WasmProgram(PYTHON_WASM_MODULE, ("python", *args)), limits=LIMITS)
+
+
+async def _native(*args: str) -> float:
+    t0 = time.perf_counter()
+    res = await anyio.run_process([NATIVE, *args], check=True)
+    dt = time.perf_counter() - t0
+    assert res.stdout == b"1\n"
+    return dt
+
+
+async def _wasm(arm: WasmSandbox, job: SandboxJob) -> float:
+    t0 = time.perf_counter()
+    out = await arm.run(job)
+    dt = time.perf_counter() - t0
+    assert out.exit == Success() and out.stdout == b"1\n", (out.exit, out.stderr[-300:])
+    return dt
+
+
+def _bare_run(wt: Any, engine: Any, pre: Any, argv: list[str], fuel: bool) -> tuple[float, int]:
+    """Instantiate + `_start` with nothing of the arm around it; returns (s, fuel used)."""
+    store = wt.Store(engine)
+    if fuel:
+        store.set_fuel(LIMITS.fuel)
+    store.set_epoch_deadline(1 << 40)
+    wasi = wt.WasiConfig()
+    wasi.argv = argv
+    sink: list[bytes] = []
+    wasi.stdout_custom = sink.append
+    store.set_wasi(wasi)
+    t0 = time.perf_counter()
+    inst = pre.instantiate(store)
+    try:
+        inst.exports(store)["_start"](store)
+    except wt.ExitTrap as exc:
+        assert exc.code == 0
+    dt = time.perf_counter() - t0
+    used = (LIMITS.fuel or 0) - store.get_fuel() if fuel else 0
+    store.close()
+    return dt, used
+
+
+def _profile(wt: Any, runtime: Path, rounds: int) -> dict[str, Any]:
+    variants: dict[str, Any] = {}
+    for name, fuel, epoch in (
+        ("fuel+epoch (the arm's engine)", True, True),
+        ("epoch only", False, True),
+        ("neither", False, False),
+    ):
+        cfg = wt.Config()
+        cfg.consume_fuel = fuel
+        cfg.epoch_interruption = epoch
+        cfg.cranelift_opt_level = "speed"
+        engine = wt.Engine(cfg)
+        t0 = time.perf_counter()
+        module = wt.Module.from_file(engine, str(runtime))
+        compile_s = time.perf_counter() - t0
+        linker = wt.Linker(engine)
+        linker.define_wasi()
+        pre = linker.instantiate_pre(module)
+        row: dict[str, Any] = {"compile_s": round(compile_s, 2)}
+        for label, argv in (
+            ("print(1)", ["python", "-u", "-c", "print(1)"]),
+            ("-I -S print(1)", ["python", "-u", "-I", "-S", "-c", "print(1)"]),
+        ):
+            _bare_run(wt, engine, pre, argv, fuel)
+            runs = [_bare_run(wt, engine, pre, argv, fuel) for _ in range(max(5, rounds // 2))]
+            row[label] = {"median_ms": _median_ms([r[0] for r in runs]), "fuel": runs[-1][1]}
+        variants[name] = row
+    return variants
+
+
+async def _throughput(arm: WasmSandbox, jobs: int) -> dict[str, float]:
+    job = _job("-c", "print(1)")
+    t0 = time.perf_counter()
+    for _ in range(jobs):
+        await _wasm(arm, job)
+    one = jobs / (time.perf_counter() - t0)
+    limiter = anyio.CapacityLimiter(2)
+
+    async def worker() -> None:
+        async with limiter:
+            await _wasm(arm, job)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(jobs):
+            tg.start_soon(worker)
+    two = jobs / (time.perf_counter() - t0)
+    return {
+        "jobs": jobs,
+        "one_at_a_time_per_s": round(one, 1),
+        "two_at_a_time_per_s": round(two, 1),
+        "ratio": round(two / one, 2),
+    }
+
+
+async def _latency(arm: WasmSandbox, rounds: int, warmup: int) -> dict[str, Any]:
+    plain = _job("-c", "print(1)")
+    lean = _job("-I", "-S", "-c", "print(1)")
+    samples: dict[str, list[float]] = {
+        "wasm-python print(1)": [],
+        "wasm-python -I -S print(1)": [],
+        "native python -c print(1)": [],
+        "native python -I -S -c print(1)": [],
+    }
+    for i in range(warmup + rounds):
+        # Interleaved: each round measures every variant once, back to back.
+        r = (
+            await _wasm(arm, plain),
+            await _wasm(arm, lean),
+            await _native("-c", "print(1)"),
+            await _native("-I", "-S", "-c", "print(1)"),
+        )
+        if i >= warmup:
+            for key, v in zip(samples, r, strict=True):
+                samples[key].append(v)
+    med = {k: _median_ms(v) for k, v in samples.items()}
+    return {
+        "rounds": rounds,
+        "median_ms": med,
+        "ratio_plain": round(med["wasm-python print(1)"] / med["native python -c print(1)"], 2),
+        "ratio_lean": round(
+            med["wasm-python -I -S print(1)"] / med["native python -I -S -c print(1)"], 2
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="wasm_latency", description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=20, help="jobs per throughput measurement")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    p.add_argument("--json", action="store_true")
+    opts = p.parse_args(argv)
+
+    wt = load_wasmtime()
+    if wt is None:
+        print("wasm_latency: wasmtime is not installed (install metnos-exec[wasm])")
+        return 2
+    try:
+        runtime = verified_python_wasm()
+    except ToolUnavailable as exc:
+        print(f"wasm_latency: {exc}")
+        return 2
+
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+        "native": NATIVE,
+    }
+    with tempfile.TemporaryDirectory(prefix="metnos-wasm-bench-") as tmp:
+        cache = Path(tmp) / "cache"
+        rss0 = _rss_mb()
+        engine = WasmEngine(wt)
+        cold = engine.load(runtime, cache)
+        assert cold.source == "compiled"
+        report["cold_compile"] = {
+            "seconds": round(cold.seconds, 2),
+            "max_rss_growth_mb": round(_rss_mb() - rss0, 1),
+            "serialized_mb": round(sum(f.stat().st_size for f in cache.iterdir()) / 2**20, 1),
+        }
+        disk, mem = [], []
+        for _ in range(5):
+            fresh = WasmEngine(wt)  # a restarted worker: new engine, same config
+            hit = fresh.load(runtime, cache)
+            assert hit.source == "disk"
+            disk.append(hit.seconds)
+            again = fresh.load(runtime, cache)
+            assert again.source == "memory"
+            mem.append(again.seconds)
+        report["cache_hit_load_ms"] = {"disk": _median_ms(disk), "memory": _median_ms(mem)}
+
+        arm = WasmSandbox(cache_dir=cache, engine=engine)
+
+        async def measure() -> None:
+            report["latency"] = await _latency(arm, opts.rounds, opts.warmup)
+            report["throughput"] = await _throughput(arm, opts.jobs)
+
+        anyio.run(measure, backend=opts.backend)
+        if not opts.no_profile:
+            report["profile"] = _profile(wt, runtime, opts.rounds)
+    report["machine"]["loadavg_after"] = os.getloadavg()
+    lat, thr = report["latency"], report["throughput"]
+    report["targets"] = {
+        "cached_job_vs_native<=1.25": lat["ratio_plain"] <= 1.25,
+        "two_concurrent>=1.5x": thr["ratio"] >= 1.5,
+    }
+    if opts.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"machine: {r['machine']}")
+    c = r["cold_compile"]
+    print(
+        f"cold compile of python.wasm: {c['seconds']} s, max RSS +{c['max_rss_growth_mb']} MB, "
+        f"serialized {c['serialized_mb']} MB"
+    )
+    h = r["cache_hit_load_ms"]
+    print(f"cache-hit load: disk {h['disk']} ms, memory {h['memory']} ms")
+    lat = r["latency"]
+    print(f"per-job latency (median of {lat['rounds']}, interleaved):")
+    for k, v in lat["median_ms"].items():
+        print(f"  {k:34s} {v:8.2f} ms")
+    print(f"  ratio wasm/native: {lat['ratio_plain']} (plain), {lat['ratio_lean']} (-I -S)")
+    t = r["throughput"]
+    print(
+        f"throughput ({t['jobs']} jobs): 1 at a time {t['one_at_a_time_per_s']}/s, "
+        f"2 at a time {t['two_at_a_time_per_s']}/s, ratio {t['ratio']}"
+    )
+    if "profile" in r:
+        print("profile (bare instantiate + _start, no arm):")
+        for name, row in r["profile"].items():
+            print(
+                f"  {name}: compile {row['compile_s']} s; "
+                + "; ".join(
+                    f"{k} {v['median_ms']} ms ({v['fuel']} fuel)"
+                    for k, v in row.items()
+                    if isinstance(v, dict)
+                )
+            )
+    print(f"targets: {r['targets']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
