@@ -448,6 +448,7 @@ class VettedArgs(msgspec.Struct, frozen=True):
     checked: tuple[VettedValue, ...] = ()
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 _URL_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
@@ -538,6 +539,8 @@ class _Vetter:
                 where, value, f"is not a valid URL ({exc})", self._net_against()
             ) from exc
         scheme = parts.scheme.lower()
+        # A hint with a port compares against the port the client will really use.
+        port = port if port is not None else _DEFAULT_PORTS.get(scheme)
         if scheme == "file":
             self.path(where, value)
             return

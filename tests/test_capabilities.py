@@ -494,6 +494,22 @@ def test_urls_outside_hints_are_denied(url: str, why: str) -> None:
     assert why in ei.value.message
 
 
+def test_url_port_hints_use_the_scheme_default() -> None:
+    m = mk({"url": {"format": "url"}}, [{"name": "network:https", "hints": ["a.example:443"]}])
+    for url, ok in [
+        ("https://a.example/", True),
+        ("https://a.example:443/", True),
+        ("https://a.example:8443/", False),
+    ]:
+        fa = final_args(m, {"url": url})
+        eff = effective_capabilities(m, fa)
+        if ok:
+            vet_arguments(m, fa, eff, home="/root")
+        else:
+            with pytest.raises(CapabilityDenied):
+                vet_arguments(m, fa, eff, home="/root")
+
+
 def test_host_arguments() -> None:
     m = mk({"host": {"format": "host"}}, NET)
     for ok in ("notes.example.com", "127.0.0.1:5000", "a.api.example.com"):
