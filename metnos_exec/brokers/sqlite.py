@@ -34,6 +34,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import structlog
+from anyio.lowlevel import RunVar
 
 from ..errors import BadMessage, MetnosError
 from ..messages import (
@@ -227,10 +228,33 @@ _GET_RESULT = "SELECT body FROM results WHERE job_id = ?"
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
 
 
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.lower() in ("1", "true", "yes", "on")
-    return bool(value)
+# In-process wake-ups, per event loop (a RunVar) and per database file: a submit or ack
+# through any broker object on the same file in the same event loop (say, a client and a
+# worker embedded in one program) wakes the waiters at once. Other loops and other
+# processes fall back to polling; events are never touched across threads.
+_WAKE: RunVar[dict[tuple[str, str], anyio.Event]] = RunVar("metnos_exec.brokers.sqlite.wake")
+
+
+def _wake_event(key: str, kind: str) -> anyio.Event:
+    try:
+        table = _WAKE.get()
+    except LookupError:
+        table = {}
+        _WAKE.set(table)
+    event = table.get((key, kind))
+    if event is None:
+        event = table[(key, kind)] = anyio.Event()
+    return event
+
+
+def _notify(key: str, kind: str) -> None:
+    try:
+        table = _WAKE.get()
+    except LookupError:
+        return
+    event = table.pop((key, kind), None)
+    if event is not None:
+        event.set()
 
 
 class SQLiteBroker(Broker):
@@ -289,8 +313,7 @@ class SQLiteBroker(Broker):
             self._db.close()
             raise
         self._limiter: anyio.CapacityLimiter | None = None
-        self._work_event: anyio.Event | None = None
-        self._result_event: anyio.Event | None = None
+        self._wake_key = str(self.path.resolve())
         self._closed = False
 
     @classmethod
@@ -378,14 +401,10 @@ class SQLiteBroker(Broker):
         return out
 
     def _wake_workers(self) -> None:
-        if self._work_event is not None:
-            self._work_event.set()
-            self._work_event = None
+        _notify(self._wake_key, "work")
 
     def _wake_results(self) -> None:
-        if self._result_event is not None:
-            self._result_event.set()
-            self._result_event = None
+        _notify(self._wake_key, "result")
 
     @staticmethod
     def _store_result(db: sqlite3.Connection, result: Result, now: float) -> bool:
@@ -543,7 +562,7 @@ class SQLiteBroker(Broker):
         # lock, so it does not slow down the processes that have work.
         if db.execute(_ANY_DUE, {"now": now, "dev": dev}).fetchone() is None:
             return []
-        out: list[tuple[int, Lease]] = []
+        out: list[Lease] = []
         db.execute("BEGIN IMMEDIATE")
         try:
             if db.execute(_ANY_EXPIRED, (now,)).fetchone() is not None:
@@ -582,17 +601,14 @@ class SQLiteBroker(Broker):
                         )
                         continue
                     out.append(
-                        (
-                            seq,
-                            Lease(
-                                job=decoded,
-                                attempt=attempt,
-                                token=token,
-                                lease_until=until,
-                                worker=worker_id,
-                                device=device,
-                                visibility_s=visibility_s,
-                            ),
+                        Lease(
+                            job=decoded,
+                            attempt=attempt,
+                            token=token,
+                            lease_until=until,
+                            worker=worker_id,
+                            device=device,
+                            visibility_s=visibility_s,
                         )
                     )
         except BaseException:
@@ -600,7 +616,7 @@ class SQLiteBroker(Broker):
                 db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
-        return [lease for _, lease in out]
+        return out
 
     async def lease(
         self,
@@ -621,9 +637,7 @@ class SQLiteBroker(Broker):
         return leases
 
     async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
-        if self._work_event is None:
-            self._work_event = anyio.Event()
-        event = self._work_event
+        event = _wake_event(self._wake_key, "work")
         with anyio.move_on_after(min(timeout, self._poll)):
             await event.wait()
 
@@ -778,12 +792,11 @@ class SQLiteBroker(Broker):
     ) -> Result | None:
         with anyio.move_on_after(timeout if timeout is not None else float("inf")):
             while True:
+                # Registered before the look, so an ack landing in between still wakes us.
+                event = _wake_event(self._wake_key, "result")
                 result = await self.get_result(job_id)
                 if result is not None:
                     return result
-                if self._result_event is None:
-                    self._result_event = anyio.Event()
-                event = self._result_event
                 with anyio.move_on_after(self._poll):
                     await event.wait()
         return await self.get_result(job_id)

@@ -461,6 +461,6 @@ class BrokerConformance:
                     tg.start_soon(waiter)
                     while not woke.is_set():
                         await b.submit(job())
-                        with anyio.move_on_after(0.5):
+                        with anyio.move_on_after(0.05):
                             await woke.wait()
             assert len(await b.lease("w1", visibility_s=VIS, limit=100)) >= 1

@@ -242,3 +242,29 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         conn.execute("PRAGMA user_version = 2")
     with pytest.raises(BrokerUnavailable, match="schema version 2"):
         SQLiteBroker(db)
+
+
+@pytest.mark.anyio
+async def test_a_second_broker_object_on_the_same_file_is_woken_in_process(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "queue.db"
+    # Polling is made too slow to matter: only the in-process wake-up can pass this test.
+    async with (
+        SQLiteBroker(db, poll_interval_s=60) as client,
+        SQLiteBroker(db, poll_interval_s=60) as worker,
+    ):
+        got: list[Result | None] = []
+        job = Job(executor="echo")
+
+        async def wait() -> None:
+            got.append(await client.wait_result(job.id, timeout=None))
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await client.submit(job)
+                while not (leases := await worker.lease("w", visibility_s=5)):
+                    await worker.wait_for_work(60)
+                await worker.ack(leases[0], Result(job_id=job.id, status="succeeded"))
+        assert got and got[0] is not None and got[0].status == "succeeded"
