@@ -285,7 +285,7 @@ def _resources_verdict(job: SandboxJob, pids_enforced: bool | None) -> AxisVerdi
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
-    return AxisVerdict("kept", f"address space, pids cgroup, file size and {cpu} limits applied")
+    return AxisVerdict("kept", f"address space, process count, file size and {cpu} limits held")
 
 
 # --- the arm --------------------------------------------------------------------------

@@ -381,14 +381,17 @@ def derive_rlimits(limits: ResourceLimits) -> tuple[tuple[int, int, int], ...]:
 
     - ``RLIMIT_AS`` = memory budget: a big allocation fails (MemoryError / ENOMEM) instead
       of pushing the host into swap or the OOM killer.
-    - ``RLIMIT_NPROC`` = pids budget, a fallback only: the kernel does not enforce it for
-      a worker running as root, so the real pids wall is the cgroup the process layer
-      creates (``pids_max``).
+    - No ``RLIMIT_NPROC`` here: the pids wall belongs to the process layer (a per-run pids
+      cgroup, ``ProcessSpec.pids_max``; it falls back to RLIMIT_NPROC itself, computed
+      above the uid's current count — a plain ``pids`` value would make bubblewrap's own
+      fork fail for a non-root worker that already runs more processes than that).
     - ``RLIMIT_FSIZE`` = file size budget: the kernel sends SIGXFSZ (or EFBIG when the
       signal is ignored, as CPython does) — the disk cannot be filled by one file.
     - ``RLIMIT_NOFILE`` = open files: no fd exhaustion games.
     - ``RLIMIT_CPU``: soft at the budget (SIGXCPU, reported as ``cpu_time``), hard one
       second later (SIGKILL) for a guest that ignores SIGXCPU.
+    - ``RLIMIT_CORE`` = 0: a SIGXCPU/SIGXFSZ death must not hand the guest's memory to the
+      host's core handler (``core_pattern`` pipes run outside the sandbox).
 
     Returns:
         ``((resource, soft, hard), ...)`` in the form `ProcessSpec.rlimits` takes.
@@ -396,12 +399,11 @@ def derive_rlimits(limits: ResourceLimits) -> tuple[tuple[int, int, int], ...]:
     out: list[tuple[int, int, int]] = []
     if limits.memory_bytes is not None:
         out.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
-    if limits.pids is not None:
-        out.append((resource.RLIMIT_NPROC, limits.pids, limits.pids))
     if limits.file_size_bytes is not None:
         out.append((resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes))
     if limits.open_files is not None:
         out.append((resource.RLIMIT_NOFILE, limits.open_files, limits.open_files))
     if limits.cpu_time_s is not None:
         out.append((resource.RLIMIT_CPU, limits.cpu_time_s, limits.cpu_time_s + 1))
+    out.append((resource.RLIMIT_CORE, 0, 0))
     return tuple(out)

@@ -271,13 +271,15 @@ def test_rlimits_from_limits() -> None:
     got = {r: (s, h) for r, s, h in derive_rlimits(lim)}
     assert got == {
         resource.RLIMIT_AS: (1 << 28, 1 << 28),
-        resource.RLIMIT_NPROC: (64, 64),
         resource.RLIMIT_FSIZE: (1 << 20, 1 << 20),
         resource.RLIMIT_NOFILE: (99, 99),
         resource.RLIMIT_CPU: (5, 6),
+        resource.RLIMIT_CORE: (0, 0),
     }
+    # The pids wall is the process layer's (cgroup, or its own NPROC fallback).
+    assert resource.RLIMIT_NPROC not in got
     none = ResourceLimits(memory_bytes=None, pids=None, file_size_bytes=None, open_files=None)
-    assert derive_rlimits(none) == ()
+    assert derive_rlimits(none) == ((resource.RLIMIT_CORE, 0, 0),)
 
 
 @pytest.mark.parametrize("guest", ["/", "/proc", "/proc/1", "/dev", "/dev/shm", "relative"])
