@@ -627,3 +627,12 @@ def test_containment_before_run_is_honest_about_unknowns() -> None:
     assert report_.network.state == "not_kept"
     # Whether the pids cgroup holds is only known once run_process has tried.
     assert report_.resources.state == "partial"
+
+
+def test_user_axis_partial_without_disable_userns() -> None:
+    from metnos_exec.sandbox.flags import BwrapFeatures
+
+    old = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures(version=(0, 7, 0)))
+    assert old.containment(SandboxJob(argv=("x",))).user.state == "partial"
+    new = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures(version=(0, 8, 0)))
+    assert new.containment(SandboxJob(argv=("x",))).user.state == "kept"
