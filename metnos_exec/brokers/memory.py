@@ -272,6 +272,10 @@ class MemoryBroker(Broker):
         device: str | None = None,
         limit: int = 1,
     ) -> list[Lease]:
+        if not visibility_s > 0:
+            raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
         await anyio.lowlevel.checkpoint()
         now = self._clock()
         self._sweep(now)

@@ -1,22 +1,25 @@
 """The embedded default broker: one SQLite file, WAL, several worker processes.
 
-Concurrency model. Each broker object owns one connection, used by one call at a time (a
+Across processes, SQLite's own locking does the work. Every read-modify-write runs in
+``BEGIN IMMEDIATE``: the write lock is taken *before* reading, so two workers can never
+pick the same row, and a lease is a pick-then-take inside that one transaction. Settling
+a job is guarded by the lease token (the row changes only while the caller's token is
+current) and the result row is ``INSERT OR IGNORE`` on its primary key, so a result is
+written once.
+
+Within a process, each broker object owns one connection, used by one call at a time (a
 `CapacityLimiter(1)`). A call first runs *inline* on the event loop with
-``busy_timeout = 0``: an uncontended transaction takes tens of microseconds, less than
-the hop to a worker thread (~120 us here), and the hop alone would cap one worker below
-4,000 acks/s. When the database is locked by another process (``SQLITE_BUSY``) the call is
-redone in a worker thread (`anyio.to_thread.run_sync`) with the full busy timeout, so the
-event loop never waits on another process's lock. Batches (`submit_many`, `ack_many`,
-large leases) always go to the thread. Across processes SQLite's own locking does
-the work: every read-modify-write runs in ``BEGIN IMMEDIATE`` (the write lock is taken
-*before* reading, so two workers can never pick the same row) and leasing is one
-pick-and-take inside that transaction. Settling a job is
-guarded by the lease token: the row is updated only while the caller's token is current,
-and the result row is ``INSERT OR IGNORE`` on its primary key, so a result is written once.
+``busy_timeout = 0``: an uncontended transaction takes tens of microseconds, less than the
+hop to a worker thread (~120 us here), and that hop alone would cap one worker below 4,000
+acks/s. When another process holds the lock (``SQLITE_BUSY``) the call is redone in a
+worker thread (`anyio.to_thread.run_sync`) with the full busy timeout, so the event loop
+never waits on another process. Large batches (more than 8 submits or acks, leases of more
+than 64 jobs) go straight to the thread so they never stall the loop for milliseconds.
 
 Idle waiting (`wait_for_work`, `wait_result`) polls every ``poll_interval_s`` (50 ms by
-default): other processes cannot signal us, and a read of an idle WAL database costs a few
-microseconds. A submit or ack through the same broker object wakes waiters at once.
+default): other processes cannot signal us, and the idle check is a plain read that takes
+no lock. A submit or ack through any broker object on the same file in the same event loop
+wakes waiters at once.
 
 Needs SQLite >= 3.35 (``RETURNING``), checked at open.
 """
@@ -233,6 +236,13 @@ _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM 
 # worker embedded in one program) wakes the waiters at once. Other loops and other
 # processes fall back to polling; events are never touched across threads.
 _WAKE: RunVar[dict[tuple[str, str], anyio.Event]] = RunVar("metnos_exec.brokers.sqlite.wake")
+
+
+def _check_lease_args(visibility_s: float, limit: int) -> None:
+    if not visibility_s > 0:
+        raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
 
 
 def _wake_event(key: str, kind: str) -> anyio.Event:
@@ -626,6 +636,7 @@ class SQLiteBroker(Broker):
         device: str | None = None,
         limit: int = 1,
     ) -> list[Lease]:
+        _check_lease_args(visibility_s, limit)
         leases: list[Lease] = await self._run(
             self._lease_sync,
             worker_id,

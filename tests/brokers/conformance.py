@@ -98,6 +98,10 @@ class BrokerConformance:
     async def test_lease_on_empty_queue_returns_nothing(self) -> None:
         async with self.broker() as (b, _clock):
             assert await b.lease("w1", visibility_s=VIS, limit=10) == []
+            with pytest.raises(ValueError):
+                await b.lease("w1", visibility_s=0)
+            with pytest.raises(ValueError):
+                await b.lease("w1", visibility_s=VIS, limit=0)
             assert await b.get_job_state("nope") is None
             assert await b.get_result("nope") is None
 
