@@ -315,6 +315,14 @@ class MemoryBroker(Broker):
         if self._work_event is None:
             self._work_event = anyio.Event()
         event = self._work_event
+        # Nothing signals when a delay ends or a lease lapses: wake up by then ourselves
+        # (with a floor, so a clock that does not move cannot make this a busy loop).
+        now = self._clock()
+        wake_at = [e.lease_until or now for e in self._running.values()]
+        if self._heaps.delayed:
+            wake_at.append(self._heaps.delayed[0][0])
+        if wake_at:
+            timeout = min(timeout, max(0.005, min(wake_at) - now))
         with anyio.move_on_after(timeout):
             await event.wait()
 
