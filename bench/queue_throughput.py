@@ -99,6 +99,28 @@ async def _raw_spawn(tmp: Path, registry: ExecutorRegistry, jobs: int, concurren
     return jobs / (time.perf_counter() - t)
 
 
+async def _arm_direct(tmp: Path, registry: ExecutorRegistry, jobs: int, concurrency: int) -> float:
+    """The bwrap arm's own rate (no queue): separates arm cost from queue cost."""
+    from metnos_exec.sandbox.select import choose_arm
+
+    inv = plan_invocation(registry.get_executor("noop"), {}, home=str(tmp))
+    arm = choose_arm("python", require_sandbox=False).sandbox
+    remaining = jobs
+
+    async def runner() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            out = await arm.run(inv.job)
+            assert out.stdout.strip() == b"{}", out
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(runner)
+    return jobs / (time.perf_counter() - t)
+
+
 def _echo_chooser(runtime: str, **_: Any) -> ArmChoice:
     return ArmChoice(EchoSandbox())
 
@@ -126,13 +148,22 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
                 await _raw_spawn(tmp, registry, 5, 1)
                 for c in ns.concurrency:
                     raw = await _raw_spawn(tmp, registry, ns.bwrap_jobs, c)
+                    arm = await _arm_direct(tmp, registry, ns.bwrap_jobs, c)
                     e2e = await _drain(tmp, registry, ns.bwrap_jobs, c, choose_arm)
                     rows.append((f"raw bwrap spawn, concurrency {c}", raw, ""))
                     rows.append(
                         (
+                            f"bwrap arm alone (no queue), concurrency {c}",
+                            arm,
+                            f"{100 * arm / raw:.0f} % of raw",
+                        )
+                    )
+                    rows.append(
+                        (
                             f"e2e bwrap no-op, concurrency {c}",
                             e2e,
-                            f"{100 * e2e / raw:.0f} % of raw (target >= 85 %)",
+                            f"{100 * e2e / raw:.0f} % of raw (target >= 85 %), "
+                            f"{100 * e2e / arm:.0f} % of the arm alone",
                         )
                     )
         finally:

@@ -167,7 +167,7 @@ def configure_logging(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMS[level]),
         logger_factory=factory,
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
 
 

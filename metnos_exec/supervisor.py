@@ -110,6 +110,7 @@ class _Running:
     stop: _StopReason | None = None
     #: The run is over; the result is being settled (heartbeats no longer matter).
     settling: bool = False
+    holds_slot: bool = True
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -181,6 +182,8 @@ class Supervisor:
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
         self._running: dict[str, _Running] = {}
+        #: Jobs holding a slot (leased and not yet done running); see `_vacate`.
+        self._busy = 0
         self._draining = False
         self._lease_scope: anyio.CancelScope | None = None
         self._slot_freed = anyio.Event()
@@ -253,8 +256,8 @@ class Supervisor:
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
         while not self._draining:
-            free = self.concurrency - len(self._running)
-            if free <= 0 or (self._running and free < self._lease_min):
+            free = self.concurrency - self._busy
+            if free <= 0 or (self._busy and free < self._lease_min):
                 await self._wait_slot()
                 continue
             # Not cancellable by drain: a lease taken by a call we abandoned half-way
@@ -288,6 +291,7 @@ class Supervisor:
                     continue
                 running = _Running(lease)
                 self._running[lease.job.id] = running
+                self._busy += 1
                 self.stats["leased"] += 1
                 tg.start_soon(self._job_task, running, name=f"job {lease.job.id}")
 
@@ -355,6 +359,19 @@ class Supervisor:
                         )
         finally:
             self._running.pop(job.id, None)
+            self._vacate(running)
+            self._slot_freed.set()
+
+    def _vacate(self, running: _Running) -> None:
+        """Give the job's slot back once nothing of it runs any more.
+
+        Called as soon as the sandbox is done (before the result is stored), so the next
+        job's lease and launch overlap with this one's ack: ``concurrency`` bounds
+        executors running at once, not results in flight.
+        """
+        if running.holds_slot:
+            running.holds_slot = False
+            self._busy -= 1
             self._slot_freed.set()
 
     def _result(self, lease: Lease, status: Any, **fields: Any) -> Result:
@@ -550,6 +567,7 @@ class Supervisor:
             except (HostFault, MetnosError) as exc:
                 fault = exc
         running.settling = True
+        self._vacate(running)
         return outcome, fault
 
 
