@@ -305,20 +305,33 @@ class SQLiteBroker(Broker):
         self._poll = poll_interval_s
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
         # (deferred) transactions would let two processes read the same due row.
-        self._db = sqlite3.connect(
-            self.path,
-            timeout=0,
-            isolation_level=None,
-            check_same_thread=False,
-            cached_statements=64,
-        )
+        try:
+            self._db = sqlite3.connect(
+                self.path,
+                timeout=0,
+                isolation_level=None,
+                check_same_thread=False,
+                cached_statements=64,
+            )
+        except sqlite3.Error as exc:
+            raise BrokerUnavailable(f"cannot open the queue database {self.path}: {exc}") from None
         try:
             self._busy_ms = int(busy_timeout_s * 1000)
             self._db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-            self._db.execute("PRAGMA journal_mode = WAL")
+            (mode,) = self._db.execute("PRAGMA journal_mode = WAL").fetchone()
+            if mode != "wal":
+                # Without WAL, readers block writers and the lock fallback turns into a
+                # stall; refuse rather than run slowly and surprise (e.g. on NFS).
+                raise BrokerUnavailable(
+                    f"{self.path} cannot use write-ahead logging (journal_mode={mode}); "
+                    "put the queue on a local file system"
+                )
             self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._init_schema()
             self._db.execute("PRAGMA busy_timeout = 0")
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise BrokerUnavailable(f"cannot use the queue database {self.path}: {exc}") from None
         except BaseException:
             self._db.close()
             raise

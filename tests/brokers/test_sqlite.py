@@ -268,3 +268,12 @@ async def test_a_second_broker_object_on_the_same_file_is_woken_in_process(
                     await worker.wait_for_work(60)
                 await worker.ack(leases[0], Result(job_id=job.id, status="succeeded"))
         assert got and got[0] is not None and got[0].status == "succeeded"
+
+
+def test_an_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(BrokerUnavailable, match="cannot open the queue database") as info:
+        SQLiteBroker(tmp_path / "missing-dir" / "queue.db")
+    assert info.value.code == "E_BROKER_UNAVAILABLE"
+    (tmp_path / "garbage.db").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(BrokerUnavailable, match="cannot use the queue database"):
+        SQLiteBroker(tmp_path / "garbage.db")
