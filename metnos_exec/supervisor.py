@@ -262,12 +262,24 @@ class Supervisor:
                 continue
             # Not cancellable by drain: a lease taken by a call we abandoned half-way
             # would sit unserved until its visibility window ran out.
-            leases = await self.broker.lease(
-                self.worker_id,
-                visibility_s=self.visibility_s,
-                device=self.device,
-                limit=free,
-            )
+            try:
+                leases = await self.broker.lease(
+                    self.worker_id,
+                    visibility_s=self.visibility_s,
+                    device=self.device,
+                    limit=free,
+                )
+            except Exception as exc:
+                # The broker is unreachable or busy: keep the worker (and its running
+                # jobs) alive and try again; a broken broker shows up in the logs.
+                _log.error("worker.error", error=f"lease failed: {type(exc).__name__}: {exc}")
+                with anyio.CancelScope() as scope:
+                    self._lease_scope = scope
+                    if self._draining:
+                        scope.cancel()
+                    await anyio.sleep(self.idle_poll_s)
+                self._lease_scope = None
+                continue
             if not leases:
                 if burst and not self._running:
                     return

@@ -414,3 +414,34 @@ async def test_concurrency_limit_holds(registry: ExecutorRegistry) -> None:
     await make(broker, registry, arm, concurrency=3).run(burst=True)
     assert peak == 3
     assert (await broker.stats()).done == 12
+
+
+async def test_fault_double_and_broker_hiccup(registry: ExecutorRegistry) -> None:
+    from metnos_exec.sandbox.doubles import FaultSandbox
+
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    arm = FaultSandbox([HostFault("spawner died"), Success()], stdout=b'{"ok": true}')
+    real_lease = broker.lease
+    calls = 0
+
+    async def flaky_lease(*args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError("database is locked")
+        return await real_lease(*args, **kw)
+
+    broker.lease = flaky_lease  # type: ignore[method-assign]
+    sup = make(broker, registry, arm, clock=clock, retry_delay=lambda attempt: 5.0, idle_poll_s=0)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    with capture_logs() as logs:
+        await sup.run(burst=True)
+        clock.now += 5
+        await sup.run(burst=True)
+    assert [e["error"] for e in logs if e["event"] == "worker.error"] == [
+        "lease failed: OSError: database is locked"
+    ]
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "succeeded" and r.attempt == 2
+    assert r.output == {"ok": True}
