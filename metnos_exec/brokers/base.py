@@ -16,8 +16,10 @@ device ``D`` goes only to workers whose device id is ``D``.
 
 A malformed message (not JSON, wrong field types, unsupported ``v``) never reaches a
 worker: `lease` dead-letters it with ``E_BAD_MESSAGE`` (stores a ``dead`` result and a
-`DeadLetter` with the raw bytes), logs ``job.dead_lettered`` and carries on with the next
-job.
+`DeadLetter` with the raw bytes), logs ``job.bad_message`` and carries on with the next
+job. A job whose lease lapses on its last allowed delivery is dead-lettered the same way
+with ``E_LEASE_EXPIRED`` (logged as ``job.dead_lettered``). Brokers log nothing else: the
+supervisor owns the job's story in the logs.
 """
 
 from __future__ import annotations
