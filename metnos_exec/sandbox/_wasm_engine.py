@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HostFault, SandboxDenied
+from ._wasm_poll import install_poll_oneoff
 
 if TYPE_CHECKING:
     import wasmtime
@@ -154,6 +155,7 @@ class WasmEngine:
         self.engine: wasmtime.Engine = wt.Engine(config)
         self.linker: wasmtime.Linker = wt.Linker(self.engine)
         self.linker.define_wasi()
+        install_poll_oneoff(wt, self.linker, WASI_P1)
         self.ticker = _Ticker(self.engine)
         self.version = wasmtime_version() or "unknown"
         self._lock = threading.Lock()

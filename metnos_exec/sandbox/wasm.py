@@ -63,6 +63,7 @@ from ._wasm_engine import (
     load_wasmtime,
     wasmtime_version,
 )
+from ._wasm_poll import bind_stop_check
 from ._wasm_runtime import (
     PYTHON_WASM_SHA256,
     RuntimeMismatch,
@@ -162,6 +163,15 @@ class _Control:
     def start_clock(self) -> None:
         self.deadline = time.monotonic() + self.wall_time_s
 
+    def check(self) -> str | None:
+        """Why the guest must stop now ("cancel" / "timeout"), or None; sticky."""
+        if self.stopped_by is None:
+            if self.cancel.is_set():
+                self.stopped_by = "cancel"
+            elif time.monotonic() >= self.deadline:
+                self.stopped_by = "timeout"
+        return self.stopped_by
+
 
 def _make_deadline_callback(wt: ModuleType, ctl: _Control) -> Any:
     """The store's epoch-deadline callback (wasmtime C API, via wasmtime-py's bindings).
@@ -175,11 +185,7 @@ def _make_deadline_callback(wt: ModuleType, ctl: _Control) -> Any:
     proto = ffi._wasmtime_store_epoch_deadline_callback.argtypes[1]
 
     def on_deadline(_ctx: Any, _data: Any, delta: Any, kind: Any) -> int:
-        if ctl.cancel.is_set():
-            ctl.stopped_by = "cancel"
-        elif time.monotonic() >= ctl.deadline:
-            ctl.stopped_by = "timeout"
-        else:
+        if ctl.check() is None:
             delta[0] = 1
             kind[0] = 0  # WASMTIME_UPDATE_DEADLINE_CONTINUE
             return 0
@@ -419,7 +425,7 @@ class WasmSandbox:
             wasi.argv = argv
             # The guest's whole environment is the job's; nothing is inherited.
             wasi.env = list(job.env.items())
-            _set_stdin(wasi, job.stdin)
+            _set_stdin(wt, wasi, job.stdin)
             wasi.stdout_custom = out.write
             wasi.stderr_custom = err.write
             for m in job.mounts:
@@ -429,6 +435,7 @@ class WasmSandbox:
             _install_deadline(wt, store, callback)
 
             instance: wasmtime.Instance | None = None
+            bind_stop_check(ctl.check)
             engine.ticker.acquire()
             t0 = time.monotonic()
             cpu0 = time.thread_time()
@@ -450,6 +457,7 @@ class WasmSandbox:
                 wall = time.monotonic() - t0
                 cpu = time.thread_time() - cpu0
                 engine.ticker.release()
+                bind_stop_check(None)
             del callback  # kept alive above for as long as the store could call it
 
             try:
@@ -492,18 +500,17 @@ class WasmSandbox:
         )
 
 
-def _set_stdin(wasi: wasmtime.WasiConfig, data: bytes) -> None:
-    """Feed `data` as stdin through a file wasmtime opens at once; the name is unlinked
-    before the guest starts, so nothing else can see or swap it."""
-    import tempfile
+def _set_stdin(wt: ModuleType, wasi: wasmtime.WasiConfig, data: bytes) -> None:
+    """Feed `data` as the guest's stdin from memory (`wasi_config_set_stdin_bytes`).
 
-    fd, path = tempfile.mkstemp(prefix="metnos-wasm-stdin-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        wasi.stdin_file = path
-    finally:
-        os.unlink(path)
+    wasmtime-py only wraps `stdin_file`; a temporary file would cost a write to disk per
+    job and an fd whose close wasmtime may defer past the end of the run.
+    """
+    ffi = wt._bindings
+    vec = ffi.wasm_byte_vec_t()
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    ffi.wasm_byte_vec_new(ctypes.byref(vec), len(data), buf)  # copies; the config owns it
+    ffi.wasi_config_set_stdin_bytes(wasi.ptr(), ctypes.byref(vec))
 
 
 def _classify_trap(wt: ModuleType, exc: wasmtime.Trap, ctl: _Control) -> SandboxExit:

@@ -282,6 +282,55 @@ async def test_explicit_cancel_scope_cancel_stops_the_guest(arm: WasmSandbox) ->
     assert not arm.engine.ticker.running
 
 
+@pytest.mark.anyio
+async def test_sleeping_python_guest_is_stopped_by_timeout_and_by_cancel(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # A guest blocked in poll_oneoff runs no wasm code, so epochs alone would not stop it.
+    code = """
+    import time
+    t = time.monotonic()
+    time.sleep(0.2)
+    print(round(time.monotonic() - t, 1), flush=True)
+    time.sleep(1000)
+    print("never")
+    """
+    deadline = 0.6
+    job = py_job(tmp_path, code, wall_time_s=deadline)
+    t0 = time.monotonic()
+    out = await py_arm.run(job)
+    elapsed = time.monotonic() - t0
+    assert out.exit == Timeout()
+    assert out.stdout == b"0.2\n"  # a short sleep still sleeps, and returns
+    assert deadline <= elapsed < deadline + 0.1 + 0.1, elapsed  # + module load, see above
+    job = py_job(tmp_path, code, wall_time_s=30)
+    t0 = time.monotonic()
+    with anyio.move_on_after(0.5) as scope:
+        await py_arm.run(job)
+    assert scope.cancelled_caught
+    assert time.monotonic() - t0 < 0.5 + 0.1
+    assert not py_arm.engine.ticker.running
+
+
+@pytest.mark.anyio
+async def test_python_clocks_and_select_under_the_shadowed_poll(
+    py_arm: WasmSandbox, tmp_path: Path
+) -> None:
+    code = """
+    import select, sys, time
+    a, w = time.monotonic(), time.time()
+    ready = select.select([sys.stdin], [], [], 5)[0]
+    time.sleep(0.05)
+    b = time.monotonic()
+    print(int(abs(w - WALL) < 5), int(0.05 <= b - a < 1), int(bool(ready)), sys.stdin.read())
+    """
+    job = py_job(tmp_path, f"WALL = {time.time()!r}\n" + textwrap.dedent(code))
+    job = SandboxJob(wasm=job.wasm, mounts=job.mounts, limits=job.limits, stdin=b"in")
+    out = await py_arm.run(job)
+    assert out.exit == Success(), out.stderr
+    assert out.stdout == b"1 1 1 in\n"
+
+
 # --- acceptance 4: wasm-python walls ---------------------------------------------------
 
 _PY_WALLS = """
