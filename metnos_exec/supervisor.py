@@ -45,7 +45,7 @@ from .backoff import retry_delay
 from .brokers.base import Broker, Lease
 from .errors import HostFault, MetnosError
 from .manifest import ExecutorRegistry
-from .messages import ErrorInfo, Result, cap_text
+from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
 from .plan import plan_invocation
 from .sandbox._types import (
     ContainmentReport,
@@ -67,6 +67,7 @@ __all__ = (
     "EX_TEMPFAIL",
     "RAW_OUTPUT_CAP_BYTES",
     "ArmChooser",
+    "ServerPinned",
     "Supervisor",
 )
 
@@ -89,13 +90,19 @@ class _ArmChoice(Protocol):
     def sandbox(self) -> Sandbox: ...
 
     @property
-    def degraded(self) -> bool: ...
+    def degraded(self) -> object: ...
 
 
 class ArmChooser(Protocol):
     """`sandbox.select.choose_arm`'s shape (injectable for tests)."""
 
     def __call__(self, runtime: str, *, require_sandbox: bool) -> _ArmChoice: ...
+
+
+class ServerPinned(MetnosError):
+    """A server-pinned job reached a device worker; it is refused there, never run."""
+
+    code = "E_SERVER_PINNED"
 
 
 _StopReason = Literal["lease_lost", "cancel_requested", "drain"]
@@ -461,6 +468,13 @@ class Supervisor:
                 policy=self.policy,
                 timeout_s=job.timeout_s,
             )
+            if invocation.server_pinned and self.device != SERVER_DEVICE:
+                # Provider authority (or a non-packable executor) never leaves the server,
+                # even if a producer targeted a device by mistake.
+                raise ServerPinned(
+                    f"{job.executor} is pinned to the server (provider authority or not "
+                    f"packable); device {self.device!r} may not run it"
+                )
             choice = self.arm_chooser(
                 invocation.runtime, require_sandbox=invocation.require_sandbox
             )

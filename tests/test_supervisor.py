@@ -445,3 +445,22 @@ async def test_fault_double_and_broker_hiccup(registry: ExecutorRegistry) -> Non
     r = await broker.get_result(job_id)
     assert r is not None and r.status == "succeeded" and r.attempt == 2
     assert r.output == {"ok": True}
+
+
+async def test_server_pinned_job_is_refused_on_a_device(tmp_path: Path) -> None:
+    root = tmp_path / "ex" / "local_only"
+    root.mkdir(parents=True)
+    (root / "manifest.toml").write_text(
+        'name = "local_only"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+        "packable = false\n"
+    )
+    (root / "main.py").write_text("")
+    registry = ExecutorRegistry.load(tmp_path / "ex")
+    broker = MemoryBroker()
+    arm = ScriptedArm()
+    job_id = (await broker.submit(Job(executor="local_only", device="phone"))).job_id
+    await make(broker, registry, arm, device="phone").run(burst=True)
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "rejected" and r.device == "phone"
+    assert r.error is not None and r.error.code == "E_SERVER_PINNED"
+    assert arm.jobs == []
