@@ -158,3 +158,10 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
         assert "E_CAPABILITY_DENIED" in out.stdout and "timed_out" in out.stdout
         assert "next (in another terminal" in out.stdout
     assert (tmp_path / "demo" / "worker.jsonl").exists()
+
+
+def test_bench_lists_and_refuses_unknown(env: dict[str, str]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    listed = cli(env, "bench", "--list", cwd=root)
+    assert listed.returncode == 0 and "queue_throughput" in listed.stdout.split()
+    assert cli(env, "bench", "no_such_bench", cwd=root).returncode == EXIT["usage"]
