@@ -545,8 +545,15 @@ def _fail(code: int, message: str) -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``metnos-exec``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["bench"] and args[1:2] not in (["-h"], ["--help"]):
+        # Everything after `bench` belongs to the benchmarks (argparse's REMAINDER will
+        # not take a leading option such as `--list`).
+        from .bench import main as bench_main
+
+        return bench_main(args[1:])
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     try:
         code: int = ns.fn(ns)
     except _Exit as exc:
