@@ -235,6 +235,15 @@ class Broker(abc.ABC):
     async def stats(self) -> BrokerStats:
         """Counts of jobs by state."""
 
+    async def purge(self, *, older_than_s: float) -> int:
+        """Forget finished jobs (results, dead letters, and their idempotency keys) whose
+        result is older than `older_than_s` seconds; queued and running jobs are kept.
+
+        Returns:
+            How many jobs were forgotten.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support purge")
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections. Idempotent."""

@@ -91,6 +91,7 @@ class MemoryBroker(Broker):
         self._idem: dict[str, str] = {}
         self._running: dict[str, _Entry] = {}
         self._results: dict[str, Result] = {}
+        self._result_at: dict[str, float] = {}
         self._dead: list[DeadLetter] = []
         self._heaps = _Heaps()
         self._seq = 0
@@ -124,6 +125,7 @@ class MemoryBroker(Broker):
         if result.job_id in self._results:
             return False
         self._results[result.job_id] = result
+        self._result_at[result.job_id] = self._clock()
         event = self._result_events.pop(result.job_id, None)
         if event is not None:
             event.set()
@@ -459,6 +461,19 @@ class MemoryBroker(Broker):
             if entry.state == "queued" and entry.due_at > now:
                 delayed += 1
         return BrokerStats(delayed=delayed, **counts)
+
+    async def purge(self, *, older_than_s: float) -> int:
+        await anyio.lowlevel.checkpoint()
+        cut = self._clock() - older_than_s
+        old = {job_id for job_id, at in self._result_at.items() if at < cut}
+        old = {j for j in old if self._entries[j].state in ("done", "dead")}
+        for job_id in old:
+            entry = self._entries.pop(job_id)
+            if entry.job is not None and entry.job.idempotency_key is not None:
+                self._idem.pop(entry.job.idempotency_key, None)
+            del self._results[job_id], self._result_at[job_id]
+        self._dead = [d for d in self._dead if d.job_id not in old]
+        return len(old)
 
     async def close(self) -> None:
         self._closed = True

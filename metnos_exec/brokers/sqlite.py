@@ -863,6 +863,29 @@ class SQLiteBroker(Broker):
         stats: BrokerStats = await self._run(work)
         return stats
 
+    async def purge(self, *, older_than_s: float) -> int:
+        cut = self._clock() - older_than_s
+
+        def work(db: sqlite3.Connection) -> int:
+            gone = db.execute(
+                "DELETE FROM jobs WHERE state IN ('done', 'dead') AND id IN "
+                "(SELECT job_id FROM results WHERE at < ?)",
+                (cut,),
+            ).rowcount
+            db.execute(
+                "DELETE FROM dead_letters WHERE job_id NOT IN (SELECT id FROM jobs) AND at < ?",
+                (cut,),
+            )
+            db.execute(
+                "DELETE FROM results WHERE at < ? AND job_id NOT IN (SELECT id FROM jobs)",
+                (cut,),
+            )
+            return int(gone)
+
+        # A purge may touch many rows: always in the thread.
+        removed: int = await self._run(self._txn, work, inline=False)
+        return removed
+
     async def close(self) -> None:
         if self._closed:
             return

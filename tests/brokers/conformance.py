@@ -426,6 +426,35 @@ class BrokerConformance:
             assert [le.job.id for le in server] == [untargeted.id, on_server.id]
             assert {le.device for le in server} == {"server"}
 
+    # --- housekeeping -----------------------------------------------------------------
+
+    async def test_purge_forgets_old_finished_jobs_only(self) -> None:
+        async with self.broker() as (b, clock):
+            old, dead, fresh, queued = (
+                job(idempotency_key="old"),
+                job(max_attempts=1),
+                job(),
+                job(priority=-5),
+            )
+            for j in (old, dead, fresh, queued):
+                await b.submit(j)
+            l_old, l_dead = await b.lease("w", visibility_s=VIS, limit=2)
+            await b.ack(l_old, ok_result(l_old))
+            err = ErrorInfo(code="E_X", message="x")
+            assert await b.dead_letter(l_dead, error=err)
+            clock.advance(100)
+            [l_fresh] = await b.lease("w", visibility_s=VIS)
+            await b.ack(l_fresh, ok_result(l_fresh))
+            assert await b.purge(older_than_s=50) == 2
+            for gone in (old, dead):
+                assert await b.get_result(gone.id) is None
+                assert await b.get_job_state(gone.id) is None
+            assert await b.dead_letters() == []
+            assert await b.get_result(fresh.id) is not None
+            assert (await b.get_job_state(queued.id)).state == "queued"  # type: ignore[union-attr]
+            # The idempotency key is forgotten with its job.
+            assert not (await b.submit(job(idempotency_key="old"))).duplicate
+
     # --- waiting ----------------------------------------------------------------------
 
     async def test_wait_result_wakes_on_ack_and_times_out(self) -> None:
