@@ -203,19 +203,21 @@ class _Spawner:
 
 
 _spawner = _Spawner()
+# A forked copy of the worker has no spawner thread (and maybe a lock held mid-submit).
+os.register_at_fork(after_in_child=lambda: _spawner.__init__())  # type: ignore[misc]
 
 
 async def _on_spawner(fn: Callable[[], Any]) -> Any:
     """Run `fn` on the spawner thread and return its result (shielded: see below)."""
     done_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    try:
-        future = _spawner.submit(fn, done_fd)
-        # Shielded: once submitted, a child may exist; the caller must get its handle to
-        # kill and reap it, so we never walk away from a spawn in progress.
-        with anyio.CancelScope(shield=True):
-            await anyio.wait_readable(done_fd)
-    finally:
-        os.close(done_fd)
+    future = _spawner.submit(fn, done_fd)
+    # Shielded: once submitted, a child may exist; the caller must get its handle to kill
+    # and reap it, so we never walk away from a spawn in progress.
+    with anyio.CancelScope(shield=True):
+        await anyio.wait_readable(done_fd)
+    # Closed only once the spawner has written it: an fd number closed early could be
+    # reused and then receive the spawner's write.
+    os.close(done_fd)
     return future.result()
 
 
@@ -714,25 +716,27 @@ async def _supervise(
                 timed_out = True
                 # Readers keep draining while the tree dies, so it never blocks on a pipe.
                 await _terminate(child, grace, cgroup, spec.reaper)
-            _kill_leftovers(child, cgroup, spec.reaper)
+            _kill_leftovers(child, cgroup)
             with anyio.move_on_after(_DRAIN_S):
                 await out_done.wait()
                 await err_done.wait()
             tg.cancel_scope.cancel()
-        reaped = _reap(child, cgroup, spec.reaper)
+        reaped = _reap(child, cgroup)
     finally:
         if reaped is None:
             # Cancelled from outside, or something broke: the tree still dies and is
             # reaped before the exception (cancellation included) goes on.
             with anyio.CancelScope(shield=True):
                 await _terminate(child, grace, cgroup, spec.reaper)
-                _reap(child, cgroup, spec.reaper)
+                _reap(child, cgroup)
     _, status, rusage = reaped
     wall = time.monotonic() - child.t0
     exec_error, fault, usage = _read_status(child)
     if fault is not None:
         raise HostFault(f"the reaper shim could not set up: {fault}")
-    if spec.reaper and usage is None and not child.kill_sent:
+    # A shim that died of a signal was killed (by us, by the job itself, by the OOM
+    # killer): the status says so honestly. One that *exited* without its report broke.
+    if spec.reaper and usage is None and not child.kill_sent and not os.WIFSIGNALED(status):
         raise HostFault(
             f"the reaper shim exited without a report (status {status}); stderr: "
             f"{err.value()[-500:]!r}"
@@ -756,24 +760,24 @@ async def _supervise(
     )
 
 
-def _kill_leftovers(child: _Child, cgroup: _Cgroup | None, shim: bool) -> None:
+def _kill_leftovers(child: _Child, cgroup: _Cgroup | None) -> None:
     """Once the child has exited, nothing of its job may outlive it.
 
-    The shim has already killed its tree. Without it, what is left of the session's group
-    (and of the cgroup) is SIGKILLed; while the leader is an unreaped zombie its pgid cannot
-    be reused, so this only reaches this job's own processes.
+    Under the shim this normally finds nothing (the shim killed its tree before exiting);
+    it matters when the shim itself was killed. Without the shim, it is the tree kill.
+    What is left of the session's group, and of the cgroup, is SIGKILLed. While the leader
+    is an unreaped zombie its pgid cannot be reused, so this reaches this job's own
+    processes only.
     """
-    if shim:
-        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
     if cgroup is not None:
         cgroup.signal_all(signal.SIGKILL)
 
 
-def _reap(child: _Child, cgroup: _Cgroup | None, shim: bool) -> tuple[int, int, Any]:
+def _reap(child: _Child, cgroup: _Cgroup | None) -> tuple[int, int, Any]:
     """Reap the exited child with its rusage, after killing its leftovers."""
-    _kill_leftovers(child, cgroup, shim)
+    _kill_leftovers(child, cgroup)
     try:
         pid, status, rusage = os.wait4(child.pid, 0)
     except ChildProcessError as exc:
