@@ -345,6 +345,31 @@ async def test_cancellation_is_not_swallowed_when_the_child_exits_on_term() -> N
     assert scope.cancelled_caught
 
 
+@pytest.mark.anyio
+async def test_cancelled_before_the_spawn_completes_still_kills_and_reraises() -> None:
+    with anyio.CancelScope() as scope:
+        scope.cancel()  # already cancelled when run_process starts: the spawn is shielded
+        await run_process(spec("sleep", "30"), timeout=60)
+    assert scope.cancelled_caught  # and the autouse fixture checks nothing was left
+
+
+@pytest.mark.anyio
+@both_modes
+async def test_a_tiny_timeout_is_still_a_clean_timeout(reaper: bool) -> None:
+    result = await run_process(spec("sleep", "30", reaper=reaper), timeout=0.001, grace=0.1)
+    assert result.timed_out
+
+
+@pytest.mark.anyio
+async def test_descendants_left_behind_by_a_finished_job_are_killed() -> None:
+    t0 = time.monotonic()
+    result = await run_process(
+        spec("sh", "-c", "(setsid sleep 100 > /dev/null 2>&1 &); echo started"), timeout=30
+    )
+    assert result.returncode == 0 and result.stdout == b"started\n"
+    assert time.monotonic() - t0 < 5  # no wait for the orphan; the fixture sees none left
+
+
 # --- pids ---------------------------------------------------------------------------------
 
 FORKER = """
