@@ -193,6 +193,25 @@ async def test_rlimits_are_applied_before_exec(reaper: bool) -> None:
     assert result.stdout.strip() == b"37"
 
 
+GET_PDEATHSIG = (
+    "import ctypes; libc = ctypes.CDLL(None); sig = ctypes.c_int(-1);"
+    "libc.prctl(2, ctypes.byref(sig), 0, 0, 0); print(sig.value)"  # PR_GET_PDEATHSIG
+)
+
+
+@pytest.mark.anyio
+@both_modes
+@pytest.mark.parametrize("pdeathsig", [True, False])
+async def test_parent_death_signal_is_set_as_asked(reaper: bool, pdeathsig: bool) -> None:
+    result = await run_process(
+        spec(PY, "-c", GET_PDEATHSIG, reaper=reaper, pdeathsig=pdeathsig), timeout=10
+    )
+    # Under the shim the target always dies with the shim; the shim's own parent-death
+    # signal (towards the worker) is what `pdeathsig` controls.
+    expected = signal.SIGKILL if (pdeathsig or reaper) else 0
+    assert int(result.stdout) == expected
+
+
 @pytest.mark.anyio
 async def test_usage_is_measured() -> None:
     code = (
