@@ -224,10 +224,9 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             backend=ns.backend,
             home=ns.home,
         )
-    except BadBrokerURL as exc:
-        raise _Exit(EXIT["broker"], str(exc)) from None
     except MetnosError as exc:
-        raise _Exit(EXIT["usage"], str(exc)) from None
+        broker_fault = isinstance(exc, BadBrokerURL) or exc.code.startswith("E_BROKER")
+        raise _Exit(EXIT["broker"] if broker_fault else EXIT["usage"], str(exc)) from None
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:

@@ -129,6 +129,9 @@ def test_usage_and_broker_errors(env: dict[str, str]) -> None:
     assert cli(env, "submit", "sleepy", "--args-json", "[1]").returncode == EXIT["usage"]
     assert cli(env, "submit", "sleepy", "--max-attempts", "0").returncode == EXIT["usage"]
     assert cli(env, "frobnicate").returncode == EXIT["usage"]
+    gone = "sqlite:////nonexistent/dir/q.db"
+    assert cli(env, "worker", "--executors", ".", "--broker", gone).returncode == EXIT["broker"]
+    assert cli(env, "worker", "--executors", "/nonexistent").returncode == EXIT["usage"]
     bad = cli(env, "status", "--broker", "nosuch://x")
     assert bad.returncode == EXIT["broker"] and "E_BAD_BROKER_URL" in bad.stderr
 
