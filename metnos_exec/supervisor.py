@@ -144,6 +144,8 @@ class Supervisor:
         clock: unix-seconds clock for ``started_at`` / ``finished_at``.
         retry_delay: attempt → seconds before redelivery (default `backoff.retry_delay`).
         idle_poll_s: longest wait for new work before polling the broker again.
+        backstop_margin_s: how long past its wall-time budget an arm may run before the
+            supervisor cancels it itself (the arms enforce the budget; this is a net).
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         retry_delay: Callable[[int], float] = retry_delay,
         idle_poll_s: float = 1.0,
+        backstop_margin_s: float = _BACKSTOP_MARGIN_S,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -188,6 +191,7 @@ class Supervisor:
         self.clock = clock
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
+        self.backstop_margin_s = backstop_margin_s
         self._running: dict[str, _Running] = {}
         #: Jobs holding a slot (leased and not yet done running); see `_vacate`.
         self._busy = 0
@@ -588,7 +592,7 @@ class Supervisor:
         fault: HostFault | MetnosError | None = None
         with running.scope:
             try:
-                with anyio.move_on_after(sjob.limits.wall_time_s + _BACKSTOP_MARGIN_S):
+                with anyio.move_on_after(sjob.limits.wall_time_s + self.backstop_margin_s):
                     outcome = await arm.run(sjob)
             except (HostFault, MetnosError) as exc:
                 fault = exc

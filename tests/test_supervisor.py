@@ -464,3 +464,17 @@ async def test_server_pinned_job_is_refused_on_a_device(tmp_path: Path) -> None:
     assert r is not None and r.status == "rejected" and r.device == "phone"
     assert r.error is not None and r.error.code == "E_SERVER_PINNED"
     assert arm.jobs == []
+
+
+async def test_backstop_times_out_an_arm_that_overruns(registry: ExecutorRegistry) -> None:
+    async def hang(_: SandboxJob) -> None:
+        await anyio.sleep_forever()
+
+    broker = MemoryBroker()
+    sup = make(broker, registry, ScriptedArm(hang), backstop_margin_s=0.05)
+    job_id = (await broker.submit(Job(executor="echo", timeout_s=0.05))).job_id
+    with anyio.fail_after(5):
+        await sup.run(burst=True)
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "timed_out" and r.exit == Timeout()
+    assert r.error is not None and r.error.code == "E_TIMEOUT"
