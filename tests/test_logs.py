@@ -162,3 +162,13 @@ def test_follow_survives_truncation_and_rotation(tmp_path: Path) -> None:
         stop.set()
         t.join(5)
     assert seen == ["e1", "e2", "e3", "e4"]
+
+
+def test_every_event_the_package_emits_is_in_the_vocabulary() -> None:
+    import metnos_exec.logs as logs_mod
+
+    root = Path(logs_mod.__file__).parent
+    call = re.compile(r"_log\.(?:debug|info|warning|error|critical|exception)\(\s*\"([^\"]+)\"")
+    emitted = {m for p in root.rglob("*.py") for m in call.findall(p.read_text())}
+    assert {"job.received", "job.finished", "worker.started"} <= emitted  # the scan works
+    assert sorted(emitted - set(EVENTS)) == []
