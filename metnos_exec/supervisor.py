@@ -246,7 +246,9 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
-        self._stopped = anyio.Event()
+        if self._stopped.is_set():
+            # A second run (burst mode, tests): a drain waiting now waits for this one.
+            self._stopped = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
                 # One heartbeat task for all running jobs, not one per job: a task per job
