@@ -64,7 +64,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
-import json
+import marshal
 import math
 import os
 import queue
@@ -423,7 +423,7 @@ def _spawn(
             # The job's environment can be large; a memfd has no argv size limit.
             config_fd = os.memfd_create("metnos-reaper-config", os.MFD_CLOEXEC)
             theirs.append(config_fd)
-            os.write(config_fd, json.dumps(config).encode())
+            os.write(config_fd, marshal.dumps(config))
             os.lseek(config_fd, 0, os.SEEK_SET)
             pass_fds += [status_w, config_fd]
             argv: list[str] = [sys.executable, "-I", "-S", _REAPER_PATH, str(config_fd), "--"]
