@@ -524,8 +524,13 @@ def _run_worker(
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_sigkill_of_the_worker_kills_the_whole_job_tree(tmp_path: Path, backend: str) -> None:
-    worker = _run_worker(tmp_path, backend, job=[PY, TREE, str(tmp_path)])
+@pytest.mark.parametrize(
+    "via", [(), ("--arm", "metnos_exec.sandbox.direct:DirectSandbox")], ids=["process", "direct"]
+)
+def test_sigkill_of_the_worker_kills_the_whole_job_tree(
+    tmp_path: Path, backend: str, via: tuple[str, ...]
+) -> None:
+    worker = _run_worker(tmp_path, backend, *via, job=[PY, TREE, str(tmp_path)])
     try:
         deadline = time.monotonic() + 15
         while not ((tmp_path / "job.pid").exists() and (tmp_path / "grandchild.pid").exists()):
