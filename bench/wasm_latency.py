@@ -63,20 +63,27 @@ def _job(*args: str) -> SandboxJob:
     return SandboxJob(wasm=WasmProgram(PYTHON_WASM_MODULE, ("python", *args)), limits=LIMITS)
 
 
-async def _native(*args: str) -> float:
-    t0 = time.perf_counter()
+def _cpu_now() -> float:
+    """CPU seconds of this process (all threads) plus its reaped children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+async def _native(*args: str) -> tuple[float, float]:
+    c0, t0 = _cpu_now(), time.perf_counter()
     res = await anyio.run_process([NATIVE, *args], check=True)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, _cpu_now() - c0
     assert res.stdout == b"1\n"
-    return dt
+    return dt, dc
 
 
-async def _wasm(arm: WasmSandbox, job: SandboxJob) -> float:
-    t0 = time.perf_counter()
+async def _wasm(arm: WasmSandbox, job: SandboxJob) -> tuple[float, float]:
+    c0, t0 = _cpu_now(), time.perf_counter()
     out = await arm.run(job)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, _cpu_now() - c0
     assert out.exit == Success() and out.stdout == b"1\n", (out.exit, out.stderr[-300:])
-    return dt
+    return dt, dc
 
 
 def _bare_run(wt: Any, engine: Any, pre: Any, argv: list[str], fuel: bool) -> tuple[float, int]:
@@ -103,7 +110,9 @@ def _bare_run(wt: Any, engine: Any, pre: Any, argv: list[str], fuel: bool) -> tu
 
 
 def _profile(wt: Any, runtime: Path, rounds: int) -> dict[str, Any]:
-    variants: dict[str, Any] = {}
+    """Bare guest runs on three engine configurations, interleaved round by round."""
+    setups: dict[str, tuple[Any, Any, bool]] = {}
+    compile_s: dict[str, float] = {}
     for name, fuel, epoch in (
         ("fuel+epoch (the arm's engine)", True, True),
         ("epoch only", False, True),
@@ -116,20 +125,31 @@ def _profile(wt: Any, runtime: Path, rounds: int) -> dict[str, Any]:
         engine = wt.Engine(cfg)
         t0 = time.perf_counter()
         module = wt.Module.from_file(engine, str(runtime))
-        compile_s = time.perf_counter() - t0
+        compile_s[name] = round(time.perf_counter() - t0, 2)
         linker = wt.Linker(engine)
         linker.define_wasi()
-        pre = linker.instantiate_pre(module)
-        row: dict[str, Any] = {"compile_s": round(compile_s, 2)}
-        for label, argv in (
-            ("print(1)", ["python", "-u", "-c", "print(1)"]),
-            ("-I -S print(1)", ["python", "-u", "-I", "-S", "-c", "print(1)"]),
-        ):
-            _bare_run(wt, engine, pre, argv, fuel)
-            runs = [_bare_run(wt, engine, pre, argv, fuel) for _ in range(max(5, rounds // 2))]
+        setups[name] = (engine, linker.instantiate_pre(module), fuel)
+    argvs = {
+        "print(1)": ["python", "-u", "-c", "print(1)"],
+        "-I -S print(1)": ["python", "-u", "-I", "-S", "-c", "print(1)"],
+    }
+    samples: dict[tuple[str, str], list[tuple[float, int]]] = {
+        (n, a): [] for n in setups for a in argvs
+    }
+    for i in range(rounds + 1):
+        for (name, label), bucket in samples.items():
+            engine, pre, fuel = setups[name]
+            r = _bare_run(wt, engine, pre, argvs[label], fuel)
+            if i:  # the first round warms each instance-pre up
+                bucket.append(r)
+    out: dict[str, Any] = {}
+    for name in setups:
+        row: dict[str, Any] = {"compile_s": compile_s[name]}
+        for label in argvs:
+            runs = samples[(name, label)]
             row[label] = {"median_ms": _median_ms([r[0] for r in runs]), "fuel": runs[-1][1]}
-        variants[name] = row
-    return variants
+        out[name] = row
+    return out
 
 
 async def _throughput(arm: WasmSandbox, jobs: int) -> dict[str, float]:
@@ -160,12 +180,14 @@ async def _throughput(arm: WasmSandbox, jobs: int) -> dict[str, float]:
 async def _latency(arm: WasmSandbox, rounds: int, warmup: int) -> dict[str, Any]:
     plain = _job("-c", "print(1)")
     lean = _job("-I", "-S", "-c", "print(1)")
-    samples: dict[str, list[float]] = {
-        "wasm-python print(1)": [],
-        "wasm-python -I -S print(1)": [],
-        "native python -c print(1)": [],
-        "native python -I -S -c print(1)": [],
-    }
+    names = (
+        "wasm-python print(1)",
+        "wasm-python -I -S print(1)",
+        "native python -c print(1)",
+        "native python -I -S -c print(1)",
+    )
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     for i in range(warmup + rounds):
         # Interleaved: each round measures every variant once, back to back.
         r = (
@@ -175,16 +197,19 @@ async def _latency(arm: WasmSandbox, rounds: int, warmup: int) -> dict[str, Any]
             await _native("-I", "-S", "-c", "print(1)"),
         )
         if i >= warmup:
-            for key, v in zip(samples, r, strict=True):
-                samples[key].append(v)
-    med = {k: _median_ms(v) for k, v in samples.items()}
+            for key, (w, c) in zip(names, r, strict=True):
+                wall[key].append(w)
+                cpu[key].append(c)
+    med = {k: _median_ms(v) for k, v in wall.items()}
+    cmed = {k: _median_ms(v) for k, v in cpu.items()}
     return {
         "rounds": rounds,
         "median_ms": med,
-        "ratio_plain": round(med["wasm-python print(1)"] / med["native python -c print(1)"], 2),
-        "ratio_lean": round(
-            med["wasm-python -I -S print(1)"] / med["native python -I -S -c print(1)"], 2
-        ),
+        "median_cpu_ms": cmed,
+        "ratio_plain": round(med[names[0]] / med[names[2]], 2),
+        "ratio_lean": round(med[names[1]] / med[names[3]], 2),
+        "cpu_ratio_plain": round(cmed[names[0]] / cmed[names[2]], 2),
+        "cpu_ratio_lean": round(cmed[names[1]] / cmed[names[3]], 2),
     }
 
 
@@ -268,8 +293,11 @@ def _print(r: dict[str, Any]) -> None:
     lat = r["latency"]
     print(f"per-job latency (median of {lat['rounds']}, interleaved):")
     for k, v in lat["median_ms"].items():
-        print(f"  {k:34s} {v:8.2f} ms")
-    print(f"  ratio wasm/native: {lat['ratio_plain']} (plain), {lat['ratio_lean']} (-I -S)")
+        print(f"  {k:34s} {v:8.2f} ms wall {lat['median_cpu_ms'][k]:8.2f} ms cpu")
+    print(
+        f"  ratio wasm/native: wall {lat['ratio_plain']} (plain), {lat['ratio_lean']} (-I -S); "
+        f"cpu {lat['cpu_ratio_plain']} (plain), {lat['cpu_ratio_lean']} (-I -S)"
+    )
     t = r["throughput"]
     print(
         f"throughput ({t['jobs']} jobs): 1 at a time {t['one_at_a_time_per_s']}/s, "
