@@ -18,8 +18,16 @@ Walls and the threat each answers:
 - Not a wall: the user identity. The engine runs inside the worker's process, as the
   worker's user; a wasmtime escape is the worker's privileges.
 
-Known limit: epoch checks happen in wasm code only. A guest blocked inside a host call
-(`poll_oneoff` sleeping, i.e. `time.sleep`) is stopped when that call returns, not before.
+Epoch checks happen in wasm code only, and wasmtime's `poll_oneoff` would block in the
+host for as long as a sleeping guest asked; `_wasm_poll` shadows it (and `clock_time_get`)
+so a sleep is waited out in 10 ms slices that heed the same deadline and cancel flag.
+
+Memory verdicts: the store limit makes `memory.grow` fail, and the engine says nothing
+more. The arm reports `MemoryExceeded` when the guest ended abnormally while its memory
+stood within one page of the limit (no further page could be granted), or when the
+module's initial memory is over the limit. A guest whose single large request failed far
+below the limit, and who handled that itself, keeps its own exit (`Failure(code)`): an
+under-report, never an invented verdict.
 """
 
 from __future__ import annotations
@@ -286,7 +294,9 @@ class WasmSandbox:
                 "kept", f"only {n} preopened folder(s) visible, {ro} of them read-only"
             ),
             network=AxisVerdict(
-                "kept", "WASI preview 1 cannot create sockets; socket imports fail to link"
+                "kept",
+                "WASI preview 1 cannot create sockets; socket imports fail to link"
+                + ("" if not job.network else " (the job asked for network: not grantable)"),
             ),
             process_tree=AxisVerdict("kept", "WASI preview 1 has no process creation"),
             user=AxisVerdict(
@@ -415,6 +425,8 @@ class WasmSandbox:
                         containment=containment,
                     )
 
+        # Referenced until the store is closed: wasmtime holds only its raw pointer.
+        callback = _make_deadline_callback(wt, ctl)
         store = wt.Store(engine.engine)
         try:
             fuel = lim.fuel if lim.fuel is not None else _UNMETERED_FUEL
@@ -431,7 +443,6 @@ class WasmSandbox:
             for m in job.mounts:
                 wasi.preopen_dir(m.host, "/" + m.guest.strip("/"), m.writable)
             store.set_wasi(wasi)
-            callback = _make_deadline_callback(wt, ctl)
             _install_deadline(wt, store, callback)
 
             instance: wasmtime.Instance | None = None
@@ -458,7 +469,6 @@ class WasmSandbox:
                 cpu = time.thread_time() - cpu0
                 engine.ticker.release()
                 bind_stop_check(None)
-            del callback  # kept alive above for as long as the store could call it
 
             try:
                 remaining = store.get_fuel()
@@ -467,7 +477,7 @@ class WasmSandbox:
             # When the deadline callback stops a guest, compiled code has not written its
             # fuel counter back (a tight loop reads as 0 consumed): the number is only a
             # lower bound, so it is reported as unknown rather than as a made-up value.
-            consumed: int | None = None if ctl.stopped_by else fuel - remaining
+            consumed: int | None = None if isinstance(exit_, Timeout) else fuel - remaining
 
             peak: int | None = None
             if instance is not None:
@@ -488,6 +498,7 @@ class WasmSandbox:
                 exit_ = MemoryExceeded()
         finally:
             store.close()
+            del callback
 
         return SandboxOutcome(
             stdout=out.value(),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -556,6 +558,42 @@ async def test_missing_engine_is_tool_unavailable_naming_another_arm() -> None:
         await arm.run(job)
     assert "bwrap" in info.value.message
     assert arm.containment(job).user.state == "not_kept"
+
+
+def test_module_imports_and_refuses_without_wasmtime() -> None:
+    # A fresh interpreter where `import wasmtime` fails: the arm must still import and
+    # answer with a verdict, not an ImportError.
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["wasmtime"] = None
+        import anyio
+        from metnos_exec.sandbox._types import SandboxJob, WasmProgram
+        from metnos_exec.sandbox.wasm import WasmSandbox, wasm_status
+        assert wasm_status()["engine"]["importable"] is False
+        try:
+            anyio.run(WasmSandbox(cache_dir=False).run, SandboxJob(wasm=WasmProgram("x.wat")))
+        except Exception as exc:
+            print(getattr(exc, "code", type(exc).__name__))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == b"E_TOOL_UNAVAILABLE\n"
+
+
+@pytest.mark.anyio
+async def test_unreadable_fuel_counter_is_a_host_fault(
+    arm: WasmSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert WT is not None
+
+    def broken(self: object) -> int:
+        raise WT.WasmtimeError("counter unavailable")
+
+    monkeypatch.setattr(WT.Store, "get_fuel", broken)
+    with pytest.raises(HostFault, match="fuel counter"):
+        await arm.run(wat_job("ok"))
 
 
 def test_status_reports_engine_and_runtime(wasm_cache: Path) -> None:
