@@ -100,12 +100,14 @@ WASMTIME_PIN_REASON: Final[str] = (
     "in 45.0.0, backported to 44.0.2, 36.0.10 and 24.x) and GHSA-4ch3-9j33-3pmj / "
     "RUSTSEC-2026-0188 (path_link and path_rename let a file cross from a read-only preopen "
     "into a writable one, ignoring FilePerms; fixed in 46.0.1, backported to 45.0.3, "
-    "36.0.12 and 24.0.11). wasmtime-py 50.0.1 embeds a wasmtime 50 that contains both; "
-    "tests/sandbox/test_wasm.py re-checks both against the installed engine. Move the pin "
-    "when a wasmtime-py release fixes a new WASI advisory (take it at once), or when 50 "
-    "leaves upstream support (non-LTS lines get about two months); check that upstream's "
-    "planned single-bit FsPerms (wasmtime PR #14010) still maps `fs_mutable=False` to "
-    "read-only before crossing it, and re-run the bypass tests on the new line."
+    "36.0.12 and 24.0.11). wasmtime-py 50.0.1 embeds a wasmtime 50 that contains both, and "
+    "its C API takes one `fs_mutable` bit per preopen, the shape upstream moved to (a "
+    "single-bit FsPerms, wasmtime PR #14010) to remove the DirPerms/FilePerms combinations "
+    "both advisories lived in. tests/sandbox/test_wasm.py re-checks both bypasses against "
+    "the installed engine. Move the pin when a wasmtime-py release fixes a new WASI "
+    "advisory (take it at once), or when the 50 line leaves upstream support (non-LTS lines "
+    "get about two months; the next LTS is 60); before crossing, check that "
+    "`preopen_dir(..., fs_mutable=False)` still means read-only and re-run the bypass tests."
 )
 
 #: The guest program name python.wasm sees as argv[0].
