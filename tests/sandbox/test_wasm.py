@@ -719,3 +719,25 @@ async def test_example_word_count(py_arm: WasmSandbox, tmp_path: Path) -> None:
     assert out.exit == Success(), out.stderr
     result = json.loads(out.stdout)
     assert result == {"files": 2, "words": 9, "top": [["the", 4], ["end", 2]]}
+
+
+@pytest.mark.anyio
+async def test_example_word_count_through_the_planner(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    from metnos_exec.manifest import ExecutorRegistry
+    from metnos_exec.plan import plan_invocation
+
+    home = tmp_path / "home"
+    notes = home / "notes"
+    notes.mkdir(parents=True)
+    (notes / "today.md").write_text("buy milk, buy bread\n")
+    executor = ExecutorRegistry.load(EXAMPLES)["word_count"]
+    inv = plan_invocation(executor, {"path": str(notes), "top": 1}, home=str(home))
+    out = await py_arm.run(inv.job)
+    assert out.exit == Success(), out.stderr
+    assert json.loads(out.stdout) == {"files": 1, "words": 4, "top": [["buy", 2]]}
+    # The planner's mounts are what the guest saw: its own folder read-only, the notes
+    # folder read-only (fs:read), nothing else.
+    assert {(m.host, m.writable) for m in inv.job.mounts} == {
+        (os.path.realpath(executor.path), False),
+        (os.path.realpath(notes), False),
+    }
