@@ -738,6 +738,10 @@ async def test_example_word_count_through_the_planner(py_arm: WasmSandbox, tmp_p
     # The planner's mounts are what the guest saw: its own folder read-only, the notes
     # folder read-only (fs:read), nothing else.
     assert {(m.host, m.writable) for m in inv.job.mounts} == {
-        (os.path.realpath(executor.path), False),
-        (os.path.realpath(notes), False),
+        (_real(executor.path), False),
+        (_real(notes), False),
     }
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(path)
