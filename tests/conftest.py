@@ -8,6 +8,7 @@ and fail the test, rather than trusting that "we killed the process group".
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -44,10 +45,8 @@ def child_pids() -> set[int]:
         if ppid != me:
             continue
         if state == b"Z":
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(int(entry), os.WNOHANG)
-            except ChildProcessError:
-                pass
             continue
         found.add(int(entry))
     return found - ALLOWED_CHILDREN
@@ -74,10 +73,8 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
                     cmdlines[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 cmdlines[pid] = "?"
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         pytest.fail(f"test left child processes behind: {cmdlines}")
     leaked = open_fds() - fds_before
     # An fd can be transiently open (e.g. the /proc listing above); check twice.
