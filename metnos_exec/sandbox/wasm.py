@@ -360,6 +360,27 @@ class WasmSandbox:
             raise failed[0]
         return result[0]
 
+    async def preload(self, *, python: bool = True, modules: tuple[str, ...] = ()) -> None:
+        """Compile (or load from the disk cache) modules before the first job needs them.
+
+        A job's wall-clock budget starts when its guest starts, so the one-time cold
+        compile of python.wasm (4-8 s) never counts against a job; a worker can still pay
+        it at start-up instead of on its first `wasm-python` job.
+
+        Raises:
+            ToolUnavailable: no wasmtime, or (with `python`) no verified runtime.
+        """
+        engine = self.engine
+        paths = [Path(m) for m in modules]
+
+        def load_all() -> None:
+            if python:
+                paths.append(verified_python_wasm(self._env, use_package=self._use_package))
+            for path in paths:
+                engine.load(path, self.cache_dir)
+
+        await anyio.to_thread.run_sync(load_all)
+
     # --- internals ----------------------------------------------------------------------
 
     def _require_wasmtime(self) -> ModuleType:

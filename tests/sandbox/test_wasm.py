@@ -628,6 +628,19 @@ async def test_missing_module_is_a_host_fault(arm: WasmSandbox, tmp_path: Path) 
         await arm.run(SandboxJob(wasm=WasmProgram(str(tmp_path / "nope.wasm"))))
 
 
+@pytest.mark.anyio
+async def test_preload_fills_the_cache_before_any_job(tmp_path: Path) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    assert WT is not None
+    src = tmp_path / "ok.wat"
+    src.write_bytes((WAT / "ok.wat").read_bytes())
+    engine = WasmEngine(WT)
+    arm = WasmSandbox(cache_dir=tmp_path / "cache", engine=engine)
+    await arm.preload(python=False, modules=(str(src),))
+    assert engine.load(src, arm.cache_dir).source == "memory"
+    assert len(list((tmp_path / "cache").glob("*.cwasm"))) == 1
+
+
 def test_containment_report() -> None:
     arm = WasmSandbox(cache_dir=False)
     both = SandboxJob(
