@@ -1,7 +1,164 @@
-"""metnos-exec: the execution layer of an agent runtime."""
+"""metnos-exec: the execution layer of an agent runtime.
+
+An agent loop puts jobs on a queue; workers run each job's executor in a sandbox derived
+from its manifest, kill it on time, and return a result that says honestly which walls
+stood. The public names are re-exported here; each lives in the module of its concept.
+"""
 
 from __future__ import annotations
 
+from .backoff import retry_delay
+from .brokers import Broker, open_broker
+from .capabilities import (
+    PROVIDER_SKILLS,
+    Capability,
+    EffectiveCapabilities,
+    InactiveCapability,
+    VettedArgs,
+    effective_capabilities,
+    final_args,
+    vet_arguments,
+)
+from .client import Client, NotImplementedYet, SyncClient
+from .errors import (
+    AutonomyDenied,
+    BadArguments,
+    BadManifest,
+    BadMessage,
+    BadOutput,
+    CapabilityDenied,
+    HostFault,
+    MetnosError,
+    SandboxDenied,
+    SandboxRequired,
+    SignatureError,
+    ToolUnavailable,
+    UndoConflict,
+    UnknownExecutor,
+)
+from .logs import EVENTS, configure_logging, tail
+from .manifest import (
+    ArgSpec,
+    CapabilitySpec,
+    Executor,
+    ExecutorRegistry,
+    Limits,
+    Manifest,
+    load_manifest,
+)
+from .messages import DeadLetter, ErrorInfo, Job, Result, new_job_id
+from .plan import Invocation, plan_invocation
+from .policy import Policy, Profile, profile_for, require_sandbox
+from .process import ProcessResult, ProcessSpec, run_process
+from .sandbox import (
+    ContainmentReport,
+    Failure,
+    FuelExhausted,
+    Killed,
+    MemoryExceeded,
+    Mount,
+    ResourceLimits,
+    Sandbox,
+    SandboxExit,
+    SandboxJob,
+    SandboxOutcome,
+    Success,
+    Timeout,
+    Trap,
+    Usage,
+    WasmProgram,
+)
+from .sandbox.absent import AbsentSandbox
+from .sandbox.bwrap import BwrapSandbox
+from .sandbox.direct import DirectSandbox
+from .sandbox.doubles import EchoSandbox, FaultSandbox
+from .sandbox.select import ArmChoice, Degradation, choose_arm
+from .sandbox.status import SandboxStatus, status
+from .supervisor import Supervisor
+from .worker import run_worker
+
 __version__ = "0.1.0"
 
-__all__ = ("__version__",)
+__all__ = (
+    "EVENTS",
+    "PROVIDER_SKILLS",
+    "AbsentSandbox",
+    "ArgSpec",
+    "ArmChoice",
+    "AutonomyDenied",
+    "BadArguments",
+    "BadManifest",
+    "BadMessage",
+    "BadOutput",
+    "Broker",
+    "BwrapSandbox",
+    "Capability",
+    "CapabilityDenied",
+    "CapabilitySpec",
+    "Client",
+    "ContainmentReport",
+    "DeadLetter",
+    "Degradation",
+    "DirectSandbox",
+    "EchoSandbox",
+    "EffectiveCapabilities",
+    "ErrorInfo",
+    "Executor",
+    "ExecutorRegistry",
+    "Failure",
+    "FaultSandbox",
+    "FuelExhausted",
+    "HostFault",
+    "InactiveCapability",
+    "Invocation",
+    "Job",
+    "Killed",
+    "Limits",
+    "Manifest",
+    "MemoryExceeded",
+    "MetnosError",
+    "Mount",
+    "NotImplementedYet",
+    "Policy",
+    "ProcessResult",
+    "ProcessSpec",
+    "Profile",
+    "ResourceLimits",
+    "Result",
+    "Sandbox",
+    "SandboxDenied",
+    "SandboxExit",
+    "SandboxJob",
+    "SandboxOutcome",
+    "SandboxRequired",
+    "SandboxStatus",
+    "SignatureError",
+    "Success",
+    "Supervisor",
+    "SyncClient",
+    "Timeout",
+    "ToolUnavailable",
+    "Trap",
+    "UndoConflict",
+    "UnknownExecutor",
+    "Usage",
+    "VettedArgs",
+    "WasmProgram",
+    "__version__",
+    "choose_arm",
+    "configure_logging",
+    "effective_capabilities",
+    "final_args",
+    "load_manifest",
+    "new_job_id",
+    "open_broker",
+    "plan_invocation",
+    "profile_for",
+    "require_sandbox",
+    "retry_delay",
+    "run_process",
+    "run_worker",
+    "status",
+    "tail",
+    "vet_arguments",
+)
