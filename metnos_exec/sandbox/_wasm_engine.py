@@ -23,6 +23,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -73,9 +74,10 @@ def wasmtime_version() -> str | None:
         return None
 
 
-def default_cache_dir() -> Path:
-    """`$METNOS_CACHE_DIR/wasm`, else `~/.cache/metnos-exec/wasm`."""
-    root = os.environ.get("METNOS_CACHE_DIR")
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """`$METNOS_CACHE_DIR/wasm`, else `~/.cache/metnos-exec/wasm` (`env`: default
+    `os.environ`)."""
+    root = (os.environ if env is None else env).get("METNOS_CACHE_DIR")
     if root:
         return Path(root) / "wasm"
     return Path.home() / ".cache" / "metnos-exec" / "wasm"

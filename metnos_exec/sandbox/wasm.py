@@ -254,7 +254,7 @@ class WasmSandbox:
         if cache_dir is False:
             self.cache_dir: Path | None = None
         elif cache_dir is None or cache_dir is True:
-            self.cache_dir = default_cache_dir()
+            self.cache_dir = default_cache_dir(env)
         else:
             self.cache_dir = Path(cache_dir)
         self._env = env
@@ -596,6 +596,6 @@ def wasm_status(
             "epoch_tick_s": EPOCH_TICK_S,
         },
         "python_runtime": runtime,
-        "cache_dir": str(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
+        "cache_dir": str(Path(cache_dir) if cache_dir is not None else default_cache_dir(env)),
         "pin": "wasmtime>=50.0.1,<51",
     }

@@ -603,6 +603,9 @@ def test_status_reports_engine_and_runtime(wasm_cache: Path) -> None:
     assert status["engine"]["version"].startswith("50.")
     assert status["cache_dir"] == str(wasm_cache)
     assert status["python_runtime"]["verified"] is HAVE_RUNTIME
+    env = {"METNOS_CACHE_DIR": "/somewhere"}
+    assert wasm_status(env)["cache_dir"] == "/somewhere/wasm"
+    assert WasmSandbox(env=env).cache_dir == Path("/somewhere/wasm")
 
 
 # --- denial at link time, containment, cache -------------------------------------------
