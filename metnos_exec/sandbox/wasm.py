@@ -110,6 +110,21 @@ WASMTIME_PIN_REASON: Final[str] = (
     "`preopen_dir(..., fs_mutable=False)` still means read-only and re-run the bypass tests."
 )
 
+#: The oldest wasmtime-py release the arm runs on (the bottom of the pin).
+MIN_WASMTIME: Final[tuple[int, int, int]] = (50, 0, 1)
+
+
+def _fixed_release(version: str | None) -> bool:
+    """True when `version` is at least `MIN_WASMTIME` (an unparsable one is refused)."""
+    if version is None:
+        return False
+    try:
+        parts = tuple(int(p) for p in version.split(".")[:3])
+    except ValueError:
+        return False
+    return parts >= MIN_WASMTIME
+
+
 #: The guest program name python.wasm sees as argv[0].
 _PYTHON_ARGV0 = "python"
 #: Guest paths a wasm-python job must never preopen: the runtime's built-in standard
@@ -281,8 +296,9 @@ class WasmSandbox:
         n = len(job.mounts)
         ro = sum(1 for m in job.mounts if not m.writable)
         lim = job.limits
+        unsized = " (file sizes in writable preopens are not limited)" if n > ro else ""
         if lim.fuel is not None and lim.memory_bytes is not None:
-            resources = AxisVerdict("kept", "fuel budget and store memory limit both set")
+            resources = AxisVerdict("kept", "fuel budget and store memory limit both set" + unsized)
         else:
             missing = [
                 name for name, v in (("fuel", lim.fuel), ("memory", lim.memory_bytes)) if v is None
@@ -389,6 +405,14 @@ class WasmSandbox:
                 "the wasm arm needs the wasmtime engine, which is not installed here "
                 "(install metnos-exec[wasm]); executors with runtime `python` can be served "
                 "by the bwrap arm instead"
+            )
+        version = wasmtime_version()
+        if not _fixed_release(version):
+            # An engine older than the pin would turn read-only mounts into writable ones
+            # (see WASMTIME_PIN_REASON): refuse rather than run without the wall.
+            raise ToolUnavailable(
+                f"the wasm arm needs wasmtime >= {'.'.join(map(str, MIN_WASMTIME))} (read-only "
+                f"preopen fixes); found {version}: install metnos-exec[wasm]"
             )
         return self._wt
 
@@ -592,6 +616,7 @@ def wasm_status(
         "engine": {
             "importable": wt is not None,
             "version": wasmtime_version() if wt is not None else None,
+            "has_preopen_fixes": wt is not None and _fixed_release(wasmtime_version()),
             "flags": ENGINE_FLAGS,
             "epoch_tick_s": EPOCH_TICK_S,
         },

@@ -596,11 +596,23 @@ async def test_unreadable_fuel_counter_is_a_host_fault(
         await arm.run(wat_job("ok"))
 
 
+@pytest.mark.anyio
+async def test_engine_older_than_the_pin_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    import metnos_exec.sandbox.wasm as wasm_mod
+
+    monkeypatch.setattr(wasm_mod, "wasmtime_version", lambda: "45.0.0")
+    with pytest.raises(ToolUnavailable, match=r"50\.0\.1"):
+        await WasmSandbox(cache_dir=False).run(wat_job("ok"))
+    assert wasm_status()["engine"]["has_preopen_fixes"] is False
+
+
 def test_status_reports_engine_and_runtime(wasm_cache: Path) -> None:
     need(HAVE_ENGINE, NO_ENGINE)
     status = wasm_status(cache_dir=wasm_cache)
     assert status["engine"]["importable"] is True
     assert status["engine"]["version"].startswith("50.")
+    assert status["engine"]["has_preopen_fixes"] is True
     assert status["cache_dir"] == str(wasm_cache)
     assert status["python_runtime"]["verified"] is HAVE_RUNTIME
     env = {"METNOS_CACHE_DIR": "/somewhere"}
@@ -657,6 +669,7 @@ def test_containment_report() -> None:
     assert rep.user.state == "not_kept"
     assert rep.resources.state == "kept"
     assert "1 of them read-only" in rep.files.reason
+    assert "file sizes in writable preopens are not limited" in rep.resources.reason
     no_fuel = SandboxJob(wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=None))
     rep = arm.containment(no_fuel)
     assert rep.resources.state == "partial" and "fuel" in rep.resources.reason
