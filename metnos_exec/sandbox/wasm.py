@@ -28,6 +28,12 @@ stood within one page of the limit (no further page could be granted), or when t
 module's initial memory is over the limit. A guest whose single large request failed far
 below the limit, and who handled that itself, keeps its own exit (`Failure(code)`): an
 under-report, never an invented verdict.
+
+What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
+absolute; the planner's are), `job.network` can not be granted (the report says so),
+`pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
+preopen are not size-limited; fuel and time bound how much can be written). Output past
+`limits.output_bytes` is accepted from the guest and dropped, like a drained pipe.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ if TYPE_CHECKING:
     import wasmtime
 
 __all__ = (
+    "MIN_WASMTIME",
+    "PYTHON_MIN_MEMORY_BYTES",
     "PYTHON_WASM_MODULE",
     "PYTHON_WASM_SHA256",
     "WASMTIME_PIN_REASON",
