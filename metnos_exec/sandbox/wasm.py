@@ -135,9 +135,18 @@ def _fixed_release(version: str | None) -> bool:
 
 #: The guest program name python.wasm sees as argv[0].
 _PYTHON_ARGV0 = "python"
-#: Guest paths a wasm-python job must never preopen: the runtime's built-in standard
-#: library lives there, and a preopen would hide it (start-up then fails) or replace it.
-_PYTHON_RESERVED = ("/", "/usr", "/usr/local", "/usr/local/lib")
+#: Where python.wasm's built-in standard library lives (its `sys.path`). A preopen at or
+#: above one of these hides it (start-up fails), one below it would replace stdlib modules.
+_PYTHON_STDLIB = ("/usr/local/lib/python312.zip", "/usr/local/lib/python3.12")
+
+
+def _hides_stdlib(guest: str) -> bool:
+    return any(
+        root == guest or root.startswith(guest.rstrip("/") + "/") or guest.startswith(root + "/")
+        for root in _PYTHON_STDLIB
+    )
+
+
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
 _PAGE = 65536
@@ -429,7 +438,7 @@ class WasmSandbox:
             guest = "/" + m.guest.strip("/")
             if not m.guest.startswith("/"):
                 raise SandboxDenied(f"mount guest path {m.guest!r} must be absolute")
-            if is_python and (guest in _PYTHON_RESERVED or guest.startswith("/usr/local/lib/")):
+            if is_python and _hides_stdlib(guest):
                 raise SandboxDenied(
                     f"mount at {guest} would hide the python runtime's standard library"
                 )

@@ -496,9 +496,13 @@ async def test_python_output_printed_before_a_fuel_trap_is_kept(
 async def test_python_mount_hiding_the_stdlib_is_refused(
     py_arm: WasmSandbox, tmp_path: Path
 ) -> None:
-    job = py_job(tmp_path, "print(1)", mounts=(Mount(str(tmp_path), "/usr/local/lib"),))
-    with pytest.raises(SandboxDenied):
-        await py_arm.run(job)
+    for guest in ("/", "/usr", "/usr/local", "/usr/local/lib", "/usr/local/lib/python3.12/json"):
+        job = py_job(tmp_path, "print(1)", mounts=(Mount(str(tmp_path), guest),))
+        with pytest.raises(SandboxDenied, match="standard library"):
+            await py_arm.run(job)
+    # A sibling folder does not shadow the stdlib and is allowed.
+    job = py_job(tmp_path, "print(1)", mounts=(Mount(str(tmp_path), "/usr/local/lib/other"),))
+    assert (await py_arm.run(job)).exit == Success()
 
 
 # --- acceptance 5: runs in a row -------------------------------------------------------
