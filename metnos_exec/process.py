@@ -122,6 +122,9 @@ class ProcessSpec(msgspec.Struct, frozen=True):
         output_bytes: cap on the stdout kept, and separately on the stderr kept.
         pids_max: process limit for the whole tree (cgroup when possible).
         reaper: run under the subreaper shim, which kills escaped descendants too.
+        cgroup_pool: fork from a pooled spawner thread that sits in its own long-lived
+            pids cgroup (cgroup v1), instead of creating a cgroup per run and migrating
+            the child into it; see "Pooled cgroups" in the module docstring.
     """
 
     argv: tuple[str, ...]
@@ -134,6 +137,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     output_bytes: int = 1 << 20
     pids_max: int | None = None
     reaper: bool = True
+    cgroup_pool: bool = False
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -176,7 +180,8 @@ class _Spawner:
     async side can wait for it with `anyio.wait_readable` on either backend.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "metnos-spawner") -> None:
+        self._name = name
         self._lock = threading.Lock()
         self._requests: queue.SimpleQueue[
             tuple[Callable[[], Any], concurrent.futures.Future[Any], int]
@@ -187,9 +192,7 @@ class _Spawner:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._serve, name="metnos-spawner", daemon=True
-                )
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
                 self._thread.start()
         self._requests.put((fn, future, done_fd))
         return future
@@ -210,10 +213,11 @@ _spawner = _Spawner()
 os.register_at_fork(after_in_child=lambda: _spawner.__init__())  # type: ignore[misc]
 
 
-async def _on_spawner(fn: Callable[[], Any]) -> Any:
-    """Run `fn` on the spawner thread and return its result (shielded: see below)."""
+async def _on_spawner(fn: Callable[[], Any], spawner: _Spawner | None = None) -> Any:
+    """Run `fn` on a spawner thread (default: the shared one) and return its result
+    (shielded: see below)."""
     done_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    future = _spawner.submit(fn, done_fd)
+    future = (spawner or _spawner).submit(fn, done_fd)
     # Shielded: once submitted, a child may exist; the caller must get its handle to kill
     # and reap it, so we never walk away from a spawn in progress.
     with anyio.CancelScope(shield=True):
@@ -252,15 +256,22 @@ def pids_cgroup_available() -> bool:
 def _sweep_stale(parent: Path) -> None:
     """Remove per-run cgroups whose worker died without cleaning up (SIGKILL, power loss).
 
-    Per-run cgroups are named ``<worker pid>-<uuid>``; only those whose worker pid no longer
-    exists are touched, so a live worker's fresh, still-empty cgroup is never pulled from
-    under it. Best effort: a non-empty one is left (rmdir refuses) with its processes.
+    Per-run cgroups are named ``<worker pid>-<uuid>``, slot cgroups ``<worker pid>-slot-<n>``;
+    only those whose worker pid no longer exists are touched, so a live worker's cgroups are
+    never pulled from under it. What is still inside one is SIGKILLed first: a job whose
+    bubblewrap was orphaned in the instant before it set its own parent-death signal (see
+    "Pooled cgroups") dies here at the latest. Best effort: rmdir may still refuse while
+    the killed tasks exit; the next sweep gets it.
     """
     for entry in parent.iterdir():
         owner, sep, _ = entry.name.partition("-")
         if not (sep and owner.isdigit() and entry.is_dir()):
             continue
         if not Path(f"/proc/{owner}").exists():
+            with contextlib.suppress(OSError):
+                for pid in (entry / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
             with contextlib.suppress(OSError):
                 entry.rmdir()
 
@@ -334,6 +345,117 @@ class _Cgroup:
             await anyio.sleep(0.01)
 
 
+# --- pooled cgroups ---------------------------------------------------------------------
+
+
+class _SlotCgroup(_Cgroup):
+    """A slot's long-lived pids cgroup; its spawner thread sits in it (cgroup v1 only).
+
+    The worker's own pid shows in ``cgroup.procs`` (one of its threads is here), so every
+    listing leaves it out: the tree kill must never reach the worker.
+    """
+
+    def pids(self) -> list[int]:
+        me = os.getpid()
+        return [pid for pid in super().pids() if pid != me]
+
+    def join_current_thread(self) -> None:
+        """Move the calling *thread* (not its process) here. cgroup v1 only."""
+        (self.path / "tasks").write_text(str(threading.get_native_id()))
+
+    def set_max(self, pids_max: int | None) -> None:
+        # +1: the spawner thread itself counts in pids.current.
+        (self.path / "pids.max").write_text("max" if pids_max is None else str(pids_max + 1))
+
+    async def drain(self) -> None:
+        """Kill what is left of the last run and wait until only our thread remains."""
+        seen: list[int] = []
+        with anyio.move_on_after(_KILL_WAIT_S):
+            while pids := self.pids():
+                if pids == seen:
+                    # Exited but still listed (a zombie not yet reaped by its parent, say):
+                    # the pidfds are readable at once, so do not spin on them.
+                    await anyio.sleep(0.001)
+                seen = pids
+                # Killed tasks leave the cgroup a moment after SIGKILL (usually bubblewrap's
+                # init, still being torn down): wait for each to exit on a pidfd, no polling.
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        pidfd = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        continue
+                    try:
+                        await anyio.wait_readable(pidfd)
+                    finally:
+                        os.close(pidfd)
+            return
+        raise HostFault(f"cgroup {self.path} still holds {self.pids()} after SIGKILL")
+
+
+class _Slot:
+    """One spawner thread, moved once into its own pids cgroup, borrowed by one run at a time."""
+
+    def __init__(self, index: int, cgroup: _SlotCgroup) -> None:
+        self.spawner = _Spawner(f"metnos-spawner-{index}")
+        self.cgroup = cgroup
+
+
+class _SlotPool:
+    """Slots for `ProcessSpec.cgroup_pool` runs: as many as the most runs ever at once.
+
+    A slot's thread lives as long as the worker (like the shared spawner), so the parent-
+    death signal of what it forks never fires early.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[_Slot] = []
+        self._made = 0
+        self._usable: bool | None = None
+
+    async def acquire(self) -> _Slot | None:
+        """A free slot, a new one, or ``None`` when slots cannot work here."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._usable is False:
+                return None
+            index = self._made
+            self._made += 1
+        parent = _cgroup_parent()
+        # Only cgroup v1 lets one thread sit in a cgroup of its own (v2 would need threaded
+        # mode, where the pids controller cannot be enabled).
+        if parent is None or not (parent / "tasks").exists():
+            self._usable = False
+            return None
+        path = parent / f"{os.getpid()}-slot-{index}"
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError:
+            self._usable = False
+            return None
+        slot = _Slot(index, _SlotCgroup(path))
+        try:
+            # The one migration this thread ever makes (the costly part of cgroup joins).
+            await _on_spawner(slot.cgroup.join_current_thread, slot.spawner)
+        except OSError:
+            self._usable = False
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            return None
+        self._usable = True
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
+_slots = _SlotPool()
+os.register_at_fork(after_in_child=lambda: _slots.__init__())  # type: ignore[misc]
+
+
 # --- spawning -------------------------------------------------------------------------
 
 
@@ -394,7 +516,11 @@ def _spawn(
     cgroup: _Cgroup | None,
     grace: float,
 ) -> _Child:
-    """Runs on the spawner thread. Creates the pipes and forks; never leaks an fd."""
+    """Runs on a spawner thread. Creates the pipes and forks; never leaks an fd.
+
+    `cgroup` is the per-run cgroup the child must *join* (``None`` when there is none, or
+    when the forking thread already sits in the run's slot cgroup).
+    """
     ours: list[int] = []  # parent ends, closed on failure
     theirs: list[int] = []  # child ends, always closed here once the child has them
     try:
@@ -666,15 +792,53 @@ async def run_process(
         ValueError: `spec` is malformed.
     """
     _validate(spec, timeout, grace)
+    slot = await _slots.acquire() if spec.cgroup_pool else None
+    if slot is not None:
+        return await _run_in_slot(spec, slot, timeout, grace)
+    return await _run(spec, timeout, grace)
+
+
+async def _run_in_slot(
+    spec: ProcessSpec, slot: _Slot, budget_s: float, grace: float
+) -> ProcessResult:
+    """`run_process` forking from `slot`'s thread: the child starts in the slot's cgroup."""
+    budget = spec.pids_max + (1 if spec.reaper else 0) if spec.pids_max else None
+    try:
+        slot.cgroup.set_max(budget)
+    except OSError as exc:
+        raise HostFault(f"cannot set pids.max of {slot.cgroup.path}: {exc}") from exc
+    try:
+        return await _run(spec, budget_s, grace, slot=slot)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await slot.cgroup.drain()
+        # Lent again only once empty: a slot that could not be emptied (drain raised) is
+        # retired, its thread idles and its cgroup is swept after the worker is gone.
+        _slots.release(slot)
+
+
+async def _run(
+    spec: ProcessSpec, budget_s: float, grace: float, *, slot: _Slot | None = None
+) -> ProcessResult:
     rlimits = spec.rlimits
-    cgroup = _Cgroup.create(spec.pids_max + (1 if spec.reaper else 0)) if spec.pids_max else None
-    pids_limited = cgroup is not None
+    cgroup: _Cgroup | None
+    if slot is not None:
+        cgroup = slot.cgroup
+        join = None  # the forking thread is in it already: the child starts there
+    else:
+        cgroup = (
+            _Cgroup.create(spec.pids_max + (1 if spec.reaper else 0)) if spec.pids_max else None
+        )
+        join = cgroup
+    pids_limited = spec.pids_max is not None and cgroup is not None
     if spec.pids_max is not None and cgroup is None:
         nproc = _threads_of_uid(os.getuid()) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
     try:
         try:
-            child: _Child = await _on_spawner(lambda: _spawn(spec, rlimits, cgroup, grace))
+            child: _Child = await _on_spawner(
+                lambda: _spawn(spec, rlimits, join, grace), slot.spawner if slot else None
+            )
         except _ExecFailed as failed:
             code = 127 if failed.exc.errno == errno.ENOENT else 126
             return ProcessResult(
@@ -691,13 +855,13 @@ async def run_process(
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
             )
         try:
-            return await _supervise(child, spec, timeout, grace, cgroup, pids_limited)
+            return await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
         finally:
             child.close()
     finally:
-        if cgroup is not None:
+        if join is not None:
             with anyio.CancelScope(shield=True):
-                await cgroup.close()
+                await join.close()
 
 
 async def _supervise(

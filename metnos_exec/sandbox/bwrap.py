@@ -20,8 +20,10 @@ only glues them and reads back what happened, honestly:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -45,7 +47,13 @@ from ._types import (
     Timeout,
     Usage,
 )
-from .flags import BwrapFeatures, derive_bwrap_argv, derive_rlimits
+from .flags import (
+    SYSTEM_PATHS,
+    BwrapFeatures,
+    derive_bwrap_argv,
+    derive_rlimits,
+    prlimit_prefix,
+)
 
 __all__ = (
     "BwrapProbe",
@@ -182,6 +190,38 @@ def forget_probes() -> None:
     """Drop every cached probe (tests)."""
     with _cache_lock:
         _cache.clear()
+
+
+# --- limits -------------------------------------------------------------------------
+
+
+@functools.cache
+def _guest_prlimit() -> str | None:
+    """util-linux's prlimit, when it lives in a system tree the guest sees read-only."""
+    found = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if found is None:
+        return None
+    real = os.path.realpath(found)
+    if not any(real.startswith(root.rstrip("/") + "/") for root in SYSTEM_PATHS):
+        return None
+    return real
+
+
+def _limits_in_guest(rlimits: tuple[tuple[int, int, int], ...]) -> tuple[str, ...]:
+    """The prlimit prefix that applies `rlimits` inside the sandbox, or ``()`` when the
+    process layer must apply them before exec instead.
+
+    Inside the sandbox the guest holds no capability, so it can only *lower* limits: a
+    hard limit above the worker's own needs the old path (set by the worker, as root).
+    """
+    prlimit = _guest_prlimit()
+    if prlimit is None:
+        return ()
+    for res, _soft, hard in rlimits:
+        ours = resource.getrlimit(res)[1]
+        if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
+            return ()
+    return prlimit_prefix(rlimits, prlimit)
 
 
 # --- exit mapping ---------------------------------------------------------------------
@@ -335,11 +375,16 @@ class BwrapSandbox:
         """
         if not job.argv:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
+        rlimits = derive_rlimits(job.limits)
+        prefix = _limits_in_guest(rlimits)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
             try:
                 argv = derive_bwrap_argv(
-                    job, bwrap=self._bwrap, features=self._features, json_status_fd=status_w
+                    msgspec.structs.replace(job, argv=prefix + job.argv) if prefix else job,
+                    bwrap=self._bwrap,
+                    features=self._features,
+                    json_status_fd=status_w,
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
@@ -349,15 +394,25 @@ class BwrapSandbox:
                 env={},
                 stdin=job.stdin,
                 cwd=None,
-                rlimits=derive_rlimits(job.limits),
+                # With the prlimit prefix, nothing runs between fork and exec: no
+                # preexec_fn, so CPython vforks instead of copying the worker (ms a job).
+                rlimits=() if prefix else rlimits,
                 pass_fds=(status_w,),
-                pdeathsig=True,
+                # --die-with-parent sets bubblewrap's own parent-death signal before the
+                # guest may start (the monitor sets it, then releases the sandbox), so a
+                # second one from us only costs the preexec_fn. Kept when the rlimits need
+                # a preexec_fn anyway: it also closes the instant between our exec and
+                # bubblewrap's prctl.
+                pdeathsig=not prefix,
                 output_bytes=job.limits.output_bytes,
                 # bubblewrap's monitor and its init (pid 1 of the namespace) live in the
                 # cgroup too: the guest gets exactly its budget.
                 pids_max=None if job.limits.pids is None else job.limits.pids + _BWRAP_PIDS,
                 # The pid namespace and --die-with-parent already hold the tree: no shim.
                 reaper=False,
+                # Fork from a spawner thread that already sits in its own pids cgroup: no
+                # per-job cgroup migration (the costly part, an RCU grace period).
+                cgroup_pool=True,
             )
             result = await run_process(spec, timeout=job.limits.wall_time_s)
             os.close(status_w)
