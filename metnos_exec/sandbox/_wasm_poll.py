@@ -11,8 +11,8 @@ job must stop, the call returns `EINTR` and the guest's next wasm instruction me
 epoch deadline callback, which ends it the ordinary way (no Python exception crosses the
 engine). Absolute timeouts need the guest's clock to be one we can read, so
 `clock_time_get` is shadowed too: realtime is the host's `time_ns()`, monotonic the host's
-`monotonic_ns()`, and both CPU-time clocks the guest thread's own CPU time (never the
-worker process's, which would reveal other jobs' work).
+`monotonic_ns()`, and both CPU-time clocks the CPU time of the guest's thread since the
+job started (never the worker process's, which would reveal other jobs' work).
 
 File-descriptor subscriptions are answered "ready" at once. That is wasmtime's answer for
 everything a guest here can hold (regular files in preopens, captured stdio); what is lost
@@ -49,8 +49,11 @@ _SLICE_S = 0.01
 
 
 def bind_stop_check(check: StopCheck | None) -> None:
-    """Bind (or with None, unbind) the stop check of the job on the calling thread."""
+    """Bind (or with None, unbind) the job running on the calling thread: its stop check,
+    and the thread's CPU time at its start (worker threads are reused, so the guest's CPU
+    clocks count from its own start, revealing nothing of earlier jobs)."""
     _local.check = check
+    _local.cpu_base = time.thread_time_ns()
 
 
 def _now(clock_id: int) -> int | None:
@@ -59,7 +62,7 @@ def _now(clock_id: int) -> int | None:
     if clock_id == _CLOCK_MONOTONIC:
         return time.monotonic_ns()
     if clock_id in (_CLOCK_PROCESS_CPU, _CLOCK_THREAD_CPU):
-        return time.thread_time_ns()
+        return time.thread_time_ns() - int(getattr(_local, "cpu_base", 0))
     return None
 
 
