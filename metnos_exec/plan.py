@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +73,31 @@ from .sandbox.flags import expand_hint
 __all__ = ("Invocation", "default_skills_root", "plan_invocation")
 
 _MiB = 1024 * 1024
+
+#: How long a resolved executor folder or interpreter path is reused. Resolving them is a
+#: third of the per-job planning cost (one ``lstat`` per path component, every job); within
+#: this window a symlink swapped under an executor folder (an update) may still mount the
+#: folder it named a moment ago. User paths (fs hints, skill homes) are never cached: a hint
+#: folder created later is mounted from the next job on.
+RESOLVE_TTL_S = 2.0
+
+_resolved_lock = threading.Lock()
+_resolved: dict[str, tuple[str, float]] = {}
+
+
+def _realpath_fresh(path: str) -> str:
+    """`os.path.realpath` of a host-owned path, memoised for `RESOLVE_TTL_S`."""
+    now = time.monotonic()
+    with _resolved_lock:
+        hit = _resolved.get(path)
+    if hit is not None and now - hit[1] < RESOLVE_TTL_S:
+        return hit[0]
+    real = os.path.realpath(path)
+    with _resolved_lock:
+        if len(_resolved) > 4096:  # bounded: executors come and go over a worker's life
+            _resolved.clear()
+        _resolved[path] = (real, now)
+    return real
 
 
 class Invocation(msgspec.Struct, frozen=True):
@@ -213,7 +240,7 @@ def plan_invocation(
     effective = effective_capabilities(manifest, final)
     vetted = vet_arguments(manifest, final, effective, home=home)
 
-    folder = os.path.realpath(executor.path)
+    folder = _realpath_fresh(str(executor.path))
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
     mounts = _mounts(
@@ -235,7 +262,7 @@ def plan_invocation(
         "limits": _limits(manifest, timeout_s),
     }
     if manifest.runtime == "python":
-        job = SandboxJob(argv=(os.path.realpath(sys.executable), "-I", "-S", entry), **common)
+        job = SandboxJob(argv=(_realpath_fresh(sys.executable), "-I", "-S", entry), **common)
     elif manifest.runtime == "wasm":
         job = SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
     else:
