@@ -7,10 +7,14 @@ Two measurements, in one run:
    as in production. Target: >= 2,500 jobs/s.
 2. end to end: a native no-op executor (``print("{}")`` under ``python -I -S``) through
    the real bwrap arm at concurrency 1, 2 and 4, next to the *raw spawn rate* of the very
-   same bubblewrap command line (`derive_bwrap_argv` of the same planned job), launched
-   with plain ``anyio.run_process`` at the same concurrency. Target: e2e >= 85 % of raw.
+   same bubblewrap command line (`derive_bwrap_argv` of the same planned job: same flags,
+   same mounts), launched with plain ``anyio.run_process`` at the same concurrency, and
+   the bwrap arm alone (``BwrapSandbox.run`` in a loop, no queue). For each concurrency
+   the three blocks are interleaved for ``--rounds`` rounds (order rotated each round, so
+   load drift hits all three alike); medians are reported, and the ratio is the ratio of
+   the medians. Target: e2e >= 85 % of raw.
 
-Usage: python bench/queue_throughput.py [--echo-jobs N] [--bwrap-jobs N]
+Usage: python bench/queue_throughput.py [--echo-jobs N] [--bwrap-jobs N] [--rounds R]
        [--concurrency 1,2,4] [--backend asyncio|trio] [--skip-bwrap]
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -146,11 +151,30 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
                 from metnos_exec.sandbox.select import choose_arm
 
                 await _raw_spawn(tmp, registry, 5, 1)
+                await _arm_direct(tmp, registry, 5, 1)
+                blocks = {
+                    "raw": lambda c: _raw_spawn(tmp, registry, ns.bwrap_jobs, c),
+                    "arm": lambda c: _arm_direct(tmp, registry, ns.bwrap_jobs, c),
+                    "e2e": lambda c: _drain(tmp, registry, ns.bwrap_jobs, c, choose_arm),
+                }
+                names = list(blocks)
                 for c in ns.concurrency:
-                    raw = await _raw_spawn(tmp, registry, ns.bwrap_jobs, c)
-                    arm = await _arm_direct(tmp, registry, ns.bwrap_jobs, c)
-                    e2e = await _drain(tmp, registry, ns.bwrap_jobs, c, choose_arm)
-                    rows.append((f"raw bwrap spawn, concurrency {c}", raw, ""))
+                    rates: dict[str, list[float]] = {name: [] for name in names}
+                    for r in range(ns.rounds):
+                        for name in names[r % 3 :] + names[: r % 3]:
+                            rates[name].append(await blocks[name](c))
+                    raw, arm, e2e = (statistics.median(rates[n]) for n in names)
+                    per_round = " ".join(
+                        f"{100 * e / w:.0f}%" for e, w in zip(rates["e2e"], rates["raw"], strict=True)
+                    )
+                    rows.append(
+                        (
+                            f"raw bwrap spawn, concurrency {c}",
+                            raw,
+                            f"median of {ns.rounds} rounds "
+                            + " ".join(f"{x:.0f}" for x in rates["raw"]),
+                        )
+                    )
                     rows.append(
                         (
                             f"bwrap arm alone (no queue), concurrency {c}",
@@ -163,7 +187,8 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
                             f"e2e bwrap no-op, concurrency {c}",
                             e2e,
                             f"{100 * e2e / raw:.0f} % of raw (target >= 85 %), "
-                            f"{100 * e2e / arm:.0f} % of the arm alone",
+                            f"{100 * e2e / arm:.0f} % of the arm alone; "
+                            f"per round e2e/raw: {per_round}",
                         )
                     )
         finally:
@@ -179,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="queue_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--echo-jobs", type=int, default=10_000)
     p.add_argument("--echo-concurrency", type=int, default=64)
-    p.add_argument("--bwrap-jobs", type=int, default=200)
+    p.add_argument("--bwrap-jobs", type=int, default=100, help="jobs per block")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency")
     p.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4]
     )

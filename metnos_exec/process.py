@@ -355,9 +355,23 @@ class _SlotCgroup(_Cgroup):
     listing leaves it out: the tree kill must never reach the worker.
     """
 
+    _max: str | None = None
+
     def pids(self) -> list[int]:
         me = os.getpid()
-        return [pid for pid in super().pids() if pid != me]
+        try:
+            fd = os.open(self.procs, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return []
+        try:
+            data = b""
+            while chunk := os.read(fd, _READ_CHUNK):
+                data += chunk
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        return [pid for pid in map(int, data.split()) if pid != me]
 
     def join_current_thread(self) -> None:
         """Move the calling *thread* (not its process) here. cgroup v1 only."""
@@ -365,7 +379,10 @@ class _SlotCgroup(_Cgroup):
 
     def set_max(self, pids_max: int | None) -> None:
         # +1: the spawner thread itself counts in pids.current.
-        (self.path / "pids.max").write_text("max" if pids_max is None else str(pids_max + 1))
+        value = "max" if pids_max is None else str(pids_max + 1)
+        if value != self._max:
+            (self.path / "pids.max").write_text(value)
+            self._max = value
 
     async def drain(self) -> None:
         """Kill what is left of the last run and wait until only our thread remains."""

@@ -48,8 +48,10 @@ from ._types import (
     Usage,
 )
 from .flags import (
+    MASKED_PATHS,
     SYSTEM_PATHS,
     BwrapFeatures,
+    default_interpreter_roots,
     derive_bwrap_argv,
     derive_rlimits,
     prlimit_prefix,
@@ -224,6 +226,65 @@ def _limits_in_guest(rlimits: tuple[tuple[int, int, int], ...]) -> tuple[str, ..
     return prlimit_prefix(rlimits, prlimit)
 
 
+# --- host facts -----------------------------------------------------------------------
+
+#: How long what the host's system trees look like (which of `SYSTEM_PATHS`,
+#: `MASKED_PATHS` and the interpreter roots exist, which are symlinks) is reused between
+#: jobs. These are ~40 ``stat`` calls a job otherwise; a job's own mounts are always
+#: checked live.
+HOST_FACTS_TTL_S = 2.0
+
+
+class _HostFacts:
+    """`derive_bwrap_argv`'s filesystem callables, memoised for the fixed host paths only."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._taken = -HOST_FACTS_TTL_S
+        self._roots: tuple[str, ...] = ()
+        self._fixed: frozenset[str] = frozenset()
+        self._exists: dict[str, bool] = {}
+        self._isdir: dict[str, bool] = {}
+        self._link: dict[str, str | None] = {}
+
+    def refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._taken < HOST_FACTS_TTL_S:
+            return
+        roots = default_interpreter_roots()
+        fixed = frozenset((*SYSTEM_PATHS, *MASKED_PATHS, *roots))
+        with self._lock:
+            self._roots, self._fixed, self._taken = roots, fixed, now
+            self._exists, self._isdir, self._link = {}, {}, {}
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        return self._roots
+
+    def exists(self, path: str) -> bool:
+        if path not in self._fixed:
+            return os.path.exists(path)
+        hit = self._exists.get(path)
+        if hit is None:
+            hit = self._exists[path] = os.path.exists(path)
+        return hit
+
+    def isdir(self, path: str) -> bool:
+        if path not in self._fixed:
+            return os.path.isdir(path)
+        hit = self._isdir.get(path)
+        if hit is None:
+            hit = self._isdir[path] = os.path.isdir(path)
+        return hit
+
+    def readlink(self, path: str) -> str | None:
+        if path not in self._fixed:
+            return os.readlink(path) if os.path.islink(path) else None
+        if path not in self._link:
+            self._link[path] = os.readlink(path) if os.path.islink(path) else None
+        return self._link[path]
+
+
 # --- exit mapping ---------------------------------------------------------------------
 
 
@@ -349,6 +410,7 @@ class BwrapSandbox:
             features = features or probe.features
         self._bwrap = bwrap
         self._features = features
+        self._host = _HostFacts()
 
     def containment(self, job: SandboxJob) -> ContainmentReport:
         """The report before running: resources stay ``partial`` until the run shows
@@ -377,6 +439,8 @@ class BwrapSandbox:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         rlimits = derive_rlimits(job.limits)
         prefix = _limits_in_guest(rlimits)
+        host = self._host
+        host.refresh()
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
             try:
@@ -384,6 +448,10 @@ class BwrapSandbox:
                     msgspec.structs.replace(job, argv=prefix + job.argv) if prefix else job,
                     bwrap=self._bwrap,
                     features=self._features,
+                    exists=host.exists,
+                    isdir=host.isdir,
+                    readlink=host.readlink,
+                    interpreter_roots=host.roots,
                     json_status_fd=status_w,
                 )
             except ValueError as exc:
