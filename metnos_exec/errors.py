@@ -11,12 +11,15 @@ from typing import ClassVar
 
 __all__ = (
     "AutonomyDenied",
+    "ERROR_CODES",
     "BadArguments",
+    "BadConfig",
     "BadManifest",
     "BadMessage",
     "BadOutput",
     "CapabilityDenied",
     "HostFault",
+    "IdempotencyConflict",
     "MetnosError",
     "SandboxDenied",
     "SandboxRequired",
@@ -107,6 +110,26 @@ class UndoConflict(MetnosError):
     code = "E_UNDO_CONFLICT"
 
 
+class BadConfig(MetnosError):
+    """An operator setting (environment variable, worker option) is invalid; nothing ran."""
+
+    code = "E_CONFIG"
+
+
+class IdempotencyConflict(MetnosError):
+    """An idempotency key was reused for a different executor or different arguments.
+
+    Attributes:
+        original_job_id: the job the key already names.
+    """
+
+    code = "E_IDEMPOTENCY_CONFLICT"
+
+    def __init__(self, message: str, *, original_job_id: str = "") -> None:
+        super().__init__(message)
+        self.original_job_id = original_job_id
+
+
 class HostFault(Exception):
     """The harness itself broke (a pipe it cannot read, a counter it cannot read, ...).
 
@@ -122,3 +145,44 @@ class HostFault(Exception):
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
+
+
+#: Every error code metnos-exec can emit (in a `Result`, a dead letter, a log record or an
+#: exception), with one line on what it means. ``metnos-exec codes`` prints this table; a
+#: test keeps it in step with the ``"E_..."`` literals in the package source.
+ERROR_CODES: dict[str, str] = {
+    # refused before anything ran
+    "E_BAD_MESSAGE": "the job message is malformed (not JSON, wrong field types, bad version)",
+    "E_BAD_ARGS": "the arguments do not fit the executor's schema",
+    "E_UNKNOWN_EXECUTOR": "no executor of that name is loaded on the worker",
+    "E_BAD_MANIFEST": "an executor's manifest could not be loaded",
+    "E_AUTONOMY": "the autonomy level refuses this executor (or is unknown)",
+    "E_CAPABILITY_DENIED": "argument vetting refused the job (a path or URL outside its hints)",
+    "E_SANDBOX_REQUIRED": "policy forbids running without the kernel sandbox, which is down",
+    "E_SANDBOX_DENIED": "the sandbox refused what the guest asked for at set-up",
+    "E_TOOL_UNAVAILABLE": "the arm's engine (e.g. wasmtime) is not installed on this worker",
+    "E_RUNTIME_MISMATCH": "the module does not match the runtime its manifest declares",
+    "E_SERVER_PINNED": "the executor may only run on a server worker, not on this device",
+    "E_SIGNATURE": "a signature check failed",
+    # the job ran and ended badly
+    "E_EXIT": "the executor exited with a non-zero code",
+    "E_KILLED": "the executor was killed by a signal (a limit, or from outside)",
+    "E_TIMEOUT": "the executor exceeded its wall-time budget",
+    "E_MEMORY": "the executor exceeded its memory budget",
+    "E_FUEL": "the wasm guest ran out of fuel (its CPU budget)",
+    "E_TRAP": "the wasm guest trapped",
+    "E_FAILED": "the executor ended in an unexpected way",
+    "E_BAD_OUTPUT": "the executor's stdout is not the JSON its result must be",
+    "E_TEMPFAIL": "a transient failure; the job is retried with backoff",
+    "E_CANCELLED": "the job was cancelled on request",
+    "E_LEASE_EXPIRED": "the job's worker was lost on its last allowed attempt",
+    "E_UNDO_CONFLICT": "an undo would overwrite changes made after the job",
+    # configuration, queue and host
+    "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
+    "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",
+    "E_BROKER_UNAVAILABLE": "the broker's store cannot be used (missing, too old, closed)",
+    "E_IDEMPOTENCY_CONFLICT": "an idempotency key was reused for a different job",
+    "E_NOT_IMPLEMENTED": "the operation is part of the interface but not built yet",
+    "E_HOST_FAULT": "the harness itself broke; no verdict about the job could be given",
+    "E_INTERNAL": "an unexpected error inside metnos-exec (a bug; please report it)",
+}
