@@ -21,6 +21,7 @@ __all__ = (
     "HostFault",
     "IdempotencyConflict",
     "MetnosError",
+    "MissingFolder",
     "SandboxDenied",
     "SandboxRequired",
     "SignatureError",
@@ -74,6 +75,26 @@ class CapabilityDenied(MetnosError):
     """Argument vetting refused the job before anything was launched."""
 
     code = "E_CAPABILITY_DENIED"
+
+
+class MissingFolder(MetnosError):
+    """A vetted path lies under an ``fs:*`` hint whose folder does not exist.
+
+    The kernel wall mounts each hint's folder; a missing one cannot be mounted, so the
+    guest would meet a read-only or absent tree. Refused before launch with the fix.
+    """
+
+    code = "E_MISSING_FOLDER"
+
+
+class BadConfig(MetnosError, ValueError):
+    """The operator's configuration (an environment variable, a flag) is invalid.
+
+    Also a `ValueError`, so callers written against the earlier ``ValueError`` keep
+    working. A worker that meets it must refuse to start rather than guess a default.
+    """
+
+    code = "E_CONFIG"
 
 
 class SandboxRequired(MetnosError):

@@ -41,7 +41,7 @@ from typing import Literal, cast, get_args
 import msgspec
 
 from .capabilities import EffectiveCapabilities
-from .errors import AutonomyDenied
+from .errors import AutonomyDenied, BadConfig
 from .manifest import Manifest
 
 __all__ = (
@@ -108,7 +108,8 @@ class Policy(msgspec.Struct, frozen=True):
         """Read ``METNOS_REQUIRE_SANDBOX`` (unset or empty → the default, ``fs_write``).
 
         Raises:
-            ValueError: the variable holds something else than the three values.
+            BadConfig: (``E_CONFIG``, also a `ValueError`) the variable holds something
+                else than the three values; a worker must refuse to start on it.
         """
         env = os.environ if environ is None else environ
         raw = env.get("METNOS_REQUIRE_SANDBOX", "").strip().lower()
@@ -116,8 +117,9 @@ class Policy(msgspec.Struct, frozen=True):
             return cls()
         allowed = get_args(RequireSandbox)
         if raw not in allowed:
-            raise ValueError(
-                f"METNOS_REQUIRE_SANDBOX={raw!r}: expected one of {', '.join(allowed)}"
+            raise BadConfig(
+                f"METNOS_REQUIRE_SANDBOX={raw!r} is not a policy; set it to one of "
+                f"{', '.join(allowed)} (or leave it unset for fs_write)"
             )
         return cls(require_sandbox=cast(RequireSandbox, raw))
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from metnos_exec.capabilities import effective_capabilities
-from metnos_exec.errors import AutonomyDenied
+from metnos_exec.errors import AutonomyDenied, BadConfig, MetnosError
 from metnos_exec.manifest import Manifest
 from metnos_exec.policy import DEFAULT_AUTONOMY, PROFILES, Policy, profile_for, require_sandbox
 
@@ -62,6 +62,15 @@ def test_policy_from_env() -> None:
     assert Policy.from_env({"METNOS_REQUIRE_SANDBOX": "never"}).require_sandbox == "never"
     with pytest.raises(ValueError, match="METNOS_REQUIRE_SANDBOX='sometimes'"):
         Policy.from_env({"METNOS_REQUIRE_SANDBOX": "sometimes"})
+
+
+def test_bad_require_sandbox_is_a_config_error() -> None:
+    # A MetnosError with its own code, so a worker can refuse to start with the message.
+    with pytest.raises(BadConfig) as ei:
+        Policy.from_env({"METNOS_REQUIRE_SANDBOX": "sometimes"})
+    assert isinstance(ei.value, MetnosError)
+    assert ei.value.code == "E_CONFIG"
+    assert "fs_write, always, never" in ei.value.message
 
 
 WRITE = {"name": "fs:write", "hints": ["~/notes/**"]}
