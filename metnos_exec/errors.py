@@ -87,16 +87,6 @@ class MissingFolder(MetnosError):
     code = "E_MISSING_FOLDER"
 
 
-class BadConfig(MetnosError, ValueError):
-    """The operator's configuration (an environment variable, a flag) is invalid.
-
-    Also a `ValueError`, so callers written against the earlier ``ValueError`` keep
-    working. A worker that meets it must refuse to start rather than guess a default.
-    """
-
-    code = "E_CONFIG"
-
-
 class SandboxRequired(MetnosError):
     """Policy forbids running this executor without its kernel wall, and the wall is down."""
 
@@ -179,6 +169,7 @@ ERROR_CODES: dict[str, str] = {
     "E_BAD_MANIFEST": "an executor's manifest could not be loaded",
     "E_AUTONOMY": "the autonomy level refuses this executor (or is unknown)",
     "E_CAPABILITY_DENIED": "argument vetting refused the job (a path or URL outside its hints)",
+    "E_MISSING_FOLDER": "a path argument's fs hint folder does not exist, so it cannot be mounted",
     "E_SANDBOX_REQUIRED": "policy forbids running without the kernel sandbox, which is down",
     "E_SANDBOX_DENIED": "the sandbox refused what the guest asked for at set-up",
     "E_TOOL_UNAVAILABLE": "the arm's engine (e.g. wasmtime) is not installed on this worker",

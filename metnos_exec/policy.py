@@ -108,8 +108,8 @@ class Policy(msgspec.Struct, frozen=True):
         """Read ``METNOS_REQUIRE_SANDBOX`` (unset or empty → the default, ``fs_write``).
 
         Raises:
-            BadConfig: (``E_CONFIG``, also a `ValueError`) the variable holds something
-                else than the three values; a worker must refuse to start on it.
+            BadConfig: (``E_CONFIG``) the variable holds something else than the three
+                values; a worker must refuse to start on it.
         """
         env = os.environ if environ is None else environ
         raw = env.get("METNOS_REQUIRE_SANDBOX", "").strip().lower()

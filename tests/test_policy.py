@@ -60,7 +60,7 @@ def test_policy_from_env() -> None:
     assert Policy.from_env({"METNOS_REQUIRE_SANDBOX": ""}).require_sandbox == "fs_write"
     assert Policy.from_env({"METNOS_REQUIRE_SANDBOX": " Always "}).require_sandbox == "always"
     assert Policy.from_env({"METNOS_REQUIRE_SANDBOX": "never"}).require_sandbox == "never"
-    with pytest.raises(ValueError, match="METNOS_REQUIRE_SANDBOX='sometimes'"):
+    with pytest.raises(BadConfig, match="METNOS_REQUIRE_SANDBOX='sometimes'"):
         Policy.from_env({"METNOS_REQUIRE_SANDBOX": "sometimes"})
 
 
