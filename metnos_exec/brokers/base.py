@@ -31,6 +31,7 @@ from typing import Literal
 
 import msgspec
 
+from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result
 
 __all__ = (
@@ -42,6 +43,7 @@ __all__ = (
     "Lease",
     "RetryOutcome",
     "SubmitReceipt",
+    "check_idempotent_reuse",
 )
 
 CancelOutcome = Literal["cancelled", "cancelling", "finished", "unknown"]
@@ -56,6 +58,33 @@ class SubmitReceipt(msgspec.Struct, frozen=True):
 
     job_id: str
     duplicate: bool = False
+
+
+def _canonical_args(args: dict[str, object]) -> object:
+    # Through JSON, as the wire sees them: a tuple and a list are the same argument, and a
+    # job read back from a store compares equal to the one submitted.
+    return msgspec.json.decode(msgspec.json.encode(args))
+
+
+def check_idempotent_reuse(original: Job, new: Job) -> None:
+    """Accept `new` as a duplicate of `original` (same idempotency key) only when it asks
+    for the same thing: same executor, same arguments. Other fields (timeout, priority,
+    correlation id, ...) may differ: they say how, not what.
+
+    Raises:
+        IdempotencyConflict: the key already names a job with another executor or other
+            arguments; returning its id would silently drop what the caller asked for.
+    """
+    if original.executor == new.executor and _canonical_args(original.args) == _canonical_args(
+        new.args
+    ):
+        return
+    what = "executor" if original.executor != new.executor else "arguments"
+    raise IdempotencyConflict(
+        f"idempotency key {new.idempotency_key!r} already names job {original.id} "
+        f"({original.executor}) with different {what}; use a new key for a different job",
+        original_job_id=original.id,
+    )
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,7 +151,12 @@ class Broker(abc.ABC):
     async def submit(self, job: Job) -> SubmitReceipt:
         """Queue `job`. With an ``idempotency_key`` already known (or an id already
         known) nothing is queued and the original job's id is returned with
-        ``duplicate=True``."""
+        ``duplicate=True``.
+
+        Raises:
+            IdempotencyConflict: the key is known but names a job with another executor
+                or other arguments (see `check_idempotent_reuse`); nothing is queued.
+        """
 
     async def submit_many(self, jobs: Sequence[Job]) -> list[SubmitReceipt]:
         """Queue several jobs; backends override this to use one transaction."""

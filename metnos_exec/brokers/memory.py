@@ -38,6 +38,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    check_idempotent_reuse,
 )
 
 __all__ = ("MemoryBroker",)
@@ -228,7 +229,11 @@ class MemoryBroker(Broker):
         if job is not None:
             key = job.idempotency_key
             if key is not None and key in self._idem:
-                return SubmitReceipt(self._idem[key], duplicate=True)
+                original = self._idem[key]
+                entry_ = self._entries.get(original)
+                if entry_ is not None and entry_.job is not None:
+                    check_idempotent_reuse(entry_.job, job)
+                return SubmitReceipt(original, duplicate=True)
             if job.id in self._entries:
                 return SubmitReceipt(job.id, duplicate=True)
             if key is not None:

@@ -63,6 +63,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    check_idempotent_reuse,
 )
 
 __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
@@ -176,7 +177,7 @@ _INSERT = (
 )
 # The other-language producers' door; its trigger derives the columns from the body.
 _INSERT_INBOX = "INSERT INTO job_inbox (id, body) VALUES (?, ?)"
-_FIND_BY_KEY = "SELECT id FROM jobs WHERE idempotency_key = ?"
+_FIND_BY_KEY = "SELECT id, body FROM jobs WHERE idempotency_key = ?"
 _DUE = "coalesce(due_at, not_before, 0) <= :now"
 _ANY_DUE = (
     "SELECT 1 FROM jobs WHERE state = 'queued' AND device = :dev AND "
@@ -500,6 +501,11 @@ class SQLiteBroker(Broker):
         if key is not None:
             row = db.execute(_FIND_BY_KEY, (key,)).fetchone()
             if row is not None:
+                original = SQLiteBroker._decode_body(row[0], row[1])
+                # A stored body that no longer decodes cannot be compared; it is
+                # dead-lettered when leased, and the key still names it.
+                if isinstance(original, Job):
+                    check_idempotent_reuse(original, job)
                 return SubmitReceipt(row[0], duplicate=True)
         return SubmitReceipt(job.id, duplicate=True)
 

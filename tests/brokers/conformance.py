@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
-from metnos_exec.brokers import Broker, Lease
+from metnos_exec.brokers import Broker, Lease, SubmitReceipt
+from metnos_exec.errors import IdempotencyConflict
 from metnos_exec.messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
@@ -161,6 +162,34 @@ class BrokerConformance:
             assert not r4.duplicate
             again = await b.submit(first)
             assert (again.job_id, again.duplicate) == (first.id, True)
+
+    async def test_idempotency_key_reused_for_another_job_is_a_conflict(self) -> None:
+        async with self.broker() as (b, _clock):
+            first = job(idempotency_key="k", priority=1)
+            await b.submit(first)
+            # Same executor, same arguments (as JSON sees them): a duplicate, even when
+            # how-fields (priority, timeout) differ.
+            same = Job(executor="echo", args={"n": 1}, idempotency_key="k", timeout_s=5.0)
+            assert await b.submit(same) == SubmitReceipt(first.id, duplicate=True)
+            for other in (
+                Job(executor="echo", args={"n": 2}, idempotency_key="k"),
+                Job(executor="echo", args={}, idempotency_key="k"),
+                Job(executor="other", args={"n": 1}, idempotency_key="k"),
+            ):
+                with pytest.raises(IdempotencyConflict) as info:
+                    await b.submit(other)
+                assert info.value.code == "E_IDEMPOTENCY_CONFLICT"
+                assert info.value.original_job_id == first.id
+                assert first.id in info.value.message
+                assert await b.get_job_state(other.id) is None
+            with pytest.raises(IdempotencyConflict):
+                await b.submit_raw(encode(Job(executor="echo", args={"n": 3}, idempotency_key="k")))
+            # Still a conflict once the original finished; the queue holds one job.
+            [lease] = await b.lease("w1", visibility_s=VIS, limit=10)
+            await b.ack(lease, ok_result(lease))
+            with pytest.raises(IdempotencyConflict):
+                await b.submit(Job(executor="echo", args={"n": 2}, idempotency_key="k"))
+            assert (await b.stats()).done == 1
 
     async def test_submit_raw_accepts_a_valid_json_job(self) -> None:
         async with self.broker() as (b, _clock):
