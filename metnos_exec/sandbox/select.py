@@ -7,6 +7,12 @@ Spec §5: the sandbox must be a benefit, not a barrier. For the native ``python`
 3. bubblewrap installed but unable to build our namespaces → direct arm
    (``userns_unavailable``; probed once and cached, see `bwrap_probe`).
 
+``METNOS_BWRAP`` set to something that is not an executable (a path that does not exist
+or cannot be run, a name not on ``$PATH``) is not "bubblewrap missing": the operator asked
+for a particular binary, so it is a configuration error (`BadConfig`, ``E_CONFIG``) raised
+by `check_bwrap_setting` — which the worker calls at start-up, so it refuses to start
+instead of silently running every job unsandboxed.
+
 Each degradation emits exactly one ``sandbox.degraded`` warning (requested arm, arm used,
 reason, axes lost) — unless the policy forbids degrading this job, in which case
 `SandboxRequired` is raised, nothing runs, and the supervisor logs ``job.rejected``.
@@ -29,14 +35,15 @@ from typing import Literal
 import msgspec
 import structlog
 
-from ..errors import SandboxRequired
+from ..errors import BadConfig, SandboxRequired
 from ._types import AXES, Sandbox
 from .absent import AbsentSandbox
-from .bwrap import BwrapProbe, BwrapSandbox, bwrap_probe
+from .bwrap import BwrapProbe, BwrapSandbox, bwrap_probe, find_bwrap
 
 __all__ = (
     "SANDBOX_OFF_VALUES",
     "ArmChoice",
+    "check_bwrap_setting",
     "Decision",
     "Degradation",
     "DegradeReason",
@@ -103,9 +110,33 @@ def _direct_degradation(reason: DegradeReason, detail: str | None = None) -> Deg
     return Degradation(requested="bwrap", used="none", reason=reason, axes_lost=AXES, detail=detail)
 
 
+def check_bwrap_setting(env: Mapping[str, str] | None = None) -> None:
+    """Refuse an explicit ``METNOS_BWRAP`` that names no executable.
+
+    Unset or empty is fine (``bwrap`` is looked up on ``$PATH``, and its absence is an
+    honest degradation). Whether the binary found can build our namespaces is the probe's
+    business, not this check's.
+
+    Raises:
+        BadConfig: ``METNOS_BWRAP`` is set but is not an executable file (or a name found
+            on ``$PATH``).
+    """
+    env = os.environ if env is None else env
+    wanted = env.get("METNOS_BWRAP", "")
+    if not wanted:
+        return
+    if find_bwrap(dict(env)) is None:
+        where = "is not an executable file" if "/" in wanted else "is not found on $PATH"
+        raise BadConfig(
+            f"METNOS_BWRAP={wanted!r} {where}; point it at bubblewrap (e.g. /usr/bin/bwrap) "
+            "or unset it to use bwrap from $PATH"
+        )
+
+
 def _native_decision(env: Mapping[str, str]) -> tuple[Decision, BwrapProbe | None]:
     if _sandbox_off(env):
         return Decision("python", "none", _direct_degradation("sandbox_off")), None
+    check_bwrap_setting(env)
     probe = bwrap_probe(dict(env))
     if probe.path is None:
         return Decision("python", "none", _direct_degradation("bwrap_missing", probe.error)), probe
@@ -129,6 +160,7 @@ def decide_arm(runtime: str, env: Mapping[str, str] | None = None) -> Decision:
     """Which arm `runtime` would use here, without side effects beyond the cached probe.
 
     Raises:
+        BadConfig: ``METNOS_BWRAP`` names no executable (see `check_bwrap_setting`).
         ValueError: unknown runtime.
     """
     env = os.environ if env is None else env
@@ -158,6 +190,7 @@ def choose_arm(
 
     Raises:
         SandboxRequired: degradation needed but forbidden; nothing was logged or run.
+        BadConfig: ``METNOS_BWRAP`` names no executable (see `check_bwrap_setting`).
         ValueError: unknown runtime.
     """
     env = os.environ if env is None else env

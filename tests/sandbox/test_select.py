@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from metnos_exec.errors import SandboxRequired, ToolUnavailable
+from metnos_exec.errors import BadConfig, SandboxRequired, ToolUnavailable
 from metnos_exec.sandbox import bwrap as bwrap_mod
 from metnos_exec.sandbox._types import AXES, SandboxJob
 from metnos_exec.sandbox.absent import AbsentSandbox
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe, forget_probes
-from metnos_exec.sandbox.select import choose_arm, decide_arm
+from metnos_exec.sandbox.select import check_bwrap_setting, choose_arm, decide_arm
 from tests.conftest import need
 
 REAL_BWRAP = shutil.which("bwrap")
@@ -239,3 +239,35 @@ async def test_missing_wasm_arm_is_absent_not_degraded(
 def test_unknown_runtime_is_an_error() -> None:
     with pytest.raises(ValueError):
         choose_arm("cobol", require_sandbox=False)
+
+
+@pytest.mark.parametrize("kind", ["missing_path", "not_executable", "unknown_name"])
+def test_an_explicit_bwrap_that_is_not_executable_is_a_config_error(
+    tmp_path: Path, kind: str
+) -> None:
+    # Before: silently the direct arm as "bwrap_missing", even with /usr/bin/bwrap working.
+    if kind == "missing_path":
+        value = str(tmp_path / "no-such-bwrap")
+    elif kind == "not_executable":
+        plain = tmp_path / "bwrap"
+        plain.write_text("not a program\n")
+        plain.chmod(0o644)
+        value = str(plain)
+    else:
+        value = "no-such-bwrap-name"
+    env = {"METNOS_BWRAP": value, "PATH": os.environ.get("PATH", os.defpath)}
+    with pytest.raises(BadConfig) as info:
+        check_bwrap_setting(env)
+    assert info.value.code == "E_CONFIG" and value in info.value.message
+    with capture_logs() as logs, pytest.raises(BadConfig):
+        choose_arm("python", require_sandbox=False, env=env)
+    assert degraded_records(logs) == []
+    with pytest.raises(BadConfig):
+        decide_arm("python", env)
+
+
+def test_bwrap_setting_unset_or_valid_is_fine(tmp_path: Path) -> None:
+    check_bwrap_setting({"PATH": str(tmp_path)})  # unset: missing bwrap is a degradation
+    check_bwrap_setting({"METNOS_BWRAP": "", "PATH": str(tmp_path)})
+    fake = write_fake_bwrap(tmp_path / "bwrap")
+    check_bwrap_setting({"METNOS_BWRAP": str(fake)})
