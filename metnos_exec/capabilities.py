@@ -31,9 +31,17 @@ Decisions worth knowing (each tested in ``tests/test_capabilities.py``):
   a symlink nor ``..`` can lead out of a hint.
 * **Which arguments are vetted**: arguments declared ``format = "path"`` / ``"url"`` /
   ``"host"``; and, as defence in depth, any *undeclared* string (at any depth inside arrays
-  and objects) that looks like a path (starts with ``/``, ``~`` or ``file:``) or like a URL
-  (``scheme://...``). An argument declared ``format = "text"`` is free text and is never
-  vetted (a message that happens to begin with ``/`` must not be mistaken for a path).
+  and objects) that looks like a path (starts with ``/``, ``~`` or ``file:``), like a
+  relative path climbing with dot segments (see below) or like a URL (``scheme://...``).
+  An argument declared ``format = "text"`` is free text and is never vetted (a message that
+  happens to begin with ``/`` must not be mistaken for a path).
+* **Relative paths are refused**, declared or not: the executor's working folder is its
+  own code folder (and on the direct arm, the host's), so ``../../etc/x`` would mean
+  whatever that folder makes of it, never what the caller meant. An undeclared string is
+  taken for a relative path when it equals ``.`` or ``..``, starts with ``./`` or ``../``,
+  contains ``/../`` or ends with ``/..``; a plain relative name (``notes/a.md``) is not
+  recognised (too many sentences contain a slash): declare such arguments
+  ``format = "path"``, and then anything not absolute, ``~`` or ``file:`` is refused.
 * **Rewriting**: a declared ``path`` argument is handed to the executor as the resolved
   absolute path (so ``~`` and symlinks mean inside the sandbox what they meant here, where
   mounts are made at resolved paths too); undeclared strings are vetted but passed as given.
@@ -50,15 +58,16 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from .errors import BadArguments, CapabilityDenied
+from .errors import BadArguments, CapabilityDenied, MissingFolder
 from .manifest import ArgSpec, Manifest
+from .sandbox.flags import expand_hint
 
 __all__ = (
     "PROVIDER_SKILLS",
@@ -71,6 +80,7 @@ __all__ = (
     "final_args",
     "match_host",
     "match_path",
+    "require_hint_folders",
     "resolve_path",
     "vet_arguments",
 )
@@ -467,6 +477,17 @@ def _looks_like_path(s: str) -> bool:
     return s.startswith(("/", "~", "file:"))
 
 
+def _looks_like_relative_path(s: str) -> bool:
+    """A relative path that moves with dot segments (``./x``, ``../x``, ``a/../b``, ``..``)."""
+    return s in (".", "..") or s.startswith(("./", "../")) or "/../" in s or s.endswith("/..")
+
+
+_RELATIVE = (
+    "is a relative path, which has no meaning for the executor (it runs in its own folder, "
+    "not the caller's); pass an absolute or ~/ path"
+)
+
+
 class _Vetter:
     def __init__(self, manifest: Manifest, effective: EffectiveCapabilities, home: str) -> None:
         self.manifest = manifest
@@ -499,6 +520,8 @@ class _Vetter:
         return "fs hints " + ", ".join(f"{h} (→ {r})" for h, r in self.fs_hints) + ignored
 
     def path(self, where: str, value: str) -> str:
+        if not _looks_like_path(value):
+            raise self._deny(where, value, _RELATIVE, self._fs_against())
         try:
             resolved = resolve_path(value, self.home)
         except ValueError as exc:
@@ -584,7 +607,7 @@ class _Vetter:
     def undeclared(self, where: str, value: str) -> None:
         if _URL_LIKE.match(value):
             self.url(where, value)
-        elif _looks_like_path(value):
+        elif _looks_like_path(value) or _looks_like_relative_path(value):
             self.path(where, value)
 
 
@@ -639,3 +662,35 @@ def vet_arguments(
                 v.undeclared(where, s)
             out[name] = value
     return VettedArgs(args=out, checked=tuple(v.checked))
+
+
+def require_hint_folders(executor: str, checked: Iterable[VettedValue], home: str) -> None:
+    """Refuse a vetted path whose admitting hint names a folder that does not exist.
+
+    The kernel wall mounts each ``fs:*`` hint's folder (the hint cut at its first glob,
+    `sandbox.flags.expand_hint`) and can only mount what exists; without this check a
+    newcomer without ``~/notes`` gets "Read-only file system" from inside the guest instead
+    of the one step that fixes it. Checked on every arm, so a job behaves the same
+    whichever arm runs it.
+
+    Args:
+        executor: the executor's name (for the message).
+        checked: `VettedArgs.checked` from `vet_arguments`.
+        home: what ``~`` stands for.
+
+    Raises:
+        MissingFolder: naming the argument, its value, the hint and the missing folder.
+    """
+    for item in checked:
+        if item.kind != "path":
+            continue
+        try:
+            root = expand_hint(item.hint, home)
+        except ValueError:
+            continue  # `load_manifest` refuses such hints; a hand-built manifest mounts nothing
+        if not os.path.exists(root):
+            raise MissingFolder(
+                f"{executor}: argument `{item.arg}` = {item.value!r:.200} is under hint "
+                f"{item.hint!r}, but {root} does not exist, so it cannot be mounted; "
+                "create it first"
+            )

@@ -56,6 +56,7 @@ from .capabilities import (
     VettedValue,
     effective_capabilities,
     final_args,
+    require_hint_folders,
     vet_arguments,
 )
 from .errors import AutonomyDenied
@@ -224,6 +225,7 @@ def plan_invocation(
         BadArguments: the arguments do not fit the schema.
         AutonomyDenied: unknown level, or a mutating executor under ``read_only``.
         CapabilityDenied: a path/URL/host argument outside the active hints.
+        MissingFolder: a path argument's hint folder does not exist (cannot be mounted).
     """
     manifest = executor.manifest
     profile = profile_for(autonomy)
@@ -239,6 +241,7 @@ def plan_invocation(
     final = final_args(manifest, args)
     effective = effective_capabilities(manifest, final)
     vetted = vet_arguments(manifest, final, effective, home=home)
+    require_hint_folders(manifest.name, vetted.checked, home)
 
     folder = _realpath_fresh(str(executor.path))
     entry = os.path.join(folder, manifest.entry)

@@ -535,3 +535,80 @@ def test_relative_hints_admit_nothing_and_are_named(home: Path) -> None:
     m = mk({"path": {"format": "path"}}, [{"name": "fs:read", "hints": ["notes/**"]}])
     with pytest.raises(CapabilityDenied, match=r"ignored, not absolute: notes/\*\*"):
         _vet(m, {"path": "~/notes/a.md"}, home)
+
+
+# --- relative paths and the undeclared-string heuristic -------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "../../../../../../../tmp/pwned.txt",  # the review's repro (direct arm, cwd = folder)
+        "./pwned.txt",
+        "..",
+        ".",
+        "notes/../../pwned.txt",
+        "notes/..",
+    ],
+)
+def test_undeclared_relative_paths_are_refused(home: Path, value: str) -> None:
+    m = mk({"path": {}}, [{"name": "fs:write", "hints": ["~/notes/**"]}])
+    with pytest.raises(CapabilityDenied, match="argument `path`") as ei:
+        _vet(m, {"path": value}, home)
+    assert "relative path" in ei.value.message
+    assert "pass an absolute or ~/ path" in ei.value.message
+
+
+def test_relative_paths_inside_structures_are_refused(home: Path) -> None:
+    m = mk({"opts": {"type": "object"}}, NOTES_READ)
+    with pytest.raises(CapabilityDenied, match=r"`opts\.files\[0\]`.*relative path"):
+        _vet(m, {"opts": {"files": ["../x"]}}, home)
+
+
+@pytest.mark.parametrize("value", ["notes/a.md", "../secret/key", "./a.md", "a.md"])
+def test_declared_relative_path_is_refused_with_the_fix(home: Path, value: str) -> None:
+    m = mk({"path": {"format": "path"}}, NOTES_READ)
+    with pytest.raises(CapabilityDenied, match="pass an absolute or ~/ path"):
+        _vet(m, {"path": value}, home)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["buy milk", "and/or", "v1.2.3", "...", "ok..", "a..b/c", "notes/today.md"],
+)
+def test_plain_text_is_not_taken_for_a_relative_path(home: Path, value: str) -> None:
+    # The heuristic looks for dot segments only; ordinary sentences must pass unvetted.
+    m = mk({"note": {}}, [])
+    assert _vet(m, {"note": value}, home) == {"note": value}
+
+
+@pytest.mark.parametrize("value", ["https://example.com", "~/todo", "/etc/passwd", "../x"])
+def test_text_format_accepts_what_bare_strings_refuse(home: Path, value: str) -> None:
+    m = mk({"text": {"format": "text"}}, [])
+    assert _vet(m, {"text": value}, home) == {"text": value}
+    bare = mk({"text": {}}, [])
+    with pytest.raises(CapabilityDenied):
+        _vet(bare, {"text": value}, home)
+
+
+# --- hint folders that do not exist ---------------------------------------------------
+
+
+def test_missing_hint_folder_is_named_with_the_fix(tmp_path: Path) -> None:
+    from metnos_exec.capabilities import require_hint_folders
+    from metnos_exec.errors import MissingFolder
+
+    h = tmp_path / "newcomer"
+    h.mkdir()
+    m = mk({"path": {"format": "path"}}, [{"name": "fs:write", "hints": ["~/notes/**"]}])
+    fa = final_args(m, {"path": "~/notes/today.md"})
+    vetted = vet_arguments(m, fa, effective_capabilities(m, fa), home=str(h))
+    with pytest.raises(MissingFolder) as ei:
+        require_hint_folders("t", vetted.checked, str(h))
+    assert ei.value.code == "E_MISSING_FOLDER"
+    assert ei.value.message == (
+        f"t: argument `path` = '~/notes/today.md' is under hint '~/notes/**', "
+        f"but {h}/notes does not exist, so it cannot be mounted; create it first"
+    )
+    (h / "notes").mkdir()
+    require_hint_folders("t", vetted.checked, str(h))  # now it can be mounted

@@ -318,3 +318,19 @@ def test_wasm_skips_file_hints(tmp_path: Path, home: Path) -> None:
     p = make_executor(tmp_path, body, name="p")
     one = str(home / "notes" / "one.md")
     assert Mount(one, one, False) in plan_invocation(p, {}, home=str(home)).job.mounts
+
+
+def test_missing_hint_folder_is_refused_before_launch(tmp_path: Path) -> None:
+    # A newcomer without ~/notes: refused with the fix, not "Read-only file system" later.
+    from metnos_exec.errors import MissingFolder
+
+    h = tmp_path / "newcomer"
+    h.mkdir()
+    ex = make_executor(tmp_path, WRITE_NOTE)
+    with pytest.raises(MissingFolder, match=r"create it first") as ei:
+        plan_invocation(ex, {"path": "~/notes/today.md"}, home=str(h))
+    assert ei.value.code == "E_MISSING_FOLDER"
+    assert f"{h}/notes does not exist" in ei.value.message
+    (h / "notes").mkdir()
+    inv = plan_invocation(ex, {"path": "~/notes/today.md"}, home=str(h))
+    assert Mount(host=str(h / "notes"), guest=str(h / "notes"), writable=True) in inv.job.mounts
