@@ -1,7 +1,9 @@
 """Queue backends behind one seam, opened by URL.
 
-``memory://`` (tests, embedding), ``sqlite:///relative/path.db`` or
-``sqlite:////absolute/path.db`` (the embedded default), ``redis://host:port/db`` (later).
+``memory://`` (tests, embedding; in-process only: it is gone when the process ends),
+``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db`` (the embedded default;
+note the fourth slash: ``sqlite:///work/x.db`` is ``work/x.db`` under the current folder),
+``redis://host:port/db`` (later).
 Query parameters become keyword options of the broker, e.g.
 ``sqlite:///./metnos.db?poll_interval_s=0.05&busy_timeout_s=10``.
 
@@ -54,8 +56,13 @@ class BadBrokerURL(MetnosError):
     code = "E_BAD_BROKER_URL"
 
 
-def open_broker(url: str, **options: Any) -> Broker:
+def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     """Open the broker `url` names. Options given here override the URL's query.
+
+    Args:
+        create: create the store when it is missing (workers, producers). ``False`` for
+            readers: a missing store is then `BrokerUnavailable`-style ``E_BROKER_*``
+            error instead of a new, empty queue.
 
     Raises:
         BadBrokerURL: unknown scheme, or a scheme whose broker is not available.
@@ -73,5 +80,8 @@ def open_broker(url: str, **options: Any) -> Broker:
     cls = getattr(module, class_name)
     merged: dict[str, Any] = dict(parse_qsl(urlsplit(url).query))
     merged.update(options)
+    if not create:
+        # Only when asked: a broker without a store to find need not know the option.
+        merged["create"] = False
     broker: Broker = cls.from_url(url, **merged)
     return broker

@@ -102,7 +102,9 @@ class MemoryBroker(Broker):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBroker:
-        """``memory://`` — a fresh, empty broker each time."""
+        """``memory://`` — a fresh, empty broker each time (``create`` is ignored: there
+        is nothing to find)."""
+        options.pop("create", None)
         return cls(**options)
 
     # --- internals --------------------------------------------------------------------

@@ -278,9 +278,13 @@ class SQLiteBroker(Broker):
         busy_timeout_s: how long a statement waits for another process's write lock.
         synchronous: ``NORMAL`` (default: durable across process crashes, may lose the
             last transactions on power loss) or ``FULL``.
+        create: create the file (and its schema) when it is missing. ``False`` for
+            readers (``status``, ``result``, ``cancel``): a mistyped path must not
+            create an empty queue that then answers "no such job".
 
     Raises:
-        BrokerUnavailable: SQLite older than 3.35, or the file has a newer schema.
+        BrokerUnavailable: SQLite older than 3.35, the file has a newer schema, or
+            (with ``create=False``) there is no file at `path`.
     """
 
     scheme = "sqlite"
@@ -293,6 +297,7 @@ class SQLiteBroker(Broker):
         poll_interval_s: float = 0.05,
         busy_timeout_s: float = 10.0,
         synchronous: str = "NORMAL",
+        create: bool = True,
     ) -> None:
         if sqlite3.sqlite_version_info < _MIN_SQLITE:
             raise BrokerUnavailable(
@@ -302,6 +307,11 @@ class SQLiteBroker(Broker):
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
         self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise BrokerUnavailable(
+                f"no queue file at {self.path.absolute()} (sqlite:///x.db is relative to the "
+                "current folder; an absolute path takes four slashes: sqlite:////abs/x.db)"
+            )
         self._clock = clock
         self._poll = poll_interval_s
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
@@ -343,7 +353,7 @@ class SQLiteBroker(Broker):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBroker:
         """``sqlite:///relative.db`` or ``sqlite:////absolute.db``; query options
-        ``poll_interval_s``, ``busy_timeout_s``, ``synchronous``."""
+        ``poll_interval_s``, ``busy_timeout_s``, ``synchronous``, ``create``."""
         rest = url.split("://", 1)[1].split("?", 1)[0]
         if not rest.startswith("/") or rest == "/":
             raise ValueError(f"expected sqlite:///path/to/file.db, got {url!r}")
@@ -354,6 +364,11 @@ class SQLiteBroker(Broker):
                 kwargs[key] = float(options.pop(key))
         if "synchronous" in options:
             kwargs["synchronous"] = str(options.pop("synchronous"))
+        if "create" in options:
+            create = options.pop("create")
+            if isinstance(create, str):
+                create = create.strip().lower() not in ("0", "false", "no", "off")
+            kwargs["create"] = bool(create)
         if "clock" in options:
             kwargs["clock"] = options.pop("clock")
         if options:

@@ -51,6 +51,31 @@ def test_open_broker_sqlite_url(tmp_path: Path) -> None:
     anyio.run(main)
 
 
+def test_open_without_create_refuses_a_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "nope.db"
+    for url, create in ((f"sqlite:///{missing}", False), (f"sqlite:///{missing}?create=0", True)):
+        with pytest.raises(BrokerUnavailable) as info:
+            open_broker(url, create=create)
+        assert "no queue file at" in info.value.message and str(missing) in info.value.message
+        assert not missing.exists()
+    # Three slashes are relative to the current folder, and the message shows where.
+    with pytest.raises(BrokerUnavailable) as info:
+        open_broker("sqlite:///work/x.db", create=False)
+    assert str(tmp_path / "work" / "x.db") in info.value.message
+    assert "four slashes" in info.value.message
+
+    async def main() -> None:
+        async with open_broker(f"sqlite:///{missing}") as created:  # the default creates
+            assert (await created.stats()).queued == 0
+        async with open_broker(f"sqlite:///{missing}", create=False) as existing:
+            assert isinstance(existing, SQLiteBroker)
+
+    anyio.run(main)
+
+
 # --- real processes on one file -------------------------------------------------------
 
 CONSUMER = Path(__file__).with_name("_consumer.py")
