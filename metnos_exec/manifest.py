@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from .errors import BadManifest, UnknownExecutor
+from .sandbox.flags import expand_hint
 
 __all__ = (
     "ArgSpec",
@@ -32,6 +33,17 @@ Runtime = Literal["python", "wasm", "wasm-python"]
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,63}$")
 _CAP_RE = re.compile(r"^[a-z][a-z0-9_\-]*:[a-z0-9_\-\*]+$")
+
+#: What ``~`` stands for while a hint is checked at load (the real home is per job).
+_PLACEHOLDER_HOME = "/home/metnos-manifest-check"
+_PORT = r"(?::(?:[1-9][0-9]{0,4}))?"
+_LABEL = r"[a-z0-9_](?:[a-z0-9_\-]{0,61}[a-z0-9_])?"
+#: ``*``, ``host``, ``*.domain`` (labels of letters, digits, ``-``, ``_``), or ``[ipv6]``;
+#: each but ``*`` optionally with ``:port``. Matched case-insensitively.
+_NET_HINT_RE = re.compile(
+    rf"^(?:\*|(?:\*\.)?{_LABEL}(?:\.{_LABEL})*\.?{_PORT}|\[[0-9a-f:.]+\]{_PORT})$",
+    re.IGNORECASE,
+)
 
 
 class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -117,6 +129,31 @@ def _default_fits(spec: ArgSpec) -> bool:
     return isinstance(spec.default, _PY_TYPES[spec.type])
 
 
+def _hint_problem(kind: str, hint: str) -> str | None:
+    """Why a hint of a ``kind`` capability is unusable, or None.
+
+    A bad hint must stop the load: dropped silently at plan time, it would leave a manifest
+    that looks like it grants something and grants nothing (or, for ``/*``, everything).
+    """
+    if kind == "fs":
+        try:
+            expand_hint(hint, _PLACEHOLDER_HOME)
+        except ValueError as exc:
+            return f"is not a usable fs hint ({exc})"
+        if ".." in hint.split("/"):
+            return "holds a '..' segment; write the folder it means"
+    elif kind == "network":
+        port = re.search(r":([0-9]+)$", hint)
+        if port is not None and int(port.group(1)) > 65535:
+            return "names a port above 65535"
+        if not _NET_HINT_RE.match(hint):
+            return (
+                "is not a host hint; write a host name, *.domain or * "
+                "(optionally :port), without scheme or path"
+            )
+    return None
+
+
 def _validate(manifest: Manifest, where: Path) -> None:
     def bad(field: str, problem: str) -> BadManifest:
         return BadManifest(f"{where}: field `{field}`: {problem}")
@@ -144,6 +181,10 @@ def _validate(manifest: Manifest, where: Path) -> None:
     for i, cap in enumerate(manifest.capabilities):
         if not _CAP_RE.match(cap.name):
             raise bad(f"capabilities[{i}].name", f"{cap.name!r} is not of the form kind:mode")
+        for j, hint in enumerate(cap.hints):
+            problem = _hint_problem(cap.kind, hint)
+            if problem is not None:
+                raise bad(f"capabilities[{i}].hints[{j}]", f"{hint!r} {problem}")
     lim = manifest.limits
     if lim.timeout_s <= 0:
         raise bad("limits.timeout_s", "must be positive")

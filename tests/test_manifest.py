@@ -175,3 +175,53 @@ def test_examples_load_strictly() -> None:
     examples = Path(__file__).resolve().parent.parent / "examples" / "executors"
     reg = ExecutorRegistry.load(examples, strict=True)
     assert {"read_notes", "write_note", "fetch_url"} <= set(reg)
+
+
+@pytest.mark.parametrize(
+    ("cap", "hints", "j", "reason"),
+    [
+        ("fs:write", '["/*"]', 0, "host root"),
+        ("fs:read", '["/**"]', 0, "host root"),
+        ("fs:write", '["relative/path"]', 0, "not absolute"),
+        ("fs:read", '["~/notes/**", ""]', 1, "empty fs hint"),
+        ("fs:read", '["~bob/notes"]', 0, "not '~user'"),
+        ("fs:write", '["~/notes/../.ssh/**"]', 0, "'..' segment"),
+        ("network:https", '["https://notes.example.com"]', 0, "not a host hint"),
+        ("network:https", '["notes.example.com/v1"]', 0, "not a host hint"),
+        ("network:https", '["example.com", "ex*ample.com"]', 1, "not a host hint"),
+        ("network:https", '["user@example.com"]', 0, "not a host hint"),
+        ("network:https", '["a b.com"]', 0, "not a host hint"),
+        ("network:https", '[""]', 0, "not a host hint"),
+        ("network:http", '["example.com:99999"]', 0, "above 65535"),
+    ],
+)
+def test_malformed_hints_are_refused_at_load(
+    tmp_path: Path, cap: str, hints: str, j: int, reason: str
+) -> None:
+    text = GOOD.replace(
+        'name = "fs:write"\nhints = ["~/notes/**"]', f'name = "{cap}"\nhints = {hints}'
+    )
+    assert text != GOOD
+    path = write(tmp_path / "w", text)
+    with pytest.raises(BadManifest) as ei:
+        load_manifest(path)
+    msg = ei.value.message
+    assert msg.startswith(f"{path}: field `capabilities[0].hints[{j}]`: "), msg
+    assert reason in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("cap", "hints"),
+    [
+        ("fs:read", '["~", "~/notes/**", "/tmp/*", "/srv/data/*.csv", "~/a/[0-9]*"]'),
+        ("network:https", '["*", "example.com", "*.example.com", "EXAMPLE.org."]'),
+        ("network:http", '["127.0.0.1:8080", "[::1]:80", "[::1]", "my_host-1.lan"]'),
+        ("provider:access", '["google_mail", "not_a_skill"]'),  # reported per job, not here
+        ("code:exec", '["anything at all"]'),  # unknown kinds grant nothing; kept as is
+    ],
+)
+def test_sane_hints_load(tmp_path: Path, cap: str, hints: str) -> None:
+    text = GOOD.replace(
+        'name = "fs:write"\nhints = ["~/notes/**"]', f'name = "{cap}"\nhints = {hints}'
+    )
+    load_manifest(write(tmp_path / "w", text))

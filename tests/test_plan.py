@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from metnos_exec.errors import AutonomyDenied, BadArguments, CapabilityDenied
-from metnos_exec.manifest import Executor, load_manifest
+from metnos_exec.manifest import CapabilitySpec, Executor, load_manifest
 from metnos_exec.plan import default_skills_root, plan_invocation
 from metnos_exec.policy import Policy
 from metnos_exec.sandbox._types import PYTHON_WASM_MODULE, Mount
@@ -162,7 +162,12 @@ def test_executor_folder_stays_read_only_under_write_hint(tmp_path: Path, home: 
 
 
 def test_root_hint_is_not_mounted(tmp_path: Path, home: Path) -> None:
-    ex = make_executor(tmp_path, '[[capabilities]]\nname = "fs:read"\nhints = ["/**"]\n')
+    # load_manifest refuses such a hint; a manifest built by hand must still mount nothing.
+    ex = make_executor(tmp_path, "")
+    caps = (msgspec.convert({"name": "fs:read", "hints": ["/**"]}, CapabilitySpec),)
+    ex = msgspec.structs.replace(
+        ex, manifest=msgspec.structs.replace(ex.manifest, capabilities=caps)
+    )
     inv = plan_invocation(ex, {}, home=str(home))
     assert [m.host for m in inv.job.mounts] == [os.path.realpath(ex.path)]
     assert any("host root" in n for n in inv.notes)
