@@ -1,9 +1,11 @@
 """write_note: append a line to a note, replace it, or append and push it to the sync server.
 
-This is the manifest of the spec (§14) unchanged, so `path` declares no ``format``: the
-runtime still vets it (a string that looks like a path always is) but hands it over as
-written, and ``~`` is expanded here against ``$HOME``, which the runtime sets to the job's
-home. Modes:
+The manifest is the spec's (§14) plus two ``format`` lines: `path` is ``format = "path"``,
+so the runtime vets it against ``~/notes/**`` and hands it over resolved (absolute,
+symlinks followed); `text` is ``format = "text"``, so a note such as
+``https://example.com`` or ``~/todo`` is never mistaken for a path or a URL. ``~`` is
+still expanded here against ``$HOME`` (the job's home), so the code also works when run by
+hand. Modes:
 
 * ``append`` (default): add `text` and a newline at the end (the note is created if needed).
 * ``replace``: the note becomes `text` (written to a temporary file, then renamed, so a
