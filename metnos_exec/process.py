@@ -377,9 +377,25 @@ class _SlotCgroup(_Cgroup):
         """Move the calling *thread* (not its process) here. cgroup v1 only."""
         (self.path / "tasks").write_text(str(threading.get_native_id()))
 
+    def zombies(self) -> int:
+        """Charges of dead tasks nobody has reaped yet (listed nowhere, still counted).
+
+        bubblewrap's monitor exits as soon as its init reports the guest's exit status, so
+        the init (pid 1 of the sandbox) always ends up an orphan, reaped by the host's
+        init or the nearest subreaper: promptly under systemd, every ~2 s on some VMs'
+        init. Until then its zombie stays charged to the cgroup it was forked in.
+        """
+        try:
+            current = int((self.path / "pids.current").read_text())
+        except (OSError, ValueError):
+            return 0
+        return max(0, current - 1 - len(self.pids()))
+
     def set_max(self, pids_max: int | None) -> None:
-        # +1: the spawner thread itself counts in pids.current.
-        value = "max" if pids_max is None else str(pids_max + 1)
+        # +1: the spawner thread itself counts in pids.current; and the zombies of earlier
+        # runs (see `zombies`) must not eat this run's budget. Caveat: when they are
+        # reaped during this run, the run may fork up to that many more processes.
+        value = "max" if pids_max is None else str(pids_max + 1 + self.zombies())
         if value != self._max:
             (self.path / "pids.max").write_text(value)
             self._max = value
@@ -435,7 +451,9 @@ class _SlotPool:
         """A free slot, a new one, or ``None`` when slots cannot work here."""
         with self._lock:
             if self._free:
-                return self._free.pop()
+                # Least recently used first: its zombies (see `_SlotCgroup.zombies`) had
+                # the longest time to be reaped.
+                return self._free.pop(0)
             if self._usable is False:
                 return None
             index = self._made

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, final
 
+import anyio
 import msgspec
 
 from ..errors import HostFault, SandboxDenied
@@ -75,6 +76,8 @@ _SIGNAL_BASE = 128
 #: Processes bubblewrap itself keeps in the job's cgroup: its monitor and the init.
 _BWRAP_PIDS = 2
 _MAX_SIGNAL = 64
+#: Bound on waiting for bubblewrap's orphaned init to finish exiting (normally microseconds).
+_INIT_REAP_S = 2.0
 
 
 class BwrapSetupFailed(HostFault):
@@ -285,6 +288,10 @@ class _HostFacts:
         return self._link[path]
 
 
+# One for the process: the supervisor builds an arm per job (`sandbox.select.choose_arm`).
+_host_facts = _HostFacts()
+
+
 # --- exit mapping ---------------------------------------------------------------------
 
 
@@ -410,7 +417,6 @@ class BwrapSandbox:
             features = features or probe.features
         self._bwrap = bwrap
         self._features = features
-        self._host = _HostFacts()
 
     def containment(self, job: SandboxJob) -> ContainmentReport:
         """The report before running: resources stay ``partial`` until the run shows
@@ -439,7 +445,7 @@ class BwrapSandbox:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         rlimits = derive_rlimits(job.limits)
         prefix = _limits_in_guest(rlimits)
-        host = self._host
+        host = _host_facts
         host.refresh()
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -486,6 +492,7 @@ class BwrapSandbox:
             os.close(status_w)
             status_w = -1
             status = parse_json_status(_drain(status_r))
+            await _reap_orphaned_init(status.get("child-pid"))
         finally:
             if status_w >= 0:
                 os.close(status_w)
@@ -504,6 +511,42 @@ class BwrapSandbox:
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )
+
+
+def _try_reap(pid: int) -> bool | None:
+    """``waitpid(pid, WNOHANG)``: reaped (True), our child still running (False), not our
+    child (None). Never blocks."""
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return reaped != 0
+
+
+async def _reap_orphaned_init(pid: object) -> None:
+    """Reap bubblewrap's init (the sandbox's pid 1) when it became *our* child.
+
+    bubblewrap's monitor exits as soon as the init reports the guest's exit status, before
+    the init itself has exited, so the init is always orphaned: re-parented to the nearest
+    subreaper, else to the host's init. When that is the worker (a subreaper, or pid 1 of
+    a container), nobody else will ever reap it: its zombie would keep a pid (and a charge
+    in the pids cgroup) for the worker's lifetime. Otherwise ``waitpid`` says it is not
+    ours and it is left to whoever it belongs to.
+    """
+    if not isinstance(pid, int) or pid <= 0 or _try_reap(pid) is not False:
+        return  # reaped now, or not our child (the host's init or a subreaper reaps it)
+    # Ours and still exiting (the namespace is being torn down). Being our unreaped child,
+    # its pid cannot be reused under us, so waiting on it is safe.
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_INIT_REAP_S):
+            await anyio.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    _try_reap(pid)
 
 
 def _drain(fd: int) -> bytes:
