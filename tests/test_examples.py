@@ -1,5 +1,8 @@
 """The example executors, end to end: plan_invocation, then a real arm (bwrap, direct).
 
+Both arms are imported directly: only an unusable bwrap skips (through `need`, a failure
+in CI), never a missing module.
+
 HOME is a tmp folder in every test; nothing touches the real home or the real network
 (fetch_url talks to a server on 127.0.0.1 through a manifest variant allowing it).
 """
@@ -7,7 +10,6 @@ HOME is a tmp folder in every test; nothing touches the real home or the real ne
 from __future__ import annotations
 
 import http.server
-import importlib
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +23,8 @@ from metnos_exec.errors import AutonomyDenied, CapabilityDenied
 from metnos_exec.manifest import Executor, ExecutorRegistry, load_manifest
 from metnos_exec.plan import plan_invocation
 from metnos_exec.sandbox._types import Failure, Sandbox, Success
+from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
+from metnos_exec.sandbox.direct import DirectSandbox
 
 from .conftest import need
 
@@ -29,20 +33,13 @@ REGISTRY = ExecutorRegistry.load(EXAMPLES)
 
 
 def _bwrap() -> Sandbox:
-    from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-
     probe = bwrap_probe()
     need(probe.working, f"bubblewrap not usable here: {probe.error}")
     return BwrapSandbox()
 
 
 def _direct() -> Sandbox:
-    try:
-        mod = importlib.import_module("metnos_exec.sandbox.direct")
-    except ImportError as exc:
-        pytest.skip(f"the direct arm is not available yet: {exc}")
-    sandbox: Sandbox = mod.DirectSandbox()
-    return sandbox
+    return DirectSandbox()
 
 
 ARMS: dict[str, Callable[[], Sandbox]] = {"bwrap": _bwrap, "direct": _direct}

@@ -1,12 +1,12 @@
 """Every arm through the conformance suite (`tests/sandbox/conformance.py`).
 
-Arms written by other modules are imported lazily: until an arm exists its cases skip with
-that reason; once it exists they run for real (real bwrap, real wasmtime).
+Every arm is imported directly: a missing or broken arm module is a collection error,
+never a skip. Only a missing *system component* (a usable bwrap, wasmtime) skips, through
+`need`, which fails instead in CI. The arms run for real (real bwrap, real wasmtime).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,20 +25,13 @@ from metnos_exec.sandbox._types import (
     Timeout,
     WasmProgram,
 )
+from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
+from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.doubles import EchoSandbox, FaultSandbox
+from metnos_exec.sandbox.wasm import WasmSandbox
 
 from ..conftest import need
 from .conformance import CHECKS, ArmUnderTest, applicable, compile_wats, native_jobs, wasm_jobs
-
-
-def _import(module: str, attr: str) -> type:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        pytest.skip(f"{module} is not available yet: {exc}")
-    if not hasattr(mod, attr):
-        pytest.skip(f"{module}.{attr} is not available yet")
-    return getattr(mod, attr)  # type: ignore[no-any-return]
 
 
 def echo_arm() -> ArmUnderTest:
@@ -82,17 +75,13 @@ def fault_arm() -> ArmUnderTest:
 
 
 def direct_arm() -> ArmUnderTest:
-    cls = _import("metnos_exec.sandbox.direct", "DirectSandbox")
-    return ArmUnderTest(name="none", make=lambda check: cls(), **native_jobs())
+    return ArmUnderTest(name="none", make=lambda check: DirectSandbox(), **native_jobs())
 
 
 def bwrap_arm() -> ArmUnderTest:
-    cls = _import("metnos_exec.sandbox.bwrap", "BwrapSandbox")
-    from metnos_exec.sandbox.bwrap import bwrap_probe
-
     probe = bwrap_probe()
     need(probe.working, f"bubblewrap not usable here: {probe.error}")
-    return ArmUnderTest(name="bwrap", make=lambda check: cls(), **native_jobs())
+    return ArmUnderTest(name="bwrap", make=lambda check: BwrapSandbox(), **native_jobs())
 
 
 @pytest.fixture(scope="session")
@@ -101,13 +90,9 @@ def wasm_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     session: its compiled images stay mapped (memfds) for the session by design, which a
     per-test fd check must not mistake for a leak."""
     try:
-        from metnos_exec.sandbox.wasm import WasmSandbox
-    except ImportError:
-        return {}
-    try:
         import wasmtime  # noqa: F401
     except ImportError:
-        return {}
+        return {}  # a missing system component: `wasm_arm` turns this into `need`
     folder = tmp_path_factory.mktemp("conformance-wasm")
     modules = compile_wats(folder)
     cache = folder / "cache"
@@ -127,10 +112,11 @@ def wasm_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def wasm_arm(setup: dict[str, Any]) -> ArmUnderTest:
-    cls = _import("metnos_exec.sandbox.wasm", "WasmSandbox")
     need(bool(setup), "wasmtime is not installed")
     modules, cache = setup["modules"], setup["cache"]
-    return ArmUnderTest(name="wasm", make=lambda check: cls(cache_dir=cache), **wasm_jobs(modules))
+    return ArmUnderTest(
+        name="wasm", make=lambda check: WasmSandbox(cache_dir=cache), **wasm_jobs(modules)
+    )
 
 
 ARMS: dict[str, Callable[[dict[str, Any]], ArmUnderTest]] = {
