@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from metnos_exec.errors import AutonomyDenied, CapabilityDenied
+from metnos_exec.errors import AutonomyDenied, CapabilityDenied, MissingFolder
 from metnos_exec.manifest import Executor, ExecutorRegistry, load_manifest
 from metnos_exec.plan import plan_invocation
 from metnos_exec.sandbox._types import Failure, Sandbox, Success
@@ -125,6 +125,50 @@ def test_write_note_sync_opens_network_only_in_sync_mode(home: Path) -> None:
     assert [i.name for i in plain.inactive] == ["network:https"]
     assert sync.job.network is True
     assert [c.name for c in sync.effective.active] == ["fs:write", "network:https"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("text", ["https://example.com", "~/todo", "/etc/passwd is a file"])
+async def test_write_note_text_that_looks_like_a_path_or_url_is_just_text(
+    arm: Sandbox, home: Path, text: str
+) -> None:
+    # `text` is declared format = "text": never vetted, so no false positive.
+    args = {"path": "~/notes/today.md", "text": text}
+    outcome, doc = await run(arm, "write_note", args, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["path"] == str(home / "notes" / "today.md")
+    assert (home / "notes" / "today.md").read_text() == f"milk\n{text}\n"
+
+
+def test_write_note_relative_path_is_refused(home: Path) -> None:
+    # The review's repro: with the direct arm's cwd in the executor folder, this wrote
+    # /tmp/pwned.txt. It is now refused before anything runs, whatever the arm.
+    ex = REGISTRY["write_note"]
+    for path in ("../../../../../../../tmp/pwned.txt", "./today.md", "notes/today.md"):
+        with pytest.raises(CapabilityDenied, match=r"relative path.*pass an absolute or ~/ path"):
+            plan_invocation(ex, {"path": path, "text": "x"}, home=str(home))
+
+
+def test_write_note_for_a_newcomer_without_notes_says_what_to_create(tmp_path: Path) -> None:
+    newcomer = tmp_path / "newcomer"
+    newcomer.mkdir()
+    with pytest.raises(MissingFolder, match=rf"{newcomer}/notes does not exist.*create it first"):
+        plan_invocation(
+            REGISTRY["write_note"], {"path": "~/notes/today.md", "text": "x"}, home=str(newcomer)
+        )
+
+
+def test_every_example_string_argument_declares_a_format() -> None:
+    # Without a format, vetting guesses (see the README); the examples never rely on it.
+    bare = [
+        f"{name}.{arg}"
+        for name, ex in REGISTRY.items()
+        for arg, spec in ex.manifest.args.items()
+        if spec.type == "string" and spec.enum is None and spec.format is None
+    ]
+    assert bare == []
+    assert REGISTRY["write_note"].manifest.args["text"].format == "text"
+    assert REGISTRY["write_note"].manifest.args["path"].format == "path"
 
 
 def test_write_note_refused_under_read_only_and_outside_notes(home: Path) -> None:
