@@ -1,17 +1,17 @@
 """``metnos-exec``: run workers, submit jobs, read results and logs.
 
 Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``tail``, ``undo``,
-``bench``. ``metnos-exec COMMAND --help`` explains each. The broker URL comes from
-``--broker``, else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
+``bench``, ``codes``. ``metnos-exec COMMAND --help`` explains each. The broker URL comes
+from ``--broker``, else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
 
 Exit codes (stable; scripts may rely on them):
 
 ====  =====================================================================
 0     success (the job succeeded, the command did what was asked)
 1     the job ended badly: failed, timed_out, cancelled or dead
-2     usage error (bad option, bad ``--arg``)
-3     the job was rejected before running (capability, manifest, policy)
-4     the broker is unreachable or its URL is wrong
+2     usage or configuration error (bad option, bad ``--arg``, bad ``METNOS_*`` setting)
+3     the job was rejected (capability, manifest, policy; an idempotency key conflict)
+4     the broker is unreachable or its URL is wrong (a missing SQLite file for readers)
 5     not found (unknown job id, missing log file)
 6     still pending: no result within the wait
 7     not implemented yet (``undo``)
@@ -34,7 +34,7 @@ import msgspec
 
 from .brokers import BadBrokerURL, Broker, open_broker
 from .client import Client, NotImplementedYet, default_broker_url
-from .errors import BadMessage, MetnosError
+from .errors import ERROR_CODES, BadMessage, IdempotencyConflict, MetnosError
 from .messages import Result
 
 __all__ = ("EXIT", "main")
@@ -53,12 +53,21 @@ EXIT: Final = {
 }
 
 _EPILOG = """\
-exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage error ·
-3 rejected (capability/manifest/policy) · 4 broker unreachable · 5 not found ·
-6 still pending · 7 not implemented yet · 130 interrupted
+exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage or configuration
+error · 3 rejected (capability/manifest/policy/idempotency conflict) · 4 broker
+unreachable · 5 not found · 6 still pending · 7 not implemented yet · 130 interrupted
 
 broker URL: --broker, else $METNOS_BROKER, else sqlite:///./metnos.db
+  sqlite:///rel/q.db is relative to the current folder; an absolute path takes four
+  slashes: sqlite:////var/lib/metnos/q.db. memory:// lives in one process only (worker).
+error codes (E_...): metnos-exec codes
 """
+
+_BROKER_HELP = (
+    "broker URL: sqlite:///relative/path.db or sqlite:////absolute/path.db (four slashes), "
+    "memory:// (in-process only: for a worker's own tests), redis://host:port/db "
+    "(default: $METNOS_BROKER or sqlite:///./metnos.db)"
+)
 
 _STATUS_EXIT: Final = {
     "succeeded": 0,
@@ -82,13 +91,62 @@ class _Exit(Exception):
 # --- helpers --------------------------------------------------------------------------
 
 
-def _open(url: str) -> Broker:
+def _open(url: str, *, create: bool = False) -> Broker:
+    """Open the broker for a client command.
+
+    Readers (``result``, ``cancel``, ``status``) pass ``create=False``: a mistyped SQLite
+    path must say "no queue file" (exit 4), not create an empty queue and answer "no such
+    job". ``memory://`` is refused: a queue that dies with this process would lose what
+    is submitted and could never hold what is asked for.
+    """
+    if url.partition(":")[0] == "memory":
+        raise _Exit(
+            EXIT["usage"],
+            f"{url}: the memory broker lives inside one process and is gone when it ends; "
+            "client commands need a shared broker (sqlite:///path.db, redis://...)",
+        )
     try:
-        return open_broker(url)
+        return open_broker(url, create=create)
     except BadBrokerURL as exc:
         raise _Exit(EXIT["broker"], str(exc)) from None
-    except (OSError, ValueError, MetnosError) as exc:
+    except MetnosError as exc:
+        raise _Exit(EXIT["broker"], f"broker unreachable: {exc.message}") from None
+    except (OSError, ValueError) as exc:
         raise _Exit(EXIT["broker"], f"cannot open broker {url}: {exc}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _run(fn: Callable[[], Awaitable[int]]) -> int:
@@ -132,10 +190,15 @@ def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
         extra = {k: v for k, v in detail.items() if k != "type"} if isinstance(detail, dict) else {}
         lines.append(f"  exit: {exit_name}{' ' + str(extra) if extra else ''}")
     if result.containment is not None:
-        lost = result.containment.lost()
-        lines.append(
-            "  containment: " + ("all walls kept" if not lost else "not kept: " + ", ".join(lost))
-        )
+        axes = result.containment.axes()
+        partial = [name for name, v in axes.items() if v.state == "partial"]
+        not_kept = [name for name, v in axes.items() if v.state == "not_kept"]
+        parts = []
+        if partial:
+            parts.append("partial: " + ", ".join(partial))
+        if not_kept:
+            parts.append("not kept: " + ", ".join(not_kept))
+        lines.append("  containment: " + ("; ".join(parts) if parts else "all walls kept"))
     if result.usage is not None:
         lines.append(f"  wall: {result.usage.wall_s:.3f} s")
     if result.output is not None:
@@ -225,8 +288,14 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             home=ns.home,
         )
     except MetnosError as exc:
-        broker_fault = isinstance(exc, BadBrokerURL) or exc.code.startswith("E_BROKER")
+        # Everything raised before serving is configuration: the broker's (exit 4) or
+        # the worker's own (options, METNOS_* variables, executors folder: exit 2).
+        from .brokers.sqlite import BrokerUnavailable
+
+        broker_fault = exc.code in (BadBrokerURL.code, BrokerUnavailable.code)
         raise _Exit(EXIT["broker"] if broker_fault else EXIT["usage"], str(exc)) from None
+    except OSError as exc:
+        raise _Exit(EXIT["broker"], f"broker unreachable: {exc}") from None
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
@@ -255,14 +324,18 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
         value = getattr(ns, attr)
         if value is not None:
             fields[name] = value
+    if ns.delay:
+        fields["not_before"] = time.time() + ns.delay
 
     async def go() -> int:
-        async with _open(ns.broker) as broker:
+        async with _open(ns.broker, create=True) as broker:
             client = Client(broker)
             try:
                 job_id = await client.submit(ns.executor, args, **fields)
             except BadMessage as exc:
                 raise _Exit(EXIT["usage"], str(exc)) from None
+            except IdempotencyConflict as exc:
+                raise _Exit(EXIT["rejected"], str(exc)) from None
             if not ns.wait:
                 if ns.json:
                     _dump_json({"job_id": job_id}, sys.stdout)
@@ -322,9 +395,37 @@ def _sandbox_status() -> dict[str, Any]:
         from .sandbox import status as status_mod
     except ImportError as exc:
         return {"error": f"sandbox status unavailable: {exc}"}
-    report = status_mod.status()
+    try:
+        report = status_mod.status()
+    except MetnosError as exc:  # e.g. METNOS_BWRAP naming no executable
+        return {"error": str(exc)}
     built = msgspec.to_builtins(report)
     return built if isinstance(built, dict) else {"status": built}
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(_scalar(v) for v in value) if value else "-"
+    return str(value)
+
+
+def _readable(doc: dict[str, Any], *, indent: str) -> list[str]:
+    """Nested dicts as indented ``key: value`` lines (``status`` for people)."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            if not value:
+                lines.append(f"{indent}{key}: -")
+                continue
+            lines.append(f"{indent}{key}:")
+            lines.extend(_readable(value, indent=indent + "  "))
+        else:
+            lines.append(f"{indent}{key}: {_scalar(value)}")
+    return lines
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
@@ -346,8 +447,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         out = [f"broker {ns.broker}"]
         out.append("  " + "  ".join(f"{k}={v}" for k, v in msgspec.to_builtins(stats).items()))
         out.append("sandbox")
-        for key, value in sandbox.items():
-            out.append(f"  {key}: {value}")
+        out.extend(_readable(sandbox, indent="  "))
         if dead:
             out.append("recent dead letters")
             for d in dead:
@@ -393,6 +493,17 @@ def _cmd_undo(ns: argparse.Namespace) -> int:
         raise _Exit(EXIT["not_implemented"], str(exc)) from None
 
 
+def _cmd_codes(ns: argparse.Namespace) -> int:
+    if ns.json:
+        _dump_json(ERROR_CODES, sys.stdout)
+        return 0
+    width = max(map(len, ERROR_CODES))
+    sys.stdout.write(
+        "".join(f"{code:<{width}}  {meaning}\n" for code, meaning in ERROR_CODES.items())
+    )
+    return 0
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -412,8 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         default=default_broker_url(),
         metavar="URL",
-        help="broker URL: sqlite:///path.db, memory://, redis://host:port/db "
-        "(default: $METNOS_BROKER or sqlite:///./metnos.db)",
+        help=_BROKER_HELP,
     )
     p = argparse.ArgumentParser(
         prog="metnos-exec",
@@ -441,13 +551,23 @@ def build_parser() -> argparse.ArgumentParser:
         "back); a second signal stops at once.",
     )
     w.add_argument("--executors", required=True, metavar="DIR", help="folder of executors")
-    w.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs at once (4)")
+    w.add_argument(
+        "--concurrency", type=_positive_int, default=4, metavar="N", help="jobs at once (4)"
+    )
     w.add_argument("--log-file", metavar="FILE", help="JSON-lines log file (default: stderr)")
     w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     w.add_argument("--worker-id", metavar="ID", help="default: HOSTNAME-PID")
     w.add_argument("--device", default="server", metavar="ID", help="device id (server)")
-    w.add_argument("--grace", type=float, default=30.0, metavar="S", help="drain grace (30)")
-    w.add_argument("--visibility", type=float, default=30.0, metavar="S", help="lease window")
+    w.add_argument(
+        "--grace", type=_non_negative_float, default=30.0, metavar="S", help="drain grace (30)"
+    )
+    w.add_argument(
+        "--visibility",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="lease window: a job whose worker stops heart-beating is redelivered after it (30)",
+    )
     w.add_argument(
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
     )
@@ -469,16 +589,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--arg",
         action="append",
         metavar="KEY=VALUE",
-        help="an argument; VALUE is parsed as JSON when it parses, else taken as text (repeatable)",
+        help="an argument; VALUE is parsed as JSON when it parses, else taken as text "
+        "(repeatable). k=null sends null, which means 'use the default' for an argument "
+        "that has one; quote it as k='\"null\"' for the text null",
     )
     s.add_argument("--args-json", metavar="JSON", help="all arguments as one JSON object")
-    s.add_argument("--timeout", type=float, metavar="S", help="wall-time budget")
+    s.add_argument("--timeout", type=_positive_float, metavar="S", help="wall-time budget")
     s.add_argument("--autonomy", choices=["read_only", "supervised", "full"])
     s.add_argument("--device", metavar="ID", help="target device (default: a server worker)")
-    s.add_argument("--max-attempts", type=int, metavar="N")
+    s.add_argument(
+        "--max-attempts", type=_positive_int, metavar="N", help="deliveries before it is dead"
+    )
     s.add_argument("--idempotency-key", metavar="KEY")
     s.add_argument("--correlation-id", metavar="ID")
-    s.add_argument("--priority", type=int)
+    s.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="higher runs first; equal priorities run in submission order (default 0)",
+    )
+    s.add_argument(
+        "--delay",
+        type=_non_negative_float,
+        metavar="S",
+        help="do not run before S seconds from now",
+    )
     s.add_argument(
         "--wait",
         nargs="?",
@@ -501,7 +636,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job_id")
     c.set_defaults(fn=_cmd_cancel)
 
-    st = add("status", "sandbox arms available here and queue counts")
+    st = add(
+        "status",
+        "sandbox arms available here and queue counts",
+        "Queue counts, the sandbox arms available on this machine, recent dead letters. "
+        "Error codes are listed by `metnos-exec codes`.",
+    )
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=_cmd_status)
 
@@ -524,6 +664,15 @@ def build_parser() -> argparse.ArgumentParser:
     u = add("undo", "undo a job's file changes (not available yet)")
     u.add_argument("job_id")
     u.set_defaults(fn=_cmd_undo)
+
+    co = sub.add_parser(
+        "codes",
+        help="list the error codes (E_...) and what they mean",
+        description="Every error code a result, dead letter or log record may carry.",
+        formatter_class=_Formatter,
+    )
+    co.add_argument("--json", action="store_true", help="as one JSON object")
+    co.set_defaults(fn=_cmd_codes)
 
     b = add("bench", "run benchmarks from bench/ (all when none named)")
     b.add_argument(

@@ -10,6 +10,11 @@ Signals (installed with `anyio.open_signal_receiver`, so both backends behave al
 
 SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-parent)
 and the broker redelivers the jobs once their leases expire.
+
+Configuration is checked once, before anything is served (`check_worker_config`): bad
+numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` and an explicit
+``METNOS_BWRAP`` that names no executable make the worker refuse to start with
+`BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases.
 """
 
 from __future__ import annotations
@@ -18,18 +23,21 @@ import functools
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import anyio
 import structlog
 
-from .brokers import Broker, open_broker
+from .brokers import BadBrokerURL, Broker, open_broker
+from .errors import BadConfig, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
+from .policy import Policy
+from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
 
-__all__ = ("ARM_OVERRIDE_ENV", "default_worker_id", "run_worker", "serve")
+__all__ = ("ARM_OVERRIDE_ENV", "check_worker_config", "default_worker_id", "run_worker", "serve")
 
 #: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
 #: (no executor process at all), to measure the queue alone. Never set it in production:
@@ -48,7 +56,7 @@ def _override_chooser(name: str) -> Callable[..., Any]:
     from .sandbox import doubles
 
     if name != "echo":
-        raise ValueError(f"{ARM_OVERRIDE_ENV}={name!r}: only 'echo' is supported")
+        raise BadConfig(f"{ARM_OVERRIDE_ENV}={name!r}: only 'echo' is supported (tests, bench)")
     from .sandbox.select import ArmChoice
 
     arm = doubles.EchoSandbox()
@@ -57,6 +65,41 @@ def _override_chooser(name: str) -> Callable[..., Any]:
         return ArmChoice(sandbox=arm)
 
     return choose
+
+
+def check_worker_config(
+    *,
+    concurrency: int = 4,
+    visibility_s: float = 30.0,
+    grace_s: float = 30.0,
+    environ: Mapping[str, str] | None = None,
+) -> Policy:
+    """Check a worker's settings before it serves; return the sandbox policy to use.
+
+    The policy is resolved here, once: read per job, a bad ``METNOS_REQUIRE_SANDBOX``
+    would fail every job as a host fault and dead-letter it.
+
+    Raises:
+        BadConfig: a number out of range, or a bad ``METNOS_REQUIRE_SANDBOX``,
+            ``METNOS_ARM_OVERRIDE`` or ``METNOS_BWRAP``.
+    """
+    env = os.environ if environ is None else environ
+    if concurrency < 1:
+        raise BadConfig(f"concurrency must be at least 1, got {concurrency}")
+    if not visibility_s > 0:
+        raise BadConfig(f"the visibility window must be positive, got {visibility_s} s")
+    if not grace_s >= 0:
+        raise BadConfig(f"the drain grace must be zero or more, got {grace_s} s")
+    try:
+        policy = Policy.from_env(env)
+    except BadConfig:
+        raise
+    except (MetnosError, ValueError) as exc:
+        raise BadConfig(getattr(exc, "message", str(exc))) from None
+    if ARM_OVERRIDE_ENV in env:
+        _override_chooser(env[ARM_OVERRIDE_ENV])
+    check_bwrap_setting(env)
+    return policy
 
 
 async def serve(
@@ -122,15 +165,27 @@ def run_worker(
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     Raises:
+        BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
         MetnosError: the broker URL or the executors folder is unusable (before serving).
     """
+    policy = check_worker_config(
+        concurrency=concurrency, visibility_s=visibility_s, grace_s=grace_s
+    )
     if configure_logs:
-        configure_logging(file=log_file, level=log_level)
+        try:
+            configure_logging(file=log_file, level=log_level)
+        except ValueError as exc:
+            raise BadConfig(str(exc)) from None
+        except OSError as exc:
+            raise BadConfig(f"cannot open the log file {log_file}: {exc}") from None
     registry = ExecutorRegistry.load(executors_dir)
     wid = worker_id or default_worker_id()
 
     async def main() -> None:
-        broker = open_broker(broker_url)
+        try:
+            broker = open_broker(broker_url)
+        except ValueError as exc:  # a malformed URL or an unknown option in its query
+            raise BadBrokerURL(f"{broker_url}: {exc}") from None
         try:
             await serve(
                 broker,
@@ -142,6 +197,7 @@ def run_worker(
                 concurrency=concurrency,
                 visibility_s=visibility_s,
                 home=home,
+                policy=policy,
             )
         finally:
             with anyio.CancelScope(shield=True):

@@ -137,6 +137,7 @@ def test_usage_and_broker_errors(env: dict[str, str]) -> None:
 
 
 def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
+    assert cli(env, "submit", "sleepy").returncode == 0  # the queue exists
     out = cli(env, "undo", "01JOB")
     assert out.returncode == EXIT["not_implemented"]
     assert "E_NOT_IMPLEMENTED" in out.stderr
@@ -168,3 +169,145 @@ def test_bench_lists_and_refuses_unknown(env: dict[str, str]) -> None:
     listed = cli(env, "bench", "--list", cwd=root)
     assert listed.returncode == 0 and "queue_throughput" in listed.stdout.split()
     assert cli(env, "bench", "no_such_bench", cwd=root).returncode == EXIT["usage"]
+
+
+# --- review fixes ---------------------------------------------------------------------
+
+
+def one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--concurrency", "0"), ("--visibility", "0"), ("--grace", "-1"), ("--visibility", "nan")],
+)
+def test_worker_refuses_bad_numbers(
+    env: dict[str, str], tmp_path: Path, option: str, value: str
+) -> None:
+    out = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst", option, value)
+    assert out.returncode == EXIT["usage"], out.stderr
+    assert "Traceback" not in out.stderr and option in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("METNOS_ARM_OVERRIDE", "direct"),
+        ("METNOS_REQUIRE_SANDBOX", "sometimes"),
+        ("METNOS_BWRAP", "/nonexistent/bwrap"),
+    ],
+)
+def test_worker_refuses_bad_settings_before_serving(
+    env: dict[str, str], tmp_path: Path, variable: str, value: str
+) -> None:
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    bad = {**env, variable: value}
+    out = cli(bad, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert out.returncode == EXIT["usage"], out.stderr
+    line = one_clear_line(out)
+    assert variable in line and "E_CONFIG" in line
+    # Nothing was leased: the job did not end dead as a host fault.
+    assert cli(env, "result", job).returncode == EXIT["pending"]
+
+
+def test_check_worker_config_resolves_the_policy_once() -> None:
+    from metnos_exec.errors import BadConfig
+    from metnos_exec.policy import Policy
+    from metnos_exec.worker import check_worker_config
+
+    assert check_worker_config(environ={"METNOS_REQUIRE_SANDBOX": "never"}) == Policy("never")
+    assert check_worker_config(environ={}) == Policy()
+    with pytest.raises(BadConfig):
+        check_worker_config(environ={"METNOS_REQUIRE_SANDBOX": "x"})
+    with pytest.raises(BadConfig):
+        check_worker_config(concurrency=0, environ={})
+
+
+def test_readers_do_not_create_a_missing_queue(env: dict[str, str], tmp_path: Path) -> None:
+    missing = tmp_path / "typo.db"
+    for args in (("status",), ("result", "01JOB"), ("cancel", "01JOB")):
+        out = cli(env, *args, "--broker", f"sqlite:///{missing}")
+        assert out.returncode == EXIT["broker"], (args, out.stderr)
+        line = one_clear_line(out)
+        assert "broker unreachable" in line and f"no queue file at {missing}" in line
+        assert not missing.exists()
+    # Three slashes are relative: the message shows the folder it looked in.
+    rel = cli(env, "status", "--broker", "sqlite:///work/x.db", cwd=tmp_path)
+    assert rel.returncode == EXIT["broker"]
+    assert str(tmp_path / "work" / "x.db") in rel.stderr and "four slashes" in rel.stderr
+    # Producers and workers still create it.
+    assert cli(env, "submit", "sleepy", "--broker", f"sqlite:///{missing}").returncode == 0
+    assert missing.exists()
+
+
+def test_client_commands_refuse_the_memory_broker(env: dict[str, str]) -> None:
+    for args in (("submit", "sleepy"), ("result", "01JOB"), ("cancel", "01JOB"), ("status",)):
+        out = cli(env, *args, "--broker", "memory://")
+        assert out.returncode == EXIT["usage"], (args, out.stderr, out.stdout)
+        assert "memory broker lives inside one process" in one_clear_line(out)
+        assert out.stdout == ""
+
+
+def test_idempotency_key_conflict_is_refused(env: dict[str, str]) -> None:
+    first = cli(env, "submit", "sleepy", "--idempotency-key", "k1", "--arg", "s=1")
+    assert first.returncode == 0
+    job_id = first.stdout.strip()
+    same = cli(env, "submit", "sleepy", "--idempotency-key", "k1", "--arg", "s=1")
+    assert same.returncode == 0 and same.stdout.strip() == job_id
+    other = cli(env, "submit", "sleepy", "--idempotency-key", "k1", "--arg", "s=2")
+    assert other.returncode == EXIT["rejected"]
+    line = one_clear_line(other)
+    assert "E_IDEMPOTENCY_CONFLICT" in line and job_id in line
+
+
+def test_submit_delay_priority_and_help(env: dict[str, str]) -> None:
+    assert cli(env, "submit", "sleepy", "--delay", "3600", "--priority", "5").returncode == 0
+    stats = json.loads(cli(env, "status", "--json").stdout)["broker"]
+    assert stats["queued"] == 1 and stats["delayed"] == 1
+    assert cli(env, "submit", "sleepy", "--delay", "-1").returncode == EXIT["usage"]
+    help_ = " ".join(cli(env, "submit", "--help").stdout.split())
+    assert "higher runs first" in help_ and "k=null" in help_ and "--delay" in help_
+    assert "four slashes" in help_ and "in-process only" in help_
+
+
+def test_status_is_readable(env: dict[str, str]) -> None:
+    assert cli(env, "submit", "sleepy").returncode == 0
+    out = cli(env, "status")
+    assert out.returncode == 0, out.stderr
+    assert "{'" not in out.stdout and "('" not in out.stdout and "None" not in out.stdout
+    assert "queued=1" in out.stdout and "  arms:" in out.stdout
+    assert "    python: " in out.stdout  # nested keys on their own indented lines
+
+
+def test_codes_lists_every_error_code(env: dict[str, str]) -> None:
+    from metnos_exec.errors import ERROR_CODES
+
+    out = cli(env, "codes")
+    assert out.returncode == 0
+    assert [ln.split()[0] for ln in out.stdout.splitlines()] == list(ERROR_CODES)
+    assert json.loads(cli(env, "codes", "--json").stdout) == ERROR_CODES
+
+
+def test_result_prints_partial_and_lost_axes_apart() -> None:
+    import io
+
+    from metnos_exec.cli import _print_result
+    from metnos_exec.messages import Result
+    from metnos_exec.sandbox._types import AxisVerdict, ContainmentReport
+
+    kept, part, lost = (AxisVerdict(s, "r") for s in ("kept", "partial", "not_kept"))
+    report = ContainmentReport(
+        sandbox="bwrap", files=kept, network=part, process_tree=kept, user=lost, resources=part
+    )
+    out = io.StringIO()
+    result = Result(job_id="01JOB", status="succeeded", containment=report, finished_at=0.0)
+    _print_result(result, as_json=False, out=out)
+    assert "containment: partial: network, resources; not kept: user" in out.getvalue()
+    out = io.StringIO()
+    every = ContainmentReport("bwrap", kept, kept, kept, kept, kept)
+    _print_result(msgspec.structs.replace(result, containment=every), as_json=False, out=out)
+    assert "containment: all walls kept" in out.getvalue()
