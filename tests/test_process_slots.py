@@ -1,0 +1,241 @@
+"""Pooled spawner slots (`ProcessSpec.cgroup_pool`) and the bwrap arm's fast spawn path.
+
+A slot is a spawner thread moved once into its own pids cgroup (cgroup v1); a run forks
+from it, so the child starts in the cgroup without a per-run migration. These tests check
+what that must not change: the pids wall, the tree kill, that the worker itself is never
+signalled, that a slot is lent to one run at a time and reused once empty; and that the
+bwrap arm really takes the vfork path (no pre-exec work) while the limits still bind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from metnos_exec import process
+from metnos_exec.process import ProcessResult, ProcessSpec, run_process
+from metnos_exec.sandbox import bwrap as bwrap_mod
+from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, Success
+from metnos_exec.sandbox.flags import derive_rlimits, guest_python, prlimit_prefix
+from tests.conftest import need
+
+PY = sys.executable
+ENV = {"PATH": "/usr/bin:/bin"}
+
+
+def slots_available() -> bool:
+    parent = process._cgroup_parent()
+    return parent is not None and (parent / "tasks").exists()
+
+
+def pooled(*argv: str, **kw: Any) -> ProcessSpec:
+    return ProcessSpec(
+        argv=argv, env=dict(ENV), reaper=False, pdeathsig=False, cgroup_pool=True, **kw
+    )
+
+
+FORKER = """
+import os, sys, time
+ok = failed = 0
+for _ in range(64):
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        failed += 1
+        continue
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    ok += 1
+print(ok, failed)
+"""
+
+
+@pytest.mark.anyio
+async def test_pooled_run_enforces_pids_and_kills_the_tree() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    result = await run_process(pooled(PY, "-c", FORKER, pids_max=8), timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.pids_limited
+    ok, failed = map(int, result.stdout.split())
+    assert failed > 0 and ok <= 7  # the job itself is one of the 8
+    # The sleeping children were killed with the job (the no-leak fixture also checks).
+
+
+def pids_cgroup_of(result: ProcessResult) -> str:
+    """The job's pids cgroup, as it printed /proc/self/cgroup."""
+    line = next(ln for ln in result.stdout.decode().splitlines() if ":pids:" in ln)
+    return line.split(":", 2)[2]
+
+
+CGROUP_OF_SELF = "print(open('/proc/self/cgroup').read())"
+
+
+@pytest.mark.anyio
+async def test_slots_are_reused_once_empty_and_keep_only_their_thread() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    first = await run_process(pooled(PY, "-c", CGROUP_OF_SELF, pids_max=4), timeout=10)
+    made = process._slots._made
+    for _ in range(3):
+        again = await run_process(pooled(PY, "-c", CGROUP_OF_SELF, pids_max=4), timeout=10)
+        assert "-slot-" in pids_cgroup_of(again)
+    assert "-slot-" in pids_cgroup_of(first)
+    assert process._slots._made == made, "sequential runs reuse a free slot"
+    for slot in process._slots._free:
+        assert slot.cgroup.pids() == []  # nothing of a finished run is left
+        tasks = (slot.cgroup.path / "tasks").read_text().split()
+        assert len(tasks) == 1 and int(tasks[0]) != os.getpid()  # its thread, not main
+
+
+@pytest.mark.anyio
+async def test_concurrent_runs_get_distinct_slots() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    code = CGROUP_OF_SELF + "; import time; time.sleep(0.3)"
+    results: list[ProcessResult] = []
+
+    async def one() -> None:
+        results.append(await run_process(pooled(PY, "-c", code, pids_max=4), timeout=10))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+    assert len({pids_cgroup_of(r) for r in results}) == 3
+
+
+@pytest.mark.anyio
+async def test_the_worker_is_never_signalled_by_the_slot_tree_kill() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    # A job that outlives its budget: TERM then KILL go to everything in the slot's cgroup,
+    # which lists the worker's pid too (its spawner thread sits there).
+    hits: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: hits.append(1))
+    try:
+        result = await run_process(pooled("sleep", "30", pids_max=4), timeout=0.3, grace=0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.timed_out
+    assert hits == []
+
+
+@pytest.mark.anyio
+async def test_unreaped_zombies_do_not_eat_the_next_runs_budget(tmp_path: Path) -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    # The job leaves a background child that the tree kill turns into a zombie re-parented
+    # to pytest (a subreaper), still charged to the slot's cgroup until pytest reaps it.
+    pidfile = tmp_path / "bg.pid"
+    await run_process(pooled("sh", "-c", f"sleep 30 & echo $! > {pidfile}", pids_max=4), timeout=10)
+    bg = int(pidfile.read_text())
+    try:
+        slot = process._slots._free[-1]
+        with anyio.fail_after(5):
+            while slot.cgroup.zombies() == 0:  # noqa: ASYNC110 - the kernel sends no event
+                await anyio.sleep(0.01)  # the SIGKILLed child becomes a zombie a moment later
+        zombies = slot.cgroup.zombies()
+        slot.cgroup.set_max(4)
+        assert int((slot.cgroup.path / "pids.max").read_text()) == 4 + 1 + zombies
+    finally:
+        reap(bg)
+
+
+def reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+# --- the bwrap arm's spawn path -----------------------------------------------------
+
+
+def test_prlimit_prefix_is_exact_and_in_order() -> None:
+    rl = derive_rlimits(
+        ResourceLimits(memory_bytes=123457, file_size_bytes=1001, open_files=17, cpu_time_s=3)
+    )
+    assert prlimit_prefix(rl, "/usr/bin/prlimit") == (
+        "/usr/bin/prlimit",
+        "--as=123457:123457",
+        "--fsize=1001:1001",
+        "--nofile=17:17",
+        "--cpu=3:4",
+        "--core=0:0",
+        "--",
+    )
+    assert prlimit_prefix((), "/usr/bin/prlimit") == ()
+    inf = resource.RLIM_INFINITY
+    assert prlimit_prefix(((resource.RLIMIT_AS, inf, inf),), "p")[1] == "--as=unlimited:unlimited"
+
+
+def test_limits_above_the_workers_hard_limits_stay_with_the_process_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    need(bwrap_mod._guest_prlimit() is not None, "prlimit(1) not installed")
+    rl = ((resource.RLIMIT_NOFILE, 100, 100),)
+    monkeypatch.setattr(resource, "getrlimit", lambda res: (50, 50))
+    # The guest holds no capability and could not raise its hard limit: no prefix.
+    assert bwrap_mod._limits_in_guest(rl) == ()
+    monkeypatch.setattr(resource, "getrlimit", lambda res: (1000, 1000))
+    assert bwrap_mod._limits_in_guest(rl)[1] == "--nofile=100:100"
+
+
+@pytest.mark.anyio
+async def test_bwrap_arm_spawns_without_pre_exec_work_and_limits_still_bind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    need(bwrap_mod.bwrap_probe().working, "bubblewrap unusable here")
+    need(bwrap_mod._guest_prlimit() is not None, "prlimit(1) not installed")
+    specs: list[ProcessSpec] = []
+    real = run_process
+
+    async def spy(spec: ProcessSpec, **kw: Any) -> ProcessResult:
+        specs.append(spec)
+        return await real(spec, **kw)
+
+    monkeypatch.setattr(bwrap_mod, "run_process", spy)
+    code = (
+        "import resource as r; "
+        "print(r.getrlimit(r.RLIMIT_AS)[1], r.getrlimit(r.RLIMIT_FSIZE)[0], "
+        "r.getrlimit(r.RLIMIT_NOFILE)[0])"
+    )
+    job = SandboxJob(
+        argv=(guest_python(), "-I", "-S", "-c", code),
+        limits=ResourceLimits(memory_bytes=512 << 20, file_size_bytes=5 << 20, open_files=64),
+    )
+    outcome = await bwrap_mod.BwrapSandbox().run(job)
+    assert outcome.exit == Success(), outcome.stderr
+    assert outcome.stdout.split() == [str(512 << 20).encode(), str(5 << 20).encode(), b"64"]
+    (spec,) = specs
+    # Nothing between fork and exec: CPython can vfork.
+    assert spec.rlimits == () and spec.pdeathsig is False and spec.cgroup_pool
+    assert "--die-with-parent" in spec.argv
+
+
+@pytest.mark.anyio
+async def test_bwrap_arm_reaps_its_orphaned_init_when_it_is_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    need(bwrap_mod.bwrap_probe().working, "bubblewrap unusable here")
+    # pytest is a subreaper, so bubblewrap's init is re-parented to this process.
+    inits: list[int] = []
+    real = bwrap_mod._reap_orphaned_init
+
+    async def spy(pid: object) -> None:
+        assert isinstance(pid, int)
+        inits.append(pid)
+        await real(pid)
+
+    monkeypatch.setattr(bwrap_mod, "_reap_orphaned_init", spy)
+    outcome = await bwrap_mod.BwrapSandbox().run(SandboxJob(argv=("/bin/true",)))
+    assert outcome.exit == Success()
+    (init,) = inits
+    # Reaped: no such process any more (not even a zombie of ours).
+    assert gone(init)
