@@ -34,6 +34,7 @@ __all__ = (
     "EVENTS",
     "LEVELS",
     "configure_logging",
+    "finished_level",
     "get_logger",
     "iter_records",
     "render_record",
@@ -68,9 +69,35 @@ EVENTS: Mapping[str, str] = {
 #: Levels in increasing severity, as written in the ``level`` field.
 LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
-_LEVEL_NUMS = {name: logging.getLevelName(name.upper()) for name in LEVELS}
+_LEVEL_NUMS: dict[str, int] = {name: int(logging.getLevelName(name.upper())) for name in LEVELS}
 
 _FIRST_KEYS = ("ts", "level", "event")
+
+#: `job.finished` levels by result status: what an operator filtering on ``warning`` must
+#: see. A cancellation was asked for and a rejection is already logged (``job.rejected``,
+#: at warning), so both stay ``info``.
+_FINISHED_LEVELS: Mapping[str, str] = {
+    "succeeded": "info",
+    "cancelled": "info",
+    "rejected": "info",
+    "failed": "warning",
+    "timed_out": "warning",
+    "dead": "error",
+}
+
+
+def finished_level(status: str, *, stored: bool = True) -> int:
+    """The level (a `logging` number, for ``logger.log``) of a ``job.finished`` record.
+
+    Failures (``failed``, ``timed_out``) are warnings and ``dead`` an error, so
+    ``tail --level warning`` shows them; a result that was not stored (``stored=False``:
+    the lease was lost and another delivery owns the job) is at least a warning. An
+    unknown status is a warning too: it cannot be assumed to be good news.
+    """
+    level = _LEVEL_NUMS[_FINISHED_LEVELS.get(status, "warning")]
+    if not stored:
+        level = max(level, _LEVEL_NUMS["warning"])
+    return level
 
 
 def _timestamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -198,6 +225,9 @@ def _matches(
 
 _DECODER = msgspec.json.Decoder(dict[str, Any])
 
+#: ``event`` of a record made up for a line that is not a JSON object.
+_UNPARSED = "<unparsed>"
+
 
 def _read_lines(
     path: Path,
@@ -278,7 +308,7 @@ def iter_records(
         try:
             rec = _DECODER.decode(line)
         except msgspec.DecodeError:
-            rec = {"event": "<unparsed>", "raw": line.decode(errors="replace")}
+            rec = {"event": _UNPARSED, "raw": line.decode(errors="replace")}
         if _matches(rec, job, event, min_level):
             yield rec
 
@@ -306,6 +336,9 @@ def tail(
 ) -> int:
     """Print matching records of `path`, readable (default) or as raw JSON lines.
 
+    With `raw`, a line that is not a JSON object is printed as it is in the file (a
+    reader asked for the file's lines, not for a record invented to carry one).
+
     Returns:
         how many records were printed.
     """
@@ -320,7 +353,12 @@ def tail(
         poll_s=poll_s,
         should_stop=should_stop,
     ):
-        line = _ENCODER.encode(rec).decode() if raw else render_record(rec, color=color)
+        if not raw:
+            line = render_record(rec, color=color)
+        elif rec.get("event") == _UNPARSED and set(rec) == {"event", "raw"}:
+            line = rec["raw"]
+        else:
+            line = _ENCODER.encode(rec).decode()
         stream.write(line + "\n")
         stream.flush()
         n += 1

@@ -12,7 +12,14 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from metnos_exec.logs import EVENTS, configure_logging, iter_records, render_record, tail
+from metnos_exec.logs import (
+    EVENTS,
+    configure_logging,
+    finished_level,
+    iter_records,
+    render_record,
+    tail,
+)
 from metnos_exec.sandbox._types import Usage
 
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -103,7 +110,12 @@ def test_tail_filters(tmp_path: Path) -> None:
     )
     with open(log, "ab") as f:
         f.write(b"not json\n")
-    events = lambda **kw: [r["event"] for r in iter_records(log, **kw)]  # noqa: E731
+
+    def events(
+        job: str | None = None, event: str | None = None, level: str | None = None
+    ) -> list[str]:
+        return [r["event"] for r in iter_records(log, job=job, event=event, level=level)]
+
     assert events(job="a") == ["job.received", "job.finished"]
     assert events(event="job.finished") == ["job.finished", "job.finished"]
     assert events(event="job.") == ["job.received", "job.finished", "job.finished"]
@@ -117,6 +129,52 @@ def test_tail_filters(tmp_path: Path) -> None:
     out = io.StringIO()
     tail(log, event="job.finished", raw=True, out=out)
     assert [msgspec.json.decode(x)["job_id"] for x in out.getvalue().splitlines()] == ["a", "b"]
+
+
+def test_tail_json_prints_unparsable_lines_raw(tmp_path: Path) -> None:
+    log = tmp_path / "w.jsonl"
+    _write(log, {"ts": "t", "level": "info", "event": "job.received", "job_id": "a"})
+    with open(log, "ab") as f:
+        f.write(b"Traceback (most recent call last): {oops\n")
+    out = io.StringIO()
+    assert tail(log, raw=True, out=out) == 2
+    lines = out.getvalue().splitlines()
+    assert msgspec.json.decode(lines[0])["job_id"] == "a"
+    assert lines[1] == "Traceback (most recent call last): {oops"
+
+
+def test_finished_level_makes_failures_visible_at_warning(tmp_path: Path) -> None:
+    import logging
+
+    assert finished_level("succeeded") == logging.INFO
+    assert finished_level("cancelled") == logging.INFO
+    assert finished_level("failed") == logging.WARNING
+    assert finished_level("timed_out") == logging.WARNING
+    assert finished_level("dead") == logging.ERROR
+    assert finished_level("succeeded", stored=False) == logging.WARNING
+    assert finished_level("dead", stored=False) == logging.ERROR
+    assert finished_level("something_new") == logging.WARNING
+    # Through the real pipeline and `tail --level warning`.
+    log = tmp_path / "w.jsonl"
+    stream = open(log, "wb")  # noqa: SIM115 - closed below, after the records are written
+    configure_logging(file=stream, level="debug")
+    logger = structlog.get_logger("metnos_exec")
+    for job, status, stored in [
+        ("a", "succeeded", True),
+        ("b", "failed", True),
+        ("c", "dead", True),
+        ("d", "succeeded", False),
+    ]:
+        logger.log(
+            finished_level(status, stored=stored),
+            "job.finished",
+            job_id=job,
+            status=status,
+            stored=stored,
+        )
+    stream.close()
+    warned = [r["job_id"] for r in iter_records(log, level="warning")]
+    assert warned == ["b", "c", "d"]
 
 
 def test_render_color() -> None:
@@ -168,7 +226,14 @@ def test_every_event_the_package_emits_is_in_the_vocabulary() -> None:
     import metnos_exec.logs as logs_mod
 
     root = Path(logs_mod.__file__).parent
-    call = re.compile(r"_log\.(?:debug|info|warning|error|critical|exception)\(\s*\"([^\"]+)\"")
+    # `_log.info("event", ...)`, or `_log.log(level, "event", ...)` (computed levels).
+    call = re.compile(
+        r"_log\.(?:(?:debug|info|warning|error|critical|exception)\("
+        r"|log\([^,()]*(?:\([^()]*\))?[^,()]*,)\s*\"([^\"]+)\""
+    )
+    assert call.findall('_log.log(finished_level(r.status, stored=ok), "job.finished",') == [
+        "job.finished"
+    ]
     emitted = {m for p in root.rglob("*.py") for m in call.findall(p.read_text())}
     assert {"job.received", "job.finished", "worker.started"} <= emitted  # the scan works
     assert sorted(emitted - set(EVENTS)) == []
