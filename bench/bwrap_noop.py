@@ -1,6 +1,6 @@
 """Overhead of the bwrap arm over the raw bubblewrap command it runs (acceptance 10).
 
-One native no-op Python job (`bench/noop.py` under ``python -I -S``) is run two ways,
+One native no-op Python job (`bench/_noop.py` under ``python -I -S``) is run two ways,
 interleaved round by round so both see the same machine state:
 
 * **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the spawner thread, the pidfd
@@ -39,7 +39,7 @@ from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
 from metnos_exec.sandbox.flags import derive_bwrap_argv, guest_python
 
 HERE = Path(__file__).resolve().parent
-NOOP = HERE / "noop.py"
+NOOP = HERE / "_noop.py"
 
 
 def make_job() -> SandboxJob:
