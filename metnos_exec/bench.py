@@ -2,8 +2,10 @@
 
 ``bench/`` is not a package (benchmarks are scripts a person may also run directly:
 ``python bench/queue_throughput.py``). Each ``bench/NAME.py`` exposes ``main(argv) -> int``;
-this module finds the folder (``$METNOS_BENCH_DIR``, else ``./bench``, else the one next
-to the installed package in a source checkout), loads the named files and calls them.
+files whose name starts with ``_`` are helpers (``_noop.py`` is the executor a benchmark
+runs), never benchmarks. This module finds the folder — ``$METNOS_BENCH_DIR``, else the
+``bench/`` next to the ``metnos_exec/`` package in a source checkout, whatever the current
+folder is — loads the named files and calls them.
 
     metnos-exec bench                       # every benchmark, default options
     metnos-exec bench --list
@@ -17,23 +19,37 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ("bench_dir", "list_benchmarks", "main")
+__all__ = ("BENCH_DIR_ENV", "bench_dir", "list_benchmarks", "main")
+
+#: Names another ``bench/`` folder (e.g. an installed package's users' own benchmarks).
+BENCH_DIR_ENV = "METNOS_BENCH_DIR"
 
 
-def bench_dir() -> Path | None:
-    """The ``bench/`` folder to use, or ``None`` when there is none."""
-    candidates = [
-        os.environ.get("METNOS_BENCH_DIR"),
-        os.path.join(os.getcwd(), "bench"),
-        str(Path(__file__).resolve().parent.parent / "bench"),
-    ]
-    for c in candidates:
-        if c and Path(c).is_dir():
-            return Path(c)
-    return None
+def bench_dir() -> Path:
+    """The ``bench/`` folder to use: ``$METNOS_BENCH_DIR``, else the checkout's.
+
+    Not the current folder's ``bench/``: run from elsewhere, that would be someone else's
+    scripts (or none), and the answer would depend on where the command was typed.
+
+    Raises:
+        FileNotFoundError: the folder does not exist (the message says where it looked).
+    """
+    override = os.environ.get(BENCH_DIR_ENV)
+    if override:
+        if not Path(override).is_dir():
+            raise FileNotFoundError(f"{BENCH_DIR_ENV}={override!r} is not a folder")
+        return Path(override)
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"no bench/ folder at {folder}: benchmarks ship with a source checkout of "
+            f"metnos-exec, not with an installed package (or set {BENCH_DIR_ENV})"
+        )
+    return folder
 
 
 def list_benchmarks(folder: Path) -> list[str]:
+    """Benchmark names in `folder` (``_helper.py`` files are not benchmarks)."""
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
 
 
@@ -48,9 +64,10 @@ def _load_main(path: Path) -> object:
 
 def main(argv: list[str]) -> int:
     """Run benchmarks. ``argv``: names, then options passed to each (after the names)."""
-    folder = bench_dir()
-    if folder is None:
-        sys.stderr.write("metnos-exec bench: no bench/ folder here (run from a checkout)\n")
+    try:
+        folder = bench_dir()
+    except FileNotFoundError as exc:
+        sys.stderr.write(f"metnos-exec bench: {exc}\n")
         return 5
     known = list_benchmarks(folder)
     if argv[:1] == ["--list"]:

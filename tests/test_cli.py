@@ -311,3 +311,24 @@ def test_result_prints_partial_and_lost_axes_apart() -> None:
     every = ContainmentReport("bwrap", kept, kept, kept, kept, kept)
     _print_result(msgspec.structs.replace(result, containment=every), as_json=False, out=out)
     assert "containment: all walls kept" in out.getvalue()
+
+
+def test_bench_uses_the_checkout_folder_and_skips_helpers(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # Run from elsewhere: the checkout's bench/ is still found; _noop.py is not listed
+    # (it reads stdin at import: run as a benchmark, it hung).
+    listed = cli(env, "bench", "--list", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    names = listed.stdout.split()
+    assert "queue_throughput" in names and not any(n.lstrip("_") == "noop" for n in names)
+    assert cli(env, "bench", "_noop", cwd=tmp_path).returncode == EXIT["usage"]
+    # A benchmark folder in the current folder is not picked up by accident.
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "stray.py").write_text("def main(argv): return 0\n")
+    assert "stray" not in cli(env, "bench", "--list", cwd=tmp_path).stdout.split()
+    missing = cli({**env, "METNOS_BENCH_DIR": str(tmp_path / "nope")}, "bench", "--list")
+    assert missing.returncode == EXIT["not_found"]
+    assert "METNOS_BENCH_DIR" in one_clear_line(missing)
+    mine = cli({**env, "METNOS_BENCH_DIR": str(tmp_path / "bench")}, "bench", "--list")
+    assert mine.stdout.split() == ["stray"]
