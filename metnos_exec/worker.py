@@ -67,6 +67,15 @@ def _override_chooser(name: str) -> Callable[..., Any]:
     return choose
 
 
+def _policy_from_env(env: Mapping[str, str]) -> Policy:
+    try:
+        return Policy.from_env(env)
+    except BadConfig:
+        raise
+    except (MetnosError, ValueError) as exc:  # `from_env` raised ValueError before E_CONFIG
+        raise BadConfig(getattr(exc, "message", str(exc))) from None
+
+
 def check_worker_config(
     *,
     concurrency: int = 4,
@@ -90,12 +99,7 @@ def check_worker_config(
         raise BadConfig(f"the visibility window must be positive, got {visibility_s} s")
     if not grace_s >= 0:
         raise BadConfig(f"the drain grace must be zero or more, got {grace_s} s")
-    try:
-        policy = Policy.from_env(env)
-    except BadConfig:
-        raise
-    except (MetnosError, ValueError) as exc:
-        raise BadConfig(getattr(exc, "message", str(exc))) from None
+    policy = _policy_from_env(env)
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
@@ -118,10 +122,17 @@ async def serve(
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
         task_status: receives the supervisor once it is ready to lease.
-        **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...).
+        **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...);
+            without a ``policy``, `Policy.from_env` is read once, here.
+
+    Raises:
+        BadConfig: a bad ``METNOS_REQUIRE_SANDBOX`` or ``METNOS_ARM_OVERRIDE``.
     """
     if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
         supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
+    if supervisor_kw.get("policy") is None:
+        # Once, here: read per job, a bad variable would fail every job instead.
+        supervisor_kw["policy"] = _policy_from_env(os.environ)
     sup = Supervisor(broker, registry, **supervisor_kw)
 
     async def on_signals(

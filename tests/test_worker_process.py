@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 
-from metnos_exec.brokers import Broker, open_broker
+from metnos_exec.brokers import Broker, BrokerStats, open_broker
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import Job, Result
 from tests.conftest import need
@@ -194,14 +195,15 @@ def test_two_workers_drain_1000_jobs_exactly_once(workers: Workers) -> None:
         for wid in ("W1", "W2")
     ]
     for log in logs:
-        wait_until(lambda log=log: has_event(log, "worker.started"), 10, "workers up")
+        wait_until(functools.partial(has_event, log, "worker.started"), 10, "workers up")
     jobs = [Job(executor="sleepy", args={"s": i / 1000}) for i in range(1000)]
     receipts = with_broker(workers.url, lambda b: b.submit_many(jobs))
     ids = {r.job_id for r in receipts}
     assert len(ids) == 1000
 
     def done() -> bool:
-        return with_broker(workers.url, lambda b: b.stats()).done == 1000
+        stats: BrokerStats = with_broker(workers.url, lambda b: b.stats())
+        return stats.done == 1000
 
     wait_until(done, 60, "1000 results")
     for p in workers.procs:
@@ -308,3 +310,29 @@ def test_sigterm_finishes_or_releases_within_grace(workers: Workers, backend: st
     assert names[-1] == "worker.stopped"
     stopped = events(log, event="worker.stopped")[0]
     assert stopped["released"] == 1
+
+
+@pytest.mark.anyio
+async def test_serve_resolves_the_policy_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from metnos_exec.errors import BadConfig
+    from metnos_exec.manifest import ExecutorRegistry
+    from metnos_exec.policy import Policy
+    from metnos_exec.worker import serve
+
+    registry = ExecutorRegistry.load(tmp_path)
+    monkeypatch.setenv("METNOS_REQUIRE_SANDBOX", "never")
+    async with open_broker("memory://") as broker, anyio.create_task_group() as tg:
+        sup = await tg.start(
+            functools.partial(
+                serve, broker, registry, burst=True, handle_signals=False, worker_id="w"
+            )
+        )
+        # Changing the variable later changes nothing: the worker read it once.
+        monkeypatch.setenv("METNOS_REQUIRE_SANDBOX", "always")
+        assert sup.policy == Policy("never")
+    monkeypatch.setenv("METNOS_REQUIRE_SANDBOX", "sometimes")
+    async with open_broker("memory://") as broker:
+        with pytest.raises(BadConfig):
+            await serve(broker, registry, burst=True, handle_signals=False, worker_id="w")
