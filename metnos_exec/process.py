@@ -386,10 +386,15 @@ class _SlotCgroup(_Cgroup):
         init. Until then its zombie stays charged to the cgroup it was forked in.
         """
         try:
-            current = int((self.path / "pids.current").read_text())
+            fd = os.open(self.path / "pids.current", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                current = int(os.read(fd, 64))
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return 0
-        return max(0, current - 1 - len(self.pids()))
+        # The common case needs no listing: only our thread is counted.
+        return 0 if current <= 1 else max(0, current - 1 - len(self.pids()))
 
     def set_max(self, pids_max: int | None) -> None:
         # +1: the spawner thread itself counts in pids.current; and the zombies of earlier
@@ -982,8 +987,13 @@ def _kill_leftovers(child: _Child, cgroup: _Cgroup | None) -> None:
 
 
 def _reap(child: _Child, cgroup: _Cgroup | None) -> tuple[int, int, Any]:
-    """Reap the exited child with its rusage, after killing its leftovers."""
-    _kill_leftovers(child, cgroup)
+    """Reap the exited child with its rusage, after killing its leftovers.
+
+    Only the session's group is signalled here: that must happen while the leader is an
+    unreaped zombie (its pgid cannot be reused until then). The cgroup is emptied by its
+    own clean-up (`_Cgroup.close`, `_SlotCgroup.drain`), which kills until it is empty.
+    """
+    _kill_leftovers(child, None)
     try:
         pid, status, rusage = os.wait4(child.pid, 0)
     except ChildProcessError as exc:

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, final
 
 import anyio
@@ -107,15 +108,33 @@ class BwrapProbe(msgspec.Struct, frozen=True):
         return BwrapFeatures(version=self.version)
 
 
+#: How long a successful ``$PATH`` search for bubblewrap is reused (the supervisor probes
+#: once per job; a ``$PATH`` walk is a dozen ``stat`` calls). A missing bubblewrap is
+#: looked for again on every call.
+FIND_TTL_S = 2.0
+
+_found: dict[tuple[str, str], tuple[str, float]] = {}
+
+
 def find_bwrap(env: dict[str, str] | None = None) -> str | None:
     """Locate bubblewrap: ``$METNOS_BWRAP`` (a path, or a name looked up on ``$PATH``),
-    else ``bwrap`` on ``$PATH``. Looked up on every call: installing bubblewrap later needs
-    no restart."""
-    env = dict(os.environ) if env is None else env
-    wanted = env.get("METNOS_BWRAP") or "bwrap"
+    else ``bwrap`` on ``$PATH``. A hit is reused for `FIND_TTL_S` seconds, a miss never:
+    installing bubblewrap later needs no restart."""
+    environ: Mapping[str, str] = os.environ if env is None else env
+    wanted = environ.get("METNOS_BWRAP") or "bwrap"
     if "/" in wanted:
         return wanted if os.access(wanted, os.X_OK) else None
-    return shutil.which(wanted, path=env.get("PATH", os.defpath))
+    path = environ.get("PATH", os.defpath)
+    now = time.monotonic()
+    hit = _found.get((wanted, path))
+    if hit is not None and now - hit[1] < FIND_TTL_S:
+        return hit[0]
+    found = shutil.which(wanted, path=path)
+    if found is not None:
+        if len(_found) > 64:
+            _found.clear()
+        _found[(wanted, path)] = (found, now)
+    return found
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -195,6 +214,7 @@ def forget_probes() -> None:
     """Drop every cached probe (tests)."""
     with _cache_lock:
         _cache.clear()
+    _found.clear()
 
 
 # --- limits -------------------------------------------------------------------------
