@@ -105,6 +105,8 @@ class Client:
 
         Raises:
             BadMessage: a field of the wrong type or range (the message names it).
+            IdempotencyConflict: the ``idempotency_key`` already names a job with another
+                executor or other arguments (its id is ``original_job_id``).
         """
         job = _make_job(executor, args or {}, fields)
         receipt = await self._broker.submit(job)

@@ -9,7 +9,7 @@ import pytest
 from metnos_exec.brokers import open_broker
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.client import Client, NotImplementedYet, SyncClient, default_broker_url
-from metnos_exec.errors import BadMessage
+from metnos_exec.errors import BadMessage, IdempotencyConflict
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
@@ -41,7 +41,9 @@ async def test_submit_result_run_cancel(registry: ExecutorRegistry) -> None:
     broker = MemoryBroker()
     async with Client(broker) as client:
         job_id = await client.submit("echo", {"text": "a"}, idempotency_key="k1")
-        assert await client.submit("echo", {"text": "other"}, idempotency_key="k1") == job_id
+        assert await client.submit("echo", {"text": "a"}, idempotency_key="k1") == job_id
+        with pytest.raises(IdempotencyConflict):
+            await client.submit("echo", {"text": "other"}, idempotency_key="k1")
         assert await client.result(job_id) is None
         assert await client.result(job_id, wait=0.01) is None
         queued = await client.submit("echo", {"text": "b"})
@@ -98,3 +100,12 @@ def test_sync_client_on_sqlite(tmp_path: Path, registry: ExecutorRegistry) -> No
         with pytest.raises(NotImplementedYet):
             client.undo(job_id)
     client.close()  # idempotent
+
+
+def test_sync_client_idempotency_conflict(tmp_path: Path) -> None:
+    with SyncClient(f"sqlite:///{tmp_path / 'q.db'}") as client:
+        first = client.submit("echo", {"text": "a"}, idempotency_key="step-1")
+        assert client.submit("echo", {"text": "a"}, idempotency_key="step-1") == first
+        with pytest.raises(IdempotencyConflict) as info:
+            client.submit("echo", {"text": "b"}, idempotency_key="step-1")
+        assert info.value.original_job_id == first
