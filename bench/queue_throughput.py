@@ -5,9 +5,9 @@ Two measurements, in one run:
 1. queue only: the echo arm (no process), one worker (this process), one SQLite file:
    jobs/s from "N jobs queued" to "N results stored". Logging is on, to a JSON-lines file,
    as in production. Target: >= 2,500 jobs/s.
-2. end to end: a native no-op executor (``print("{}")`` under ``python -I -S``) through
-   the real bwrap arm at concurrency 1, 2 and 4, next to the *raw spawn rate* of the very
-   same bubblewrap command line (`derive_bwrap_argv` of the same planned job: same flags,
+2. end to end: a native no-op executor (reads its JSON args from stdin, prints ``{}``,
+   under ``python -I -S``) through the real bwrap arm at concurrency 1, 2 and 4, next to
+   the *raw spawn rate* of the very same bubblewrap command line (`derive_bwrap_argv` of the same planned job: same flags,
    same mounts), launched with plain ``anyio.run_process`` at the same concurrency, and
    the bwrap arm alone (``BwrapSandbox.run`` in a loop, no queue). For each concurrency
    the three blocks are interleaved for ``--rounds`` rounds (order rotated each round, so
@@ -52,7 +52,10 @@ entry = "main.py"
 def _executors(root: Path) -> ExecutorRegistry:
     (root / "noop").mkdir(parents=True)
     (root / "noop" / "manifest.toml").write_text(NOOP_MANIFEST)
-    (root / "noop" / "main.py").write_text('print("{}")\n')
+    # It reads its stdin, as every executor reads its args: a child that exits without
+    # reading makes the raw baseline's ``anyio.run_process(input=...)`` fail at random
+    # (BrokenResourceError when the pipe closes before the write).
+    (root / "noop" / "main.py").write_text('import sys\nsys.stdin.read()\nprint("{}")\n')
     return ExecutorRegistry.load(root)
 
 
@@ -165,7 +168,8 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
                             rates[name].append(await blocks[name](c))
                     raw, arm, e2e = (statistics.median(rates[n]) for n in names)
                     per_round = " ".join(
-                        f"{100 * e / w:.0f}%" for e, w in zip(rates["e2e"], rates["raw"], strict=True)
+                        f"{100 * e / w:.0f}%"
+                        for e, w in zip(rates["e2e"], rates["raw"], strict=True)
                     )
                     rows.append(
                         (
