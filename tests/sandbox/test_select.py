@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ def marker_job(marker: Path) -> SandboxJob:
     return SandboxJob(argv=(os.path.realpath(sys.executable), "-I", "-S", "-c", code))
 
 
-def degraded_records(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def degraded_records(logs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in logs if r["event"] == "sandbox.degraded"]
 
 
@@ -183,9 +183,14 @@ def test_negative_probe_is_retried_when_the_binary_changes(tmp_path: Path) -> No
 def test_negative_probe_expires(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = write_fake_bwrap(tmp_path / "bwrap")
     env = {"METNOS_BWRAP": str(fake)}
-    calls = []
+    calls: list[str] = []
     real = bwrap_mod._probe_uncached
-    monkeypatch.setattr(bwrap_mod, "_probe_uncached", lambda p: calls.append(p) or real(p))
+
+    def counting(path: str) -> bwrap_mod.BwrapProbe:
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(bwrap_mod, "_probe_uncached", counting)
     bwrap_probe(env)
     bwrap_probe(env)
     assert len(calls) == 1  # cached for a while
@@ -197,9 +202,14 @@ def test_negative_probe_expires(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 def test_positive_probe_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     need_real_bwrap()
     forget_probes()
-    calls = []
+    calls: list[str] = []
     real = bwrap_mod._probe_uncached
-    monkeypatch.setattr(bwrap_mod, "_probe_uncached", lambda p: calls.append(p) or real(p))
+
+    def counting(path: str) -> bwrap_mod.BwrapProbe:
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(bwrap_mod, "_probe_uncached", counting)
     monkeypatch.setattr(bwrap_mod, "NEGATIVE_PROBE_TTL_S", 0.0)
     for _ in range(3):
         assert choose_arm("python", require_sandbox=False).degraded is None
