@@ -3,18 +3,24 @@
 One native no-op Python job (`bench/_noop.py` under ``python -I -S``) is run two ways,
 interleaved round by round so both see the same machine state:
 
-* **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the spawner thread, the pidfd
-  wait, the per-run pids cgroup, rlimits, the JSON status pipe, bounded output;
+* **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the hop to a pooled spawner
+  thread (already in its pids cgroup), the pidfd wait, rlimits (applied in the guest by a
+  ``prlimit`` prefix), the JSON status pipe, bounded output, the slot's clean-up;
 * **raw**: the very same bubblewrap argv (`derive_bwrap_argv` of the same job, without the
   status fd) run with ``subprocess.run``.
 
 The ratio of medians is printed; target: arm <= 1.10 x raw.
 
-With ``--breakdown`` two more variants join the interleaving, to show where the arm's
-time goes: ``raw_fork`` (the raw argv through ``subprocess.Popen`` with a no-op
-``preexec_fn``, which forces fork instead of vfork, as the process layer's pre-exec set-up
-does) and ``run_process`` (the raw argv through `run_process` with no rlimits and no
-cgroup: the spawner-thread hop, pidfd wait and bounded pumps only).
+With ``--breakdown`` three more variants join the interleaving, to show where the arm's
+time goes: ``raw_prlimit`` (the raw argv with the arm's ``prlimit`` prefix in front of the
+guest, via ``subprocess.run``: the cost of applying the limits inside the sandbox),
+``raw_fork`` (the raw argv through ``subprocess.Popen`` with a no-op ``preexec_fn``, which
+forces fork instead of vfork: what the arm paid before it stopped needing one) and
+``run_process`` (the prlimit argv through `run_process` in a pooled slot with a pids
+budget, no JSON status: the process layer's own cost).
+
+Run it against this checkout (``PYTHONPATH=.``): an editable install elsewhere would
+otherwise be measured.
 
 Usage: python bench/bwrap_noop.py [--rounds 30] [--warmup 3] [--backend asyncio|trio]
        [--json] [--breakdown]
@@ -32,11 +38,17 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from metnos_exec.process import ProcessSpec, run_process
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-from metnos_exec.sandbox.flags import derive_bwrap_argv, guest_python
+from metnos_exec.sandbox.flags import (
+    derive_bwrap_argv,
+    derive_rlimits,
+    guest_python,
+    prlimit_prefix,
+)
 
 HERE = Path(__file__).resolve().parent
 NOOP = HERE / "_noop.py"
@@ -62,6 +74,12 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
     arm = BwrapSandbox()
     job = make_job()
     raw_argv = derive_bwrap_argv(job, bwrap=probe.path or "bwrap", features=probe.features)
+    prefix = prlimit_prefix(derive_rlimits(job.limits), "/usr/bin/prlimit")
+    prlimit_argv = derive_bwrap_argv(
+        msgspec.structs.replace(job, argv=prefix + job.argv),
+        bwrap=probe.path or "bwrap",
+        features=probe.features,
+    )
 
     async def run_arm() -> bytes:
         outcome = await arm.run(job)
@@ -84,13 +102,29 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
             out, _ = proc.communicate(b"{}")
         return out
 
+    async def run_raw_prlimit() -> bytes:
+        done = subprocess.run(prlimit_argv, input=b"{}", capture_output=True, check=False)  # noqa: ASYNC221 - as above
+        return done.stdout
+
     async def run_rp() -> bytes:
-        spec = ProcessSpec(argv=tuple(raw_argv), env={}, stdin=b"{}", reaper=False)
+        spec = ProcessSpec(
+            argv=tuple(prlimit_argv),
+            env={},
+            stdin=b"{}",
+            reaper=False,
+            pdeathsig=False,
+            pids_max=64,
+            cgroup_pool=True,
+        )
         return (await run_process(spec, timeout=30)).stdout
 
     variants = {"arm": run_arm, "raw": run_raw}
     if breakdown:
-        variants |= {"raw_fork": run_raw_fork, "run_process": run_rp}
+        variants |= {
+            "raw_prlimit": run_raw_prlimit,
+            "raw_fork": run_raw_fork,
+            "run_process": run_rp,
+        }
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for i in range(warmup + rounds):
@@ -123,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--breakdown", action="store_true", help="add raw_fork, run_process")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="add raw_prlimit, raw_fork, run_process"
+    )
     args = parser.parse_args(argv)
     result = anyio.run(measure, args.rounds, args.warmup, args.breakdown, backend=args.backend)
     result["backend"] = args.backend
