@@ -44,6 +44,7 @@ from anyio.abc import TaskStatus
 from .backoff import retry_delay
 from .brokers.base import Broker, Lease
 from .errors import HostFault, MetnosError
+from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
 from .plan import plan_invocation
@@ -421,7 +422,8 @@ class Supervisor:
     async def _ack(self, lease: Lease, result: Result) -> None:
         with anyio.CancelScope(shield=True):
             stored = await self._acks.ack(lease, result)
-        _log.info(
+        _log.log(
+            finished_level(result.status, stored=stored),
             "job.finished",
             status=result.status,
             stored=stored,
