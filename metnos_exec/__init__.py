@@ -21,14 +21,18 @@ from .capabilities import (
 )
 from .client import Client, NotImplementedYet, SyncClient
 from .errors import (
+    ERROR_CODES,
     AutonomyDenied,
     BadArguments,
+    BadConfig,
     BadManifest,
     BadMessage,
     BadOutput,
     CapabilityDenied,
     HostFault,
+    IdempotencyConflict,
     MetnosError,
+    MissingFolder,
     SandboxDenied,
     SandboxRequired,
     SignatureError,
@@ -80,6 +84,7 @@ from .worker import run_worker
 __version__ = "0.1.0"
 
 __all__ = (
+    "ERROR_CODES",
     "EVENTS",
     "PROVIDER_SKILLS",
     "AbsentSandbox",
@@ -87,6 +92,7 @@ __all__ = (
     "ArmChoice",
     "AutonomyDenied",
     "BadArguments",
+    "BadConfig",
     "BadManifest",
     "BadMessage",
     "BadOutput",
@@ -109,6 +115,7 @@ __all__ = (
     "FaultSandbox",
     "FuelExhausted",
     "HostFault",
+    "IdempotencyConflict",
     "InactiveCapability",
     "Invocation",
     "Job",
@@ -117,6 +124,7 @@ __all__ = (
     "Manifest",
     "MemoryExceeded",
     "MetnosError",
+    "MissingFolder",
     "Mount",
     "NotImplementedYet",
     "Policy",
