@@ -397,23 +397,47 @@ async def test_drain_lets_short_jobs_finish(registry: ExecutorRegistry) -> None:
 
 
 async def test_concurrency_limit_holds(registry: ExecutorRegistry) -> None:
+    # Jobs block inside the arm until released. Once `concurrency` are in, we wait until
+    # every task is blocked — the supervisor has had every chance to start a 4th job — and
+    # count who is inside; only then is the batch let out. No timing involved.
+    concurrency, total = 3, 12
     broker = MemoryBroker()
     live = 0
     peak = 0
+    full = anyio.Event()
+    gate = anyio.Event()
+    inside_at_release: list[int] = []
 
-    async def count(_: SandboxJob) -> None:
+    async def hold(_: SandboxJob) -> None:
         nonlocal live, peak
         live += 1
         peak = max(peak, live)
-        await anyio.sleep(0.005)
+        my_gate = gate  # a job waits on the gate current when it entered
+        if live == concurrency:
+            full.set()
+        await my_gate.wait()
         live -= 1
 
-    arm = ScriptedArm(*[count] * 12)
-    for _ in range(12):
+    async def release_batches() -> None:
+        nonlocal full, gate
+        for _ in range(total // concurrency):
+            await full.wait()
+            await anyio.wait_all_tasks_blocked()
+            inside_at_release.append(live)
+            full = anyio.Event()
+            old, gate = gate, anyio.Event()
+            old.set()
+
+    arm = ScriptedArm(*[hold] * total)
+    for _ in range(total):
         await broker.submit(Job(executor="echo"))
-    await make(broker, registry, arm, concurrency=3).run(burst=True)
-    assert peak == 3
-    assert (await broker.stats()).done == 12
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_batches)
+            await make(broker, registry, arm, concurrency=concurrency).run(burst=True)
+    assert inside_at_release == [concurrency] * (total // concurrency)
+    assert peak == concurrency
+    assert (await broker.stats()).done == total
 
 
 async def test_fault_double_and_broker_hiccup(registry: ExecutorRegistry) -> None:
