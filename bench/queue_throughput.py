@@ -7,15 +7,17 @@ Two measurements, in one run:
    as in production. Target: >= 2,500 jobs/s.
 2. end to end: a native no-op executor (reads its JSON args from stdin, prints ``{}``,
    under ``python -I -S``) through the real bwrap arm at concurrency 1, 2 and 4, next to
-   the *raw spawn rate* of the very same bubblewrap command line (`derive_bwrap_argv` of the same planned job: same flags,
-   same mounts), launched with plain ``anyio.run_process`` at the same concurrency, and
-   the bwrap arm alone (``BwrapSandbox.run`` in a loop, no queue). For each concurrency
-   the three blocks are interleaved for ``--rounds`` rounds (order rotated each round, so
-   load drift hits all three alike); medians are reported, and the ratio is the ratio of
-   the medians. Target: e2e >= 85 % of raw.
+   the *raw spawn rate* of the very same bubblewrap command line (`derive_bwrap_argv` of
+   the same planned job: same flags, same mounts), launched with plain
+   ``anyio.run_process`` at the same concurrency, and the bwrap arm alone
+   (``BwrapSandbox.run`` in a loop, no queue). For each concurrency the three blocks are
+   interleaved for ``--rounds`` rounds (order rotated each round, so load drift hits all
+   three alike); medians are reported, and the ratio is the ratio of the medians.
+   Target: e2e >= 85 % of raw.
 
 Usage: python bench/queue_throughput.py [--echo-jobs N] [--bwrap-jobs N] [--rounds R]
        [--concurrency 1,2,4] [--backend asyncio|trio] [--skip-bwrap]
+(with ``PYTHONPATH=.`` to measure this checkout rather than an editable install elsewhere)
 """
 
 from __future__ import annotations
