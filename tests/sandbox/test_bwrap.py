@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from metnos_exec.sandbox._types import (
@@ -370,25 +371,47 @@ async def test_cpu_limit_is_named_by_sigxcpu(arm: BwrapSandbox) -> None:
 
 
 async def test_double_fork_setsid_dies_at_timeout(arm: BwrapSandbox, tmp_path: Path) -> None:
+    # Inside bwrap pids are namespaced, so the grandchild is found from the host by a
+    # unique token in its argv (/proc/PID/cmdline), not by a pid the job could report.
+    token = f"metnos-dfs-{os.getpid()}-{time.monotonic_ns()}"
     job = py_job(
         tmp_path,
-        """
-        import os, time
+        f"""
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
-                time.sleep(120)
+                os.execv(sys.executable, [sys.executable, "-c",
+                         "import time; time.sleep(120)", {token!r}])
             os._exit(0)
         time.sleep(120)
         """,
-        limits=ResourceLimits(wall_time_s=1.0),
+        limits=ResourceLimits(wall_time_s=1.5),
     )
+    seen: list[int] = []
+    outcome: SandboxOutcome | None = None
+
+    async def run() -> None:
+        nonlocal outcome
+        outcome = await arm.run(job)
+
     t0 = time.monotonic()
-    outcome = await arm.run(job)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while not seen and outcome is None:
+            seen = _pids_with(token)
+            await anyio.sleep(0.02)  # polling for the grandchild to appear
     elapsed = time.monotonic() - t0
-    assert outcome.exit == Timeout()
-    assert elapsed < 1.0 + 2.0, elapsed
-    # "Nothing left" is checked by the autouse _no_leaks fixture (we are a subreaper).
+    assert seen, "the setsid grandchild never showed up: the test would prove nothing"
+    assert outcome is not None and outcome.exit == Timeout(), outcome
+    assert elapsed < 1.5 + 2.0, elapsed
+    # Gone when run() returns (not merely by the time the leak fixture gives up).
+    for _ in range(50):  # polling with a 0.5 s deadline: the kernel reaps asynchronously
+        left = _pids_with(token)
+        if not left:
+            break
+        await anyio.sleep(0.01)
+    assert left == [], f"setsid grandchild outlived run(): {left}"
 
 
 async def test_stdout_flood_is_capped(arm: BwrapSandbox) -> None:
