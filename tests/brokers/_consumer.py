@@ -1,7 +1,7 @@
 """A bare consumer process for the SQLite multi-process tests (no supervisor).
 
 python _consumer.py drain DB RECORD WORKER BACKEND   lease -> record id -> ack, until empty
-python _consumer.py hold DB READY VISIBILITY_S      lease one job, report it, then hang
+python _consumer.py hold DB READY VISIBILITY_S BACKEND   lease one job, report it, hang
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     if mode == "drain":
         anyio.run(drain, db, path, argv[3], argv[5], backend=argv[4])
     elif mode == "hold":
-        anyio.run(hold, db, path, float(argv[3]))
+        anyio.run(hold, db, path, float(argv[3]), backend=argv[4])
     else:
         raise SystemExit(f"unknown mode {mode}")
     return 0

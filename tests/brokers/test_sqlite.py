@@ -144,7 +144,10 @@ def test_two_worker_processes_drain_1000_jobs_exactly_once(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_sigkilled_consumer_loses_its_lease_and_the_job_is_redelivered(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sigkilled_consumer_loses_its_lease_and_the_job_is_redelivered(
+    tmp_path: Path, backend: str
+) -> None:
     db = tmp_path / "queue.db"
     ready = tmp_path / "ready"
     job = Job(executor="echo", args={"n": 1})
@@ -153,8 +156,8 @@ def test_sigkilled_consumer_loses_its_lease_and_the_job_is_redelivered(tmp_path:
         async with SQLiteBroker(db) as broker:
             await broker.submit(job)
 
-    anyio.run(fill)
-    proc = _spawn("hold", str(db), str(ready), "1.0")
+    anyio.run(fill, backend=backend)
+    proc = _spawn("hold", str(db), str(ready), "1.0", backend)
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -180,7 +183,7 @@ def test_sigkilled_consumer_loses_its_lease_and_the_job_is_redelivered(tmp_path:
             assert await broker.ack(lease, done)
             assert await broker.lease("rescuer", visibility_s=30) == []
 
-    anyio.run(take_over)
+    anyio.run(take_over, backend=backend)
     results = _all_results(db)
     assert len(results) == 1
     result = decode_result(results[0][1])
