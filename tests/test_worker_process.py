@@ -190,9 +190,12 @@ def test_kill_9_mid_job_is_finished_by_another_worker(workers: Workers, backend:
 
 def test_two_workers_drain_1000_jobs_exactly_once(workers: Workers) -> None:
     echo = {"METNOS_ARM_OVERRIDE": "echo"}
+    # One worker on each backend: the queue semantics must not depend on the event loop.
     logs = [
-        workers.start(wid, "--concurrency", "8", "--visibility", "30", env=echo)
-        for wid in ("W1", "W2")
+        workers.start(
+            wid, "--concurrency", "8", "--visibility", "30", "--backend", backend, env=echo
+        )
+        for wid, backend in (("W1", "asyncio"), ("W2", "trio"))
     ]
     for log in logs:
         wait_until(functools.partial(has_event, log, "worker.started"), 10, "workers up")
@@ -227,9 +230,12 @@ def test_two_workers_drain_1000_jobs_exactly_once(workers: Workers) -> None:
     assert (stats.done, stats.queued, stats.running, stats.dead) == (1000, 0, 0, 0)
 
 
-def test_bad_jobs_end_with_codes_and_the_worker_keeps_serving(workers: Workers) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_bad_jobs_end_with_codes_and_the_worker_keeps_serving(
+    workers: Workers, backend: str
+) -> None:
     need(_bwrap_ok(), "bubblewrap is not installed")
-    log = workers.start("W", "--visibility", "5")
+    log = workers.start("W", "--visibility", "5", "--backend", backend)
     wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
 
     async def submit(b: Broker) -> dict[str, str]:
