@@ -623,8 +623,8 @@ def test_30_s_job_completes_on_both_backends() -> None:
     outputs: dict[str, tuple[int, str, str]] = {}
     try:
         for backend, proc in workers.items():
-            out, err = proc.communicate(timeout=seconds + 30)
-            outputs[backend] = (proc.returncode, out.decode(), err.decode()[-2000:])
+            raw_out, raw_err = proc.communicate(timeout=seconds + 30)
+            outputs[backend] = (proc.returncode, raw_out.decode(), raw_err.decode()[-2000:])
     finally:
         for proc in workers.values():
             if proc.poll() is None:
