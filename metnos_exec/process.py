@@ -201,11 +201,15 @@ class _Spawner:
         while True:
             fn, future, done_fd = self._requests.get()
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as exc:  # handed to the waiting task, re-raised there
-                future.set_exception(exc)
-            finally:
                 os.eventfd_write(done_fd, 1)
+                future.set_exception(exc)
+            else:
+                # The eventfd first: once the future is done, the fd has been written and
+                # the waiter may close it (see `_on_spawner`).
+                os.eventfd_write(done_fd, 1)
+                future.set_result(result)
 
 
 _spawner = _Spawner()
@@ -213,19 +217,35 @@ _spawner = _Spawner()
 os.register_at_fork(after_in_child=lambda: _spawner.__init__())  # type: ignore[misc]
 
 
+#: How long the event loop waits for a spawn *synchronously* (GIL released) before it
+#: falls back to waiting on the eventfd like any other I/O.
+_SYNC_SPAWN_WAIT_S: Final = 0.02
+
+
 async def _on_spawner(fn: Callable[[], Any], spawner: _Spawner | None = None) -> Any:
     """Run `fn` on a spawner thread (default: the shared one) and return its result
     (shielded: see below)."""
     done_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     future = (spawner or _spawner).submit(fn, done_fd)
-    # Shielded: once submitted, a child may exist; the caller must get its handle to kill
-    # and reap it, so we never walk away from a spawn in progress.
-    with anyio.CancelScope(shield=True):
-        await anyio.wait_readable(done_fd)
-    # Closed only once the spawner has written it: an fd number closed early could be
-    # reused and then receive the spawner's write.
-    os.close(done_fd)
-    return future.result()
+    # A spawn takes well under a millisecond (vfork + exec) and holds the GIL for most of
+    # it anyway, so the loop could run no Python meanwhile. Waiting here, blocked with the
+    # GIL released, hands the GIL to the spawner thread at once; returning to the loop
+    # instead lets other tasks keep the GIL for up to the interpreter's switch interval
+    # (5 ms) first, and costs an eventfd round trip. A slow spawn (first use of a slot,
+    # a fork with preexec_fn, a loaded box) is awaited on the eventfd like any I/O.
+    try:
+        future.exception(timeout=_SYNC_SPAWN_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        # Shielded: once submitted, a child may exist; the caller must get its handle to
+        # kill and reap it, so we never walk away from a spawn in progress.
+        with anyio.CancelScope(shield=True):
+            await anyio.wait_readable(done_fd)
+    # Closed only once the spawner has written it (it writes before completing the
+    # future): an fd number closed early could be reused and then receive that write.
+    try:
+        return future.result()  # done, or done within microseconds (see `_serve`)
+    finally:
+        os.close(done_fd)
 
 
 # --- cgroups ------------------------------------------------------------------------------
