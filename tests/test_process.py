@@ -506,12 +506,9 @@ def test_a_job_outlives_an_idle_worker_thread(backend: str, reaper: bool) -> Non
         assert report["thread_exited"], "the worker thread must exit while the job runs"
 
 
-@pytest.mark.slow
-@pytest.mark.anyio
-async def test_a_job_outlives_trios_real_thread_idle_timeout() -> None:
-    await anyio.to_thread.run_sync(lambda: None)  # a worker thread that will idle out
-    result = await run_process(spec("sleep", "12"), timeout=30)
-    assert result.returncode == 0
+# trio's real 10 s thread idle timeout is exercised end to end by
+# tests/sandbox/test_bwrap.py::test_30_s_job_completes_on_both_backends (30 s jobs on both
+# backends through run_process, side by side); the test above checks the mechanism fast.
 
 
 def _run_worker(
