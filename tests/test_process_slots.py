@@ -24,7 +24,12 @@ from metnos_exec import process
 from metnos_exec.process import ProcessResult, ProcessSpec, run_process
 from metnos_exec.sandbox import bwrap as bwrap_mod
 from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, Success
-from metnos_exec.sandbox.flags import derive_rlimits, guest_python, prlimit_prefix
+from metnos_exec.sandbox.flags import (
+    derive_rlimits,
+    guest_python,
+    prlimit_prefix,
+    shell_limits_prefix,
+)
 from tests.conftest import need
 
 PY = sys.executable
@@ -184,7 +189,26 @@ def test_limits_above_the_workers_hard_limits_stay_with_the_process_layer(
     # The guest holds no capability and could not raise its hard limit: no prefix.
     assert bwrap_mod._limits_in_guest(rl) == ()
     monkeypatch.setattr(resource, "getrlimit", lambda res: (1000, 1000))
-    assert bwrap_mod._limits_in_guest(rl)[1] == "--nofile=100:100"
+    prefix = bwrap_mod._limits_in_guest(rl)
+    assert "--nofile=100:100" in prefix or "ulimit -n 100" in " ".join(prefix)
+
+
+def test_shell_limits_prefix_only_when_exact() -> None:
+    rl = derive_rlimits(
+        ResourceLimits(memory_bytes=8 << 20, file_size_bytes=1 << 20, open_files=17, cpu_time_s=3)
+    )
+    assert shell_limits_prefix(rl, "/bin/dash") == (
+        "/bin/dash",
+        "-c",
+        "ulimit -v 8192 && ulimit -f 2048 && ulimit -n 17 && ulimit -S -t 3 && "
+        'ulimit -H -t 4 && ulimit -c 0 && exec "$@"',
+        "sh",
+    )
+    # Not a whole number of 512-byte blocks: prlimit(1) must do it, exactly.
+    assert shell_limits_prefix(((resource.RLIMIT_FSIZE, 1001, 1001),), "/bin/dash") is None
+    # A resource the shells spell differently.
+    assert shell_limits_prefix(((resource.RLIMIT_NPROC, 5, 5),), "/bin/dash") is None
+    assert shell_limits_prefix((), "/bin/dash") == ()
 
 
 @pytest.mark.anyio
@@ -203,20 +227,25 @@ async def test_bwrap_arm_spawns_without_pre_exec_work_and_limits_still_bind(
     monkeypatch.setattr(bwrap_mod, "run_process", spy)
     code = (
         "import resource as r; "
-        "print(r.getrlimit(r.RLIMIT_AS)[1], r.getrlimit(r.RLIMIT_FSIZE)[0], "
-        "r.getrlimit(r.RLIMIT_NOFILE)[0])"
+        "print(*(v for x in ('AS', 'FSIZE', 'NOFILE', 'CPU', 'CORE') "
+        "for v in r.getrlimit(getattr(r, 'RLIMIT_' + x))))"
     )
-    job = SandboxJob(
-        argv=(guest_python(), "-I", "-S", "-c", code),
-        limits=ResourceLimits(memory_bytes=512 << 20, file_size_bytes=5 << 20, open_files=64),
-    )
-    outcome = await bwrap_mod.BwrapSandbox().run(job)
-    assert outcome.exit == Success(), outcome.stderr
-    assert outcome.stdout.split() == [str(512 << 20).encode(), str(5 << 20).encode(), b"64"]
-    (spec,) = specs
-    # Nothing between fork and exec: CPython can vfork.
-    assert spec.rlimits == () and spec.pdeathsig is False and spec.cgroup_pool
-    assert "--die-with-parent" in spec.argv
+    for file_size in (5 << 20, (5 << 20) + 1):  # via sh's ulimit, and via prlimit(1)
+        specs.clear()
+        job = SandboxJob(
+            argv=(guest_python(), "-I", "-S", "-c", code),
+            limits=ResourceLimits(
+                memory_bytes=512 << 20, file_size_bytes=file_size, open_files=64, cpu_time_s=7
+            ),
+        )
+        outcome = await bwrap_mod.BwrapSandbox().run(job)
+        assert outcome.exit == Success(), outcome.stderr
+        expected = [512 << 20, 512 << 20, file_size, file_size, 64, 64, 7, 8, 0, 0]
+        assert [int(v) for v in outcome.stdout.split()] == expected
+        (spec,) = specs
+        # Nothing between fork and exec: CPython can vfork.
+        assert spec.rlimits == () and spec.pdeathsig is False and spec.cgroup_pool
+        assert "--die-with-parent" in spec.argv
 
 
 @pytest.mark.anyio

@@ -57,6 +57,7 @@ from .flags import (
     derive_bwrap_argv,
     derive_rlimits,
     prlimit_prefix,
+    shell_limits_prefix,
 )
 
 __all__ = (
@@ -232,21 +233,40 @@ def _guest_prlimit() -> str | None:
     return real
 
 
+#: Shells whose ``ulimit`` units `shell_limits_prefix` knows (POSIX mode when run as sh).
+_KNOWN_SHELLS = frozenset({"dash", "bash", "busybox"})
+
+
+@functools.cache
+def _guest_sh() -> str | None:
+    """``/bin/sh`` resolved, when it is a shell we know and lives in a system tree."""
+    real = os.path.realpath("/bin/sh")
+    if os.path.basename(real) not in _KNOWN_SHELLS or not os.access(real, os.X_OK):
+        return None
+    if not any(real.startswith(root.rstrip("/") + "/") for root in SYSTEM_PATHS):
+        return None
+    return real
+
+
 def _limits_in_guest(rlimits: tuple[tuple[int, int, int], ...]) -> tuple[str, ...]:
-    """The prlimit prefix that applies `rlimits` inside the sandbox, or ``()`` when the
-    process layer must apply them before exec instead.
+    """The command prefix that applies `rlimits` inside the sandbox (``sh``'s ``ulimit``
+    when exact, else prlimit(1)), or ``()`` when the process layer must apply them before
+    exec instead.
 
     Inside the sandbox the guest holds no capability, so it can only *lower* limits: a
     hard limit above the worker's own needs the old path (set by the worker, as root).
     """
-    prlimit = _guest_prlimit()
-    if prlimit is None:
-        return ()
     for res, _soft, hard in rlimits:
         ours = resource.getrlimit(res)[1]
         if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
             return ()
-    return prlimit_prefix(rlimits, prlimit)
+    sh = _guest_sh()
+    if sh is not None:
+        prefix = shell_limits_prefix(rlimits, sh)
+        if prefix is not None:
+            return prefix
+    prlimit = _guest_prlimit()
+    return () if prlimit is None else prlimit_prefix(rlimits, prlimit)
 
 
 # --- host facts -----------------------------------------------------------------------

@@ -34,6 +34,7 @@ __all__ = (
     "derive_bwrap_argv",
     "derive_rlimits",
     "prlimit_prefix",
+    "shell_limits_prefix",
     "expand_hint",
     "expand_hints",
     "guest_python",
@@ -459,3 +460,57 @@ def prlimit_prefix(rlimits: Sequence[tuple[int, int, int]], prlimit: str) -> tup
         out.append(f"{option}={value(soft)}:{value(hard)}")
     out.append("--")
     return tuple(out)
+
+
+# POSIX-mode ``ulimit`` option and unit for each resource dash, bash (as sh) and busybox
+# ash agree on. Others (RLIMIT_NPROC is -p in dash, -u in bash) go through prlimit(1).
+_ULIMIT_OPTIONS: dict[int, tuple[str, int]] = {
+    resource.RLIMIT_AS: ("-v", 1024),
+    resource.RLIMIT_CORE: ("-c", 512),
+    resource.RLIMIT_CPU: ("-t", 1),
+    resource.RLIMIT_FSIZE: ("-f", 512),
+    resource.RLIMIT_NOFILE: ("-n", 1),
+}
+
+
+def shell_limits_prefix(rlimits: Sequence[tuple[int, int, int]], sh: str) -> tuple[str, ...] | None:
+    """Like `prlimit_prefix`, with the shell's ``ulimit`` builtin, then ``exec``.
+
+    ``sh -c 'ulimit -v N && ... && exec "$@"' sh <guest argv>``: one exec of a shell that
+    needs only libc (dash starts ~0.3 ms faster than prlimit(1), which also loads
+    libsmartcols). ``ulimit`` counts in units (KiB, 512-byte blocks), so this is used only
+    when every limit is an exact multiple of its unit; otherwise, or for a resource the
+    shells name differently, the answer is ``None`` (use `prlimit_prefix`).
+
+    Args:
+        rlimits: ``(resource, soft, hard)`` triples, as `derive_rlimits` returns them.
+        sh: path of a POSIX shell (dash, bash or busybox ash) *as the guest sees it*.
+
+    Returns:
+        The prefix; ``()`` when `rlimits` is empty; ``None`` when not exactly expressible.
+    """
+    if not rlimits:
+        return ()
+    inf = resource.RLIM_INFINITY
+    steps: list[str] = []
+    for res, soft, hard in rlimits:
+        spec = _ULIMIT_OPTIONS.get(res)
+        if spec is None:
+            return None
+        option, unit = spec
+        values = []
+        for v in (soft, hard):
+            if v == inf:
+                values.append("unlimited")
+            elif v % unit:
+                return None
+            else:
+                values.append(str(v // unit))
+        if values[0] == values[1]:
+            steps.append(f"ulimit {option} {values[0]}")  # soft and hard at once
+        else:
+            # Soft first (it must stay <= the current hard), then the hard one (>= soft).
+            steps.append(f"ulimit -S {option} {values[0]} && ulimit -H {option} {values[1]}")
+    # Values are integers we formatted: nothing of the job reaches the script text.
+    script = " && ".join([*steps, 'exec "$@"'])
+    return (sh, "-c", script, "sh")
