@@ -4,19 +4,21 @@ One native no-op Python job (`bench/_noop.py` under ``python -I -S``) is run two
 interleaved round by round so both see the same machine state:
 
 * **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the hop to a pooled spawner
-  thread (already in its pids cgroup), the pidfd wait, rlimits (applied in the guest by a
-  ``prlimit`` prefix), the JSON status pipe, bounded output, the slot's clean-up;
+  thread (already in its pids cgroup), the pidfd wait, rlimits (applied in the guest by
+  a ``sh -c 'ulimit ...; exec "$@"'`` prefix), the JSON status pipe, bounded output, the
+  slot's clean-up;
 * **raw**: the very same bubblewrap argv (`derive_bwrap_argv` of the same job, without the
   status fd) run with ``subprocess.run``.
 
 The ratio of medians is printed; target: arm <= 1.10 x raw.
 
 With ``--breakdown`` three more variants join the interleaving, to show where the arm's
-time goes: ``raw_prlimit`` (the raw argv with the arm's ``prlimit`` prefix in front of the
-guest, via ``subprocess.run``: the cost of applying the limits inside the sandbox),
+time goes: ``raw_limits`` (the raw argv with the arm's limits prefix -- ``sh -c 'ulimit
+...; exec "$@"'`` or ``prlimit`` -- in front of the guest, via ``subprocess.run``: the cost
+of applying the limits inside the sandbox),
 ``raw_fork`` (the raw argv through ``subprocess.Popen`` with a no-op ``preexec_fn``, which
 forces fork instead of vfork: what the arm paid before it stopped needing one) and
-``run_process`` (the prlimit argv through `run_process` in a pooled slot with a pids
+``run_process`` (that argv through `run_process` in a pooled slot with a pids
 budget, no JSON status: the process layer's own cost).
 
 Run it against this checkout (``PYTHONPATH=.``): an editable install elsewhere would
@@ -42,13 +44,8 @@ import msgspec
 
 from metnos_exec.process import ProcessSpec, run_process
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
-from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-from metnos_exec.sandbox.flags import (
-    derive_bwrap_argv,
-    derive_rlimits,
-    guest_python,
-    prlimit_prefix,
-)
+from metnos_exec.sandbox.bwrap import BwrapSandbox, _limits_in_guest, bwrap_probe
+from metnos_exec.sandbox.flags import derive_bwrap_argv, derive_rlimits, guest_python
 
 HERE = Path(__file__).resolve().parent
 NOOP = HERE / "_noop.py"
@@ -74,8 +71,8 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
     arm = BwrapSandbox()
     job = make_job()
     raw_argv = derive_bwrap_argv(job, bwrap=probe.path or "bwrap", features=probe.features)
-    prefix = prlimit_prefix(derive_rlimits(job.limits), "/usr/bin/prlimit")
-    prlimit_argv = derive_bwrap_argv(
+    prefix = _limits_in_guest(derive_rlimits(job.limits))  # what the arm puts in front
+    limits_argv = derive_bwrap_argv(
         msgspec.structs.replace(job, argv=prefix + job.argv),
         bwrap=probe.path or "bwrap",
         features=probe.features,
@@ -102,13 +99,13 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
             out, _ = proc.communicate(b"{}")
         return out
 
-    async def run_raw_prlimit() -> bytes:
-        done = subprocess.run(prlimit_argv, input=b"{}", capture_output=True, check=False)  # noqa: ASYNC221 - as above
+    async def run_raw_limits() -> bytes:
+        done = subprocess.run(limits_argv, input=b"{}", capture_output=True, check=False)  # noqa: ASYNC221 - as above
         return done.stdout
 
     async def run_rp() -> bytes:
         spec = ProcessSpec(
-            argv=tuple(prlimit_argv),
+            argv=tuple(limits_argv),
             env={},
             stdin=b"{}",
             reaper=False,
@@ -121,7 +118,7 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
     variants = {"arm": run_arm, "raw": run_raw}
     if breakdown:
         variants |= {
-            "raw_prlimit": run_raw_prlimit,
+            "raw_limits": run_raw_limits,
             "raw_fork": run_raw_fork,
             "run_process": run_rp,
         }
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--breakdown", action="store_true", help="add raw_prlimit, raw_fork, run_process"
+        "--breakdown", action="store_true", help="add raw_limits, raw_fork, run_process"
     )
     args = parser.parse_args(argv)
     result = anyio.run(measure, args.rounds, args.warmup, args.breakdown, backend=args.backend)
