@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +70,11 @@ class ScriptedArm:
         step = self.steps.pop(0) if self.steps else Success()
         if isinstance(step, BaseException):
             raise step
-        if callable(step) and not isinstance(step, type):
+        exit_: SandboxExit
+        if callable(step):  # an exit struct is not callable
             await step(job)
-            step = Success()
-        if isinstance(step, tuple):
+            exit_, out = Success(), job.stdin
+        elif isinstance(step, tuple):
             exit_, out = step
         else:
             exit_, out = step, job.stdin
@@ -153,7 +154,7 @@ async def test_context_is_bound_on_every_job_record(registry: ExecutorRegistry) 
 
     seen: list[dict[str, Any]] = []
 
-    def keep(_: Any, __: str, ev: dict[str, Any]) -> dict[str, Any]:
+    def keep(_: Any, __: str, ev: MutableMapping[str, Any]) -> Mapping[str, Any]:
         seen.append(dict(ev))
         raise structlog.DropEvent
 
@@ -264,7 +265,11 @@ async def test_malformed_message_is_dead_lettered_and_serving_goes_on(
 async def test_retry_schedule_follows_backoff_then_dead(registry: ExecutorRegistry) -> None:
     clock = Clock()
     broker = MemoryBroker(clock=clock)
-    faults = [HostFault("pipe broke"), (Failure(code=EX_TEMPFAIL), b""), HostFault("last one")]
+    faults: list[Step] = [
+        HostFault("pipe broke"),
+        (Failure(code=EX_TEMPFAIL), b""),
+        HostFault("last one"),
+    ]
     arm = ScriptedArm(*faults)
     delays = functools.partial(retry_delay, rng=random.Random(7))
     expected = [retry_delay(a, rng=r) for r in [random.Random(7)] for a in (1, 2)]
