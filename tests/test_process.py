@@ -459,7 +459,7 @@ async def test_a_job_killing_its_shim_is_a_verdict_not_a_host_fault() -> None:
 
 @pytest.mark.anyio
 async def test_a_missing_shim_interpreter_is_a_host_fault(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(process.sys, "executable", "/nonexistent/python3")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # the module process reads
     with pytest.raises(HostFault, match="reaper shim"):
         await run_process(spec("true"), timeout=10)
 

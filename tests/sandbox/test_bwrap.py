@@ -649,9 +649,10 @@ async def test_resources_partial_when_pids_not_enforced(
     # pids_limited=False, and the report must not claim the wall.
     import msgspec
 
+    from metnos_exec.process import run_process as real
     from metnos_exec.sandbox import bwrap as bwrap_mod
 
-    real = bwrap_mod.run_process
+    assert bwrap_mod.run_process is real  # type: ignore[attr-defined]  # what we replace
 
     async def no_cgroup(spec: Any, **kw: Any) -> Any:
         return msgspec.structs.replace(await real(spec, **kw), pids_limited=False)
