@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="queue_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--echo-jobs", type=int, default=10_000)
     p.add_argument("--echo-concurrency", type=int, default=64)
-    p.add_argument("--bwrap-jobs", type=int, default=100, help="jobs per block")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency")
+    p.add_argument("--bwrap-jobs", type=int, default=60, help="jobs per block")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per concurrency")
     p.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4]
     )
