@@ -39,7 +39,8 @@ Two ways to contain the tree, chosen by `ProcessSpec.reaper`:
     kill is ``killpg`` of the session's group (plus the cgroup when there is one); a
     descendant that calls ``setsid`` escapes it, which is why the direct arm uses the shim.
     Cost: ``preexec_fn`` forces fork instead of vfork, ~3 ms a spawn here (0.2 ms without);
-    with ``pdeathsig=False``, no rlimits and no cgroup it is skipped.
+    with ``pdeathsig=False``, no rlimits and no cgroup to join it is skipped (the bwrap arm:
+    bubblewrap's ``--die-with-parent``, limits applied inside the sandbox, pooled cgroups).
 
 Process limits: with ``pids_max`` and a writable cgroup (v1 ``pids`` controller, or a v2
 tree with ``pids`` delegable), each run gets ``metnos/<worker pid>-<uuid>`` with
@@ -51,6 +52,23 @@ it is set to what the uid runs now plus ``pids_max`` (a fork bomb still stops, a
 job still forks on a desktop with hundreds of processes), and the kernel does not enforce
 it at all for uid 0.
 
+Pooled cgroups (``cgroup_pool=True``; the bwrap arm): joining a cgroup is the costly part of
+a per-run cgroup (cgroup v1 task migration takes ``cgroup_threadgroup_rwsem`` for writing,
+an RCU grace period: 1-15 ms a job here), and the join needs a ``preexec_fn``. Instead a
+pool of *slots* — one per concurrent run, created on demand, kept for the worker's life —
+each a spawner thread moved **once** into its own ``metnos/<worker pid>-slot-<n>`` cgroup:
+cgroup v1 places single threads, and fork puts the child in the forking *thread's* cgroup,
+so a run borrows a free slot, sets its ``pids.max`` (budget + 1: the thread counts) and
+forks from its thread, with no migration. The tree kill signals every pid in the slot's
+``cgroup.procs`` except the worker's own (its thread is listed there); a slot is lent again
+only once nothing but its thread is left. Unreaped zombies of earlier runs (bubblewrap's
+init is always orphaned; some hosts' init reaps late) still count in ``pids.current``, so
+``pids.max`` is raised by their number (caveat: reaped during the run, they become headroom).
+A slot thread lives as long as the worker, like the shared spawner, so a parent-death signal
+tied to it never fires early. On cgroup v2 (no per-thread cgroups outside threaded mode,
+where ``pids`` cannot be enabled) and without a writable v1 hierarchy, the per-run cgroup
+above is used.
+
 Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
 interpreter or set-up, ``wait4``). A user-level command that cannot be executed is an
 ordinary result: exit 127 when not found, 126 otherwise (as a shell does), with the
@@ -58,7 +76,8 @@ reason in ``exec_error`` (stderr stays the job's own), in both modes.
 
 Usage caveat: Linux counts the resident set a child inherits at fork (before exec) in its
 ``ru_maxrss``, so ``peak_rss_bytes`` never reads below the image that forked it: ~9 MB under
-the shim, the worker's own RSS with ``reaper=False`` (``preexec_fn`` rules out vfork).
+the shim, the worker's own RSS with ``reaper=False`` and a ``preexec_fn`` (it rules out
+vfork); a vforked child starts from nothing of ours.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
 """The bwrap arm: a native subprocess inside bubblewrap, walls derived from the job.
 
-The flags come from `metnos_exec.sandbox.flags` (pure); the process lifecycle (one
-long-lived spawner thread so die-with-parent never fires early, tree kill on timeout,
-bounded output, a per-run pids cgroup) from `metnos_exec.process.run_process`. This module
+The flags come from `metnos_exec.sandbox.flags` (pure); the process lifecycle (long-lived
+spawner threads so die-with-parent never fires early, tree kill on timeout, bounded output,
+a pooled pids cgroup per concurrent run) from `metnos_exec.process.run_process`. This module
 only glues them and reads back what happened, honestly:
+
+* nothing runs between fork and exec, so the worker is vforked, not copied: the rlimits are
+  applied *inside* the sandbox by a prefix that ``exec``s the guest (``sh -c 'ulimit ...'``
+  when exact, else ``prlimit``; see `_limits_in_guest`), and the parent-death signal is
+  bubblewrap's own ``--die-with-parent`` (set by its monitor before it lets the sandbox
+  run);
 
 * bubblewrap writes JSON status documents to ``--json-status-fd``: ``child-pid`` once the
   namespaces exist and the guest is being set up, ``exit-code`` once the guest has exited.
