@@ -377,9 +377,12 @@ def derive_bwrap_argv(
 
 
 def derive_rlimits(limits: ResourceLimits) -> tuple[tuple[int, int, int], ...]:
-    """Kernel resource limits for the bubblewrap process, inherited by the guest.
+    """Kernel resource limits for the guest.
 
-    Set before exec (by the process layer), so they bind bubblewrap's own children too.
+    The bwrap arm applies them inside the sandbox with a prefix that ``exec``s the guest
+    (`shell_limits_prefix`, else `prlimit_prefix`), so they bind from the guest's first
+    instruction; or, when that cannot express them, before bubblewrap's exec (by the
+    process layer), where they bind bubblewrap's own processes too.
 
     - ``RLIMIT_AS`` = memory budget: a big allocation fails (MemoryError / ENOMEM) instead
       of pushing the host into swap or the OOM killer.
