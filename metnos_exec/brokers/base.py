@@ -240,9 +240,24 @@ class Broker(abc.ABC):
         Returns:
             ``"cancelled"``: it was queued; it is removed and a ``cancelled`` result is
             stored. ``"cancelling"``: it is running; the flag reaches the worker through
-            `heartbeat`, which kills it and acks a ``cancelled`` result. ``"finished"``:
-            it already has a result. ``"unknown"``: no such job.
+            `cancel_requested` (or `heartbeat`), which kills it and acks a
+            ``cancelled`` result. ``"finished"``: it already has a result.
+            ``"unknown"``: no such job.
         """
+
+    async def cancel_requested(self, job_ids: Sequence[str]) -> set[str]:
+        """Which of `job_ids` are running with a cancel request pending.
+
+        One call for every job a worker runs: the supervisor polls it often (every
+        ``cancel_poll_s``) so a cancel lands within a second, far sooner than the next
+        heartbeat. Backends override this default with one query.
+        """
+        wanted: set[str] = set()
+        for job_id in job_ids:
+            state = await self.get_job_state(job_id)
+            if state is not None and state.state == "running" and state.cancel_requested:
+                wanted.add(job_id)
+        return wanted
 
     @abc.abstractmethod
     async def get_result(self, job_id: str) -> Result | None:

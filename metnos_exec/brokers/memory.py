@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -418,6 +418,17 @@ class MemoryBroker(Broker):
             entry.cancel_requested = True
             return "cancelling"
         return "finished"
+
+    async def cancel_requested(self, job_ids: Sequence[str]) -> set[str]:
+        await anyio.lowlevel.checkpoint()
+        entries = self._entries
+        return {
+            job_id
+            for job_id in job_ids
+            if (entry := entries.get(job_id)) is not None
+            and entry.state == "running"
+            and entry.cancel_requested
+        }
 
     async def get_result(self, job_id: str) -> Result | None:
         await anyio.lowlevel.checkpoint()

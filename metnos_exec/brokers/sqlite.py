@@ -229,6 +229,8 @@ _REQUEUE = (
     "attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
 )
 _GET_RESULT = "SELECT body FROM results WHERE job_id = ?"
+#: Ids per ``IN (...)`` list: well under SQLite's host-parameter cap (999 before 3.32).
+_IN_CHUNK = 500
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
 
 
@@ -824,6 +826,31 @@ class SQLiteBroker(Broker):
         outcome: CancelOutcome = await self._run(self._txn, work)
         self._wake_results()
         return outcome
+
+    async def cancel_requested(self, job_ids: Sequence[str]) -> set[str]:
+        ids = list(job_ids)
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return set()
+
+        def work() -> set[str]:
+            found: set[str] = set()
+            # Chunked: SQLite caps the number of host parameters in one statement.
+            for i in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[i : i + _IN_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                found.update(
+                    job_id
+                    for (job_id,) in self._db.execute(
+                        f"SELECT id FROM jobs WHERE id IN ({marks}) "
+                        "AND state = 'running' AND cancel_requested",
+                        chunk,
+                    )
+                )
+            return found
+
+        found: set[str] = await self._run(work)
+        return found
 
     async def get_result(self, job_id: str) -> Result | None:
         row = await self._run(lambda: self._db.execute(_GET_RESULT, (job_id,)).fetchone())

@@ -400,6 +400,24 @@ class BrokerConformance:
             assert await b.cancel(queued.id) == "finished"
             assert await b.cancel("no-such-job") == "unknown"
 
+    async def test_cancel_requested_names_running_jobs_with_a_pending_cancel(self) -> None:
+        async with self.broker() as (b, _clock):
+            a, c, queued = job(), job(), job()
+            await b.submit_many([a, c])
+            leases = await b.lease("w1", visibility_s=VIS, limit=2)
+            assert len(leases) == 2
+            await b.submit(queued)
+            assert await b.cancel_requested([]) == set()
+            assert await b.cancel_requested([a.id, c.id, queued.id, "no-such-job"]) == set()
+            assert await b.cancel(a.id) == "cancelling"
+            assert await b.cancel(queued.id) == "cancelled"
+            # One call for the lot; a queued job cancelled outright is not "running".
+            assert await b.cancel_requested([a.id, c.id, queued.id, "nope"]) == {a.id}
+            lease_a = next(lease for lease in leases if lease.job.id == a.id)
+            done = Result(job_id=a.id, status="cancelled", attempt=1, worker="w1")
+            assert await b.ack(lease_a, done)
+            assert await b.cancel_requested([a.id, c.id]) == set()
+
     async def test_cancel_requested_job_whose_worker_died_ends_cancelled(self) -> None:
         async with self.broker() as (b, clock):
             j = job()
