@@ -144,6 +144,8 @@ class ProcessSpec(msgspec.Struct, frozen=True):
         cgroup_pool: fork from a pooled spawner thread that sits in its own long-lived
             pids cgroup (cgroup v1), instead of creating a cgroup per run and migrating
             the child into it; see "Pooled cgroups" in the module docstring.
+        memory_max: memory limit in bytes for the whole tree, held by a memory cgroup
+            when one is available (see "Memory" in the module docstring); ``None``: none.
     """
 
     argv: tuple[str, ...]
@@ -157,6 +159,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     pids_max: int | None = None
     reaper: bool = True
     cgroup_pool: bool = False
+    memory_max: int | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -174,6 +177,12 @@ class ProcessResult(msgspec.Struct, frozen=True):
         peak_rss_bytes: largest resident set of any process of the tree.
         pids_limited: whether ``pids_max`` was really enforced.
         exec_error: why the command could not be executed (exit 127/126), else ``None``.
+        memory_limited: whether ``memory_max`` was really enforced for the whole tree (a
+            memory cgroup held it).
+        memory_peak_bytes: the tree's peak memory charge as the memory cgroup counted it
+            (its processes, the tmpfs pages they wrote, the page cache they touched);
+            ``None`` without a memory cgroup.
+        oom_killed: the kernel OOM-killed a process of the tree at the memory limit.
     """
 
     returncode: int
@@ -187,6 +196,9 @@ class ProcessResult(msgspec.Struct, frozen=True):
     peak_rss_bytes: int
     pids_limited: bool
     exec_error: str | None = None
+    memory_limited: bool = False
+    memory_peak_bytes: int | None = None
+    oom_killed: bool = False
 
 
 # --- the spawner thread -----------------------------------------------------------------
@@ -470,12 +482,127 @@ class _SlotCgroup(_Cgroup):
         raise HostFault(f"cgroup {self.path} still holds {self.pids()} after SIGKILL")
 
 
-class _Slot:
-    """One spawner thread, moved once into its own pids cgroup, borrowed by one run at a time."""
+_V1_MEMORY: Final = Path("/sys/fs/cgroup/memory")
+_memory_parent_cache: list[Path | None] = []
 
-    def __init__(self, index: int, cgroup: _SlotCgroup) -> None:
+
+def _memory_parent() -> Path | None:
+    """The writable v1 ``metnos`` memory cgroup for slot memory cgroups; probed once.
+
+    Nested under the worker's *own* memory cgroup, not the hierarchy's root: jobs then stay
+    inside whatever memory budget the worker itself was given (a systemd ``MemoryMax``, a
+    container limit), instead of escaping it.
+    """
+    if not _memory_parent_cache:
+        parent = None
+        with contextlib.suppress(OSError, StopIteration):
+            own = next(
+                line.split(":", 2)[2].strip()
+                for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.split(":", 2)[1:2] == ["memory"]
+            )
+            candidate = _V1_MEMORY / own.lstrip("/") / "metnos"
+            if (candidate.parent / "tasks").exists():
+                candidate.mkdir(exist_ok=True)
+                if (candidate / "memory.limit_in_bytes").exists():
+                    _sweep_stale(candidate)
+                    parent = candidate
+        _memory_parent_cache.append(parent)
+    return _memory_parent_cache[0]
+
+
+def memory_cgroup_available() -> bool:
+    """Whether pooled runs (`ProcessSpec.cgroup_pool`) can hold ``memory_max`` for the
+    whole tree with a memory cgroup here (cgroup v1, writable; probed once)."""
+    return _memory_parent() is not None
+
+
+class _SlotMemory:
+    """A slot's long-lived v1 memory cgroup; its spawner thread sits in it.
+
+    Why a thread can sit here while the worker's memory is not charged: a memory cgroup
+    charges a page to the cgroup of the ``mm``'s *owner* (the thread group leader), so the
+    worker's pages stay with the worker's own cgroup; a child forked from the slot thread
+    starts in this cgroup and owns its new ``mm`` from exec on, so everything the job tree
+    maps, and the tmpfs pages it writes (shmem, charged to the writer), is charged here.
+    The kernel's OOM killer, scanning this cgroup, visits thread group leaders only: never
+    the worker. Only kernel objects the slot thread itself allocates (pipes, the fork's
+    task structures) are charged here too, a few hundred KiB at most.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._memsw = (path / "memory.memsw.limit_in_bytes").exists()
+        self._limit: int | None = -1  # unknown until first set
+
+    def join_current_thread(self) -> None:
+        (self.path / "tasks").write_text(str(threading.get_native_id()))
+
+    def _write(self, name: str, value: str) -> None:
+        fd = os.open(self.path / name, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+
+    def _read(self, name: str) -> str:
+        fd = os.open(self.path / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
+
+    def set_limit(self, limit: int | None) -> None:
+        """Memory (and memory+swap, so swap is no way out) limit for the next run.
+
+        Raises:
+            OSError: the kernel refused (EBUSY: more is charged than `limit` and could not
+                be reclaimed).
+        """
+        if limit == self._limit:
+            return
+        value = "-1" if limit is None else str(limit)
+        # memsw.limit must stay >= limit: raise memsw first, lower it last.
+        if self._memsw:
+            try:
+                self._write("memory.memsw.limit_in_bytes", value)
+            except OSError:
+                self._write("memory.limit_in_bytes", value)
+                self._write("memory.memsw.limit_in_bytes", value)
+            else:
+                self._write("memory.limit_in_bytes", value)
+        else:
+            self._write("memory.limit_in_bytes", value)
+        self._limit = limit
+
+    def begin(self) -> int | None:
+        """Reset the peak and return the OOM-kill count before a run (``None``: the kernel
+        keeps none, < 4.13)."""
+        # Cache left by earlier runs on this slot would count in this run's peak and in
+        # its limit (until reclaimed): drop it first (sub-millisecond when there is little).
+        self._write("memory.force_empty", "0")
+        self._write("memory.max_usage_in_bytes", "0")
+        return self.oom_kills()
+
+    def oom_kills(self) -> int | None:
+        for line in self._read("memory.oom_control").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    def peak(self) -> int:
+        return int(self._read("memory.max_usage_in_bytes"))
+
+
+class _Slot:
+    """One spawner thread, moved once into its own pids cgroup (and memory cgroup, when
+    there is one), borrowed by one run at a time."""
+
+    def __init__(self, index: int, cgroup: _SlotCgroup, memory: _SlotMemory | None = None) -> None:
         self.spawner = _Spawner(f"metnos-spawner-{index}")
         self.cgroup = cgroup
+        self.memory = memory
 
 
 class _SlotPool:
@@ -514,7 +641,7 @@ class _SlotPool:
         except OSError:
             self._usable = False
             return None
-        slot = _Slot(index, _SlotCgroup(path))
+        slot = _Slot(index, _SlotCgroup(path), _slot_memory(index))
         try:
             # The one migration this thread ever makes (the costly part of cgroup joins).
             await _on_spawner(slot.cgroup.join_current_thread, slot.spawner)
@@ -523,12 +650,33 @@ class _SlotPool:
             with contextlib.suppress(OSError):
                 path.rmdir()
             return None
+        if slot.memory is not None:
+            try:
+                await _on_spawner(slot.memory.join_current_thread, slot.spawner)
+            except OSError:
+                # The slot still holds the pids wall; its runs report memory unbounded.
+                with contextlib.suppress(OSError):
+                    slot.memory.path.rmdir()
+                slot.memory = None
         self._usable = True
         return slot
 
     def release(self, slot: _Slot) -> None:
         with self._lock:
             self._free.append(slot)
+
+
+def _slot_memory(index: int) -> _SlotMemory | None:
+    """Slot `index`'s memory cgroup, created, or ``None`` when there can be none here."""
+    parent = _memory_parent()
+    if parent is None:
+        return None
+    path = parent / f"{os.getpid()}-slot-{index}"
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    return _SlotMemory(path)
 
 
 _slots = _SlotPool()
@@ -886,8 +1034,31 @@ async def _run_in_slot(
         slot.cgroup.set_max(budget)
     except OSError as exc:
         raise HostFault(f"cannot set pids.max of {slot.cgroup.path}: {exc}") from exc
+    memory = slot.memory if memory_cgroup_available() else None
+    oom_before: int | None = None
+    if memory is not None:
+        try:
+            memory.set_limit(spec.memory_max)
+            oom_before = memory.begin()
+        except OSError:
+            # EBUSY: more is charged than the limit and cannot be reclaimed. The run goes
+            # on with its per-process limits only, and says so (memory_limited=False).
+            memory = None
     try:
-        return await _run(spec, budget_s, grace, slot=slot)
+        result = await _run(spec, budget_s, grace, slot=slot)
+        if memory is None:
+            return result
+        try:
+            oom_after = memory.oom_kills()
+            peak = memory.peak()
+        except OSError as exc:
+            raise HostFault(f"cannot read memory cgroup {memory.path}: {exc}") from exc
+        return msgspec.structs.replace(
+            result,
+            memory_limited=spec.memory_max is not None,
+            memory_peak_bytes=peak,
+            oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
+        )
     finally:
         with anyio.CancelScope(shield=True):
             await slot.cgroup.drain()
