@@ -44,7 +44,7 @@ __all__ = (
 #: The event vocabulary. Keys are the ``event`` values a record may carry; values say
 #: when it is emitted and which fields (beyond the bound job context) it carries.
 EVENTS: Mapping[str, str] = {
-    "worker.started": "a worker began serving (broker, executors, concurrency, arms)",
+    "worker.started": "a worker began serving (executors, concurrency, backend: asyncio|trio)",
     "worker.draining": "SIGTERM/SIGINT received: no new leases; running jobs get grace_s",
     "worker.stopped": "the worker left its run loop (released: leases handed back)",
     "worker.signal": "a signal arrived (signal); the first drains, the second cuts grace",

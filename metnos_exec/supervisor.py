@@ -6,16 +6,20 @@ outlives `run` and there is no fire-and-forget task anywhere.
 
 Per job, in order:
 
-1. bind ``job_id``, ``executor``, ``worker``, ``device`` (and later ``sandbox``) into the
-   structlog contextvars, so every record of the job carries them; log ``job.received``;
-2. look the executor up (unknown executor, bad manifest → ``rejected`` with the code);
+1. bind ``job_id``, ``executor``, ``worker``, ``device`` and ``sandbox`` into the
+   structlog contextvars, so every record of the job carries them (spec §9): look the
+   executor up, and bind the arm its runtime will use here (`predict_arm`, no side
+   effects) — ``sandbox=None`` while no executor is known; log ``job.received``;
+2. an unknown executor or a bad manifest → ``rejected`` with the code;
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
 4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); log ``job.started``;
 5. run the arm while heart-beating every ``heartbeat_s`` (default ``visibility_s / 3``);
    a heartbeat that finds the lease gone → ``lease.lost``, the run is cancelled and
-   nothing is acked (the broker redelivers it); a heartbeat that reports a cancel request
-   → the run is cancelled and a ``cancelled`` result is acked;
+   nothing is acked (the broker redelivers it). Cancel requests are polled apart, every
+   ``cancel_poll_s`` (one `Broker.cancel_requested` call for all running jobs), so a
+   cancel lands within about a second rather than at the next heartbeat; a job found
+   cancelled is stopped and a ``cancelled`` result is acked;
 6. map the outcome to a result and ack it (``job.finished``), or schedule a retry.
 
 Retry rule. Retried (with `retry_delay(attempt)`, until ``max_attempts``, then dead-
@@ -38,6 +42,7 @@ from typing import Any, Final, Literal, Protocol
 
 import anyio
 import msgspec
+import sniffio
 import structlog
 from anyio.abc import TaskStatus
 
@@ -83,6 +88,10 @@ RAW_OUTPUT_CAP_BYTES: Final = 4096
 #: catches an arm that failed to.
 _BACKSTOP_MARGIN_S: Final = 10.0
 
+#: How often running jobs are checked for a cancel request: a user pressing "cancel"
+#: expects it to bite within a second; one cheap query per poll for all jobs.
+_CANCEL_POLL_S: Final = 0.5
+
 _log = structlog.get_logger("metnos_exec")
 
 
@@ -98,6 +107,20 @@ class ArmChooser(Protocol):
     """`sandbox.select.choose_arm`'s shape (injectable for tests)."""
 
     def __call__(self, runtime: str, *, require_sandbox: bool) -> _ArmChoice: ...
+
+
+def _predict_default_arm(runtime: str) -> str | None:
+    """The arm `choose_arm` will pick for `runtime`, for the log context (no logging).
+
+    ``None`` when it cannot tell (a bad ``METNOS_BWRAP``, an unknown runtime): the
+    choice itself raises the error, which rejects the job.
+    """
+    from .sandbox.select import decide_arm
+
+    try:
+        return decide_arm(runtime).arm
+    except (MetnosError, ValueError):
+        return None
 
 
 class ServerPinned(MetnosError):
@@ -119,6 +142,8 @@ class _Running:
     #: The run is over; the result is being settled (heartbeats no longer matter).
     settling: bool = False
     holds_slot: bool = True
+    #: The arm's name once known, for records logged outside the job's own task.
+    sandbox: str | None = None
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -138,7 +163,12 @@ class Supervisor:
         concurrency: jobs run at once.
         visibility_s: lease window; a worker silent this long loses the job.
         heartbeat_s: heartbeat period while a job runs (default ``visibility_s / 3``).
+        cancel_poll_s: how often running jobs are checked for a cancel request.
         arm_chooser: picks the sandbox arm for a runtime (default `choose_arm`).
+        predict_arm: runtime → the name of the arm `arm_chooser` will pick, without
+            choosing (so records logged before and during the choice, e.g.
+            ``job.received``, ``job.rejected``, ``sandbox.degraded``, carry ``sandbox``).
+            Default: `decide_arm` with the default chooser, else ``None`` until chosen.
         policy: passed to `plan_invocation` (``None``: its default policy).
         home: the user's home for ``~`` in hints and arguments (default ``$HOME``).
         skills_root: where provider skills keep their homes.
@@ -159,7 +189,9 @@ class Supervisor:
         concurrency: int = 4,
         visibility_s: float = 30.0,
         heartbeat_s: float | None = None,
+        cancel_poll_s: float = _CANCEL_POLL_S,
         arm_chooser: ArmChooser | Callable[..., Any] | None = None,
+        predict_arm: Callable[[str], str | None] | None = None,
         policy: Any = None,
         home: str | os.PathLike[str] | None = None,
         skills_root: str | os.PathLike[str] | None = None,
@@ -179,13 +211,19 @@ class Supervisor:
         self.concurrency = concurrency
         self.visibility_s = visibility_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else visibility_s / 3
+        if cancel_poll_s <= 0:
+            raise ValueError("cancel_poll_s must be positive")
+        self.cancel_poll_s = cancel_poll_s
         if arm_chooser is None:
             # Imported here so the supervisor module loads without the arms (tests inject
             # doubles; the arms pull in wasmtime lazily anyway).
             from .sandbox.select import choose_arm
 
             arm_chooser = choose_arm
+            if predict_arm is None:
+                predict_arm = _predict_default_arm
         self.arm_chooser = arm_chooser
+        self.predict_arm: Callable[[str], str | None] = predict_arm or (lambda runtime: None)
         self.policy = policy
         self.home = os.path.abspath(os.fspath(home)) if home is not None else None
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
@@ -240,6 +278,7 @@ class Supervisor:
             "worker.started",
             worker=self.worker_id,
             device=self.device,
+            backend=sniffio.current_async_library(),
             concurrency=self.concurrency,
             visibility_s=self.visibility_s,
             executors=sorted(self.registry),
@@ -255,6 +294,7 @@ class Supervisor:
                 # One heartbeat task for all running jobs, not one per job: a task per job
                 # would cost more than the echo arm's whole run.
                 tg.start_soon(self._heartbeat_loop, name="heartbeats")
+                tg.start_soon(self._cancel_poll_loop, name="cancel polls")
                 task_status.started()
                 async with anyio.create_task_group() as jobs:
                     await self._lease_loop(jobs, burst=burst)
@@ -277,12 +317,17 @@ class Supervisor:
             # Not cancellable by drain: a lease taken by a call we abandoned half-way
             # would sit unserved until its visibility window ran out.
             try:
-                leases = await self.broker.lease(
-                    self.worker_id,
-                    visibility_s=self.visibility_s,
-                    device=self.device,
-                    limit=free,
-                )
+                # The broker logs the jobs it settles while leasing (``job.bad_message``,
+                # ``job.dead_lettered``): they carry this context, and no arm ran them.
+                with structlog.contextvars.bound_contextvars(
+                    worker=self.worker_id, device=self.device, sandbox=None
+                ):
+                    leases = await self.broker.lease(
+                        self.worker_id,
+                        visibility_s=self.visibility_s,
+                        device=self.device,
+                        limit=free,
+                    )
             except Exception as exc:
                 # The broker is unreachable or busy: keep the worker (and its running
                 # jobs) alive and try again; a broken broker shows up in the logs.
@@ -368,6 +413,9 @@ class Supervisor:
                 executor=job.executor,
                 worker=self.worker_id,
                 device=self.device,
+                # Rebound as soon as the executor (hence the arm) is known; present from
+                # the first record so every record of the job has the key (spec §9).
+                sandbox=None,
                 attempt=lease.attempt,
             ):
                 if job.correlation_id is not None:
@@ -464,9 +512,17 @@ class Supervisor:
     async def _serve(self, running: _Running) -> None:
         lease = running.lease
         job = lease.job
-        _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
         try:
             executor = self.registry.get_executor(job.executor)
+        except MetnosError as exc:
+            _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
+            await self._reject(lease, exc)
+            return
+        # Before the choice, which may log (``sandbox.degraded``) or refuse the job.
+        running.sandbox = self.predict_arm(executor.manifest.runtime)
+        structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
+        _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
+        try:
             invocation = plan_invocation(
                 executor,
                 job.args,
@@ -490,7 +546,9 @@ class Supervisor:
             await self._reject(lease, exc)
             return
         arm: Sandbox = choice.sandbox
-        structlog.contextvars.bind_contextvars(sandbox=arm.name)
+        if arm.name != running.sandbox:
+            running.sandbox = arm.name
+            structlog.contextvars.bind_contextvars(sandbox=arm.name)
         # The job's timeout_s is applied by the planner (it may only shorten the manifest's).
         sjob = invocation.job
         for item in invocation.inactive:
@@ -563,6 +621,31 @@ class Supervisor:
             return
         await self._ack(lease, _outcome_result(self, lease, outcome, started_at))
 
+    async def _cancel_poll_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.cancel_poll_s)
+            ids = [
+                job_id
+                for job_id, running in self._running.items()
+                if not running.settling and running.stop is None
+            ]
+            if not ids:
+                continue
+            try:
+                wanted = await self.broker.cancel_requested(ids)
+            except Exception as exc:
+                # As for heartbeats: a hiccup only delays the cancel to the next poll.
+                _log.warning(
+                    "worker.error", error=f"cancel poll failed: {type(exc).__name__}: {exc}"
+                )
+                continue
+            for job_id in wanted:
+                running = self._running.get(job_id)
+                if running is None or running.settling or running.stop is not None:
+                    continue  # finished meanwhile; its ack decides
+                running.stop = "cancel_requested"
+                running.scope.cancel()
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await anyio.sleep(self.heartbeat_s)
@@ -574,9 +657,14 @@ class Supervisor:
                 except Exception as exc:
                     # A broker hiccup (busy database, dropped connection): keep running;
                     # the next beat may succeed, and the lease window has room for it.
+                    # Logged from this task, not the job's: its context is spelled out.
                     _log.warning(
                         "worker.error",
                         job_id=running.lease.job.id,
+                        executor=running.lease.job.executor,
+                        worker=self.worker_id,
+                        device=self.device,
+                        sandbox=running.sandbox,
                         error=f"heartbeat failed: {type(exc).__name__}: {exc}",
                     )
                     continue

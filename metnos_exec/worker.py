@@ -130,6 +130,8 @@ async def serve(
     """
     if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
         supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
+        # Every record of the job says "echo", from job.received on.
+        supervisor_kw.setdefault("predict_arm", lambda runtime: "echo")
     if supervisor_kw.get("policy") is None:
         # Once, here: read per job, a bad variable would fail every job instead.
         supervisor_kw["policy"] = _policy_from_env(os.environ)

@@ -120,6 +120,7 @@ def registry(executors: Path) -> ExecutorRegistry:
 def make(broker: MemoryBroker, registry: ExecutorRegistry, arm: Any, **kw: Any) -> Supervisor:
     kw.setdefault("worker_id", "w1")
     kw.setdefault("concurrency", 2)
+    kw.setdefault("predict_arm", lambda runtime: arm.name)
     return Supervisor(broker, registry, arm_chooser=chooser(arm), home="/nonexistent", **kw)
 
 
@@ -149,7 +150,11 @@ async def test_success_parses_stdout_json(registry: ExecutorRegistry) -> None:
     assert finished[0]["containment"]["sandbox"] == "scripted"
 
 
-async def test_context_is_bound_on_every_job_record(registry: ExecutorRegistry) -> None:
+async def test_context_is_bound_on_every_job_record(
+    registry: ExecutorRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spec §9: job id, executor, worker, device and sandbox on EVERY record of a job,
+    rejected, malformed and degraded jobs included; no exemptions."""
     import structlog
 
     seen: list[dict[str, Any]] = []
@@ -161,17 +166,48 @@ async def test_context_is_bound_on_every_job_record(registry: ExecutorRegistry) 
     structlog.configure(processors=[structlog.contextvars.merge_contextvars, keep])
     try:
         broker = MemoryBroker()
-        job_id = (await broker.submit(Job(executor="echo", correlation_id="run-1/3"))).job_id
+        ran = (await broker.submit(Job(executor="echo", correlation_id="run-1/3"))).job_id
+        bad_args = (await broker.submit(Job(executor="echo", args={"x": "no"}))).job_id
+        unknown = (await broker.submit(Job(executor="nope"))).job_id
+        broken = (await broker.submit(Job(executor="broken"))).job_id
+        malformed = await broker.submit_raw(b'{"executor": 42')
         await make(broker, registry, ScriptedArm(), device="server").run(burst=True)
+        # The real chooser with the wall switched off: the job runs degraded (the direct
+        # arm runs main.py for real), and `sandbox.degraded` is logged inside the choice.
+        monkeypatch.setenv("METNOS_SANDBOX", "off")
+        degraded = (await broker.submit(Job(executor="echo"))).job_id
+        await Supervisor(broker, registry, worker_id="w1", home="/nonexistent").run(burst=True)
     finally:
         structlog.reset_defaults()
-    job_records = [e for e in seen if e["event"].startswith("job.")]
-    assert {e["event"] for e in job_records} >= {"job.received", "job.started", "job.finished"}
-    for e in job_records:
-        assert e["job_id"] == job_id
-        assert e["executor"] == "echo" and e["worker"] == "w1" and e["device"] == "server"
-        assert e["correlation_id"] == "run-1/3"
-    assert all(e["sandbox"] == "scripted" for e in job_records if e["event"] != "job.received")
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for e in seen:
+        if "job_id" in e:
+            by_job.setdefault(e["job_id"], []).append(e)
+    assert set(by_job) == {ran, bad_args, unknown, broken, malformed, degraded}
+    expected_sandbox = {
+        ran: "scripted",
+        bad_args: "scripted",  # vetting failed, but the arm was known: it is bound
+        unknown: None,
+        broken: None,
+        malformed: None,
+        degraded: "none",
+    }
+    for job_id, records in by_job.items():
+        for e in records:
+            context = {k: e.get(k, "MISSING") for k in ("executor", "worker", "device")}
+            assert context["worker"] == "w1" and context["device"] == "server", e
+            assert context["executor"] != "MISSING", e
+            assert "sandbox" in e and e["sandbox"] == expected_sandbox[job_id], e
+    events = {job_id: [e["event"] for e in records] for job_id, records in by_job.items()}
+    assert events[ran] == ["job.received", "job.started", "job.finished"]
+    assert all(e["correlation_id"] == "run-1/3" for e in by_job[ran])
+    for job_id in (bad_args, unknown, broken):
+        assert events[job_id] == ["job.received", "job.rejected", "job.finished"]
+    assert events[malformed] == ["job.bad_message"]
+    assert by_job[malformed][0]["executor"] is None
+    assert by_job[unknown][0]["executor"] == "nope"
+    assert events[degraded][:3] == ["job.received", "sandbox.degraded", "job.started"]
+    assert events[degraded][-1] == "job.finished"
 
 
 async def test_bad_output_is_failed_with_raw_text(registry: ExecutorRegistry) -> None:
@@ -321,6 +357,56 @@ async def test_cancel_running_job(registry: ExecutorRegistry) -> None:
             r = await broker.wait_result(job_id, timeout=None)
     assert r is not None and r.status == "cancelled"
     assert r.error is not None and r.error.code == "E_CANCELLED"
+
+
+async def test_cancel_of_a_running_job_lands_within_a_second_not_a_heartbeat(
+    registry: ExecutorRegistry,
+) -> None:
+    # Heartbeats are an hour apart: only the cancel poll can notice. Both jobs' states
+    # come back in one broker call, and the other job runs on untouched.
+    broker = MemoryBroker()
+    started = [anyio.Event(), anyio.Event()]
+    gate = anyio.Event()
+    calls: list[list[str]] = []
+    real = broker.cancel_requested
+
+    async def spy(job_ids: Any) -> set[str]:
+        calls.append(sorted(job_ids))
+        return await real(job_ids)
+
+    broker.cancel_requested = spy  # type: ignore[method-assign]
+
+    async def block(job: SandboxJob) -> None:
+        started[0 if not started[0].is_set() else 1].set()
+        await gate.wait()
+
+    sup = make(broker, registry, ScriptedArm(block, block), heartbeat_s=3600)
+    assert sup.cancel_poll_s <= 1.0  # the default is what this test measures
+    a = (await broker.submit(Job(executor="echo"))).job_id
+    b = (await broker.submit(Job(executor="echo"))).job_id
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sup.run, burst=True))
+        await started[0].wait()
+        await started[1].wait()
+        assert await broker.cancel(a) == "cancelling"
+        with anyio.fail_after(2 * sup.cancel_poll_s + 0.5):
+            r = await broker.wait_result(a, timeout=None)
+        assert await broker.get_result(b) is None  # still running
+        gate.set()
+    assert r is not None and r.status == "cancelled"
+    assert r.error is not None and r.error.code == "E_CANCELLED"
+    rb = await broker.get_result(b)
+    assert rb is not None and rb.status == "succeeded"
+    assert calls and calls[0] == sorted([a, b])
+
+
+async def test_worker_started_names_the_backend(
+    registry: ExecutorRegistry, anyio_backend: str
+) -> None:
+    with capture_logs() as logs:
+        await make(MemoryBroker(), registry, ScriptedArm()).run(burst=True)
+    [started] = [e for e in logs if e["event"] == "worker.started"]
+    assert started["backend"] == anyio_backend
 
 
 async def test_lost_lease_cancels_run_and_acks_nothing(registry: ExecutorRegistry) -> None:

@@ -212,6 +212,10 @@ class MemoryBroker(Broker):
                 _log.warning(
                     "job.dead_lettered",
                     job_id=entry.job_id,
+                    # The job's own executor and worker, not the sweeping worker's context.
+                    executor=entry.job.executor if entry.job is not None else None,
+                    worker=entry.worker,
+                    device=entry.device,
                     code=error.code,
                     message=error.message,
                 )
@@ -301,7 +305,13 @@ class MemoryBroker(Broker):
             if entry.job is None:
                 error = entry.bad or ErrorInfo(code=BadMessage.code, message="undecodable")
                 self._kill(entry, error, now)
-                _log.error("job.bad_message", job_id=job_id, code=error.code, message=error.message)
+                _log.error(
+                    "job.bad_message",
+                    job_id=job_id,
+                    executor=None,  # undecodable: no executor is known
+                    code=error.code,
+                    message=error.message,
+                )
                 continue
             entry.state = "running"
             entry.token = os.urandom(8).hex()

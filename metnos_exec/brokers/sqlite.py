@@ -599,7 +599,16 @@ class SQLiteBroker(Broker):
                 device=device,
                 now=now,
             )
-            _log.warning("job.dead_lettered", job_id=job_id, code=error.code, message=error.message)
+            _log.warning(
+                "job.dead_lettered",
+                job_id=job_id,
+                # The job's own executor and worker, not the sweeping worker's context.
+                executor=decoded.executor if isinstance(decoded, Job) else None,
+                worker=worker,
+                device=device,
+                code=error.code,
+                message=error.message,
+            )
 
     def _lease_sync(self, worker_id: str, visibility_s: float, dev: str, limit: int) -> list[Lease]:
         db = self._db
@@ -642,6 +651,7 @@ class SQLiteBroker(Broker):
                         _log.error(
                             "job.bad_message",
                             job_id=job_id,
+                            executor=None,  # undecodable: no executor is known
                             code=decoded.code,
                             message=decoded.message,
                         )
