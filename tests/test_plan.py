@@ -307,7 +307,11 @@ def test_wasm_job_shapes(tmp_path: Path, home: Path) -> None:
     folder = os.path.realpath(wp.path)
     assert inv.job.wasm is not None
     assert inv.job.wasm.module == PYTHON_WASM_MODULE
-    assert inv.job.wasm.args == ("python", "-u", f"{folder}/main.py")
+    # Like native: isolated, no site; -u first, where the arm looks before adding its own.
+    assert inv.job.wasm.args == ("python", "-u", "-I", "-S", f"{folder}/main.py")
+    from metnos_exec.sandbox.wasm import _python_argv
+
+    assert _python_argv(inv.job.wasm.args) == list(inv.job.wasm.args)  # -u not doubled
     # main.py must be readable by the guest interpreter: the folder is a read-only preopen.
     assert Mount(folder, folder, False) in inv.job.mounts
 
