@@ -256,10 +256,14 @@ async def _demo(root: Path) -> int:
     for rec in records[-6:]:
         out.write("  " + render_record(rec, color=out.isatty())[:200] + "\n")
     rel = os.path.relpath
+    # `./dev demo` runs from .venv without activating it: say how to get the command.
+    activate = Path(sys.prefix) / "bin" / "activate"
+    on_path = shutil.which("metnos-exec") is not None
+    next_first = "" if on_path or not activate.exists() else f"  source {rel(activate)}\n"
     out.write(
         f"""
 next (in another terminal, from this folder):
-  export METNOS_BROKER=sqlite:///{rel(root / "metnos.db")}
+{next_first}  export METNOS_BROKER=sqlite:///{rel(root / "metnos.db")}
   metnos-exec worker --executors {rel(executors)} --home {rel(home)} --log-file {rel(log_path)}
   metnos-exec submit write_note --arg 'path=~/notes/mine.md' --arg 'text=hello' --wait
   metnos-exec submit read_notes --arg 'path=~/notes/mine.md' --wait
