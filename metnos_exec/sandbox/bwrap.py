@@ -48,6 +48,7 @@ from ._types import (
     ContainmentReport,
     Failure,
     Killed,
+    MemoryExceeded,
     SandboxExit,
     SandboxJob,
     SandboxOutcome,
@@ -407,6 +408,22 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
 # --- containment ----------------------------------------------------------------------
 
 _FILES = AxisVerdict("kept", "only the declared mounts and read-only system trees are visible")
+#: Why a root worker cannot claim the files and user walls. bubblewrap maps the guest's
+#: uid 65534 to the uid that started it; for root that is host uid 0, so discretionary
+#: access checks treat the guest as root (it holds no capability, so it cannot override
+#: a mode: 0600 root files are read by *owner* match). `MASKED_PATHS` hides a fixed list.
+ROOT_WORKER_REASON = (
+    "worker runs as root: the job is host root for file permissions (no capabilities); "
+    "root-only files in read-only system folders are readable"
+)
+_FILES_AS_ROOT = AxisVerdict("partial", ROOT_WORKER_REASON)
+
+
+def worker_is_root() -> bool:
+    """Whether the worker runs as root (the guest's uid then maps to host uid 0)."""
+    return os.geteuid() == 0
+
+
 _NET_KEPT = AxisVerdict("kept", "own empty network namespace (--unshare-net)")
 _NET_GRANTED = AxisVerdict("not_kept", "network capability granted: host network shared")
 _TREE = AxisVerdict(
@@ -415,7 +432,9 @@ _TREE = AxisVerdict(
 _USER_REASON = "uid 65534 without capabilities in its own user namespace"
 
 
-def _user_verdict(features: BwrapFeatures) -> AxisVerdict:
+def _user_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
+    if as_root:
+        return AxisVerdict("partial", ROOT_WORKER_REASON)
     if features.disable_userns:
         return AxisVerdict("kept", _USER_REASON + "; nested user namespaces disabled")
     return AxisVerdict(
@@ -423,11 +442,22 @@ def _user_verdict(features: BwrapFeatures) -> AxisVerdict:
     )
 
 
-def _resources_verdict(job: SandboxJob, pids_enforced: bool | None) -> AxisVerdict:
+#: The memory wall without a memory cgroup: RLIMIT_AS binds each process, so N processes
+#: (and the private /tmp, whose pages no rlimit counts) reach N times the budget.
+MEMORY_PER_PROCESS_REASON = "memory bounded per process (RLIMIT_AS), not per job"
+
+
+def _resources_verdict(
+    job: SandboxJob, pids_enforced: bool | None, memory_enforced: bool | None
+) -> AxisVerdict:
     lim = job.limits
     missing: list[str] = []
     if lim.memory_bytes is None:
         missing.append("no memory limit")
+    elif memory_enforced is False:
+        missing.append(MEMORY_PER_PROCESS_REASON)
+    elif memory_enforced is None:
+        missing.append("job memory limit enforcement unknown until run")
     if lim.pids is None:
         missing.append("no process limit")
     elif pids_enforced is False:
@@ -439,7 +469,10 @@ def _resources_verdict(job: SandboxJob, pids_enforced: bool | None) -> AxisVerdi
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
-    return AxisVerdict("kept", f"address space, process count, file size and {cpu} limits held")
+    return AxisVerdict(
+        "kept",
+        f"job memory (memory cgroup), process count, file size and {cpu} limits held",
+    )
 
 
 # --- the arm --------------------------------------------------------------------------
@@ -466,17 +499,20 @@ class BwrapSandbox:
 
     def containment(self, job: SandboxJob) -> ContainmentReport:
         """The report before running: resources stay ``partial`` until the run shows
-        whether the pids cgroup really held (see `run`)."""
-        return self._report(job, pids_enforced=None)
+        whether the pids and memory cgroups really held (see `run`)."""
+        return self._report(job, pids_enforced=None, memory_enforced=None)
 
-    def _report(self, job: SandboxJob, *, pids_enforced: bool | None) -> ContainmentReport:
+    def _report(
+        self, job: SandboxJob, *, pids_enforced: bool | None, memory_enforced: bool | None
+    ) -> ContainmentReport:
+        as_root = worker_is_root()
         return ContainmentReport(
             sandbox="bwrap",
-            files=_FILES,
+            files=_FILES_AS_ROOT if as_root else _FILES,
             network=_NET_GRANTED if job.network else _NET_KEPT,
             process_tree=_TREE,
-            user=_user_verdict(self._features),
-            resources=_resources_verdict(job, pids_enforced),
+            user=_user_verdict(self._features, as_root),
+            resources=_resources_verdict(job, pids_enforced, memory_enforced),
         )
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
@@ -533,6 +569,9 @@ class BwrapSandbox:
                 # Fork from a spawner thread that already sits in its own pids cgroup: no
                 # per-job cgroup migration (the costly part, an RCU grace period).
                 cgroup_pool=True,
+                # The job's total: every process of the tree and the /tmp pages it writes,
+                # held by the slot's memory cgroup (RLIMIT_AS only binds each process).
+                memory_max=job.limits.memory_bytes,
             )
             result = await run_process(spec, timeout=job.limits.wall_time_s)
             os.close(status_w)
@@ -543,7 +582,9 @@ class BwrapSandbox:
             if status_w >= 0:
                 os.close(status_w)
             os.close(status_r)
-        exit_ = map_exit(job, result, status)
+        # The kernel told us: a process of the job was OOM-killed at the job's memory
+        # limit (the memory cgroup's oom_kill counter moved). Never inferred from stderr.
+        exit_ = MemoryExceeded() if result.oom_killed else map_exit(job, result, status)
         return SandboxOutcome(
             stdout=result.stdout,
             stderr=result.stderr,
@@ -551,9 +592,17 @@ class BwrapSandbox:
             usage=Usage(
                 wall_s=result.wall_s,
                 cpu_s=result.cpu_s,
-                peak_memory_bytes=result.peak_rss_bytes,
+                # The tree's peak as the memory cgroup counted it, when there is one;
+                # else the largest single process (a lower bound for a tree).
+                peak_memory_bytes=(
+                    result.memory_peak_bytes
+                    if result.memory_peak_bytes is not None
+                    else result.peak_rss_bytes
+                ),
             ),
-            containment=self._report(job, pids_enforced=result.pids_limited),
+            containment=self._report(
+                job, pids_enforced=result.pids_limited, memory_enforced=result.memory_limited
+            ),
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 from metnos_exec.sandbox._types import (
     Failure,
     Killed,
+    MemoryExceeded,
     Mount,
     ResourceLimits,
     SandboxJob,
@@ -46,6 +48,7 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
 
 MiB = 1 << 20
 HAS_SHADOW = os.path.exists("/etc/shadow")
+AS_ROOT = os.geteuid() == 0
 
 
 def need_bwrap() -> None:
@@ -99,7 +102,8 @@ async def test_host_file_outside_mounts_is_not_visible(arm: BwrapSandbox, tmp_pa
     )
     got = report(await arm.run(job))
     assert got == {"read": False, "errno": 2}  # ENOENT: not mounted at all
-    assert arm.containment(job).files.state == "kept"
+    # As root, root-only files in the system trees stay readable: see the root tests.
+    assert arm.containment(job).files.state == ("partial" if AS_ROOT else "kept")
 
 
 async def test_root_only_host_secrets_are_masked(arm: BwrapSandbox, tmp_path: Path) -> None:
@@ -481,7 +485,7 @@ async def test_guest_is_unprivileged_without_nested_userns(
     # LC_CTYPE in its own process): nothing of the worker's environment.
     assert set(got["env"]) <= {"METNOS_VISIBLE", "PWD", "LC_CTYPE"}, got["env"]
     assert "METNOS_VISIBLE" in got["env"]
-    assert outcome.containment.user.state == "kept"
+    assert outcome.containment.user.state == ("partial" if AS_ROOT else "kept")
 
 
 # --- exits, isolation between runs, set-up faults -----------------------------------------
@@ -688,16 +692,234 @@ def test_containment_before_run_is_honest_about_unknowns() -> None:
     need_bwrap()
     report_ = BwrapSandbox().containment(SandboxJob(argv=("x",), network=True))
     assert report_.sandbox == "bwrap"
-    assert report_.files.state == "kept" and report_.process_tree.state == "kept"
+    assert report_.files.state == ("partial" if AS_ROOT else "kept")
+    assert report_.process_tree.state == "kept"
     assert report_.network.state == "not_kept"
     # Whether the pids cgroup holds is only known once run_process has tried.
     assert report_.resources.state == "partial"
 
 
-def test_user_axis_partial_without_disable_userns() -> None:
+def test_user_axis_partial_without_disable_userns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metnos_exec.sandbox import bwrap as bwrap_mod
     from metnos_exec.sandbox.flags import BwrapFeatures
 
+    monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: False)
     old = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures(version=(0, 7, 0)))
     assert old.containment(SandboxJob(argv=("x",))).user.state == "partial"
     new = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures(version=(0, 8, 0)))
     assert new.containment(SandboxJob(argv=("x",))).user.state == "kept"
+
+
+# --- the job's memory is bounded as a whole (memory cgroup), not per process -------------
+
+# Each child fills 200 MiB (well under its own 256 MiB RLIMIT_AS) and holds it a moment,
+# so that together they would reach 800 MiB: only a per-job limit stops that.
+FOUR_CHILDREN = """
+import json, os, time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"\\x01" * (200 << 20)
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]
+print(json.dumps({"codes": codes}))
+"""
+
+
+def need_memcg() -> None:
+    from metnos_exec.process import memory_cgroup_available
+
+    need(memory_cgroup_available(), "no writable cgroup v1 memory hierarchy (needs root)")
+
+
+async def test_a_tree_cannot_exceed_the_jobs_memory_limit(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    need_memcg()
+    limit = 256 * MiB
+    outcome = await arm.run(
+        py_job(tmp_path, FOUR_CHILDREN, limits=ResourceLimits(memory_bytes=limit, pids=16))
+    )
+    # The kernel OOM-killed part of the tree at the job's limit and said so.
+    assert outcome.exit == MemoryExceeded(), (outcome.exit, outcome.stdout, outcome.stderr)
+    peak = outcome.usage.peak_memory_bytes
+    assert peak is not None and 200 * MiB < peak <= limit + MiB, peak
+    assert outcome.containment.resources.state == "kept", outcome.containment.resources
+
+
+async def test_the_private_tmp_counts_in_the_jobs_memory(arm: BwrapSandbox, tmp_path: Path) -> None:
+    need_memcg()
+    limit = 256 * MiB
+    # Files may be as big as /tmp: the file size limit must not be what stops the job.
+    big_files = ResourceLimits(memory_bytes=limit, file_size_bytes=512 * MiB)
+    fill = """
+        import json, os
+        written, error = 0, None
+        try:
+            with open("/tmp/fill", "wb") as f:
+                for _ in range(400):
+                    f.write(b"\\x01" * (1 << 20)); f.flush(); written += 1
+        except OSError as e:
+            error = e.errno
+        print(json.dumps({"written_mib": written, "errno": error}))
+        """
+    outcome = await arm.run(py_job(tmp_path, fill, limits=big_files))
+    if outcome.exit != MemoryExceeded():
+        got = report(outcome)
+        assert got["errno"] is not None and got["written_mib"] < 256, got
+    # /tmp pages plus a heap, each under its own bound (tmpfs size, RLIMIT_AS), together
+    # past the job's: without a memory cgroup this job would hold ~400 MiB and succeed.
+    both = """
+        import json
+        with open("/tmp/fill", "wb") as f:
+            for _ in range(200):
+                f.write(b"\\x01" * (1 << 20))
+        heap = b"\\x01" * (200 << 20)
+        print(json.dumps({"held_mib": 400}))
+        """
+    outcome = await arm.run(py_job(tmp_path, both, limits=big_files))
+    assert outcome.exit == MemoryExceeded(), (outcome.exit, outcome.stdout, outcome.stderr)
+    peak = outcome.usage.peak_memory_bytes
+    assert peak is not None and peak <= limit + MiB, peak
+
+
+TWO_CHILDREN_60_MIB = """
+import json, os, time
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        block = b"\\x01" * (60 << 20)
+        time.sleep(0.5)
+        os._exit(0)
+    kids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]
+print(json.dumps({"codes": codes}))
+"""
+
+
+async def test_a_job_within_its_limit_succeeds_after_an_oom_and_peak_is_the_trees(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    need_memcg()
+    limits = ResourceLimits(memory_bytes=256 * MiB, pids=16)
+    first = await arm.run(py_job(tmp_path, FOUR_CHILDREN, limits=limits))
+    assert first.exit == MemoryExceeded()
+    # The same slot is lent again (sequential runs): its limit and counters start afresh.
+    outcome = await arm.run(py_job(tmp_path, TWO_CHILDREN_60_MIB, limits=limits))
+    assert report(outcome) == {"codes": [0, 0]}
+    peak = outcome.usage.peak_memory_bytes
+    # Both children at once: more than either process alone could show.
+    assert peak is not None and 120 * MiB <= peak <= 256 * MiB, peak
+    assert outcome.containment.resources.state == "kept"
+
+
+async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from metnos_exec import process
+    from metnos_exec.sandbox.bwrap import MEMORY_PER_PROCESS_REASON
+
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    outcome = await arm.run(
+        py_job(tmp_path, TWO_CHILDREN_60_MIB, limits=ResourceLimits(memory_bytes=256 * MiB))
+    )
+    assert report(outcome) == {"codes": [0, 0]}
+    assert outcome.containment.resources.state == "partial"
+    assert MEMORY_PER_PROCESS_REASON in outcome.containment.resources.reason
+    # Without the cgroup the peak is one process's (a lower bound for the tree).
+    peak = outcome.usage.peak_memory_bytes
+    assert peak is not None and peak < 120 * MiB
+
+
+# --- a root worker: the guest is host root for file permissions ---------------------------
+
+
+@pytest.fixture
+def root_only_file() -> Any:
+    """A world-traversable folder (so an unprivileged worker can mount it) holding a
+    root-owned 0600 file, like /etc/wireguard/wg0.conf on a real host."""
+    need(AS_ROOT, "creating a root-owned file needs root")
+    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        secret = base / "key"
+        secret.write_text("root secret")
+        secret.chmod(0o600)
+        yield secret
+    finally:
+        shutil.rmtree(base)
+
+
+def secret_job(secret: Path) -> SandboxJob:
+    # cat(1) from /usr, not Python: an unprivileged worker may not reach the interpreter's
+    # prefix (here under /root), and the claim is about file permissions only.
+    return SandboxJob(
+        argv=("/bin/cat", "--", str(secret)),
+        mounts=(Mount(str(secret.parent), str(secret.parent)),),
+        env={"LC_ALL": "C"},
+    )
+
+
+async def test_root_worker_partial_is_true_root_only_files_are_readable(
+    arm: BwrapSandbox, root_only_file: Path
+) -> None:
+    from metnos_exec.sandbox.bwrap import ROOT_WORKER_REASON
+
+    outcome = await arm.run(secret_job(root_only_file))
+    # Mounted read-only, mode 0600, owner root: the guest (uid 65534 → host uid 0) reads it.
+    assert outcome.exit == Success() and outcome.stdout == b"root secret", outcome
+    assert outcome.containment.files == outcome.containment.user
+    assert outcome.containment.files.state == "partial"
+    assert outcome.containment.files.reason == ROOT_WORKER_REASON
+
+
+UNPRIVILEGED_WORKER = """
+import anyio, json, sys
+import msgspec
+from metnos_exec.sandbox.bwrap import BwrapSandbox
+from metnos_exec.sandbox._types import Mount, SandboxJob
+job = msgspec.json.decode(sys.argv[1].encode(), type=SandboxJob)
+out = anyio.run(BwrapSandbox().run, job)
+print(json.dumps({"exit": msgspec.to_builtins(out.exit), "stdout": out.stdout.decode(),
+                  "stderr": out.stderr.decode()[-500:],
+                  "files": out.containment.files.state, "user": out.containment.user.state}))
+"""
+
+
+def test_unprivileged_worker_cannot_read_root_only_files_and_keeps_the_axes(
+    root_only_file: Path,
+) -> None:
+    import msgspec
+
+    need_bwrap()
+    setpriv = shutil.which("setpriv")
+    need(setpriv is not None, "setpriv (util-linux) not installed")
+    assert setpriv is not None
+    job = secret_job(root_only_file)
+    run = subprocess.run(
+        [
+            setpriv,
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            sys.executable,
+            "-c",
+            UNPRIVILEGED_WORKER,
+            msgspec.json.encode(job).decode(),
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+    )
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    got = json.loads(run.stdout)
+    assert got["exit"] == {"type": "failure", "code": 1}, got
+    assert got["stdout"] == "" and "Permission denied" in got["stderr"], got
+    assert (got["files"], got["user"]) == ("kept", "kept"), got

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from metnos_exec.sandbox.bwrap import bwrap_probe, forget_probes
 from metnos_exec.sandbox.status import RUNTIMES, SandboxStatus, status
@@ -63,3 +64,13 @@ def test_status_wasm_section_present() -> None:
     if "engine" in st.wasm:
         assert isinstance(st.wasm["engine"]["importable"], bool)
         assert st.arms["wasm"] == "wasm"
+
+
+def test_status_warns_when_the_worker_runs_as_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metnos_exec.sandbox import status as status_mod
+
+    monkeypatch.setattr(status_mod, "worker_is_root", lambda: True)
+    warning = status().worker_as_root
+    assert warning is not None and "runs as root" in warning and "readable" in warning
+    monkeypatch.setattr(status_mod, "worker_is_root", lambda: False)
+    assert status().worker_as_root is None
