@@ -82,6 +82,7 @@ vfork); a vforked child starts from nothing of ours.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import ctypes
@@ -681,6 +682,42 @@ def _slot_memory(index: int) -> _SlotMemory | None:
 
 _slots = _SlotPool()
 os.register_at_fork(after_in_child=lambda: _slots.__init__())  # type: ignore[misc]
+
+
+def _remove_slot_memory() -> None:
+    """At exit, take each idle slot thread back to the worker's memory cgroup and remove
+    the slot memory cgroups (and ``metnos``, when no other worker uses it).
+
+    Why here and not only by the next worker's sweep: they live under the worker's *own*
+    memory cgroup, which the next worker may not share (a new service instance, a new
+    container), and a cgroup with children cannot be removed by whoever manages the
+    worker's. A SIGKILLed worker still leaves them; a later worker in the same cgroup
+    sweeps them.
+    """
+    parent = _memory_parent_cache[0] if _memory_parent_cache else None
+    if parent is None:
+        return
+    home = str(parent.parent / "tasks")
+
+    def go_home() -> None:
+        Path(home).write_text(str(threading.get_native_id()))
+
+    for slot in list(_slots._free):
+        if slot.memory is None:
+            continue
+        done_fd = os.eventfd(0, os.EFD_CLOEXEC)
+        try:
+            slot.spawner.submit(go_home, done_fd).result(timeout=1.0)
+            slot.memory.path.rmdir()
+        except (OSError, concurrent.futures.TimeoutError):
+            continue
+        finally:
+            os.close(done_fd)
+    with contextlib.suppress(OSError):
+        parent.rmdir()
+
+
+atexit.register(_remove_slot_memory)
 
 
 # --- spawning -------------------------------------------------------------------------
