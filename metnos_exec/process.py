@@ -69,6 +69,22 @@ tied to it never fires early. On cgroup v2 (no per-thread cgroups outside thread
 where ``pids`` cannot be enabled) and without a writable v1 hierarchy, the per-run cgroup
 above is used.
 
+Memory (``memory_max``; pooled runs on cgroup v1): RLIMIT_AS binds each *process*, so a job
+of N processes may hold N times its budget, and a tmpfs it writes to (the bwrap arm's
+private ``/tmp``) is counted by no rlimit at all. A slot's thread therefore also sits, once,
+in its own v1 memory cgroup, nested under the worker's own memory cgroup
+(``<worker's memcg>/metnos/<worker pid>-slot-<n>``). A page is charged to the cgroup of its
+``mm``'s owner, so what the job tree maps and writes (tmpfs pages are shmem, charged to the
+writer) is charged there while the worker's own memory is not (see `_SlotMemory`). Per run:
+``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (swap is no way out) set to
+``memory_max``, cache left by earlier runs dropped (``memory.force_empty``), the peak reset;
+after it, ``memory.max_usage_in_bytes`` is the tree's peak (``memory_peak_bytes``) and a
+move of ``oom_kill`` in ``memory.oom_control`` (Linux >= 4.13) means the kernel OOM-killed a
+process of the tree at the limit (``oom_killed``). ``memory_limited`` says whether all of
+this held; it is ``False`` without a writable v1 memory hierarchy (a non-root worker), on
+cgroup v2 and for non-pooled runs, and then only the callers' rlimits bound memory.
+The slot memory cgroups are removed at exit (`_remove_slot_memory`).
+
 Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
 interpreter or set-up, ``wait4``). A user-level command that cannot be executed is an
 ordinary result: exit 127 when not found, 126 otherwise (as a shell does), with the

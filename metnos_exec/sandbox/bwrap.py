@@ -22,6 +22,17 @@ only glues them and reads back what happened, honestly:
   "killed by signal N". The limit is named only when the kernel's signal says it
   (SIGXCPU → ``cpu_time``, SIGXFSZ → ``file_size``) and that limit was set for the job.
   Caveat, stated plainly: a guest calling ``exit(128 + N)`` itself is reported as killed.
+* the job's memory is bounded as a whole by the slot's memory cgroup (`ProcessSpec.memory_max`:
+  every process of the tree and the private ``/tmp`` pages count); `MemoryExceeded` when
+  the kernel OOM-killed part of the tree at that limit (the cgroup's ``oom_kill`` counter
+  moved), whatever the guest's exit status; RLIMIT_AS stays, so a single big allocation
+  still fails gracefully first. Without the cgroup the resources axis says ``partial``
+  (`MEMORY_PER_PROCESS_REASON`).
+* a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
+  file permission checks treat the guest as the owner of root's files (it holds no
+  capability: only *owner* matches). Root-only files in the read-only system trees are
+  readable, except the fixed `MASKED_PATHS`; the files and user axes say ``partial``
+  (`ROOT_WORKER_REASON`). Running the worker as an unprivileged user keeps them.
 """
 
 from __future__ import annotations

@@ -129,8 +129,10 @@ RESERVED_GUEST_PATHS: tuple[str, ...] = ("/proc", "/dev")
 #: Secrets inside the system trees above, hidden behind an empty file / directory.
 #: Why: the worker usually runs as root, and bubblewrap maps the guest's uid to the
 #: worker's uid, so root-only files (``/etc/shadow``, ssh host keys) would be readable by
-#: the guest through the read-only ``/etc`` bind. Masking answers that disclosure; running
-#: the worker as an unprivileged user answers it better.
+#: the guest through the read-only ``/etc`` bind. Masking answers that disclosure for
+#: this fixed list only (a host's ``/etc/wireguard``, ``krb5.keytab``, TLS keys are not
+#: in it), which is why the bwrap arm reports files and user ``partial`` for a root
+#: worker; running the worker as an unprivileged user answers it properly.
 MASKED_PATHS: tuple[str, ...] = (
     "/etc/shadow",
     "/etc/shadow-",
