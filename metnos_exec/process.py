@@ -77,8 +77,9 @@ in its own v1 memory cgroup, nested under the worker's own memory cgroup
 ``mm``'s owner, so what the job tree maps and writes (tmpfs pages are shmem, charged to the
 writer) is charged there while the worker's own memory is not (see `_SlotMemory`). Per run:
 ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (swap is no way out) set to
-``memory_max``, cache left by earlier runs dropped (``memory.force_empty``), the peak reset;
-after it, ``memory.max_usage_in_bytes`` is the tree's peak (``memory_peak_bytes``) and a
+``memory_max``, cache left by earlier runs dropped when above 16 MiB (``memory.force_empty``;
+below that it may count in the peak), the peak reset; after it,
+``memory.max_usage_in_bytes`` is the tree's peak (``memory_peak_bytes``) and a
 move of ``oom_kill`` in ``memory.oom_control`` (Linux >= 4.13) means the kernel OOM-killed a
 process of the tree at the limit (``oom_killed``). ``memory_limited`` says whether all of
 this held; it is ``False`` without a writable v1 memory hierarchy (a non-root worker), on
@@ -500,6 +501,9 @@ class _SlotCgroup(_Cgroup):
 
 
 _V1_MEMORY: Final = Path("/sys/fs/cgroup/memory")
+#: Above this much charge left by earlier runs, a slot's memory cgroup is emptied before a
+#: run (see `_SlotMemory.begin`): the slack a run's peak may include.
+_STALE_CACHE_BYTES: Final = 16 << 20
 _memory_parent_cache: list[Path | None] = []
 
 
@@ -595,9 +599,12 @@ class _SlotMemory:
     def begin(self) -> int | None:
         """Reset the peak and return the OOM-kill count before a run (``None``: the kernel
         keeps none, < 4.13)."""
-        # Cache left by earlier runs on this slot would count in this run's peak and in
-        # its limit (until reclaimed): drop it first (sub-millisecond when there is little).
-        self._write("memory.force_empty", "0")
+        # Page cache left by earlier runs on this slot counts in this run's peak (and in
+        # its limit until reclaimed, which the kernel does before any OOM kill). Dropping
+        # it costs ~1.7 ms a job, so only when more than a few MiB are left: a no-op job
+        # leaves ~5 MiB, mostly the interpreter's files the next job reads again anyway.
+        if int(self._read("memory.usage_in_bytes")) > _STALE_CACHE_BYTES:
+            self._write("memory.force_empty", "0")
         self._write("memory.max_usage_in_bytes", "0")
         return self.oom_kills()
 
