@@ -81,9 +81,13 @@ writer) is charged there while the worker's own memory is not (see `_SlotMemory`
 below that it may count in the peak), the peak reset; after it,
 ``memory.max_usage_in_bytes`` is the tree's peak (``memory_peak_bytes``) and a
 move of ``oom_kill`` in ``memory.oom_control`` (Linux >= 4.13) means the kernel OOM-killed a
-process of the tree at the limit (``oom_killed``). ``memory_limited`` says whether all of
-this held; it is ``False`` without a writable v1 memory hierarchy (a non-root worker), on
-cgroup v2 and for non-pooled runs, and then only the callers' rlimits bound memory.
+process of the tree at the limit (``oom_killed``). On cgroup v2 the per-run cgroup holds
+it instead when the ``memory`` controller can be enabled: ``memory.max``,
+``memory.swap.max`` 0, ``memory.peak`` and ``oom_kill`` in ``memory.events`` (written to
+the kernel's documentation, untested here: this host runs cgroup v1). ``memory_limited``
+says whether a cgroup held it; it is ``False`` without a writable memory hierarchy (a
+non-root worker) and for non-pooled runs on cgroup v1, and then only the callers' rlimits
+bound memory.
 The slot memory cgroups are removed at exit (`_remove_slot_memory`).
 
 Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
@@ -359,6 +363,13 @@ def _find_cgroup_parent() -> Path | None:
                 (_V2_ROOT / "cgroup.subtree_control").write_text("+pids")
             if "pids" not in (parent / "cgroup.subtree_control").read_text().split():
                 (parent / "cgroup.subtree_control").write_text("+pids")
+            if "memory" in controllers.read_text().split():
+                # Best effort: per-run cgroups then also hold `ProcessSpec.memory_max`
+                # (see `_Cgroup.limit_memory`); without it they report memory unlimited.
+                with contextlib.suppress(OSError):
+                    for node in (_V2_ROOT, parent):
+                        if "memory" not in (node / "cgroup.subtree_control").read_text().split():
+                            (node / "cgroup.subtree_control").write_text("+memory")
             return parent
     except OSError:
         return None
@@ -394,6 +405,32 @@ class _Cgroup:
             return [int(p) for p in Path(self.procs).read_text().split()]
         except OSError:
             return []
+
+    def limit_memory(self, limit: int) -> bool:
+        """cgroup v2 only: set ``memory.max`` (and ``memory.swap.max``) before the child
+        joins; ``False`` when this cgroup has no memory controller (v1's pids hierarchy,
+        or v2 without ``memory`` delegated). Untested here: this host runs cgroup v1."""
+        try:
+            (self.path / "memory.max").write_text(str(limit))
+        except OSError:
+            return False
+        with contextlib.suppress(OSError):
+            (self.path / "memory.swap.max").write_text("0")
+        return True
+
+    def memory_report(self) -> tuple[int | None, int]:
+        """cgroup v2: (``memory.peak``, ``oom_kill`` from ``memory.events``); the peak is
+        ``None`` before Linux 5.19, which has no ``memory.peak``."""
+        peak = None
+        with contextlib.suppress(OSError, ValueError):
+            peak = int((self.path / "memory.peak").read_text())
+        kills = 0
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.path / "memory.events").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    kills = int(value)
+        return peak, kills
 
     def signal_all(self, sig: int) -> None:
         for pid in self.pids():
@@ -1141,6 +1178,10 @@ async def _run(
         )
         join = cgroup
     pids_limited = spec.pids_max is not None and cgroup is not None
+    # cgroup v2 per-run cgroup with the memory controller: it holds memory_max too.
+    memory_limited = (
+        join is not None and spec.memory_max is not None and join.limit_memory(spec.memory_max)
+    )
     if spec.pids_max is not None and cgroup is None:
         nproc = _threads_of_uid(os.getuid()) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
@@ -1165,9 +1206,15 @@ async def _run(
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
             )
         try:
-            return await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
+            result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
         finally:
             child.close()
+        if memory_limited and join is not None:
+            peak, kills = join.memory_report()
+            result = msgspec.structs.replace(
+                result, memory_limited=True, memory_peak_bytes=peak, oom_killed=kills > 0
+            )
+        return result
     finally:
         if join is not None:
             with anyio.CancelScope(shield=True):

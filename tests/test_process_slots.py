@@ -268,3 +268,68 @@ async def test_bwrap_arm_reaps_its_orphaned_init_when_it_is_ours(
     (init,) = inits
     # Reaped: no such process any more (not even a zombie of ours).
     assert gone(init)
+
+
+# --- the slot's memory cgroup ---------------------------------------------------------
+
+MiB = 1 << 20
+
+
+@pytest.mark.anyio
+async def test_pooled_run_charges_the_tree_not_the_worker() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    # The worker holds (and touches) 128 MiB while the job runs: were the worker charged
+    # to the slot's cgroup (one of its threads sits there), the peak would show it.
+    ballast = b"\x01" * (128 * MiB)
+    code = "b = b'\\x01' * (40 << 20); print(len(b))"
+    result = await run_process(pooled(PY, "-c", code, pids_max=4, memory_max=96 * MiB), timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.memory_limited and not result.oom_killed
+    peak = result.memory_peak_bytes
+    assert peak is not None and 40 * MiB <= peak < 96 * MiB, peak
+    assert len(ballast) == 128 * MiB
+
+
+@pytest.mark.anyio
+async def test_pooled_run_over_its_memory_is_oom_killed_and_the_worker_lives() -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    code = "b = b'\\x01' * (200 << 20); print('survived')"
+    result = await run_process(pooled(PY, "-c", code, pids_max=4, memory_max=64 * MiB), timeout=30)
+    assert result.oom_killed and result.returncode == -signal.SIGKILL
+    assert result.stdout == b""
+    peak = result.memory_peak_bytes
+    assert peak is not None and peak <= 64 * MiB
+    # The slot is lent again with a new limit, and the counter starts from there.
+    again = await run_process(pooled(PY, "-c", "pass", pids_max=4, memory_max=64 * MiB), timeout=30)
+    assert again.returncode == 0 and not again.oom_killed and again.memory_limited
+
+
+@pytest.mark.anyio
+async def test_memory_unbounded_is_said_when_no_memory_cgroup_holds_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    result = await run_process(pooled(PY, "-c", "pass", memory_max=64 * MiB), timeout=30)
+    assert result.returncode == 0
+    assert not result.memory_limited and result.memory_peak_bytes is None
+    # A per-run cgroup in v1's pids hierarchy has no memory controller either.
+    monkeypatch.undo()
+    per_run = ProcessSpec(argv=("true",), env=dict(ENV), reaper=False, pids_max=4, memory_max=MiB)
+    result = await run_process(per_run, timeout=30)
+    assert result.returncode == 0 and result.pids_limited
+    assert not result.memory_limited
+
+
+def test_v2_memory_files_are_written_and_read(tmp_path: Path) -> None:
+    # A directory standing in for a cgroup v2 node (this host runs v1).
+    cgroup = process._Cgroup(tmp_path)
+    assert cgroup.limit_memory(64 * MiB)
+    assert (tmp_path / "memory.max").read_text() == str(64 * MiB)
+    assert (tmp_path / "memory.swap.max").read_text() == "0"
+    (tmp_path / "memory.peak").write_text("123456\n")
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 2\n")
+    assert cgroup.memory_report() == (123456, 2)
+    assert not process._Cgroup(tmp_path / "missing").limit_memory(MiB)
