@@ -31,7 +31,9 @@ only glues them and reads back what happened, honestly:
 * a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
   file permission checks treat the guest as the owner of root's files (it holds no
   capability: only *owner* matches). Root-only files in the read-only system trees are
-  readable, except the fixed `MASKED_PATHS`; the files and user axes say ``partial``
+  readable. `MASKED_PATHS` and every private file of ``/etc`` found at the worker's first
+  job (`private_files`) are masked, but not what other system trees or the job's own
+  mounts hold, nor files created later: the files and user axes say ``partial``
   (`ROOT_WORKER_REASON`). Running the worker as an unprivileged user keeps them.
 """
 
@@ -74,6 +76,7 @@ from .flags import (
     default_interpreter_roots,
     derive_bwrap_argv,
     derive_rlimits,
+    private_files,
     prlimit_prefix,
     shell_limits_prefix,
 )
@@ -296,6 +299,12 @@ def _limits_in_guest(rlimits: tuple[tuple[int, int, int], ...]) -> tuple[str, ..
 HOST_FACTS_TTL_S = 2.0
 
 
+@functools.cache
+def _private_etc() -> tuple[str, ...]:
+    # Once per worker (a ~50 ms walk of /etc): see `private_files` for what it misses.
+    return private_files("/etc")
+
+
 class _HostFacts:
     """`derive_bwrap_argv`'s filesystem callables, memoised for the fixed host paths only."""
 
@@ -307,20 +316,28 @@ class _HostFacts:
         self._exists: dict[str, bool] = {}
         self._isdir: dict[str, bool] = {}
         self._link: dict[str, str | None] = {}
+        self._masked: tuple[str, ...] = MASKED_PATHS
 
     def refresh(self) -> None:
         now = time.monotonic()
         if now - self._taken < HOST_FACTS_TTL_S:
             return
         roots = default_interpreter_roots()
-        fixed = frozenset((*SYSTEM_PATHS, *MASKED_PATHS, *roots))
+        masked = (*MASKED_PATHS, *_private_etc()) if worker_is_root() else MASKED_PATHS
+        fixed = frozenset((*SYSTEM_PATHS, *masked, *roots))
         with self._lock:
             self._roots, self._fixed, self._taken = roots, fixed, now
+            self._masked = masked
             self._exists, self._isdir, self._link = {}, {}, {}
 
     @property
     def roots(self) -> tuple[str, ...]:
         return self._roots
+
+    @property
+    def masked(self) -> tuple[str, ...]:
+        """`MASKED_PATHS`, plus every private file of ``/etc`` for a root worker."""
+        return self._masked
 
     def exists(self, path: str) -> bool:
         if path not in self._fixed:
@@ -552,6 +569,7 @@ class BwrapSandbox:
                     readlink=host.readlink,
                     interpreter_roots=host.roots,
                     json_status_fd=status_w,
+                    masked_paths=host.masked,
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc

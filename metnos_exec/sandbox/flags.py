@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import posixpath
 import resource
+import stat
 import sys
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ __all__ = (
     "expand_hint",
     "expand_hints",
     "guest_python",
+    "private_files",
 )
 
 _GLOB_CHARS = frozenset("*?[")
@@ -145,6 +147,56 @@ MASKED_PATHS: tuple[str, ...] = (
     "/etc/ssl/private",
 )
 
+
+def private_files(root: str = "/etc", *, skip: Sequence[str] = MASKED_PATHS) -> tuple[str, ...]:
+    """Files and folders under `root` that only their owner or group may read.
+
+    Regular files that are not world-readable, and folders that are not world-searchable
+    (not descended into): what an unprivileged guest could not read, but a guest of a root
+    worker (host uid 0 for permission checks) could. Symlinks are not followed. Entries at
+    or under `skip` (already masked) are left out.
+
+    Why: `MASKED_PATHS` names the usual secrets only; a host keeps others there too
+    (``/etc/wireguard``, ``krb5.keytab``, TLS keys). The bwrap arm masks these as well when
+    the worker is root (scanned once per worker: a file created later is not masked, which
+    is one reason its files axis stays ``partial`` for a root worker).
+
+    Args:
+        root: the tree to scan.
+        skip: paths already masked.
+
+    Returns:
+        Absolute paths, in walk order; ``()`` when `root` cannot be read.
+    """
+    found: list[str] = []
+    for top, dirs, files in os.walk(root, onerror=lambda _exc: None):
+        keep = []
+        for name in dirs:
+            path = posixpath.join(top, name)
+            if any(_under(path, masked) for masked in skip):
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not st.st_mode & 0o001:
+                found.append(path)
+            else:
+                keep.append(name)
+        dirs[:] = keep
+        for name in files:
+            path = posixpath.join(top, name)
+            if any(_under(path, masked) for masked in skip):
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o004:
+                found.append(path)
+    return tuple(found)
+
+
 #: The guest's uid/gid inside its user namespace: ``nobody``. Why: a guest that believes
 #: it is root tries root things (and some tools relax checks for uid 0); as 65534 inside
 #: a fresh user namespace it holds no capability at all.
@@ -224,6 +276,7 @@ def derive_bwrap_argv(
     interpreter_roots: Sequence[str] | None = None,
     json_status_fd: int | None = None,
     seccomp_fd: int | None = None,
+    masked_paths: Sequence[str] = MASKED_PATHS,
 ) -> list[str]:
     """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
 
@@ -246,6 +299,8 @@ def derive_bwrap_argv(
             caller tell bubblewrap's own set-up failure from the job's failure.
         seccomp_fd: a compiled seccomp BPF program to load before exec (later issue; the
             seam exists so adding it touches no caller).
+        masked_paths: host paths hidden behind an empty file or folder; default
+            `MASKED_PATHS` (the bwrap arm adds `private_files` for a root worker).
 
     Returns:
         The argv, ready for `ProcessSpec`.
@@ -309,7 +364,7 @@ def derive_bwrap_argv(
         ops.append(_Op(mount.guest, (flag, mount.host, mount.guest)))
 
     # Secrets the system binds would otherwise expose (see MASKED_PATHS).
-    for path in MASKED_PATHS:
+    for path in dict.fromkeys(masked_paths):
         if not exists(path):
             continue
         if isdir(path):

@@ -923,3 +923,39 @@ def test_unprivileged_worker_cannot_read_root_only_files_and_keeps_the_axes(
     assert got["exit"] == {"type": "failure", "code": 1}, got
     assert got["stdout"] == "" and "Permission denied" in got["stderr"], got
     assert (got["files"], got["user"]) == ("kept", "kept"), got
+
+
+def test_private_files_finds_what_only_owner_or_group_may_read(tmp_path: Path) -> None:
+    from metnos_exec.sandbox.flags import private_files
+
+    (tmp_path / "public.conf").write_text("x")
+    (tmp_path / "key").write_text("x")
+    (tmp_path / "key").chmod(0o600)
+    (tmp_path / "group-only").write_text("x")
+    (tmp_path / "group-only").chmod(0o640)
+    closed = tmp_path / "wireguard"
+    closed.mkdir()
+    (closed / "wg0.conf").write_text("x")
+    closed.chmod(0o700)
+    masked = tmp_path / "ssh"
+    masked.mkdir()
+    (masked / "host_key").write_text("x")
+    (masked / "host_key").chmod(0o600)
+    (tmp_path / "link").symlink_to(tmp_path / "key")
+    found = private_files(str(tmp_path), skip=(str(masked),))
+    assert sorted(found) == sorted(str(tmp_path / n) for n in ("key", "group-only", "wireguard"))
+
+
+CACERTS = "/etc/default/cacerts"  # 0600 root on this host; not in MASKED_PATHS
+CACERTS_PRIVATE = os.path.isfile(CACERTS) and not os.stat(CACERTS).st_mode & 0o004
+
+
+async def test_root_worker_masks_private_files_of_etc(arm: BwrapSandbox) -> None:
+    target = CACERTS
+    need(AS_ROOT, "only a root worker masks them")
+    need(CACERTS_PRIVATE, f"{target} absent or world-readable here")
+    outcome = await arm.run(SandboxJob(argv=("/bin/cat", target)))
+    # Masked with the host's /dev/null, bound on a nodev mount: opening it fails (EACCES).
+    # Either way, nothing of what it holds reaches the guest.
+    assert outcome.exit in (Success(), Failure(code=1)) and outcome.stdout == b"", outcome
+    assert outcome.containment.files.state == "partial"  # files created later, other trees
