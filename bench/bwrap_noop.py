@@ -44,7 +44,7 @@ import msgspec
 
 from metnos_exec.process import ProcessSpec, run_process
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
-from metnos_exec.sandbox.bwrap import BwrapSandbox, _limits_in_guest, bwrap_probe
+from metnos_exec.sandbox.bwrap import BwrapSandbox, _host_facts, _limits_in_guest, bwrap_probe
 from metnos_exec.sandbox.flags import derive_bwrap_argv, derive_rlimits, guest_python
 
 HERE = Path(__file__).resolve().parent
@@ -70,12 +70,18 @@ async def measure(rounds: int, warmup: int, breakdown: bool = False) -> dict[str
         raise SystemExit(f"bubblewrap not usable here: {probe.error}")
     arm = BwrapSandbox()
     job = make_job()
-    raw_argv = derive_bwrap_argv(job, bwrap=probe.path or "bwrap", features=probe.features)
+    # The same masks as the arm (a root worker also masks /etc's private files).
+    _host_facts.refresh()
+    masked = _host_facts.masked
+    raw_argv = derive_bwrap_argv(
+        job, bwrap=probe.path or "bwrap", features=probe.features, masked_paths=masked
+    )
     prefix = _limits_in_guest(derive_rlimits(job.limits))  # what the arm puts in front
     limits_argv = derive_bwrap_argv(
         msgspec.structs.replace(job, argv=prefix + job.argv),
         bwrap=probe.path or "bwrap",
         features=probe.features,
+        masked_paths=masked,
     )
 
     async def run_arm() -> bytes:
