@@ -734,7 +734,9 @@ def _slot_memory(index: int) -> _SlotMemory | None:
         return None
     path = parent / f"{os.getpid()}-slot-{index}"
     try:
-        path.mkdir(exist_ok=True)
+        # parents: another worker sharing our memory cgroup may have removed an empty
+        # `metnos` on its way out (see `_remove_slot_memory`).
+        path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
     return _SlotMemory(path)
