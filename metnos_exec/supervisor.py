@@ -13,7 +13,9 @@ Per job, in order:
 2. an unknown executor or a bad manifest → ``rejected`` with the code;
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
-4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); log ``job.started``;
+4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); wait for a slot (a job leased
+   ahead, see ``prefetch``, is fully prepared while the slots are busy); log
+   ``job.started``;
 5. run the arm while heart-beating every ``heartbeat_s`` (default ``visibility_s / 3``);
    a heartbeat that finds the lease gone → ``lease.lost``, the run is cancelled and
    nothing is acked (the broker redelivers it). Cancel requests are polled apart, every
@@ -34,9 +36,11 @@ again would only give the same verdict later.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -144,6 +148,8 @@ class _Running:
     holds_slot: bool = True
     #: The arm's name once known, for records logged outside the job's own task.
     sandbox: str | None = None
+    #: It holds a run slot and its arm was (or is being) launched.
+    launched: bool = False
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -164,6 +170,11 @@ class Supervisor:
         visibility_s: lease window; a worker silent this long loses the job.
         heartbeat_s: heartbeat period while a job runs (default ``visibility_s / 3``).
         cancel_poll_s: how often running jobs are checked for a cancel request.
+        prefetch: jobs leased ahead of a free slot while every slot is busy; each is
+            planned and its arm chosen at once, then launched the moment a slot frees,
+            so leasing and planning leave the path between one job and the next. The
+            cost: with other workers idle, such a job waits for this worker's next free
+            slot (at most one job's run). ``0`` leases only for free slots.
         arm_chooser: picks the sandbox arm for a runtime (default `choose_arm`).
         predict_arm: runtime → the name of the arm `arm_chooser` will pick, without
             choosing (so records logged before and during the choice, e.g.
@@ -190,6 +201,7 @@ class Supervisor:
         visibility_s: float = 30.0,
         heartbeat_s: float | None = None,
         cancel_poll_s: float = _CANCEL_POLL_S,
+        prefetch: int = 1,
         arm_chooser: ArmChooser | Callable[..., Any] | None = None,
         predict_arm: Callable[[str], str | None] | None = None,
         policy: Any = None,
@@ -214,6 +226,9 @@ class Supervisor:
         if cancel_poll_s <= 0:
             raise ValueError("cancel_poll_s must be positive")
         self.cancel_poll_s = cancel_poll_s
+        if prefetch < 0:
+            raise ValueError("prefetch must be zero or more")
+        self.prefetch = prefetch
         if arm_chooser is None:
             # Imported here so the supervisor module loads without the arms (tests inject
             # doubles; the arms pull in wasmtime lazily anyway).
@@ -232,8 +247,11 @@ class Supervisor:
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
         self._running: dict[str, _Running] = {}
-        #: Jobs holding a slot (leased and not yet done running); see `_vacate`.
+        #: Jobs leased and not yet done running (launched or waiting for a slot, up to
+        #: ``concurrency + prefetch``); see `_vacate`.
         self._busy = 0
+        #: Run slots: held from launch to the end of the run.
+        self._slots = _Slots(concurrency)
         self._draining = False
         self._lease_scope: anyio.CancelScope | None = None
         self._slot_freed = anyio.Event()
@@ -310,7 +328,7 @@ class Supervisor:
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
         while not self._draining:
-            free = self.concurrency - self._busy
+            free = self.concurrency + self.prefetch - self._busy
             if free <= 0 or (self._busy and free < self._lease_min):
                 await self._wait_slot()
                 continue
@@ -362,13 +380,19 @@ class Supervisor:
                     continue
                 running = _Running(lease)
                 self._running[lease.job.id] = running
+                self._slots.enqueue(running)
                 self._busy += 1
                 self.stats["leased"] += 1
                 tg.start_soon(self._job_task, running, name=f"job {lease.job.id}")
 
     async def _wait_slot(self) -> None:
-        await self._slot_freed.wait()
-        self._slot_freed = anyio.Event()
+        # Two loops wait here at once (leasing and drain). Only the first to wake swaps
+        # in a fresh event: a second swap would strand the first waiter on an event
+        # nobody sets any more (a drain then hung for its whole grace).
+        event = self._slot_freed
+        await event.wait()
+        if self._slot_freed is event:
+            self._slot_freed = anyio.Event()
 
     async def wait_stopped(self) -> None:
         """Return once `run` has returned."""
@@ -391,6 +415,11 @@ class Supervisor:
             )
         if self._lease_scope is not None:
             self._lease_scope.cancel()
+        for running in list(self._running.values()):
+            if not running.launched:
+                # Leased ahead, never started: hand it back now, not after the grace.
+                running.stop = "drain"
+                running.scope.cancel()
         self._slot_freed.set()
         with anyio.move_on_after(grace_s):
             while self._running:
@@ -433,6 +462,7 @@ class Supervisor:
                         )
         finally:
             self._running.pop(job.id, None)
+            self._slots.drop(running)  # rejected, or stopped while waiting for a slot
             self._vacate(running)
             self._slot_freed.set()
 
@@ -553,13 +583,9 @@ class Supervisor:
         sjob = invocation.job
         for item in invocation.inactive:
             _log.info("capability.inactive", detail=item)
-        _log.info(
-            "job.started",
-            timeout_s=sjob.limits.wall_time_s,
-            degraded=bool(choice.degraded),
+        outcome, fault, started_at = await self._run_arm(
+            running, arm, sjob, degraded=bool(choice.degraded)
         )
-        started_at = self.clock()
-        outcome, fault = await self._run_arm(running, arm, sjob)
         if running.stop == "lease_lost":
             _log.warning("lease.lost", visibility_s=self.visibility_s)
             # The broker may already have handed the job to another worker: acking or
@@ -593,6 +619,7 @@ class Supervisor:
             return
         if outcome is None:
             # Our backstop fired: the arm overran its own wall-time budget.
+            assert started_at is not None  # no stop: the slot was taken, the arm ran
             await self._ack(
                 lease,
                 self._result(
@@ -619,6 +646,7 @@ class Supervisor:
                 ),
             )
             return
+        assert started_at is not None  # an outcome: the arm ran
         await self._ack(lease, _outcome_result(self, lease, outcome, started_at))
 
     async def _cancel_poll_loop(self) -> None:
@@ -678,19 +706,83 @@ class Supervisor:
                     running.scope.cancel()
 
     async def _run_arm(
-        self, running: _Running, arm: Sandbox, sjob: SandboxJob
-    ) -> tuple[SandboxOutcome | None, HostFault | MetnosError | None]:
+        self, running: _Running, arm: Sandbox, sjob: SandboxJob, *, degraded: bool
+    ) -> tuple[SandboxOutcome | None, HostFault | MetnosError | None, float | None]:
+        """Wait for a slot, launch, run; ``started_at`` is ``None`` if it never launched."""
         outcome: SandboxOutcome | None = None
         fault: HostFault | MetnosError | None = None
+        started_at: float | None = None
         with running.scope:
-            try:
-                with anyio.move_on_after(sjob.limits.wall_time_s + self.backstop_margin_s):
-                    outcome = await arm.run(sjob)
-            except (HostFault, MetnosError) as exc:
-                fault = exc
-        running.settling = True
-        self._vacate(running)
-        return outcome, fault
+            # Inside the job's scope: a cancel, a lost lease or a drain reaches a job
+            # still waiting for its slot too.
+            async with self._slots.slot(running):
+                if self._draining and running.stop is None:
+                    # Drain began while it waited: it never starts; it is handed back.
+                    running.stop = "drain"
+                else:
+                    running.launched = True
+                    _log.info("job.started", timeout_s=sjob.limits.wall_time_s, degraded=degraded)
+                    started_at = self.clock()
+                    try:
+                        with anyio.move_on_after(sjob.limits.wall_time_s + self.backstop_margin_s):
+                            outcome = await arm.run(sjob)
+                    except (HostFault, MetnosError) as exc:
+                        fault = exc
+                # Before the slot is given back: a heartbeat must not act on a run that
+                # is over, and the next job may be leased while this result is stored.
+                running.settling = True
+                self._vacate(running)
+        running.settling = True  # also when stopped while waiting: nothing of it runs
+        return outcome, fault, started_at
+
+
+class _Slots:
+    """``concurrency`` run slots, handed out in lease order.
+
+    Jobs leased together are prepared in their own tasks, and the backends schedule
+    tasks in no promised order (trio shuffles them on purpose): a plain semaphore would
+    let a later job of a batch start first, breaking the broker's priority order. Here a
+    job waits until it is the oldest leased job not yet launched *and* a slot is free.
+    A job that leaves before launching (rejected, cancelled, drained) is dropped from
+    the line. Waiters are few (at most ``concurrency + prefetch``), so one shared event
+    for "something changed" is cheap enough.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._line: deque[_Running] = deque()
+        self._changed = anyio.Event()
+
+    def enqueue(self, running: _Running) -> None:
+        self._line.append(running)
+
+    def drop(self, running: _Running) -> None:
+        try:
+            self._line.remove(running)
+        except ValueError:
+            return
+        self._kick()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, running: _Running) -> AsyncIterator[None]:
+        try:
+            while not (self._free > 0 and self._line and self._line[0] is running):
+                await self._changed.wait()
+        except BaseException:
+            self.drop(running)
+            raise
+        self._line.popleft()
+        self._free -= 1
+        self._kick()
+        try:
+            yield
+        finally:
+            self._free += 1
+            self._kick()
+
+    def _kick(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
 
 @dataclass(eq=False)

@@ -593,3 +593,69 @@ async def test_backstop_times_out_an_arm_that_overruns(registry: ExecutorRegistr
     r = await broker.get_result(job_id)
     assert r is not None and r.status == "timed_out" and r.exit == Timeout()
     assert r.error is not None and r.error.code == "E_TIMEOUT"
+
+
+async def test_prefetched_job_is_prepared_while_the_slot_is_busy(
+    registry: ExecutorRegistry,
+) -> None:
+    # One slot, one job leased ahead: B is leased and planned while A runs, launched the
+    # moment A's slot frees; jobs leased together start in lease (priority) order.
+    broker = MemoryBroker()
+    gate = anyio.Event()
+    a_started = anyio.Event()
+
+    async def hold(_: SandboxJob) -> None:
+        a_started.set()
+        await gate.wait()
+
+    arm = ScriptedArm(hold)
+    low = (await broker.submit(Job(executor="echo", args={"x": 1}, priority=0))).job_id
+    high = (await broker.submit(Job(executor="echo", args={"x": 2}, priority=5))).job_id
+    last = (await broker.submit(Job(executor="echo", args={"x": 3}, priority=0))).job_id
+    sup = make(broker, registry, arm, concurrency=1, prefetch=1)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(sup.run, burst=True))
+            await a_started.wait()
+            await anyio.wait_all_tasks_blocked()
+            # `low` was leased ahead and prepared, not started; `last` is not leased yet.
+            assert [e["event"] for e in logs].count("job.received") == 2
+            assert [e["event"] for e in logs].count("job.started") == 1
+            states = [await broker.get_job_state(i) for i in (low, last)]
+            assert [s.state if s else None for s in states] == ["running", "queued"]
+            assert [j.stdin for j in arm.jobs] == [b'{"x":2}']
+            gate.set()
+    assert [j.stdin for j in arm.jobs] == [b'{"x":2}', b'{"x":1}', b'{"x":3}']
+    for job_id in (high, low, last):
+        r = await broker.get_result(job_id)
+        assert r is not None and r.status == "succeeded"
+
+
+async def test_drain_hands_back_a_prefetched_job_at_once(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    gate = anyio.Event()
+    started = anyio.Event()
+
+    async def hold(_: SandboxJob) -> None:
+        started.set()
+        await gate.wait()
+
+    arm = ScriptedArm(hold)
+    first = (await broker.submit(Job(executor="echo"))).job_id
+    ahead = (await broker.submit(Job(executor="echo"))).job_id
+    sup = make(broker, registry, arm, concurrency=1, prefetch=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await started.wait()
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(sup.drain, 3600.0)
+        with anyio.fail_after(5):
+            while (state := await broker.get_job_state(ahead)) and state.state != "queued":
+                await anyio.wait_all_tasks_blocked()
+        # Released untouched (no attempt used) while the running job still has its grace.
+        assert state is not None and state.attempt == 0
+        assert len(arm.jobs) == 1 and await broker.get_result(first) is None
+        gate.set()
+    r = await broker.get_result(first)
+    assert r is not None and r.status == "succeeded"
+    assert sup.stats["released"] == 1
