@@ -718,9 +718,10 @@ class Supervisor:
             # still waiting for its slot too.
             await self._slots.acquire(running)
             try:
-                if self._draining and running.stop is None:
-                    # Drain began while it waited: it never starts; it is handed back.
-                    running.stop = "drain"
+                if running.stop is not None or self._draining:
+                    # Stopped (drain, cancel, lost lease) before its launch, e.g. while it
+                    # was being prepared: it never starts, and no job.started is logged.
+                    running.stop = running.stop or "drain"
                 else:
                     running.launched = True
                     _log.info("job.started", timeout_s=sjob.limits.wall_time_s, degraded=degraded)

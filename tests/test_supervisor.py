@@ -659,3 +659,31 @@ async def test_drain_hands_back_a_prefetched_job_at_once(registry: ExecutorRegis
     r = await broker.get_result(first)
     assert r is not None and r.status == "succeeded"
     assert sup.stats["released"] == 1
+
+
+async def test_cancel_of_a_prefetched_job_never_launches_it(registry: ExecutorRegistry) -> None:
+    broker = MemoryBroker()
+    gate = anyio.Event()
+    started = anyio.Event()
+
+    async def hold(_: SandboxJob) -> None:
+        started.set()
+        await gate.wait()
+
+    arm = ScriptedArm(hold)
+    first = (await broker.submit(Job(executor="echo"))).job_id
+    ahead = (await broker.submit(Job(executor="echo"))).job_id
+    sup = make(broker, registry, arm, concurrency=1, prefetch=1, cancel_poll_s=0.01)
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(sup.run, burst=True))
+            await started.wait()
+            assert await broker.cancel(ahead) == "cancelling"  # leased ahead: "running"
+            with anyio.fail_after(5):
+                r = await broker.wait_result(ahead, timeout=None)
+            gate.set()
+    assert r is not None and r.status == "cancelled" and r.started_at is None
+    assert len(arm.jobs) == 1  # only `first` ever reached the arm
+    assert [e["event"] for e in logs].count("job.started") == 1
+    done = await broker.get_result(first)
+    assert done is not None and done.status == "succeeded"
