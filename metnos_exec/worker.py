@@ -174,8 +174,11 @@ def run_worker(
     backend: str = "asyncio",
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
+    prefetch: int = 1,
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
+
+    ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -184,6 +187,8 @@ def run_worker(
     policy = check_worker_config(
         concurrency=concurrency, visibility_s=visibility_s, grace_s=grace_s
     )
+    if prefetch < 0:
+        raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
     if configure_logs:
         try:
             configure_logging(file=log_file, level=log_level)
@@ -211,6 +216,7 @@ def run_worker(
                 visibility_s=visibility_s,
                 home=home,
                 policy=policy,
+                prefetch=prefetch,
             )
         finally:
             with anyio.CancelScope(shield=True):
