@@ -125,6 +125,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
+    return value
+
+
 def _number(text: str) -> float:
     try:
         value = float(text)
@@ -284,6 +294,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             grace_s=ns.grace,
             burst=ns.burst,
             visibility_s=ns.visibility,
+            prefetch=ns.prefetch,
             backend=ns.backend,
             home=ns.home,
         )
@@ -567,6 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="S",
         help="lease window: a job whose worker stops heart-beating is redelivered after it (30)",
+    )
+    w.add_argument(
+        "--prefetch",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="jobs leased ahead while every slot is busy, prepared and launched the moment "
+        "a slot frees; 0 leaves them to other workers (1)",
     )
     w.add_argument(
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"

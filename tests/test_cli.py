@@ -183,7 +183,13 @@ def one_clear_line(out: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("--concurrency", "0"), ("--visibility", "0"), ("--grace", "-1"), ("--visibility", "nan")],
+    [
+        ("--concurrency", "0"),
+        ("--visibility", "0"),
+        ("--grace", "-1"),
+        ("--visibility", "nan"),
+        ("--prefetch", "-1"),
+    ],
 )
 def test_worker_refuses_bad_numbers(
     env: dict[str, str], tmp_path: Path, option: str, value: str
@@ -332,3 +338,32 @@ def test_bench_uses_the_checkout_folder_and_skips_helpers(
     assert "METNOS_BENCH_DIR" in one_clear_line(missing)
     mine = cli({**env, "METNOS_BENCH_DIR": str(tmp_path / "bench")}, "bench", "--list")
     assert mine.stdout.split() == ["stray"]
+
+
+def test_worker_passes_prefetch_through(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--prefetch N` reaches the worker (0 turns lease-ahead off)."""
+    from metnos_exec import cli as cli_mod
+
+    seen: dict[str, object] = {}
+
+    def fake_run_worker(*args: object, **kwargs: object) -> int:
+        seen.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(cli_mod, "run_worker", fake_run_worker, raising=False)
+    import metnos_exec.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "run_worker", fake_run_worker)
+    code = cli_mod.main(
+        [
+            "worker",
+            "--broker",
+            f"sqlite:///{tmp_path}/q.db",
+            "--executors",
+            str(tmp_path),
+            "--prefetch",
+            "0",
+        ]
+    )
+    assert code == 0
+    assert seen["prefetch"] == 0
