@@ -168,6 +168,10 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             the child into it; see "Pooled cgroups" in the module docstring.
         memory_max: memory limit in bytes for the whole tree, held by a memory cgroup
             when one is available (see "Memory" in the module docstring); ``None``: none.
+        on_spawn: ``reaper=False`` only: called on the spawner thread right after the
+            fork, with the child's pid and a function listing the pids of the run's
+            cgroup (``None`` without one). If it raises, the child is killed and reaped
+            and the exception propagates (the hook kills whatever else it started).
     """
 
     argv: tuple[str, ...]
@@ -182,6 +186,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     reaper: bool = True
     cgroup_pool: bool = False
     memory_max: int | None = None
+    on_spawn: Callable[[int, Callable[[], list[int]] | None], None] | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -841,6 +846,7 @@ def _spawn(
     rlimits: tuple[tuple[int, int, int], ...],
     cgroup: _Cgroup | None,
     grace: float,
+    members: Callable[[], list[int]] | None = None,
 ) -> _Child:
     """Runs on a spawner thread. Creates the pipes and forks; never leaks an fd.
 
@@ -924,6 +930,14 @@ def _spawn(
             popen.kill()
             popen.wait()
             raise HostFault(f"pidfd_open failed: {exc}") from exc
+        if spec.on_spawn is not None:
+            try:
+                spec.on_spawn(popen.pid, members)
+            except BaseException:
+                popen.kill()
+                popen.wait()
+                os.close(pidfd)
+                raise
         ours.clear()
         return _Child(popen, pidfd, fds)
     finally:
@@ -1081,6 +1095,8 @@ def _threads_of_uid(uid: int) -> int:
 def _validate(spec: ProcessSpec, timeout: float, grace: float) -> None:
     if not spec.argv:
         raise ValueError("ProcessSpec.argv must not be empty")
+    if spec.on_spawn is not None and spec.reaper:
+        raise ValueError("ProcessSpec.on_spawn needs reaper=False (it would see the shim)")
     if not (timeout > 0 and grace >= 0) or math.isnan(timeout):
         raise ValueError(f"need timeout > 0 and grace >= 0, got {timeout}, {grace}")
     if spec.output_bytes < 0:
@@ -1190,7 +1206,10 @@ async def _run(
     try:
         try:
             child: _Child = await _on_spawner(
-                lambda: _spawn(spec, rlimits, join, grace), slot.spawner if slot else None
+                lambda: _spawn(
+                    spec, rlimits, join, grace, cgroup.pids if cgroup is not None else None
+                ),
+                slot.spawner if slot else None,
             )
         except _ExecFailed as failed:
             code = 127 if failed.exc.errno == errno.ENOENT else 126
