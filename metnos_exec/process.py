@@ -847,6 +847,7 @@ def _spawn(
     cgroup: _Cgroup | None,
     grace: float,
     members: Callable[[], list[int]] | None = None,
+    inline_hook: bool = True,
 ) -> _Child:
     """Runs on a spawner thread. Creates the pipes and forks; never leaks an fd.
 
@@ -930,7 +931,7 @@ def _spawn(
             popen.kill()
             popen.wait()
             raise HostFault(f"pidfd_open failed: {exc}") from exc
-        if spec.on_spawn is not None:
+        if spec.on_spawn is not None and inline_hook:
             try:
                 spec.on_spawn(popen.pid, members)
             except BaseException:
@@ -1200,15 +1201,14 @@ async def _run(
     memory_limited = (
         join is not None and spec.memory_max is not None and join.limit_memory(spec.memory_max)
     )
+    members = cgroup.pids if cgroup is not None else None
     if spec.pids_max is not None and cgroup is None:
         nproc = _threads_of_uid(os.getuid()) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
     try:
         try:
             child: _Child = await _on_spawner(
-                lambda: _spawn(
-                    spec, rlimits, join, grace, cgroup.pids if cgroup is not None else None
-                ),
+                lambda: _spawn(spec, rlimits, join, grace, members, inline_hook=slot is not None),
                 slot.spawner if slot else None,
             )
         except _ExecFailed as failed:
@@ -1226,6 +1226,17 @@ async def _run(
                 pids_limited=pids_limited,
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
             )
+        if spec.on_spawn is not None and slot is None:
+            # The shared spawner must not wait out one sandbox's set-up while other runs
+            # queue behind it: without a slot of its own, the hook runs on a plain thread.
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(spec.on_spawn, child.pid, members)
+            except BaseException:
+                child.popen.kill()
+                child.popen.wait()
+                child.close()
+                raise
         try:
             result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
         finally:

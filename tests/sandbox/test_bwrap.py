@@ -1039,3 +1039,31 @@ def test_gate_needs_cap_sys_resource_to_raise_a_hard_limit(
     assert not bwrap_mod._can_gate(())
     monkeypatch.setattr(bwrap_mod, "_have_cap_sys_resource", lambda: True)
     assert bwrap_mod._can_gate(((resource.RLIMIT_NOFILE, hard + 1, hard + 1),))
+
+
+@pytest.mark.parametrize("cgroup", ["per_run", "none"])
+async def test_limits_hold_without_a_slot(
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, cgroup: str
+) -> None:
+    """No pooled slot: the gate runs off the shared spawner, and finds bubblewrap's tree
+    from a per-run cgroup, or by scanning /proc when there is no cgroup at all."""
+    from metnos_exec import process
+
+    async def no_slot() -> None:
+        return None
+
+    monkeypatch.setattr(process._slots, "acquire", no_slot)
+    if cgroup == "none":
+        monkeypatch.setattr(process._Cgroup, "create", classmethod(lambda cls, n: None))
+    job = SandboxJob(
+        argv=("/bin/cat", "/proc/self/limits"),
+        limits=ResourceLimits(cpu_time_s=9, file_size_bytes=5 * MiB),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Success(), outcome
+    rows = {
+        line[:26].strip(): line[26:].split()[:2]
+        for line in outcome.stdout.decode().splitlines()[1:]
+    }
+    assert rows["Max cpu time"] == ["9", "10"]
+    assert rows["Max file size"] == [str(5 * MiB)] * 2
