@@ -5,11 +5,15 @@ spawner threads so die-with-parent never fires early, tree kill on timeout, boun
 a pooled pids cgroup per concurrent run) from `metnos_exec.process.run_process`. This module
 only glues them and reads back what happened, honestly:
 
-* nothing runs between fork and exec, so the worker is vforked, not copied: the rlimits are
-  applied *inside* the sandbox by a prefix that ``exec``s the guest (``sh -c 'ulimit ...'``
-  when exact, else ``prlimit``; see `_limits_in_guest`), and the parent-death signal is
-  bubblewrap's own ``--die-with-parent`` (set by its monitor before it lets the sandbox
-  run);
+* nothing runs between fork and exec, so the worker is vforked, not copied: bubblewrap is
+  started with ``--block-fd`` and, while its sandbox process waits there (before it forks
+  the guest), the worker prlimit(2)s bubblewrap's whole tree, reads the limits back and
+  only then releases it (`_LimitGate`); anything unexpected kills the blocked tree, so the
+  guest never runs unlimited. When the worker could not raise a hard limit the job needs
+  (no CAP_SYS_RESOURCE), the limits are applied *inside* the sandbox by a prefix that
+  ``exec``s the guest instead (``sh -c 'ulimit ...'`` when exact, else ``prlimit``; see
+  `_limits_in_guest`). The parent-death signal is bubblewrap's own
+  ``--die-with-parent`` (set by its monitor before it lets the sandbox run);
 
 * bubblewrap writes JSON status documents to ``--json-status-fd``: ``child-pid`` once the
   namespaces exist and the guest is being set up, ``exit-code`` once the guest has exited.
