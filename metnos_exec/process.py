@@ -168,6 +168,10 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             the child into it; see "Pooled cgroups" in the module docstring.
         memory_max: memory limit in bytes for the whole tree, held by a memory cgroup
             when one is available (see "Memory" in the module docstring); ``None``: none.
+        on_spawn: ``reaper=False`` only: called on the spawner thread right after the
+            fork, with the child's pid and a function listing the pids of the run's
+            cgroup (``None`` without one). If it raises, the child is killed and reaped
+            and the exception propagates (the hook kills whatever else it started).
     """
 
     argv: tuple[str, ...]
@@ -182,6 +186,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     reaper: bool = True
     cgroup_pool: bool = False
     memory_max: int | None = None
+    on_spawn: Callable[[int, Callable[[], list[int]] | None], None] | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -841,6 +846,8 @@ def _spawn(
     rlimits: tuple[tuple[int, int, int], ...],
     cgroup: _Cgroup | None,
     grace: float,
+    members: Callable[[], list[int]] | None = None,
+    inline_hook: bool = True,
 ) -> _Child:
     """Runs on a spawner thread. Creates the pipes and forks; never leaks an fd.
 
@@ -924,6 +931,14 @@ def _spawn(
             popen.kill()
             popen.wait()
             raise HostFault(f"pidfd_open failed: {exc}") from exc
+        if spec.on_spawn is not None and inline_hook:
+            try:
+                spec.on_spawn(popen.pid, members)
+            except BaseException:
+                popen.kill()
+                popen.wait()
+                os.close(pidfd)
+                raise
         ours.clear()
         return _Child(popen, pidfd, fds)
     finally:
@@ -1081,6 +1096,8 @@ def _threads_of_uid(uid: int) -> int:
 def _validate(spec: ProcessSpec, timeout: float, grace: float) -> None:
     if not spec.argv:
         raise ValueError("ProcessSpec.argv must not be empty")
+    if spec.on_spawn is not None and spec.reaper:
+        raise ValueError("ProcessSpec.on_spawn needs reaper=False (it would see the shim)")
     if not (timeout > 0 and grace >= 0) or math.isnan(timeout):
         raise ValueError(f"need timeout > 0 and grace >= 0, got {timeout}, {grace}")
     if spec.output_bytes < 0:
@@ -1184,13 +1201,15 @@ async def _run(
     memory_limited = (
         join is not None and spec.memory_max is not None and join.limit_memory(spec.memory_max)
     )
+    members = cgroup.pids if cgroup is not None else None
     if spec.pids_max is not None and cgroup is None:
         nproc = _threads_of_uid(os.getuid()) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
     try:
         try:
             child: _Child = await _on_spawner(
-                lambda: _spawn(spec, rlimits, join, grace), slot.spawner if slot else None
+                lambda: _spawn(spec, rlimits, join, grace, members, inline_hook=slot is not None),
+                slot.spawner if slot else None,
             )
         except _ExecFailed as failed:
             code = 127 if failed.exc.errno == errno.ENOENT else 126
@@ -1207,6 +1226,17 @@ async def _run(
                 pids_limited=pids_limited,
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
             )
+        if spec.on_spawn is not None and slot is None:
+            # The shared spawner must not wait out one sandbox's set-up while other runs
+            # queue behind it: without a slot of its own, the hook runs on a plain thread.
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(spec.on_spawn, child.pid, members)
+            except BaseException:
+                child.popen.kill()
+                child.popen.wait()
+                child.close()
+                raise
         try:
             result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
         finally:

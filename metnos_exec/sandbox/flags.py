@@ -277,6 +277,7 @@ def derive_bwrap_argv(
     json_status_fd: int | None = None,
     seccomp_fd: int | None = None,
     masked_paths: Sequence[str] = MASKED_PATHS,
+    block_fd: int | None = None,
 ) -> list[str]:
     """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
 
@@ -297,6 +298,8 @@ def derive_bwrap_argv(
         json_status_fd: fd (in the bwrap process) that receives bubblewrap's JSON status:
             the child pid once the namespaces exist, the exit code once it exits. Lets the
             caller tell bubblewrap's own set-up failure from the job's failure.
+        block_fd: fd (in the bwrap process) the sandbox reads one byte from before it
+            starts the guest (``--block-fd``): the caller sets the rlimits meanwhile.
         seccomp_fd: a compiled seccomp BPF program to load before exec (later issue; the
             seam exists so adding it touches no caller).
         masked_paths: host paths hidden behind an empty file or folder; default
@@ -422,6 +425,8 @@ def derive_bwrap_argv(
         argv += ["--json-status-fd", str(json_status_fd)]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
+    if block_fd is not None:
+        argv += ["--block-fd", str(block_fd)]
     for op in ops:
         argv += op.args
     # The root of the sandbox is bubblewrap's tmpfs; read-only, so the guest cannot stash

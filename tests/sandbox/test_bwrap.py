@@ -959,3 +959,111 @@ async def test_root_worker_masks_private_files_of_etc(arm: BwrapSandbox) -> None
     # Either way, nothing of what it holds reaches the guest.
     assert outcome.exit in (Success(), Failure(code=1)) and outcome.stdout == b"", outcome
     assert outcome.containment.files.state == "partial"  # files created later, other trees
+
+
+# --- rlimits applied while bubblewrap waits on --block-fd --------------------------------
+
+
+async def test_limits_hold_from_the_guests_first_instruction(
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guest is ``cat /proc/self/limits`` itself (no shell, no prlimit exec before it):
+    what it prints is what held when its first instruction ran."""
+    import metnos_exec.sandbox.bwrap as bwrap_mod
+
+    specs: list[Any] = []
+    real = bwrap_mod.run_process
+
+    async def spy(spec: Any, **kw: Any) -> Any:
+        specs.append(spec)
+        return await real(spec, **kw)
+
+    monkeypatch.setattr(bwrap_mod, "run_process", spy)
+    job = SandboxJob(
+        argv=("/bin/cat", "/proc/self/limits"),
+        limits=ResourceLimits(cpu_time_s=7, file_size_bytes=3 * MiB, memory_bytes=512 * MiB),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Success(), outcome
+    (spec,) = specs
+    assert spec.on_spawn is not None and "--block-fd" in spec.argv
+    assert spec.argv[-2:] == job.argv and spec.rlimits == ()  # no prefix, no preexec_fn
+    rows = {
+        line[:26].strip(): line[26:].split()[:2]
+        for line in outcome.stdout.decode().splitlines()[1:]
+    }
+    # Soft 7 s (SIGXCPU, named cpu_time), hard one later (SIGKILL) as `derive_rlimits` says.
+    assert rows["Max cpu time"] == ["7", "8"]
+    assert rows["Max file size"] == [str(3 * MiB)] * 2
+    assert rows["Max address space"] == [str(512 * MiB)] * 2
+
+
+async def test_gate_failure_kills_the_blocked_sandbox_before_the_guest_runs(
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import resource
+
+    from metnos_exec.errors import HostFault
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real = resource.prlimit
+
+    def refuse(pid: int, res: int, limits: Any = None) -> Any:
+        if limits is not None:
+            raise PermissionError(1, "refused by the test")
+        return real(pid, res)
+
+    monkeypatch.setattr(resource, "prlimit", refuse)
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", f"echo ran > {out}/marker"),
+        mounts=(Mount(str(out), str(out), writable=True),),
+        limits=ResourceLimits(cpu_time_s=5),
+    )
+    with pytest.raises(HostFault, match="rlimits"):
+        await arm.run(job)
+    assert not (out / "marker").exists()
+
+
+def test_gate_needs_cap_sys_resource_to_raise_a_hard_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import resource
+
+    import metnos_exec.sandbox.bwrap as bwrap_mod
+
+    monkeypatch.setattr(bwrap_mod, "_have_cap_sys_resource", lambda: False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert bwrap_mod._can_gate(((resource.RLIMIT_NOFILE, soft, hard),))
+    assert not bwrap_mod._can_gate(((resource.RLIMIT_NOFILE, hard + 1, hard + 1),))
+    assert not bwrap_mod._can_gate(())
+    monkeypatch.setattr(bwrap_mod, "_have_cap_sys_resource", lambda: True)
+    assert bwrap_mod._can_gate(((resource.RLIMIT_NOFILE, hard + 1, hard + 1),))
+
+
+@pytest.mark.parametrize("cgroup", ["per_run", "none"])
+async def test_limits_hold_without_a_slot(
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, cgroup: str
+) -> None:
+    """No pooled slot: the gate runs off the shared spawner, and finds bubblewrap's tree
+    from a per-run cgroup, or by scanning /proc when there is no cgroup at all."""
+    from metnos_exec import process
+
+    async def no_slot() -> None:
+        return None
+
+    monkeypatch.setattr(process._slots, "acquire", no_slot)
+    if cgroup == "none":
+        monkeypatch.setattr(process._Cgroup, "create", classmethod(lambda cls, n: None))
+    job = SandboxJob(
+        argv=("/bin/cat", "/proc/self/limits"),
+        limits=ResourceLimits(cpu_time_s=9, file_size_bytes=5 * MiB),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Success(), outcome
+    rows = {
+        line[:26].strip(): line[26:].split()[:2]
+        for line in outcome.stdout.decode().splitlines()[1:]
+    }
+    assert rows["Max cpu time"] == ["9", "10"]
+    assert rows["Max file size"] == [str(5 * MiB)] * 2
