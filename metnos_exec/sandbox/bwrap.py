@@ -13,7 +13,13 @@ only glues them and reads back what happened, honestly:
   (no CAP_SYS_RESOURCE), the limits are applied *inside* the sandbox by a prefix that
   ``exec``s the guest instead (``sh -c 'ulimit ...'`` when exact, else ``prlimit``; see
   `_limits_in_guest`). The parent-death signal is bubblewrap's own
-  ``--die-with-parent`` (set by its monitor before it lets the sandbox run);
+  ``--die-with-parent`` (set by its monitor before it lets the sandbox run). One residual
+  window, stated plainly: if the worker itself dies while the sandbox is blocked, the
+  kernel closes our end of the block pipe and bubblewrap reads end-of-file, which also
+  releases it; the guest may start before its rlimits are set, and is SIGKILLed a moment
+  later with the whole pid namespace by ``--die-with-parent`` (its cgroup limits, pids and
+  memory, hold throughout). Giving bubblewrap its own copy of the write end would close
+  the window but leaks that fd into the guest;
 
 * bubblewrap writes JSON status documents to ``--json-status-fd``: ``child-pid`` once the
   namespaces exist and the guest is being set up, ``exit-code`` once the guest has exited.
