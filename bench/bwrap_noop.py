@@ -4,18 +4,18 @@ One native no-op Python job (`bench/_noop.py` under ``python -I -S``) is run two
 interleaved round by round so both see the same machine state:
 
 * **arm**: ``BwrapSandbox().run(job)`` — flag derivation, the hop to a pooled spawner
-  thread (already in its pids cgroup), the pidfd wait, rlimits (applied in the guest by
-  a ``sh -c 'ulimit ...; exec "$@"'`` prefix), the JSON status pipe, bounded output, the
-  slot's clean-up;
+  thread (already in its pids cgroup), the pidfd wait, rlimits (set with prlimit(2) on the
+  sandbox while bubblewrap holds it at ``--block-fd``, then released), the JSON status
+  pipe, bounded output, the slot's clean-up;
 * **raw**: the very same bubblewrap argv (`derive_bwrap_argv` of the same job, without the
   status fd) run with ``subprocess.run``.
 
 The ratio of medians is printed; target: arm <= 1.10 x raw.
 
 With ``--breakdown`` three more variants join the interleaving, to show where the arm's
-time goes: ``raw_limits`` (the raw argv with the arm's limits prefix -- ``sh -c 'ulimit
-...; exec "$@"'`` or ``prlimit`` -- in front of the guest, via ``subprocess.run``: the cost
-of applying the limits inside the sandbox),
+time goes: ``raw_limits`` (the raw argv with the limits prefix the arm falls back to when
+it cannot raise a hard limit -- ``sh -c 'ulimit ...; exec "$@"'`` or ``prlimit`` -- in
+front of the guest, via ``subprocess.run``: what that fallback costs),
 ``raw_fork`` (the raw argv through ``subprocess.Popen`` with a no-op ``preexec_fn``, which
 forces fork instead of vfork: what the arm paid before it stopped needing one) and
 ``run_process`` (that argv through `run_process` in a pooled slot with a pids
