@@ -741,20 +741,9 @@ class SQLiteBroker(Broker):
             row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
             if row is None:
                 return "lost"
-            attempt, max_attempts, worker, device, _body = row
+            attempt, max_attempts, _worker, _device, _body = row
             if attempt >= max_attempts:
-                db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
-                self._store_dead(
-                    db,
-                    job_id=lease.job.id,
-                    job=lease.job,
-                    raw=None,
-                    error=error,
-                    attempt=attempt,
-                    worker=worker or "",
-                    device=device,
-                    now=now,
-                )
+                self._settle_dead(db, lease, row, error, now)
                 return "dead"
             db.execute(_REQUEUE, (now + max(0.0, delay_s), 0, lease.job.id, lease.token))
             return "scheduled"
@@ -764,6 +753,29 @@ class SQLiteBroker(Broker):
             self._wake_results()
         return outcome
 
+    def _settle_dead(
+        self,
+        db: sqlite3.Connection,
+        lease: Lease,
+        row: tuple[Any, ...],
+        error: ErrorInfo,
+        now: float,
+    ) -> None:
+        """Mark the leased job dead and store its dead letter (a `_RETRY_LOOKUP` row)."""
+        attempt, _max, worker, device, _body = row
+        db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
+        self._store_dead(
+            db,
+            job_id=lease.job.id,
+            job=lease.job,
+            raw=None,
+            error=error,
+            attempt=attempt,
+            worker=worker or "",
+            device=device,
+            now=now,
+        )
+
     async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
         now = self._clock()
 
@@ -771,19 +783,7 @@ class SQLiteBroker(Broker):
             row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
             if row is None:
                 return False
-            attempt, _max, worker, device, _body = row
-            db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
-            self._store_dead(
-                db,
-                job_id=lease.job.id,
-                job=lease.job,
-                raw=None,
-                error=error,
-                attempt=attempt,
-                worker=worker or "",
-                device=device,
-                now=now,
-            )
+            self._settle_dead(db, lease, row, error, now)
             return True
 
         ok: bool = await self._run(self._txn, work)
