@@ -86,13 +86,18 @@ async def _drain(
 
 
 async def _raw_spawn(tmp: Path, registry: ExecutorRegistry, jobs: int, concurrency: int) -> float:
-    from metnos_exec.sandbox.bwrap import bwrap_probe
+    from metnos_exec.sandbox.bwrap import _host_facts, bwrap_probe
     from metnos_exec.sandbox.flags import derive_bwrap_argv
 
     probe = bwrap_probe()
     assert probe.path is not None
     inv = plan_invocation(registry.get_executor("noop"), {}, home=str(tmp))
-    argv = derive_bwrap_argv(inv.job, bwrap=probe.path, features=probe.features)
+    # The same walls as the arm's command, masks of private host files included (the arm
+    # adds only its harness fds: --json-status-fd and --block-fd).
+    _host_facts.refresh()
+    argv = derive_bwrap_argv(
+        inv.job, bwrap=probe.path, features=probe.features, masked_paths=_host_facts.masked
+    )
     remaining = jobs
 
     async def spawner() -> None:

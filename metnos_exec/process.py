@@ -119,7 +119,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -168,10 +168,14 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             the child into it; see "Pooled cgroups" in the module docstring.
         memory_max: memory limit in bytes for the whole tree, held by a memory cgroup
             when one is available (see "Memory" in the module docstring); ``None``: none.
-        on_spawn: ``reaper=False`` only: called on the spawner thread right after the
-            fork, with the child's pid and a function listing the pids of the run's
-            cgroup (``None`` without one). If it raises, the child is killed and reaped
-            and the exception propagates (the hook kills whatever else it started).
+        on_spawn: ``reaper=False`` only: awaited on the event loop right after the
+            spawn, before anything is fed to the child, with the child's pid and a function
+            listing the pids of the run's cgroup (``None`` without one). If it raises
+            (cancellation included), the child is killed and reaped and the exception
+            propagates (the hook kills whatever else it started). On the loop, not on the
+            spawner thread: a hook that waits on its child (the bwrap gate waits ~1.5 ms
+            for bubblewrap's set-up) would otherwise hold the spawner, and the loop that
+            waits for it, for that long on every job.
     """
 
     argv: tuple[str, ...]
@@ -186,7 +190,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     reaper: bool = True
     cgroup_pool: bool = False
     memory_max: int | None = None
-    on_spawn: Callable[[int, Callable[[], list[int]] | None], None] | None = None
+    on_spawn: Callable[[int, Callable[[], list[int]] | None], Awaitable[None]] | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -846,8 +850,6 @@ def _spawn(
     rlimits: tuple[tuple[int, int, int], ...],
     cgroup: _Cgroup | None,
     grace: float,
-    members: Callable[[], list[int]] | None = None,
-    inline_hook: bool = True,
 ) -> _Child:
     """Runs on a spawner thread. Creates the pipes and forks; never leaks an fd.
 
@@ -931,14 +933,6 @@ def _spawn(
             popen.kill()
             popen.wait()
             raise HostFault(f"pidfd_open failed: {exc}") from exc
-        if spec.on_spawn is not None and inline_hook:
-            try:
-                spec.on_spawn(popen.pid, members)
-            except BaseException:
-                popen.kill()
-                popen.wait()
-                os.close(pidfd)
-                raise
         ours.clear()
         return _Child(popen, pidfd, fds)
     finally:
@@ -1208,7 +1202,7 @@ async def _run(
     try:
         try:
             child: _Child = await _on_spawner(
-                lambda: _spawn(spec, rlimits, join, grace, members, inline_hook=slot is not None),
+                lambda: _spawn(spec, rlimits, join, grace),
                 slot.spawner if slot else None,
             )
         except _ExecFailed as failed:
@@ -1226,15 +1220,15 @@ async def _run(
                 pids_limited=pids_limited,
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
             )
-        if spec.on_spawn is not None and slot is None:
-            # The shared spawner must not wait out one sandbox's set-up while other runs
-            # queue behind it: without a slot of its own, the hook runs on a plain thread.
+        if spec.on_spawn is not None:
             try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(spec.on_spawn, child.pid, members)
+                await spec.on_spawn(child.pid, members)
             except BaseException:
-                child.popen.kill()
-                child.popen.wait()
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+                    await _wait_exit(child)
+                    _reap(child, None)
                 child.close()
                 raise
         try:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import sniffio
 import structlog
@@ -732,12 +733,25 @@ class Supervisor:
                     except (HostFault, MetnosError) as exc:
                         fault = exc
                 # Before the slot is given back: a heartbeat must not act on a run that
-                # is over, and the next job may be leased while this result is stored.
+                # is over.
                 running.settling = True
-                self._vacate(running)
             finally:
+                # The run slot first: the job waiting for it is woken before the lease
+                # loop (woken by `_vacate`), so the next executor starts before any
+                # bookkeeping of this one.
                 self._slots.release()
         running.settling = True  # also when stopped while waiting: nothing of it runs
+        # The next job may be leased while this result is stored.
+        self._vacate(running)
+        if started_at is not None:
+            # Let the next job launch (it was woken above) before this one's result is
+            # stored and logged: a bookkeeping gap between two runs is idle slot time.
+            # Twice: trio may run a batch of ready tasks in reverse order, so after one
+            # yield this task could still go first; after two, the woken job has run
+            # (up to its spawn) either way. Shielded: the run is over, and its result
+            # must not be lost to a cancel.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         return outcome, fault, started_at
 
 

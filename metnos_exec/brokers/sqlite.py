@@ -408,18 +408,26 @@ class SQLiteBroker(Broker):
             else:
                 try:
                     out = fn(*args)
-                except sqlite3.OperationalError as exc:
-                    # Only a lock held elsewhere is redone; a transaction body either
-                    # failed at BEGIN or was rolled back, so redoing it is safe.
-                    if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                except BaseException as exc:
+                    limiter.release()
+                    # Only a lock held elsewhere is redone (in a thread that may wait); a
+                    # transaction body either failed at BEGIN or was rolled back, so
+                    # redoing it is safe.
+                    if not (
+                        isinstance(exc, sqlite3.OperationalError)
+                        and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+                    ):
                         raise
                 else:
+                    # Released *before* the checkpoint: held across it, the connection
+                    # looked busy to every task that ran meanwhile, which then took the
+                    # thread path (a thread hop per call, and the next call found that
+                    # one busy in turn: measured, every lease of a bwrap run went there).
+                    limiter.release()
                     # Inline work never yielded: give other tasks (and cancellation) a
                     # turn, as any async call should.
                     await anyio.lowlevel.checkpoint()
                     return out
-                finally:
-                    limiter.release()
         return await anyio.to_thread.run_sync(self._patient, fn, args, limiter=limiter)
 
     def _patient(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:

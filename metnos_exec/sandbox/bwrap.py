@@ -54,7 +54,6 @@ import functools
 import json
 import os
 import resource
-import select
 import shutil
 import signal
 import subprocess
@@ -150,7 +149,7 @@ FIND_TTL_S = 2.0
 _found: dict[tuple[str, str], tuple[str, float]] = {}
 
 
-def find_bwrap(env: dict[str, str] | None = None) -> str | None:
+def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
     """Locate bubblewrap: ``$METNOS_BWRAP`` (a path, or a name looked up on ``$PATH``),
     else ``bwrap`` on ``$PATH``. A hit is reused for `FIND_TTL_S` seconds, a miss never:
     installing bubblewrap later needs no restart."""
@@ -212,7 +211,7 @@ _cache_lock = threading.Lock()
 _cache: dict[tuple[str, int, int, int], tuple[BwrapProbe, float]] = {}
 
 
-def bwrap_probe(env: dict[str, str] | None = None, *, refresh: bool = False) -> BwrapProbe:
+def bwrap_probe(env: Mapping[str, str] | None = None, *, refresh: bool = False) -> BwrapProbe:
     """Find bubblewrap and probe that it can build our sandbox, cached.
 
     A positive probe is cached for as long as the same binary (path, inode, size, mtime)
@@ -366,73 +365,84 @@ class _LimitGate:
 
     bubblewrap's sandbox process (pid 1 of the namespace, ``child-pid`` in the status)
     reads one byte from the block fd after pivot_root and dropping privileges, *before*
-    it forks the guest. Meanwhile, on the spawner thread (`ProcessSpec.on_spawn`), we
-    prlimit(2) every process of bubblewrap's tree (its monitor and that sandbox process),
-    read the limits back, check the tree did not change, and only then write the byte:
-    the guest is forked after, so it inherits the limits before its first instruction.
-    No ``sh``/``prlimit`` exec in the guest (~0.5 ms a job) and still no preexec_fn.
+    it forks the guest. Meanwhile, on the event loop (`ProcessSpec.on_spawn`), we wait for
+    ``child-pid`` on the status pipe, prlimit(2) every process of bubblewrap's tree (its
+    monitor and that sandbox process), read the limits back, check the tree did not
+    change, and only then write the byte: the guest is forked after, so it inherits the
+    limits before its first instruction. No ``sh``/``prlimit`` exec in the guest (~0.5 ms a
+    job) and still no preexec_fn. ``child-pid`` comes ~1.5 ms before the sandbox reaches
+    the block fd (its mounts are built meanwhile), so the gate normally costs it no wait.
 
-    Fail safe: anything unexpected kills the whole blocked tree before the block fd is
-    closed (closing it unwritten would also release the guest, unlimited).
+    Fail safe: anything unexpected (cancellation included) kills the whole blocked tree
+    before the block fd is closed (closing it unwritten would also release the guest,
+    unlimited).
+
+    The gate owns the worker's copy of the status pipe's write end (`status_w`) and closes
+    it as soon as bubblewrap has its own: end-of-file on the read end then means that
+    bubblewrap exited during its set-up.
     """
 
-    def __init__(self, rlimits: tuple[tuple[int, int, int], ...], status_r: int, wait_s: float):
+    def __init__(
+        self,
+        rlimits: tuple[tuple[int, int, int], ...],
+        status_r: int,
+        status_w: int,
+        wait_s: float,
+    ):
         self._rlimits = rlimits
         self._status_r = status_r
+        self.status_w = status_w
         self._wait_s = wait_s
         #: Status bytes consumed while waiting for ``child-pid``; the rest comes later.
         self.status_head = b""
         self.block_r, self.block_w = os.pipe2(os.O_CLOEXEC)
 
     def close(self) -> None:
-        for fd in (self.block_r, self.block_w):
+        for fd in (self.block_r, self.block_w, self.status_w):
             if fd >= 0:
                 os.close(fd)
-        self.block_r = self.block_w = -1
+        self.block_r = self.block_w = self.status_w = -1
 
-    def _child_pid(self, pid: int) -> int | None:
+    async def _child_pid(self) -> int | None:
         """bubblewrap's ``child-pid``, or ``None`` when bubblewrap exited without one."""
-        pidfd = os.pidfd_open(pid)
-        try:
-            os.set_blocking(self._status_r, False)
-            poller = select.poll()
-            poller.register(self._status_r, select.POLLIN)
-            poller.register(pidfd, select.POLLIN)
-            deadline = time.monotonic() + self._wait_s
-            decoder = json.JSONDecoder()
+        os.close(self.status_w)  # bubblewrap holds its own copy now
+        self.status_w = -1
+        os.set_blocking(self._status_r, False)
+        decoder = json.JSONDecoder()
+        with anyio.move_on_after(self._wait_s):
             while True:
                 try:
                     chunk = os.read(self._status_r, 4096)
                 except BlockingIOError:
-                    chunk = None
-                if chunk:
-                    self.status_head += chunk
-                    text = self.status_head.decode("utf-8", errors="replace").lstrip()
-                    with contextlib.suppress(ValueError):
-                        doc, _ = decoder.raw_decode(text)
-                        child = doc.get("child-pid") if isinstance(doc, dict) else None
-                        if not isinstance(child, int) or child <= 0:
-                            raise HostFault(f"unexpected bubblewrap status {text!r}")
-                        return child
+                    await anyio.wait_readable(self._status_r)
                     continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise HostFault("bubblewrap did not reach its block fd in time")
-                events = dict(poller.poll(left * 1000))
-                if pidfd in events and self._status_r not in events:
+                if not chunk:
                     return None  # exited during set-up: the arm reports why
-        finally:
-            os.close(pidfd)
+                self.status_head += chunk
+                text = self.status_head.decode("utf-8", errors="replace").lstrip()
+                with contextlib.suppress(ValueError):
+                    doc, _ = decoder.raw_decode(text)
+                    child = doc.get("child-pid") if isinstance(doc, dict) else None
+                    if not isinstance(child, int) or child <= 0:
+                        raise HostFault(f"unexpected bubblewrap status {text!r}")
+                    return child
+        raise HostFault("bubblewrap did not reach its block fd in time")
 
-    def _tree(self, pid: int, members: Callable[[], list[int]] | None) -> set[int]:
-        return set(members()) if members is not None else _descendants(pid)
+    async def _tree(self, pid: int, members: Callable[[], list[int]] | None) -> set[int]:
+        if members is not None:
+            return set(members())  # one small cgroup file
+        # No cgroup to list them: a scan of /proc, off the loop.
+        return await anyio.to_thread.run_sync(_descendants, pid)
 
-    def __call__(self, pid: int, members: Callable[[], list[int]] | None) -> None:
-        child = self._child_pid(pid)
-        if child is None:
-            return
-        tree = self._tree(pid, members)
+    async def __call__(self, pid: int, members: Callable[[], list[int]] | None) -> None:
+        doomed: set[int] = {pid}  # killed if anything goes wrong
         try:
+            child = await self._child_pid()
+            if child is None:
+                return
+            doomed.add(child)
+            tree = await self._tree(pid, members)
+            doomed |= tree
             # Exactly bubblewrap's monitor and its sandbox process: nothing else may exist
             # (the guest is not forked yet), nothing may have left.
             if tree != {pid, child}:
@@ -447,11 +457,11 @@ class _LimitGate:
                             raise HostFault(f"rlimit {res} did not hold on pid {proc}")
             except OSError as exc:
                 raise HostFault(f"cannot set the job's rlimits on bubblewrap: {exc}") from exc
-            if self._tree(pid, members) != tree:
+            if await self._tree(pid, members) != tree:
                 raise HostFault("bubblewrap's tree changed while blocked")
             os.write(self.block_w, b"g")
         except BaseException:
-            for proc in tree | {child}:
+            for proc in doomed:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc, signal.SIGKILL)
             raise
@@ -726,7 +736,7 @@ class BwrapSandbox:
         host = _host_facts
         host.refresh()
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        gate = _LimitGate(rlimits, status_r, job.limits.wall_time_s) if gated else None
+        gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s) if gated else None
         try:
             try:
                 argv = derive_bwrap_argv(
@@ -775,15 +785,18 @@ class BwrapSandbox:
                 on_spawn=gate,
             )
             result = await run_process(spec, timeout=job.limits.wall_time_s)
-            os.close(status_w)
+            if gate is not None:
+                gate.close()  # our copy of status_w, if the gate did not run
+            else:
+                os.close(status_w)
             status_w = -1
             head = b"" if gate is None else gate.status_head
             status = parse_json_status(head + _drain(status_r))
             await _reap_orphaned_init(status.get("child-pid"))
         finally:
             if gate is not None:
-                gate.close()
-            if status_w >= 0:
+                gate.close()  # closes status_w too
+            elif status_w >= 0:
                 os.close(status_w)
             os.close(status_r)
         # The kernel told us: a process of the job was OOM-killed at the job's memory

@@ -125,7 +125,7 @@ def check_bwrap_setting(env: Mapping[str, str] | None = None) -> None:
     wanted = env.get("METNOS_BWRAP", "")
     if not wanted:
         return
-    if find_bwrap(dict(env)) is None:
+    if find_bwrap(env) is None:
         where = "is not an executable file" if "/" in wanted else "is not found on $PATH"
         raise BadConfig(
             f"METNOS_BWRAP={wanted!r} {where}; point it at bubblewrap (e.g. /usr/bin/bwrap) "
@@ -137,7 +137,7 @@ def _native_decision(env: Mapping[str, str]) -> tuple[Decision, BwrapProbe | Non
     if _sandbox_off(env):
         return Decision("python", "none", _direct_degradation("sandbox_off")), None
     check_bwrap_setting(env)
-    probe = bwrap_probe(dict(env))
+    probe = bwrap_probe(env)
     if probe.path is None:
         return Decision("python", "none", _direct_degradation("bwrap_missing", probe.error)), probe
     if not probe.working:

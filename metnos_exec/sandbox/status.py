@@ -131,7 +131,7 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
         env: where ``METNOS_*`` and ``PATH`` are read; default `os.environ`.
     """
     env = os.environ if env is None else env
-    probe = bwrap_probe(dict(env))
+    probe = bwrap_probe(env)
     abi, abi_error = landlock_abi()
     seccomp, actions = _seccomp()
     decisions: dict[str, Decision] = {rt: decide_arm(rt, env) for rt in RUNTIMES}

@@ -254,6 +254,40 @@ async def test_a_write_lock_held_elsewhere_waits_in_a_thread_not_on_the_loop(
 
 
 @pytest.mark.anyio
+async def test_calls_made_while_another_yields_still_run_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An uncontended call runs on the loop; it frees the connection *before* it yields,
+    so calls that other tasks make meanwhile run inline too (no thread hop each)."""
+    import metnos_exec.brokers.sqlite as sqlite_mod
+
+    hops: list[object] = []
+    real = sqlite_mod.anyio.to_thread.run_sync
+
+    async def counting(fn: object, *args: object, **kw: object) -> object:
+        if getattr(fn, "__name__", "") == "_patient":  # the broker's waiting path
+            hops.append(fn)
+        return await real(fn, *args, **kw)  # type: ignore[arg-type]
+
+    async with SQLiteBroker(tmp_path / "queue.db") as broker:
+        await broker.submit_many([Job(executor="echo") for _ in range(40)])
+        monkeypatch.setattr(sqlite_mod.anyio.to_thread, "run_sync", counting)
+        leased: list[int] = []
+
+        async def consumer() -> None:
+            for _ in range(10):
+                leases = await broker.lease("w", visibility_s=5)
+                leased.append(len(leases))
+                await broker.ack(leases[0], Result(job_id=leases[0].job.id, status="succeeded"))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(consumer)
+    assert leased == [1] * 40
+    assert hops == []
+
+
+@pytest.mark.anyio
 async def test_jobs_survive_reopening_the_file(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     job = Job(executor="echo")

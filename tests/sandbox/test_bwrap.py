@@ -1025,6 +1025,84 @@ async def test_gate_failure_kills_the_blocked_sandbox_before_the_guest_runs(
     assert not (out / "marker").exists()
 
 
+def _gated(argv: tuple[str, ...], wait_s: float) -> tuple[Any, Any, list[int]]:
+    """A `_LimitGate` on a stand-in for bubblewrap (`argv`), which holds the status pipe's
+    write end and never writes to it; the spec that runs it; and the pids it saw."""
+    import resource
+
+    import metnos_exec.sandbox.bwrap as bwrap_mod
+    from metnos_exec.process import ProcessSpec
+
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    gate = bwrap_mod._LimitGate(((resource.RLIMIT_CPU, 5, 6),), status_r, status_w, wait_s=wait_s)
+    seen: list[int] = []
+
+    async def spy(pid: int, members: Any) -> None:
+        seen.append(pid)
+        await gate(pid, members)
+
+    spec = ProcessSpec(
+        argv=argv, env={}, reaper=False, pdeathsig=False, pass_fds=(status_w,), on_spawn=spy
+    )
+
+    class Closer:
+        def close(self) -> None:
+            gate.close()  # block pipe and, if still ours, the status write end
+            os.close(status_r)
+
+    return Closer(), spec, seen
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_a_run_cancelled_while_the_gate_waits_kills_and_reaps_the_child() -> None:
+    from metnos_exec.process import run_process
+
+    gate, spec, seen = _gated(("/bin/sleep", "30"), wait_s=30)
+    try:
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.3):
+            await run_process(spec, timeout=30)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        gate.close()
+    (pid,) = seen
+    assert _gone(pid)  # killed *and* reaped: not even a zombie is left
+
+
+async def test_a_gate_that_never_sees_child_pid_is_a_host_fault_and_kills_the_child() -> None:
+    from metnos_exec.errors import HostFault
+    from metnos_exec.process import run_process
+
+    gate, spec, seen = _gated(("/bin/sleep", "30"), wait_s=0.2)
+    try:
+        with pytest.raises(HostFault, match="block fd in time"):
+            await run_process(spec, timeout=30)
+    finally:
+        gate.close()
+    assert _gone(seen[0])
+
+
+async def test_bubblewrap_exiting_during_set_up_releases_the_gate() -> None:
+    """End of file on the status pipe (every write end closed: ours by the gate, the
+    child's by its exit) means bubblewrap gave up before ``child-pid``: the gate steps
+    aside and the run reports the exit as it is."""
+    from metnos_exec.process import run_process
+
+    gate, spec, _ = _gated(("/bin/sh", "-c", "exit 3"), wait_s=30)
+    try:
+        result = await run_process(spec, timeout=30)
+    finally:
+        gate.close()
+    assert result.returncode == 3
+
+
 def test_gate_needs_cap_sys_resource_to_raise_a_hard_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
