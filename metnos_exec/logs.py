@@ -18,7 +18,6 @@ them, so a new event is added here first, never invented at a call site.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
 import sys
@@ -100,10 +99,19 @@ def finished_level(status: str, *, stored: bool = True) -> int:
     return level
 
 
+#: (unix second, its ISO-8601 prefix): formatted once a second, not once a record.
+_second: tuple[int, str] = (-1, "")
+
+
 def _timestamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     # structlog's TimeStamper gives microseconds; operators asked for ms and a `Z`.
-    now = _dt.datetime.now(_dt.UTC)
-    event_dict["ts"] = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    global _second
+    now = time.time()
+    sec = int(now)
+    cached = _second  # one read: another thread may swap it meanwhile
+    if cached[0] != sec:
+        cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(sec)))
+    event_dict["ts"] = f"{cached[1]}{int((now - sec) * 1000):03d}Z"
     return event_dict
 
 

@@ -992,9 +992,25 @@ async def _pump(fd: int, sink: _Capped, done: anyio.Event) -> None:
         done.set()
 
 
-async def _feed(child: _Child, data: bytes) -> None:
+def _feed_now(child: _Child, data: bytes) -> memoryview | None:
+    """Write as much of `data` to the child's stdin as the pipe takes now, without
+    waiting; close stdin and return ``None`` when nothing is left to write (the usual
+    case: a job's arguments fit the pipe's 64 KiB), else the rest, for `_feed`."""
     fd = child.fds["stdin"]
     view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view[:_READ_CHUNK]) :]
+    except BlockingIOError:
+        return view
+    except BrokenPipeError:
+        pass  # the child closed its stdin: what it did not read, it did not want
+    child.close_fd("stdin")
+    return None
+
+
+async def _feed(child: _Child, view: memoryview) -> None:
+    fd = child.fds["stdin"]
     try:
         while view:
             try:
@@ -1263,7 +1279,10 @@ async def _supervise(
             out_done, err_done = anyio.Event(), anyio.Event()
             tg.start_soon(_pump, child.fds["stdout"], out, out_done)
             tg.start_soon(_pump, child.fds["stderr"], err, err_done)
-            tg.start_soon(_feed, child, spec.stdin)
+            # No task for stdin unless it does not fit the pipe at once.
+            rest = _feed_now(child, spec.stdin)
+            if rest is not None:
+                tg.start_soon(_feed, child, rest)
             with anyio.move_on_after(budget_s - (time.monotonic() - child.t0)):
                 await _wait_exit(child)
             if not child.exited:

@@ -237,3 +237,20 @@ def test_every_event_the_package_emits_is_in_the_vocabulary() -> None:
     emitted = {m for p in root.rglob("*.py") for m in call.findall(p.read_text())}
     assert {"job.received", "job.finished", "worker.started"} <= emitted  # the scan works
     assert sorted(emitted - set(EVENTS)) == []
+
+
+def test_timestamps_are_utc_milliseconds_across_a_second_boundary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from metnos_exec import logs
+
+    stamps: list[str] = []
+    for now in (1_700_000_000.9996, 1_700_000_001.0004, 1_700_000_001.25, 1_699_999_999.5):
+        monkeypatch.setattr(logs.time, "time", lambda now=now: now)
+        stamps.append(logs._timestamp(None, "info", {})["ts"])
+    assert stamps == [
+        "2023-11-14T22:13:20.999Z",
+        "2023-11-14T22:13:21.000Z",
+        "2023-11-14T22:13:21.250Z",
+        "2023-11-14T22:13:19.500Z",
+    ]

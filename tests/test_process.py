@@ -9,6 +9,7 @@ is re-parented to pytest and fails the test.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import resource
@@ -159,6 +160,18 @@ async def test_default_signal_dispositions_are_restored(reaper: bool) -> None:
 async def test_stdin_a_child_never_reads_does_not_deadlock(reaper: bool) -> None:
     result = await run_process(spec("true", reaper=reaper, stdin=b"x" * (8 << 20)), timeout=10)
     assert result.returncode == 0 and not result.timed_out
+
+
+@pytest.mark.anyio
+@both_modes
+@pytest.mark.parametrize("size", [0, 100, 64 << 10, (1 << 20) + 7])
+async def test_stdin_reaches_the_child_whole(reaper: bool, size: int) -> None:
+    """Small stdin is written at once, without a feeding task; what does not fit the pipe
+    is fed as the child reads it. Either way the child gets every byte, then EOF."""
+    data = bytes(i % 251 for i in range(size))
+    result = await run_process(spec("sha256sum", reaper=reaper, stdin=data), timeout=10)
+    assert result.returncode == 0
+    assert result.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.anyio
