@@ -9,7 +9,7 @@ folder is — loads the named files and calls them.
 
     metnos-exec bench                       # every benchmark, default options
     metnos-exec bench --list
-    metnos-exec bench queue_throughput --jobs 5000
+    metnos-exec bench queue_throughput --echo-jobs 5000
 """
 
 from __future__ import annotations
