@@ -15,6 +15,9 @@ Two measurements, in one run:
    three alike); medians are reported, and the ratio is the ratio of the medians.
    Target: e2e >= 85 % of raw.
 
+The process makes itself a child subreaper first, as the worker process does (so the arm
+reaps bubblewrap's orphaned init at the end of each job, as in production).
+
 Usage: python bench/queue_throughput.py [--echo-jobs N] [--bwrap-jobs N] [--rounds R]
        [--concurrency 1,2,4] [--backend asyncio|trio] [--skip-bwrap]
 (with ``PYTHONPATH=.`` to measure this checkout rather than an editable install elsewhere)
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     p.add_argument("--skip-bwrap", action="store_true")
     ns = p.parse_args(argv)
+    # As `metnos-exec worker` does: bubblewrap's orphaned inits are reaped by us, at once.
+    from metnos_exec.process import become_subreaper
+
+    become_subreaper()
     rows = anyio.run(_main, ns, backend=ns.backend)
     width = max(len(r[0]) for r in rows)
     print(f"backend {ns.backend}, {os.cpu_count()} cpus, python {sys.version.split()[0]}")

@@ -130,9 +130,18 @@ import msgspec
 from metnos_exec import _reaper
 from metnos_exec.errors import HostFault
 
-__all__ = ("ProcessResult", "ProcessSpec", "pids_cgroup_available", "run_process")
+__all__ = (
+    "ProcessResult",
+    "ProcessSpec",
+    "become_subreaper",
+    "pids_cgroup_available",
+    "reap_orphans",
+    "run_process",
+)
 
 PR_SET_PDEATHSIG: Final = 1
+PR_SET_CHILD_SUBREAPER: Final = 36
+PR_GET_CHILD_SUBREAPER: Final = 37
 
 _READ_CHUNK: Final = 1 << 16
 #: After the child exits, how long readers may still wait for EOF. Only a process that left
@@ -308,6 +317,107 @@ async def _on_spawner(fn: Callable[[], Any], spawner: _Spawner | None = None) ->
         return future.result()  # done, or done within microseconds (see `_serve`)
     finally:
         os.close(done_fd)
+
+
+# --- orphans ------------------------------------------------------------------------------
+
+#: pids `run_process` has spawned and not reaped yet: never `reap_orphans`' to take. Changed
+#: and read under `_spawn_lock`, which each spawn also holds from fork to registration.
+_owned: set[int] = set()
+_spawn_lock = threading.Lock()
+
+
+def _forget_owned() -> None:
+    # A forked copy of the worker owns none of these children (and the lock may have been
+    # held by another thread at the fork).
+    global _spawn_lock
+    _spawn_lock = threading.Lock()
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_owned)
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (PR_SET_CHILD_SUBREAPER); ``False`` if refused.
+
+    What for: bubblewrap's monitor exits before its init (pid 1 of the sandbox), so every
+    bwrap job leaves an orphan. Re-parented to the host's init, it stays a zombie until
+    that init reaps it: at once under systemd or a container's init, but every ~2 s on
+    some hosts, and meanwhile its zombie still counts in the slot's pids cgroup, whose
+    ``pids.max`` must then be raised by that many (measured here: a median of 79 and up
+    to 126 zombies per slot at concurrency 2, so a job's process budget of 64 could reach
+    ~190 when they were reaped mid-run). A subreaper worker gets the inits back and reaps
+    each one as its job ends (the bwrap arm), so the budget stays exact.
+
+    The worker process (`metnos_exec.worker.run_worker`) calls this. An application that
+    embeds a `Supervisor` may too, if it does not mind that every orphan of its own
+    descendants then comes to it: `reap_orphans` (called by the supervisor every
+    ``cancel_poll_s``) reaps those that are nobody's to wait for.
+    """
+    return bool(_prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def _is_subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    return (
+        bool(_prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0) and flag.value != 0
+    )
+
+
+def _zombie_children() -> list[tuple[int, int]]:
+    """(pid, session id) of this process's children that are zombies."""
+    pids: list[int] = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children", "rb") as f:
+                pids += map(int, f.read().split())
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields[0] == b"Z":
+            out.append((pid, int(fields[3])))  # field 6: session
+    return out
+
+
+def _disown(pid: int) -> None:
+    """`pid` was reaped: its number may now be reused by anyone's process."""
+    with _spawn_lock:
+        _owned.discard(pid)
+
+
+def reap_orphans() -> int:
+    """Reap the zombie orphans a subreaper inherited; return how many. Never blocks.
+
+    Only zombies nobody else will wait for: not a child `run_process` spawned (it reaps
+    its own), and not one in this process's own session (a plain ``subprocess`` child of
+    any library shares it, and its ``wait`` would otherwise find it gone). What remains
+    are descendants re-parented to us: bubblewrap's inits (a bwrap ``--new-session``
+    leader each; the arm reaps its job's own at once, this catches the rest, e.g. the
+    probe's), and processes of a job tree whose direct child died first (each job runs
+    in a session of its own). Does nothing unless this process is a subreaper.
+    """
+    if not _is_subreaper():
+        return 0
+    ours = os.getsid(0)
+    reaped = 0
+    with _spawn_lock:
+        for pid, sid in _zombie_children():
+            if pid in _owned or sid == ours:
+                continue
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            reaped += done != 0
+    return reaped
 
 
 # --- cgroups ------------------------------------------------------------------------------
@@ -909,18 +1019,22 @@ def _spawn(
         for fd in ours:
             os.set_blocking(fd, False)
         try:
-            popen = subprocess.Popen(
-                argv,
-                stdin=in_r,
-                stdout=out_w,
-                stderr=err_w,
-                env=popen_env,
-                cwd=cwd,
-                close_fds=True,
-                pass_fds=pass_fds,
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
+            # Under the lock from fork to registration: `reap_orphans` must never see this
+            # child as nobody's (it may exit at once, a zombie before `Popen` returns).
+            with _spawn_lock:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=in_r,
+                    stdout=out_w,
+                    stderr=err_w,
+                    env=popen_env,
+                    cwd=cwd,
+                    close_fds=True,
+                    pass_fds=pass_fds,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+                _owned.add(popen.pid)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             if spec.reaper:
                 raise HostFault(f"cannot start the reaper shim ({sys.executable}): {exc}") from exc
@@ -932,6 +1046,7 @@ def _spawn(
         except OSError as exc:  # pragma: no cover - Linux >= 5.3 is a precondition
             popen.kill()
             popen.wait()
+            _disown(popen.pid)
             raise HostFault(f"pidfd_open failed: {exc}") from exc
         ours.clear()
         return _Child(popen, pidfd, fds)
@@ -1360,6 +1475,8 @@ def _reap(child: _Child, cgroup: _Cgroup | None) -> tuple[int, int, Any]:
         pid, status, rusage = os.wait4(child.pid, 0)
     except ChildProcessError as exc:
         raise HostFault(f"wait4({child.pid}) failed: somebody else reaped our child") from exc
+    finally:
+        _disown(child.pid)
     # Popen would warn that the process is "still running" when collected.
     child.popen.returncode = os.waitstatus_to_exitcode(status)
     return pid, status, rusage

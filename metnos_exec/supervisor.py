@@ -57,6 +57,7 @@ from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
 from .plan import plan_invocation
+from .process import reap_orphans
 from .sandbox._types import (
     ContainmentReport,
     Failure,
@@ -654,6 +655,9 @@ class Supervisor:
     async def _cancel_poll_loop(self) -> None:
         while True:
             await anyio.sleep(self.cancel_poll_s)
+            # A subreaper worker inherits the orphans of its jobs' trees (bubblewrap's
+            # inits above all): reap those nobody else waits for (no-op otherwise).
+            reap_orphans()
             ids = [
                 job_id
                 for job_id, running in self._running.items()

@@ -34,6 +34,7 @@ from .errors import BadConfig, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .policy import Policy
+from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
 
@@ -198,6 +199,9 @@ def run_worker(
             raise BadConfig(f"cannot open the log file {log_file}: {exc}") from None
     registry = ExecutorRegistry.load(executors_dir)
     wid = worker_id or default_worker_id()
+    # bubblewrap's orphaned inits come back to us and are reaped as each job ends, so a
+    # job's process budget is exact whatever the host's init (see `become_subreaper`).
+    become_subreaper()
 
     async def main() -> None:
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from metnos_exec import process
@@ -268,6 +269,138 @@ async def test_bwrap_arm_reaps_its_orphaned_init_when_it_is_ours(
     (init,) = inits
     # Reaped: no such process any more (not even a zombie of ours).
     assert gone(init)
+
+
+@pytest.mark.anyio
+async def test_a_subreaper_keeps_every_slots_process_budget_exact() -> None:
+    """bubblewrap's init outlives its monitor, an orphan each job. A subreaper (pytest
+    here, the worker process in production) gets them back and the arm reaps each as its
+    job ends: no zombie stays charged to a slot, so ``pids.max`` is the budget itself,
+    not the budget plus zombies that a slow host init may reap in the middle of a run."""
+    need(bwrap_mod.bwrap_probe().working, "bubblewrap unusable here")
+    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    arm = bwrap_mod.BwrapSandbox()
+    job = SandboxJob(argv=("/bin/true",), limits=ResourceLimits(pids=16))
+
+    async def runner() -> None:
+        for _ in range(10):
+            assert (await arm.run(job)).exit == Success()
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(2):
+            tg.start_soon(runner)
+    slots = list(process._slots._free)
+    assert len(slots) >= 2
+    for slot in slots:
+        assert slot.cgroup.zombies() == 0
+        # What the next run of that budget will get: exactly budget + bubblewrap's two +
+        # the slot thread, nothing for zombies.
+        slot.cgroup.set_max(16 + bwrap_mod._BWRAP_PIDS)
+        assert (slot.cgroup.path / "pids.max").read_text().strip() == str(
+            16 + bwrap_mod._BWRAP_PIDS + 1
+        )
+
+
+# --- orphans a subreaper inherits -------------------------------------------------------
+
+
+def zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"
+
+
+ORPHANER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # not holding the caller's pipe open
+    os.read(os.open(sys.argv[1], os.O_RDONLY), 1)  # wait until told (a fifo)
+    os._exit(0)
+print(pid, flush=True)
+"""
+
+
+def test_reap_orphans_takes_an_orphan_of_another_session(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    # pytest is a subreaper: the grandchild comes back to us when its parent exits.
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    out = subprocess.run(
+        [PY, "-c", ORPHANER, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    orphan = int(out.stdout)
+    process.reap_orphans()  # (other tests' orphans may go now)
+    assert os.path.exists(f"/proc/{orphan}") and not zombie(orphan)  # alive: not taken
+    with open(fifo, "wb") as f:
+        f.write(b"x")
+    deadline = time.monotonic() + 5
+    while not zombie(orphan):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert process.reap_orphans() >= 1
+    assert not os.path.exists(f"/proc/{orphan}")
+
+
+def test_reap_orphans_leaves_a_plain_subprocess_to_its_owner() -> None:
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sh", "-c", "exit 3"])  # our own session, like a library's
+    deadline = time.monotonic() + 5
+    while not zombie(child.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.reap_orphans()
+    assert zombie(child.pid)  # left alone...
+    assert child.wait(timeout=5) == 3  # ...for its owner: its real status, not a stolen one
+
+
+@pytest.mark.anyio
+async def test_reap_orphans_never_takes_a_run_process_child() -> None:
+    """run_process children run in sessions of their own, like orphans: they are told
+    apart by registration, held from fork on, so a sweep racing the runs steals none."""
+    stop = anyio.Event()
+    sweeps = 0
+
+    async def sweeper() -> None:
+        nonlocal sweeps
+        while not stop.is_set():
+            process.reap_orphans()
+            sweeps += 1
+            await anyio.lowlevel.checkpoint()
+
+    async def runs() -> None:
+        for _ in range(40):
+            result = await run_process(
+                ProcessSpec(argv=("sh", "-c", "exit 7"), env=dict(ENV), reaper=False),
+                timeout=10,
+            )
+            assert result.returncode == 7
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sweeper)
+        await runs()
+        stop.set()
+    assert sweeps > 40
+
+
+def test_a_process_that_is_no_subreaper_reaps_nothing() -> None:
+    import subprocess
+
+    code = (
+        "from metnos_exec import process as p\n"
+        "print(p._is_subreaper(), p.reap_orphans())\n"
+        "print(p.become_subreaper(), p._is_subreaper())\n"
+    )
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "0", "True", "True"]
 
 
 # --- the slot's memory cgroup ---------------------------------------------------------

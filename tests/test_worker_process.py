@@ -279,6 +279,60 @@ def test_bad_jobs_end_with_codes_and_the_worker_keeps_serving(
     assert workers.procs[0].wait(10) == 0
 
 
+def _zombie_children(pid: int) -> list[int]:
+    found = []
+    children: list[str] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:  # a thread may end meanwhile (an idle worker thread)
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += f.read().split()
+        except FileNotFoundError:
+            continue
+    for child in children:
+        try:
+            with open(f"/proc/{child}/stat", "rb") as st:
+                stat = st.read()
+        except FileNotFoundError:
+            continue
+        if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
+            found.append(int(child))
+    return found
+
+
+def test_the_worker_reaps_bubblewraps_orphans_so_job_budgets_stay_exact(
+    workers: Workers,
+) -> None:
+    """bubblewrap's init outlives its monitor: an orphan per job. The worker process is a
+    subreaper and reaps each as its job ends, so none waits in a slot's pids cgroup (where
+    it would count against the next job's budget) nor goes to pytest, the next subreaper
+    up, which would otherwise collect them here."""
+    from metnos_exec import process
+
+    need(_bwrap_ok(), "bubblewrap is not installed")
+    log = workers.start("W", "--concurrency", "2")
+    wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
+    wpid = workers.procs[0].pid
+
+    async def run(b: Broker) -> list[Result | None]:
+        ids = [(await b.submit(Job(executor="sleepy"))).job_id for _ in range(12)]
+        return [await b.wait_result(i, timeout=30) for i in ids]
+
+    results = with_broker(workers.url, run)
+    assert all(r is not None and r.status == "succeeded" for r in results), results
+    assert _zombie_children(os.getpid()) == []  # none came up to us
+    # The job's own init is reaped as the job ends; any other orphan (the start-up probe's
+    # init, say) by the sweep the supervisor runs every cancel poll (0.5 s).
+    wait_until(lambda: _zombie_children(wpid) == [], 5, "no zombie left in the worker")
+    parent = process._cgroup_parent()
+    if parent is not None and (parent / "tasks").exists():
+        slots = sorted(parent.glob(f"{wpid}-slot-*"))
+        assert slots, "the worker ran its bwrap jobs in pooled slots"
+        # Only each slot's own thread is counted: no zombie eats the next budget.
+        assert [(s / "pids.current").read_text().strip() for s in slots] == ["1"] * len(slots)
+    workers.procs[0].send_signal(signal.SIGTERM)
+    assert workers.procs[0].wait(10) == 0
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_sigterm_finishes_or_releases_within_grace(workers: Workers, backend: str) -> None:
     need(_bwrap_ok(), "bubblewrap is not installed")
