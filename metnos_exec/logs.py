@@ -49,6 +49,8 @@ EVENTS: Mapping[str, str] = {
     "worker.signal": "a signal arrived (signal); the first drains, the second cuts grace",
     "worker.error": "an unexpected error in the worker's own loop (error); it keeps serving",
     "executor.load_failed": "a manifest in the executors folder failed to load (error)",
+    "worker.preloaded": "a wasm module made ready before the first job (module, how, seconds)",
+    "worker.preload_failed": "a wasm module could not be preloaded (module, code, error)",
     "job.received": "a job was leased (attempt, max_attempts)",
     "job.rejected": "the job was refused before anything ran (code, message)",
     "capability.inactive": "a declared capability grants nothing for this job (detail)",

@@ -38,7 +38,14 @@ from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
 
-__all__ = ("ARM_OVERRIDE_ENV", "check_worker_config", "default_worker_id", "run_worker", "serve")
+__all__ = (
+    "ARM_OVERRIDE_ENV",
+    "check_worker_config",
+    "default_worker_id",
+    "preload_wasm",
+    "run_worker",
+    "serve",
+)
 
 #: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
 #: (no executor process at all), to measure the queue alone. Never set it in production:
@@ -114,6 +121,7 @@ async def serve(
     grace_s: float = 30.0,
     burst: bool = False,
     handle_signals: bool = True,
+    preload: bool = False,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -122,6 +130,11 @@ async def serve(
     Args:
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        preload: compile the wasm modules the executors need (python.wasm for
+            ``wasm-python``) in the background from the start (`preload_wasm`), so the
+            first such job does not wait for a cold compile (4-8 s); the worker process
+            does. Skipped with a custom ``arm_chooser``. Caveat: a compile cannot be
+            interrupted, so a drain that ends during one waits for it before returning.
         task_status: receives the supervisor once it is ready to lease.
         **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...);
             without a ``policy``, `Policy.from_env` is read once, here.
@@ -155,9 +168,48 @@ async def serve(
         if handle_signals:
             await tg.start(on_signals)
         await tg.start(functools.partial(sup.run, burst=burst))
+        if preload and "arm_chooser" not in supervisor_kw:
+            tg.start_soon(preload_wasm, registry)
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
+
+
+async def preload_wasm(registry: ExecutorRegistry) -> None:
+    """Load, ahead of the first job, the wasm modules `registry`'s executors will need.
+
+    python.wasm when any executor is ``wasm-python``, and each ``wasm`` executor's own
+    module, one at a time. Each is logged as ``worker.preloaded`` (module, how it was
+    obtained: compiled, disk or memory, seconds) or ``worker.preload_failed`` (module,
+    code, error), which is otherwise ignored: the jobs that need that module are answered
+    with the same error, in their own job context.
+    """
+    runtimes = {name: registry[name].manifest.runtime for name in registry}
+    python = "wasm-python" in runtimes.values()
+    modules = tuple(
+        registry[name].entry_path for name, runtime in sorted(runtimes.items()) if runtime == "wasm"
+    )
+    if not python and not modules:
+        return
+    try:
+        from .sandbox.wasm import WasmSandbox
+    except ImportError as exc:
+        _log.warning("worker.preload_failed", code="E_TOOL_UNAVAILABLE", error=str(exc))
+        return
+    arm = WasmSandbox()
+    # Apart: a runtime that fails verification must not keep the modules from loading.
+    for what in (("python",) if python else ()) + modules:
+        try:
+            loaded = await (
+                arm.preload(python=True)
+                if what == "python"
+                else arm.preload(python=False, modules=(what,))
+            )
+        except MetnosError as exc:
+            _log.warning("worker.preload_failed", module=what, code=exc.code, error=exc.message)
+            continue
+        for path, how, seconds in loaded:
+            _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
 
 
 def run_worker(
@@ -221,6 +273,7 @@ def run_worker(
                 home=home,
                 policy=policy,
                 prefetch=prefetch,
+                preload=True,
             )
         finally:
             with anyio.CancelScope(shield=True):

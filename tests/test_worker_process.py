@@ -333,6 +333,54 @@ def test_the_worker_reaps_bubblewraps_orphans_so_job_budgets_stay_exact(
     assert workers.procs[0].wait(10) == 0
 
 
+def _wasmtime_ok() -> bool:
+    from metnos_exec.sandbox._wasm_engine import load_wasmtime
+
+    return load_wasmtime() is not None
+
+
+def test_the_worker_preloads_wasm_modules_and_reports_a_runtime_it_cannot_use(
+    workers: Workers, executors: Path
+) -> None:
+    """Compiling a module (python.wasm: 4-8 s cold) is done from the worker's start, not
+    by its first job. A runtime that fails verification is said at start-up, does not keep
+    the other modules from loading, and the worker serves on: the jobs that need the
+    runtime get the same error."""
+    need(_wasmtime_ok(), "wasmtime is not installed (install metnos-exec[wasm])")
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "examples" / "executors" / "wasm_hello", executors / "wasm_hello")
+    (executors / "pyguest").mkdir()
+    (executors / "pyguest" / "manifest.toml").write_text(
+        'name = "pyguest"\nversion = "1"\nruntime = "wasm-python"\nentry = "main.py"\n'
+    )
+    (executors / "pyguest" / "main.py").write_text("print('{}')\n")
+    bogus = workers.tmp / "python.wasm"
+    bogus.write_bytes(b"\0asm not the pinned build")
+    log = workers.start("W", env={"METNOS_PYTHON_WASM": str(bogus)})
+    [failed] = wait_until(lambda: events(log, event="worker.preload_failed"), 20, "failure")
+    assert (failed["module"], failed["code"]) == ("python", "E_RUNTIME_MISMATCH"), failed
+    [loaded] = wait_until(lambda: events(log, event="worker.preloaded"), 20, "preload")
+    assert loaded["module"].endswith("wasm_hello/hello.wat")
+    assert loaded["how"] in ("compiled", "disk") and loaded["seconds"] >= 0
+
+    async def run(b: Broker) -> dict[str, Result | None]:
+        ids = {
+            name: (await b.submit(Job(executor=name))).job_id for name in ("wasm_hello", "pyguest")
+        }
+        return {name: await b.wait_result(i, timeout=20) for name, i in ids.items()}
+
+    results = with_broker(workers.url, run)
+    summary = {
+        n: (r.status, r.error.code if r.error else None) if r else None for n, r in results.items()
+    }
+    assert summary == {
+        "wasm_hello": ("succeeded", None),
+        "pyguest": ("rejected", "E_RUNTIME_MISMATCH"),
+    }
+    workers.procs[0].send_signal(signal.SIGTERM)
+    assert workers.procs[0].wait(10) == 0
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_sigterm_finishes_or_releases_within_grace(workers: Workers, backend: str) -> None:
     need(_bwrap_ok(), "bubblewrap is not installed")

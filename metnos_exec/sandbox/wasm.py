@@ -393,26 +393,37 @@ class WasmSandbox:
             raise failed[0]
         return result[0]
 
-    async def preload(self, *, python: bool = True, modules: tuple[str, ...] = ()) -> None:
+    async def preload(
+        self, *, python: bool = True, modules: tuple[str, ...] = ()
+    ) -> list[tuple[str, str, float]]:
         """Compile (or load from the disk cache) modules before the first job needs them.
 
         A job's wall-clock budget starts when its guest starts, so the one-time cold
         compile of python.wasm (4-8 s) never counts against a job; a worker can still pay
-        it at start-up instead of on its first `wasm-python` job.
+        it at start-up instead of on its first `wasm-python` job (the worker does).
+
+        Returns:
+            ``(path, how, seconds)`` per module, ``how`` being ``compiled``, ``disk`` or
+            ``memory`` (which cache served it).
 
         Raises:
             ToolUnavailable: no wasmtime, or (with `python`) no verified runtime.
+            RuntimeMismatch: the python runtime's SHA-256 is not the pinned one.
+            SandboxDenied, HostFault: a module cannot be loaded (as `run` would say).
         """
         engine = self.engine
         paths = [Path(m) for m in modules]
 
-        def load_all() -> None:
+        def load_all() -> list[tuple[str, str, float]]:
             if python:
                 paths.append(verified_python_wasm(self._env, use_package=self._use_package))
+            out = []
             for path in paths:
-                engine.load(path, self.cache_dir)
+                loaded = engine.load(path, self.cache_dir)
+                out.append((str(path), loaded.source, loaded.seconds))
+            return out
 
-        await anyio.to_thread.run_sync(load_all)
+        return await anyio.to_thread.run_sync(load_all)
 
     # --- internals ----------------------------------------------------------------------
 
