@@ -631,6 +631,32 @@ async def test_prefetched_job_is_prepared_while_the_slot_is_busy(
         assert r is not None and r.status == "succeeded"
 
 
+async def test_prefetch_zero_leases_nothing_ahead(registry: ExecutorRegistry) -> None:
+    # One slot, no lease-ahead: while A runs, B stays queued (another worker may take it).
+    broker = MemoryBroker()
+    gate = anyio.Event()
+    a_started = anyio.Event()
+
+    async def hold(_: SandboxJob) -> None:
+        a_started.set()
+        await gate.wait()
+
+    arm = ScriptedArm(hold)
+    a = (await broker.submit(Job(executor="echo", args={"x": 1}))).job_id
+    b = (await broker.submit(Job(executor="echo", args={"x": 2}))).job_id
+    sup = make(broker, registry, arm, concurrency=1, prefetch=0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sup.run, burst=True))
+        await a_started.wait()
+        await anyio.wait_all_tasks_blocked()
+        states = [await broker.get_job_state(i) for i in (a, b)]
+        assert [st.state if st else None for st in states] == ["running", "queued"]
+        gate.set()
+    for job_id in (a, b):
+        r = await broker.get_result(job_id)
+        assert r is not None and r.status == "succeeded"
+
+
 async def test_the_next_job_launches_before_the_last_result_is_stored(
     registry: ExecutorRegistry,
 ) -> None:
