@@ -104,6 +104,7 @@ vfork); a vforked child starts from nothing of ours.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -323,7 +324,9 @@ async def _on_spawner(fn: Callable[[], Any], spawner: _Spawner | None = None) ->
 
 #: pids `run_process` has spawned and not reaped yet: never `reap_orphans`' to take. Changed
 #: and read under `_spawn_lock`, which each spawn also holds from fork to registration.
-_owned: set[int] = set()
+#: Counted, not a set: a pid freed by our `wait4` may be reused by the next spawn (and
+#: registered) before the first run has unregistered it.
+_owned: collections.Counter[int] = collections.Counter()
 _spawn_lock = threading.Lock()
 
 
@@ -365,8 +368,8 @@ def _is_subreaper() -> bool:
     )
 
 
-def _zombie_children() -> list[tuple[int, int]]:
-    """(pid, session id) of this process's children that are zombies."""
+def _zombie_children() -> list[int]:
+    """This process's children that are zombies (a snapshot)."""
     pids: list[int] = []
     try:
         for tid in os.listdir("/proc/self/task"):
@@ -374,23 +377,64 @@ def _zombie_children() -> list[tuple[int, int]]:
                 pids += map(int, f.read().split())
     except OSError:
         return []
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if fields[0] == b"Z":
-            out.append((pid, int(fields[3])))  # field 6: session
-    return out
+    return [pid for pid in pids if (st := _state_and_session(pid)) is not None and st[0] == "Z"]
+
+
+def _state_and_session(pid: int) -> tuple[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[3])  # fields 3 and 6: state, session
+
+
+def _nobodys(pid: int) -> bool:
+    """`pid` is no child `run_process` waits for, nor in our own session (where a plain
+    ``subprocess`` child of any library would be). Call under `_spawn_lock`."""
+    if pid in _owned:
+        return False
+    st = _state_and_session(pid)
+    return st is not None and st[1] != os.getsid(0)
 
 
 def _disown(pid: int) -> None:
     """`pid` was reaped: its number may now be reused by anyone's process."""
     with _spawn_lock:
-        _owned.discard(pid)
+        _owned[pid] -= 1
+        if _owned[pid] <= 0:
+            del _owned[pid]
+
+
+def claim_orphan(pid: int) -> int | None:
+    """For one expected orphan (bubblewrap's init): reap it now if it has exited; if it
+    is ours and still running, return a pidfd on it, for the caller to wait on and then
+    reap with `reap_pidfd`. ``None``: reaped now, or not ours to reap.
+
+    Under `_spawn_lock` and with `reap_orphans`' rules, so it never takes a pid that was
+    reaped meanwhile and reused; the pidfd then names this very process, whatever
+    happens to its number later.
+    """
+    with _spawn_lock:
+        if not _nobodys(pid):
+            return None
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None  # not our child: the host's init or another subreaper reaps it
+        if done:
+            return None
+        try:
+            return os.pidfd_open(pid)
+        except ProcessLookupError:  # pragma: no cover - an unreaped child always exists
+            return None
+
+
+def reap_pidfd(pidfd: int) -> None:
+    """Reap the child `pidfd` names if it has exited (and is still unreaped); never blocks."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
 
 
 def reap_orphans() -> int:
@@ -406,11 +450,11 @@ def reap_orphans() -> int:
     """
     if not _is_subreaper():
         return 0
-    ours = os.getsid(0)
     reaped = 0
-    with _spawn_lock:
-        for pid, sid in _zombie_children():
-            if pid in _owned or sid == ours:
+    for pid in _zombie_children():  # read outside the lock: spawns need not wait for it
+        with _spawn_lock:
+            # Again under the lock: meanwhile it may have been reaped, its pid reused.
+            if not _nobodys(pid):
                 continue
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
@@ -1034,7 +1078,7 @@ def _spawn(
                     start_new_session=True,
                     preexec_fn=preexec,
                 )
-                _owned.add(popen.pid)
+                _owned[popen.pid] += 1
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             if spec.reaper:
                 raise HostFault(f"cannot start the reaper shim ({sys.executable}): {exc}") from exc
@@ -1355,12 +1399,19 @@ async def _run(
             try:
                 await spec.on_spawn(child.pid, members)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGKILL)
-                    await _wait_exit(child)
-                    _reap(child, None)
-                child.close()
+                try:
+                    with anyio.CancelScope(shield=True):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child.pid, signal.SIGKILL)
+                        with anyio.move_on_after(_KILL_WAIT_S):
+                            await _wait_exit(child)
+                        if not child.exited:
+                            raise HostFault(
+                                f"process {child.pid} did not exit {_KILL_WAIT_S} s after SIGKILL"
+                            )
+                        _reap(child, None)
+                finally:
+                    child.close()
                 raise
         try:
             result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)

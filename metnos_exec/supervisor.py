@@ -657,7 +657,10 @@ class Supervisor:
             await anyio.sleep(self.cancel_poll_s)
             # A subreaper worker inherits the orphans of its jobs' trees (bubblewrap's
             # inits above all): reap those nobody else waits for (no-op otherwise).
-            reap_orphans()
+            try:
+                reap_orphans()
+            except Exception as exc:  # /proc surprises must not stop the cancel polls
+                _log.warning("worker.error", error=f"orphan sweep: {type(exc).__name__}: {exc}")
             ids = [
                 job_id
                 for job_id, running in self._running.items()

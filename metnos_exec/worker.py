@@ -30,7 +30,7 @@ import anyio
 import structlog
 
 from .brokers import BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, MetnosError
+from .errors import BadConfig, HostFault, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .policy import Policy
@@ -193,10 +193,14 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
         return
     try:
         from .sandbox.wasm import WasmSandbox
-    except ImportError as exc:
-        _log.warning("worker.preload_failed", code="E_TOOL_UNAVAILABLE", error=str(exc))
+
+        arm = WasmSandbox()
+    except Exception as exc:  # an import error, no home folder for the cache, ...
+        for what in (("python",) if python else ()) + modules:
+            _log.warning(
+                "worker.preload_failed", module=what, code="E_TOOL_UNAVAILABLE", error=str(exc)
+            )
         return
-    arm = WasmSandbox()
     # Apart: a runtime that fails verification must not keep the modules from loading.
     for what in (("python",) if python else ()) + modules:
         try:
@@ -205,8 +209,12 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
                 if what == "python"
                 else arm.preload(python=False, modules=(what,))
             )
-        except MetnosError as exc:
-            _log.warning("worker.preload_failed", module=what, code=exc.code, error=exc.message)
+        except Exception as exc:
+            # A start-up nicety must never take the worker down: jobs that need the
+            # module will say why, in their own context.
+            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
+            error = exc.message if isinstance(exc, MetnosError) else f"{type(exc).__name__}: {exc}"
+            _log.warning("worker.preload_failed", module=what, code=code, error=error)
             continue
         for path, how, seconds in loaded:
             _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))

@@ -466,3 +466,51 @@ def test_v2_memory_files_are_written_and_read(tmp_path: Path) -> None:
     (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 2\n")
     assert cgroup.memory_report() == (123456, 2)
     assert not process._Cgroup(tmp_path / "missing").limit_memory(MiB)
+
+
+def test_a_pid_reused_before_it_is_disowned_stays_owned() -> None:
+    """`wait4` frees a pid; the next spawn may get it and register it before the first
+    run unregisters it: the registry counts, so the new child stays protected."""
+    pid = 4_000_000  # above any real pid: the registry is all this touches
+    with process._spawn_lock:
+        process._owned[pid] += 1  # the first run's child
+        process._owned[pid] += 1  # reaped, and the number reused by a new spawn
+    process._disown(pid)  # the first run unregisters late
+    with process._spawn_lock:
+        assert not process._nobodys(pid)
+    process._disown(pid)
+    assert pid not in process._owned
+
+
+def test_claim_orphan_hands_a_pidfd_for_a_running_orphan_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import time
+
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    out = subprocess.run(
+        [PY, "-c", ORPHANER, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    orphan = int(out.stdout)
+    pidfd = process.claim_orphan(orphan)
+    assert pidfd is not None  # ours, still running: wait on this
+    try:
+        with open(fifo, "wb") as f:
+            f.write(b"x")
+        deadline = time.monotonic() + 5
+        while not zombie(orphan):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        process.reap_pidfd(pidfd)
+        assert not os.path.exists(f"/proc/{orphan}")
+        process.reap_pidfd(pidfd)  # twice is harmless: nothing left to reap
+    finally:
+        os.close(pidfd)
+    # A plain subprocess of ours (our own session) is not an orphan to claim.
+    child = subprocess.Popen(["sh", "-c", "exit 4"])
+    assert process.claim_orphan(child.pid) is None
+    assert child.wait(timeout=5) == 4
+    # Nor is a pid that is nobody's child here.
+    assert process.claim_orphan(1) is None

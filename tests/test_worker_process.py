@@ -444,3 +444,30 @@ async def test_serve_resolves_the_policy_once(
     async with open_broker("memory://") as broker:
         with pytest.raises(BadConfig):
             await serve(broker, registry, burst=True, handle_signals=False, worker_id="w")
+
+
+@pytest.mark.anyio
+async def test_a_preload_that_breaks_is_logged_and_never_takes_the_worker_down(
+    executors: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs
+
+    from metnos_exec import worker as worker_mod
+    from metnos_exec.manifest import ExecutorRegistry
+    from metnos_exec.sandbox import wasm as wasm_mod
+
+    (executors / "pyguest").mkdir()
+    (executors / "pyguest" / "manifest.toml").write_text(
+        'name = "pyguest"\nversion = "1"\nruntime = "wasm-python"\nentry = "main.py"\n'
+    )
+    (executors / "pyguest" / "main.py").write_text("print('{}')\n")
+
+    class Broken:
+        def __init__(self, **_: Any) -> None:
+            raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(wasm_mod, "WasmSandbox", Broken)
+    with capture_logs() as logs:
+        await worker_mod.preload_wasm(ExecutorRegistry.load(executors))
+    [failed] = [e for e in logs if e["event"] == "worker.preload_failed"]
+    assert failed["module"] == "python" and "home directory" in failed["error"]

@@ -424,9 +424,11 @@ class SQLiteBroker(Broker):
                     # thread path (a thread hop per call, and the next call found that
                     # one busy in turn: measured, every lease of a bwrap run went there).
                     limiter.release()
-                    # Inline work never yielded: give other tasks (and cancellation) a
-                    # turn, as any async call should.
-                    await anyio.lowlevel.checkpoint()
+                    # Inline work never yielded: give other tasks a turn, as any async
+                    # call should. Shielded: the work is done (a lease taken, an ack
+                    # committed), and a cancel here would throw its result away; the
+                    # caller sees the cancellation at its next checkpoint.
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
                     return out
         return await anyio.to_thread.run_sync(self._patient, fn, args, limiter=limiter)
 

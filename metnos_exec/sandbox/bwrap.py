@@ -66,7 +66,7 @@ import anyio
 import msgspec
 
 from ..errors import HostFault, SandboxDenied
-from ..process import ProcessResult, ProcessSpec, run_process
+from ..process import ProcessResult, ProcessSpec, claim_orphan, reap_pidfd, run_process
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -736,8 +736,10 @@ class BwrapSandbox:
         host = _host_facts
         host.refresh()
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s) if gated else None
+        gate: _LimitGate | None = None
         try:
+            if gated:
+                gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s)
             try:
                 argv = derive_bwrap_argv(
                     msgspec.structs.replace(job, argv=prefix + job.argv) if prefix else job,
@@ -825,40 +827,30 @@ class BwrapSandbox:
         )
 
 
-def _try_reap(pid: int) -> bool | None:
-    """``waitpid(pid, WNOHANG)``: reaped (True), our child still running (False), not our
-    child (None). Never blocks."""
-    try:
-        reaped, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None
-    return reaped != 0
-
-
 async def _reap_orphaned_init(pid: object) -> None:
     """Reap bubblewrap's init (the sandbox's pid 1) when it became *our* child.
 
     bubblewrap's monitor exits as soon as the init reports the guest's exit status, before
     the init itself has exited, so the init is always orphaned: re-parented to the nearest
-    subreaper, else to the host's init. When that is the worker (a subreaper, or pid 1 of
-    a container), nobody else will ever reap it: its zombie would keep a pid (and a charge
-    in the pids cgroup) for the worker's lifetime. Otherwise ``waitpid`` says it is not
-    ours and it is left to whoever it belongs to.
+    subreaper, else to the host's init. When that is the worker (a subreaper, as the
+    worker process is, or pid 1 of a container), nobody else will ever reap it: its
+    zombie would keep a pid (and a charge in the pids cgroup) for the worker's lifetime.
+    Otherwise it is left to whoever it belongs to. Through `claim_orphan`: a pidfd, taken
+    under the lock `reap_orphans` also holds, so a sweep that reaps it first cannot make
+    us reap a reused pid.
     """
-    if not isinstance(pid, int) or pid <= 0 or _try_reap(pid) is not False:
-        return  # reaped now, or not our child (the host's init or a subreaper reaps it)
-    # Ours and still exiting (the namespace is being torn down). Being our unreaped child,
-    # its pid cannot be reused under us, so waiting on it is safe.
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
+    if not isinstance(pid, int) or pid <= 0:
         return
+    pidfd = claim_orphan(pid)
+    if pidfd is None:
+        return  # reaped now, or not ours (the host's init or a subreaper reaps it)
     try:
+        # Ours and still exiting (the namespace is being torn down).
         with anyio.CancelScope(shield=True), anyio.move_on_after(_INIT_REAP_S):
             await anyio.wait_readable(pidfd)
+        reap_pidfd(pidfd)
     finally:
         os.close(pidfd)
-    _try_reap(pid)
 
 
 def _drain(fd: int) -> bytes:
