@@ -325,38 +325,51 @@ print(pid, flush=True)
 """
 
 
-def test_reap_orphans_takes_an_orphan_of_another_session(tmp_path: Path) -> None:
-    import subprocess
+class Orphan:
+    """A grandchild in a session of its own, re-parented to us (pytest is a subreaper)
+    once its parent exits; it exits itself when `release`d."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        import subprocess
+
+        self.fifo = tmp_path / "go"
+        os.mkfifo(self.fifo)
+        out = subprocess.run(
+            [PY, "-c", ORPHANER, str(self.fifo)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self.pid = int(out.stdout)
+
+    def release_and_wait_zombie(self) -> None:
+        with open(self.fifo, "wb") as f:
+            f.write(b"x")
+        wait_zombie(self.pid)
+
+
+def wait_zombie(pid: int) -> None:
     import time
 
-    # pytest is a subreaper: the grandchild comes back to us when its parent exits.
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    out = subprocess.run(
-        [PY, "-c", ORPHANER, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    orphan = int(out.stdout)
-    process.reap_orphans()  # (other tests' orphans may go now)
-    assert os.path.exists(f"/proc/{orphan}") and not zombie(orphan)  # alive: not taken
-    with open(fifo, "wb") as f:
-        f.write(b"x")
     deadline = time.monotonic() + 5
-    while not zombie(orphan):
+    while not zombie(pid):
         assert time.monotonic() < deadline
-        time.sleep(0.01)
+        time.sleep(0.01)  # polling with a deadline
+
+
+def test_reap_orphans_takes_an_orphan_of_another_session(tmp_path: Path) -> None:
+    orphan = Orphan(tmp_path)
+    process.reap_orphans()  # (other tests' orphans may go now)
+    assert os.path.exists(f"/proc/{orphan.pid}") and not zombie(orphan.pid)  # alive: kept
+    orphan.release_and_wait_zombie()
     assert process.reap_orphans() >= 1
-    assert not os.path.exists(f"/proc/{orphan}")
+    assert not os.path.exists(f"/proc/{orphan.pid}")
 
 
 def test_reap_orphans_leaves_a_plain_subprocess_to_its_owner() -> None:
     import subprocess
-    import time
 
     child = subprocess.Popen(["sh", "-c", "exit 3"])  # our own session, like a library's
-    deadline = time.monotonic() + 5
-    while not zombie(child.pid):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_zombie(child.pid)
     process.reap_orphans()
     assert zombie(child.pid)  # left alone...
     assert child.wait(timeout=5) == 3  # ...for its owner: its real status, not a stolen one
@@ -486,25 +499,14 @@ def test_claim_orphan_hands_a_pidfd_for_a_running_orphan_and_nothing_else(
     tmp_path: Path,
 ) -> None:
     import subprocess
-    import time
 
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
-    out = subprocess.run(
-        [PY, "-c", ORPHANER, str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    orphan = int(out.stdout)
-    pidfd = process.claim_orphan(orphan)
+    orphan = Orphan(tmp_path)
+    pidfd = process.claim_orphan(orphan.pid)
     assert pidfd is not None  # ours, still running: wait on this
     try:
-        with open(fifo, "wb") as f:
-            f.write(b"x")
-        deadline = time.monotonic() + 5
-        while not zombie(orphan):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        orphan.release_and_wait_zombie()
         process.reap_pidfd(pidfd)
-        assert not os.path.exists(f"/proc/{orphan}")
+        assert not os.path.exists(f"/proc/{orphan.pid}")
         process.reap_pidfd(pidfd)  # twice is harmless: nothing left to reap
     finally:
         os.close(pidfd)
