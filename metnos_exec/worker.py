@@ -133,8 +133,8 @@ async def serve(
         preload: compile the wasm modules the executors need (python.wasm for
             ``wasm-python``) in the background from the start (`preload_wasm`), so the
             first such job does not wait for a cold compile (4-8 s); the worker process
-            does. Skipped with a custom ``arm_chooser``. Caveat: a compile cannot be
-            interrupted, so a drain that ends during one waits for it before returning.
+            does. Skipped with a custom ``arm_chooser``. A compile cannot be interrupted:
+            when serving ends during one, it is left to finish in its (daemon) thread.
         task_status: receives the supervisor once it is ready to lease.
         **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...);
             without a ``policy``, `Policy.from_env` is read once, here.
@@ -204,10 +204,12 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
     # Apart: a runtime that fails verification must not keep the modules from loading.
     for what in (("python",) if python else ()) + modules:
         try:
+            # Abandoned on cancel: a worker told to stop during a cold compile (4-8 s)
+            # exits now; the compile's cache file is written atomically or not at all.
             loaded = await (
-                arm.preload(python=True)
+                arm.preload(python=True, abandon_on_cancel=True)
                 if what == "python"
-                else arm.preload(python=False, modules=(what,))
+                else arm.preload(python=False, modules=(what,), abandon_on_cancel=True)
             )
         except Exception as exc:
             # A start-up nicety must never take the worker down: jobs that need the

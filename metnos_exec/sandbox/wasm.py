@@ -43,11 +43,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, final
 
 import anyio
 import anyio.lowlevel
@@ -257,6 +257,45 @@ def _get_engine(wt: ModuleType) -> WasmEngine:
         return _shared_engine
 
 
+_T = TypeVar("_T")
+
+
+async def _in_daemon_thread(fn: Callable[[], _T]) -> _T:
+    """`fn()` on a new daemon thread; a cancelled caller returns at once and leaves it.
+
+    Not anyio's worker threads: on asyncio they are not daemons, so an interpreter exiting
+    while one still compiled would wait for it (measured: a worker told to stop during a
+    cold compile of python.wasm exited 3 s late on asyncio, at once on trio). The thread
+    owns the pipe's write end and closes it itself: nothing it writes can reach an fd the
+    caller closed and the process reused.
+    """
+    done_r, done_w = os.pipe2(os.O_CLOEXEC)
+    box: list[Any] = []
+
+    def work() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed over to the waiting caller
+            box.append((False, exc))
+        finally:
+            os.close(done_w)  # end of file: done
+
+    try:
+        threading.Thread(target=work, name="metnos-wasm-preload", daemon=True).start()
+    except BaseException:
+        os.close(done_w)
+        os.close(done_r)
+        raise
+    try:
+        await anyio.wait_readable(done_r)
+    finally:
+        os.close(done_r)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return cast(_T, value)
+
+
 @final
 class WasmSandbox:
     """The wasm arm of the sandbox seam.
@@ -394,13 +433,24 @@ class WasmSandbox:
         return result[0]
 
     async def preload(
-        self, *, python: bool = True, modules: tuple[str, ...] = ()
+        self,
+        *,
+        python: bool = True,
+        modules: tuple[str, ...] = (),
+        abandon_on_cancel: bool = False,
     ) -> list[tuple[str, str, float]]:
         """Compile (or load from the disk cache) modules before the first job needs them.
 
         A job's wall-clock budget starts when its guest starts, so the one-time cold
         compile of python.wasm (4-8 s) never counts against a job; a worker can still pay
         it at start-up instead of on its first `wasm-python` job (the worker does).
+
+        Args:
+            python: load the verified CPython-WASI runtime.
+            modules: paths of other modules (``.wasm`` or ``.wat``) to load.
+            abandon_on_cancel: a cancelled caller returns at once and the compile (which
+                cannot be interrupted) finishes in its thread; its cache file is written
+                atomically. Default: the caller waits for it, so no thread outlives it.
 
         Returns:
             ``(path, how, seconds)`` per module, ``how`` being ``compiled``, ``disk`` or
@@ -423,6 +473,8 @@ class WasmSandbox:
                 out.append((str(path), loaded.source, loaded.seconds))
             return out
 
+        if abandon_on_cancel:
+            return await _in_daemon_thread(load_all)
         return await anyio.to_thread.run_sync(load_all)
 
     # --- internals ----------------------------------------------------------------------

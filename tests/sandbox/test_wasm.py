@@ -786,3 +786,43 @@ async def test_example_word_count_through_the_planner(py_arm: WasmSandbox, tmp_p
 
 def _real(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(path)
+
+
+# --- preloading off the worker's thread pool ---------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_daemon_thread_call_returns_raises_and_can_be_left_behind() -> None:
+    """`preload(abandon_on_cancel=True)` runs the compile on a daemon thread of its own: a
+    stopping worker need not wait for it (anyio's asyncio worker threads are no daemons,
+    so the interpreter would wait for them at exit)."""
+    import threading
+
+    from metnos_exec.sandbox import wasm as wasm_mod
+
+    assert await wasm_mod._in_daemon_thread(lambda: 41 + 1) == 42
+
+    def boom() -> None:
+        raise HostFault("compile failed")
+
+    with pytest.raises(HostFault, match="compile failed"):
+        await wasm_mod._in_daemon_thread(boom)
+
+    release = threading.Event()
+    started = threading.Event()
+    seen: list[threading.Thread] = []
+
+    def slow() -> int:
+        seen.append(threading.current_thread())
+        started.set()
+        release.wait(10)
+        return 1
+
+    t0 = time.monotonic()
+    with anyio.move_on_after(0.2):
+        await wasm_mod._in_daemon_thread(slow)
+    assert time.monotonic() - t0 < 1.0  # the caller left; the thread did not
+    assert started.is_set() and seen[0].daemon and seen[0].is_alive()
+    release.set()
+    seen[0].join(5)
+    assert not seen[0].is_alive()
