@@ -117,6 +117,18 @@ def registry(executors: Path) -> ExecutorRegistry:
     return ExecutorRegistry.load(executors)
 
 
+def held_arm() -> tuple[ScriptedArm, anyio.Event, anyio.Event]:
+    """An arm whose first run sets `started` and then waits for `gate` (the later runs
+    succeed at once): (arm, started, gate)."""
+    started, gate = anyio.Event(), anyio.Event()
+
+    async def hold(_: SandboxJob) -> None:
+        started.set()
+        await gate.wait()
+
+    return ScriptedArm(hold), started, gate
+
+
 def make(broker: MemoryBroker, registry: ExecutorRegistry, arm: Any, **kw: Any) -> Supervisor:
     kw.setdefault("worker_id", "w1")
     kw.setdefault("concurrency", 2)
@@ -601,14 +613,7 @@ async def test_prefetched_job_is_prepared_while_the_slot_is_busy(
     # One slot, one job leased ahead: B is leased and planned while A runs, launched the
     # moment A's slot frees; jobs leased together start in lease (priority) order.
     broker = MemoryBroker()
-    gate = anyio.Event()
-    a_started = anyio.Event()
-
-    async def hold(_: SandboxJob) -> None:
-        a_started.set()
-        await gate.wait()
-
-    arm = ScriptedArm(hold)
+    arm, a_started, gate = held_arm()
     low = (await broker.submit(Job(executor="echo", args={"x": 1}, priority=0))).job_id
     high = (await broker.submit(Job(executor="echo", args={"x": 2}, priority=5))).job_id
     last = (await broker.submit(Job(executor="echo", args={"x": 3}, priority=0))).job_id
@@ -634,14 +639,7 @@ async def test_prefetched_job_is_prepared_while_the_slot_is_busy(
 async def test_prefetch_zero_leases_nothing_ahead(registry: ExecutorRegistry) -> None:
     # One slot, no lease-ahead: while A runs, B stays queued (another worker may take it).
     broker = MemoryBroker()
-    gate = anyio.Event()
-    a_started = anyio.Event()
-
-    async def hold(_: SandboxJob) -> None:
-        a_started.set()
-        await gate.wait()
-
-    arm = ScriptedArm(hold)
+    arm, a_started, gate = held_arm()
     a = (await broker.submit(Job(executor="echo", args={"x": 1}))).job_id
     b = (await broker.submit(Job(executor="echo", args={"x": 2}))).job_id
     sup = make(broker, registry, arm, concurrency=1, prefetch=0)
@@ -685,14 +683,7 @@ async def test_the_next_job_launches_before_the_last_result_is_stored(
 
 async def test_drain_hands_back_a_prefetched_job_at_once(registry: ExecutorRegistry) -> None:
     broker = MemoryBroker()
-    gate = anyio.Event()
-    started = anyio.Event()
-
-    async def hold(_: SandboxJob) -> None:
-        started.set()
-        await gate.wait()
-
-    arm = ScriptedArm(hold)
+    arm, started, gate = held_arm()
     first = (await broker.submit(Job(executor="echo"))).job_id
     ahead = (await broker.submit(Job(executor="echo"))).job_id
     sup = make(broker, registry, arm, concurrency=1, prefetch=1)
@@ -715,14 +706,7 @@ async def test_drain_hands_back_a_prefetched_job_at_once(registry: ExecutorRegis
 
 async def test_cancel_of_a_prefetched_job_never_launches_it(registry: ExecutorRegistry) -> None:
     broker = MemoryBroker()
-    gate = anyio.Event()
-    started = anyio.Event()
-
-    async def hold(_: SandboxJob) -> None:
-        started.set()
-        await gate.wait()
-
-    arm = ScriptedArm(hold)
+    arm, started, gate = held_arm()
     first = (await broker.submit(Job(executor="echo"))).job_id
     ahead = (await broker.submit(Job(executor="echo"))).job_id
     sup = make(broker, registry, arm, concurrency=1, prefetch=1, cancel_poll_s=0.01)
