@@ -404,10 +404,16 @@ async def test_descendants_left_behind_by_a_finished_job_are_killed() -> None:
 
 # --- pids ---------------------------------------------------------------------------------
 
-FORKER = """
+
+def forker(n: int) -> str:
+    """A script that tries `n` forks (each child sleeps) and prints "ok failed"."""
+    return FORK_TEMPLATE.replace("N_FORKS", str(n))
+
+
+FORK_TEMPLATE = """
 import os, time
 ok = failed = 0
-for _ in range(200):
+for _ in range(N_FORKS):
     try:
         pid = os.fork()
     except BlockingIOError:
@@ -438,7 +444,7 @@ async def test_pids_max_makes_forks_fail_and_leaves_nothing(
         return cgroup
 
     monkeypatch.setattr(process._Cgroup, "create", spy)
-    result = await run_process(spec(PY, "-c", FORKER, reaper=reaper, pids_max=32), timeout=30)
+    result = await run_process(spec(PY, "-c", forker(200), reaper=reaper, pids_max=32), timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.pids_limited
     ok, failed = map(int, result.stdout.split())

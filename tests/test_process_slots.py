@@ -32,6 +32,7 @@ from metnos_exec.sandbox.flags import (
     shell_limits_prefix,
 )
 from tests.conftest import need
+from tests.test_process import forker
 
 PY = sys.executable
 ENV = {"PATH": "/usr/bin:/bin"}
@@ -48,27 +49,10 @@ def pooled(*argv: str, **kw: Any) -> ProcessSpec:
     )
 
 
-FORKER = """
-import os, sys, time
-ok = failed = 0
-for _ in range(64):
-    try:
-        pid = os.fork()
-    except BlockingIOError:
-        failed += 1
-        continue
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    ok += 1
-print(ok, failed)
-"""
-
-
 @pytest.mark.anyio
 async def test_pooled_run_enforces_pids_and_kills_the_tree() -> None:
     need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
-    result = await run_process(pooled(PY, "-c", FORKER, pids_max=8), timeout=30)
+    result = await run_process(pooled(PY, "-c", forker(64), pids_max=8), timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.pids_limited
     ok, failed = map(int, result.stdout.split())

@@ -712,21 +712,33 @@ def test_user_axis_partial_without_disable_userns(monkeypatch: pytest.MonkeyPatc
 
 # --- the job's memory is bounded as a whole (memory cgroup), not per process -------------
 
+
 # Each child fills 200 MiB (well under its own 256 MiB RLIMIT_AS) and holds it a moment,
 # so that together they would reach 800 MiB: only a per-job limit stops that.
-FOUR_CHILDREN = """
+def children_filling(n: int, mib: int, hold_s: float) -> str:
+    """A script whose `n` children each fill `mib` MiB, hold it `hold_s` s and exit; it
+    prints their exit codes as JSON."""
+    return (
+        FILL_TEMPLATE.replace("N_KIDS", str(n))
+        .replace("MIB", str(mib))
+        .replace("HOLD_S", str(hold_s))
+    )
+
+
+FILL_TEMPLATE = """
 import json, os, time
 kids = []
-for _ in range(4):
+for _ in range(N_KIDS):
     pid = os.fork()
     if pid == 0:
-        block = b"\\x01" * (200 << 20)
-        time.sleep(2)
+        block = b"\\x01" * (MIB << 20)
+        time.sleep(HOLD_S)
         os._exit(0)
     kids.append(pid)
 codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]
 print(json.dumps({"codes": codes}))
 """
+FOUR_CHILDREN = children_filling(4, 200, 2)
 
 
 def need_memcg() -> None:
@@ -786,19 +798,7 @@ async def test_the_private_tmp_counts_in_the_jobs_memory(arm: BwrapSandbox, tmp_
     assert peak is not None and peak <= limit + MiB, peak
 
 
-TWO_CHILDREN_60_MIB = """
-import json, os, time
-kids = []
-for _ in range(2):
-    pid = os.fork()
-    if pid == 0:
-        block = b"\\x01" * (60 << 20)
-        time.sleep(0.5)
-        os._exit(0)
-    kids.append(pid)
-codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]
-print(json.dumps({"codes": codes}))
-"""
+TWO_CHILDREN_60_MIB = children_filling(2, 60, 0.5)
 
 
 async def test_a_job_within_its_limit_succeeds_after_an_oom_and_peak_is_the_trees(
@@ -824,6 +824,10 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     from metnos_exec.sandbox.bwrap import MEMORY_PER_PROCESS_REASON
 
     monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    # Without the cgroup the peak is the reaped child's ru_maxrss, and exec records the
+    # high-water mark of the mm it leaves: for a vforked child, this test process's. Reset
+    # it, or whatever an earlier test made this process hold would show up here.
+    _reset_peak_rss()
     outcome = await arm.run(
         py_job(tmp_path, TWO_CHILDREN_60_MIB, limits=ResourceLimits(memory_bytes=256 * MiB))
     )
