@@ -35,6 +35,7 @@ from .client import Client
 from .logs import configure_logging, iter_records, render_record
 from .manifest import ExecutorRegistry
 from .messages import Result
+from .process import become_subreaper
 from .supervisor import Supervisor
 
 __all__ = ("main",)
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[0]) if args else DEMO_DIR
     try:
+        # As `metnos-exec worker` does: bubblewrap's orphaned inits come back to us, so
+        # each job's process budget is exact and its CPU time is measured.
+        become_subreaper()
         return anyio.run(_demo, root)
     finally:
         factory = structlog.get_config().get("logger_factory")

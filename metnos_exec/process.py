@@ -95,10 +95,12 @@ interpreter or set-up, ``wait4``). A user-level command that cannot be executed 
 ordinary result: exit 127 when not found, 126 otherwise (as a shell does), with the
 reason in ``exec_error`` (stderr stays the job's own), in both modes.
 
-Usage caveat: Linux counts the resident set a child inherits at fork (before exec) in its
+Usage caveat: Linux counts the resident set of the image a child leaves at exec in its
 ``ru_maxrss``, so ``peak_rss_bytes`` never reads below the image that forked it: ~9 MB under
-the shim, the worker's own RSS with ``reaper=False`` and a ``preexec_fn`` (it rules out
-vfork); a vforked child starts from nothing of ours.
+the shim; with ``reaper=False`` the worker's own *high-water* RSS, vforked or not (a
+vforked child execs out of the worker's memory: measured, a worker that once held 300 MiB
+saw 311 MiB for ``/bin/true``). Callers that need a job's peak there take it from
+elsewhere (the bwrap arm: the memory cgroup, or the rusage of bubblewrap's init).
 """
 
 from __future__ import annotations
@@ -407,34 +409,47 @@ def _disown(pid: int) -> None:
             del _owned[pid]
 
 
-def claim_orphan(pid: int) -> int | None:
-    """For one expected orphan (bubblewrap's init): reap it now if it has exited; if it
-    is ours and still running, return a pidfd on it, for the caller to wait on and then
-    reap with `reap_pidfd`. ``None``: reaped now, or not ours to reap.
+def _wait4_now(pid: int) -> Any | None:
+    """``wait4(pid, WNOHANG)``: the rusage if it was reaped now, ``None`` if it still runs.
 
-    Under `_spawn_lock` and with `reap_orphans`' rules, so it never takes a pid that was
-    reaped meanwhile and reused; the pidfd then names this very process, whatever
-    happens to its number later.
+    Raises:
+        ChildProcessError: not our child.
+    """
+    done, _, rusage = os.wait4(pid, os.WNOHANG)
+    return rusage if done else None
+
+
+async def reap_orphan(pid: int, timeout: float) -> Any | None:  # noqa: ASYNC109
+    """Reap one expected orphan (bubblewrap's init) and return its rusage, or ``None``
+    when it is not ours to reap (not our child, or one `run_process` or a plain
+    ``subprocess`` waits for) or did not exit within `timeout` seconds.
+
+    The rusage is the orphan's *and* that of the descendants it reaped: for bubblewrap's
+    init, the guest's whole tree (its CPU time, and the largest resident set of any of
+    its processes). While it is still running it is registered like a `run_process`
+    child, so `reap_orphans` leaves it to us, and its pid cannot be reused under us; past
+    the timeout it is unregistered and left to the next sweep. Shielded from
+    cancellation: a child of ours is never abandoned half-claimed.
     """
     with _spawn_lock:
         if not _nobodys(pid):
             return None
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            reaped = _wait4_now(pid)
         except ChildProcessError:
             return None  # not our child: the host's init or another subreaper reaps it
-        if done:
-            return None
-        try:
-            return os.pidfd_open(pid)
-        except ProcessLookupError:  # pragma: no cover - an unreaped child always exists
-            return None
+        if reaped is not None:
+            return reaped
+        _owned[pid] += 1
+        pidfd = os.pidfd_open(pid)  # an unreaped child of ours: the pid is still it
+    try:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            await anyio.wait_readable(pidfd)
+        return _wait4_now(pid)  # still ours: registered above
 
-
-def reap_pidfd(pidfd: int) -> None:
-    """Reap the child `pidfd` names if it has exited (and is still unreaped); never blocks."""
-    with contextlib.suppress(ChildProcessError):
-        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    finally:
+        os.close(pidfd)
+        _disown(pid)
 
 
 def reap_orphans() -> int:

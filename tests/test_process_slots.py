@@ -325,10 +325,24 @@ class Orphan:
         )
         self.pid = int(out.stdout)
 
-    def release_and_wait_zombie(self) -> None:
+    def release(self) -> None:
         with open(self.fifo, "wb") as f:
             f.write(b"x")
+
+    def release_and_wait_zombie(self) -> None:
+        self.release()
         wait_zombie(self.pid)
+
+
+def exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def plain_child(code: int) -> Any:
+    """A plain ``subprocess`` child in our own session, like a library's."""
+    import subprocess
+
+    return subprocess.Popen(["sh", "-c", f"exit {code}"])
 
 
 def wait_zombie(pid: int) -> None:
@@ -479,24 +493,46 @@ def test_a_pid_reused_before_it_is_disowned_stays_owned() -> None:
     assert pid not in process._owned
 
 
-def test_claim_orphan_hands_a_pidfd_for_a_running_orphan_and_nothing_else(
+@pytest.mark.anyio
+async def test_reap_orphan_waits_for_a_running_orphan_and_returns_its_rusage(
     tmp_path: Path,
 ) -> None:
-    import subprocess
-
     orphan = Orphan(tmp_path)
-    pidfd = process.claim_orphan(orphan.pid)
-    assert pidfd is not None  # ours, still running: wait on this
-    try:
-        orphan.release_and_wait_zombie()
-        process.reap_pidfd(pidfd)
-        assert not os.path.exists(f"/proc/{orphan.pid}")
-        process.reap_pidfd(pidfd)  # twice is harmless: nothing left to reap
-    finally:
-        os.close(pidfd)
-    # A plain subprocess of ours (our own session) is not an orphan to claim.
-    child = subprocess.Popen(["sh", "-c", "exit 4"])
-    assert process.claim_orphan(child.pid) is None
+    got: list[Any] = []
+
+    async def reap() -> None:
+        got.append(await process.reap_orphan(orphan.pid, 10))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reap)
+        await anyio.wait_all_tasks_blocked()
+        # Claimed while it runs: the sweep leaves it to the claimant.
+        assert orphan.pid in process._owned
+        assert process.reap_orphans() >= 0 and exists(orphan.pid)
+        await anyio.to_thread.run_sync(orphan.release)
+    (rusage,) = got
+    assert rusage is not None and rusage.ru_maxrss > 0
+    assert not exists(orphan.pid) and orphan.pid not in process._owned
+
+
+@pytest.mark.anyio
+async def test_reap_orphan_gives_up_at_its_timeout_and_leaves_it_to_the_sweep(
+    tmp_path: Path,
+) -> None:
+    orphan = Orphan(tmp_path)
+    assert await process.reap_orphan(orphan.pid, 0.1) is None
+    assert orphan.pid not in process._owned  # unregistered: the sweep may take it
+    await anyio.to_thread.run_sync(orphan.release_and_wait_zombie)
+    assert process.reap_orphans() >= 1
+    assert not exists(orphan.pid)
+
+
+@pytest.mark.anyio
+async def test_reap_orphan_takes_nothing_that_is_not_an_orphan_of_ours() -> None:
+    # A plain subprocess of ours (our own session) is left to its owner.
+    child = plain_child(4)
+    await anyio.to_thread.run_sync(wait_zombie, child.pid)
+    assert await process.reap_orphan(child.pid, 0.1) is None
     assert child.wait(timeout=5) == 4
     # Nor is a pid that is nobody's child here.
-    assert process.claim_orphan(1) is None
+    assert await process.reap_orphan(1, 0.1) is None

@@ -66,7 +66,7 @@ import anyio
 import msgspec
 
 from ..errors import HostFault, SandboxDenied
-from ..process import ProcessResult, ProcessSpec, claim_orphan, reap_pidfd, run_process
+from ..process import ProcessResult, ProcessSpec, reap_orphan, run_process
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -794,7 +794,7 @@ class BwrapSandbox:
             status_w = -1
             head = b"" if gate is None else gate.status_head
             status = parse_json_status(head + _drain(status_r))
-            await _reap_orphaned_init(status.get("child-pid"))
+            init = await _reap_orphaned_init(status.get("child-pid"))
         finally:
             if gate is not None:
                 gate.close()  # closes status_w too
@@ -810,13 +810,20 @@ class BwrapSandbox:
             exit=exit_,
             usage=Usage(
                 wall_s=result.wall_s,
-                cpu_s=result.cpu_s,
-                # The tree's peak as the memory cgroup counted it, when there is one;
-                # else the largest single process (a lower bound for a tree).
+                # bubblewrap's monitor reaps nothing of the guest: the guest's CPU time is
+                # in the rusage of the init, which reaped it. Without that (the init was
+                # not ours to reap) the CPU time is not known, and not guessed.
+                cpu_s=None if init is None else result.cpu_s + init.ru_utime + init.ru_stime,
+                # The tree's peak as the memory cgroup counted it, when there is one; else
+                # the largest single process the init reaped (a lower bound for a tree).
+                # Never the monitor's own ru_maxrss: it execs out of the worker's memory,
+                # so it reads the *worker's* high-water mark.
                 peak_memory_bytes=(
                     result.memory_peak_bytes
                     if result.memory_peak_bytes is not None
-                    else result.peak_rss_bytes
+                    else None
+                    if init is None
+                    else init.ru_maxrss * 1024
                 ),
             ),
             containment=self._report(
@@ -827,30 +834,20 @@ class BwrapSandbox:
         )
 
 
-async def _reap_orphaned_init(pid: object) -> None:
-    """Reap bubblewrap's init (the sandbox's pid 1) when it became *our* child.
+async def _reap_orphaned_init(pid: object) -> Any | None:
+    """Reap bubblewrap's init (the sandbox's pid 1) when it became *our* child; return
+    its rusage, which covers the whole guest tree it reaped (``None``: not ours).
 
     bubblewrap's monitor exits as soon as the init reports the guest's exit status, before
     the init itself has exited, so the init is always orphaned: re-parented to the nearest
     subreaper, else to the host's init. When that is the worker (a subreaper, as the
     worker process is, or pid 1 of a container), nobody else will ever reap it: its
     zombie would keep a pid (and a charge in the pids cgroup) for the worker's lifetime.
-    Otherwise it is left to whoever it belongs to. Through `claim_orphan`: a pidfd, taken
-    under the lock `reap_orphans` also holds, so a sweep that reaps it first cannot make
-    us reap a reused pid.
+    Otherwise it is left to whoever it belongs to, and the job's CPU time is not known.
     """
     if not isinstance(pid, int) or pid <= 0:
-        return
-    pidfd = claim_orphan(pid)
-    if pidfd is None:
-        return  # reaped now, or not ours (the host's init or a subreaper reaps it)
-    try:
-        # Ours and still exiting (the namespace is being torn down).
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_INIT_REAP_S):
-            await anyio.wait_readable(pidfd)
-        reap_pidfd(pidfd)
-    finally:
-        os.close(pidfd)
+        return None
+    return await reap_orphan(pid, _INIT_REAP_S)
 
 
 def _drain(fd: int) -> bytes:

@@ -824,10 +824,12 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     from metnos_exec.sandbox.bwrap import MEMORY_PER_PROCESS_REASON
 
     monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
-    # Without the cgroup the peak is the reaped child's ru_maxrss, and exec records the
-    # high-water mark of the mm it leaves: for a vforked child, this test process's. Reset
-    # it, or whatever an earlier test made this process hold would show up here.
-    _reset_peak_rss()
+    # bubblewrap's monitor execs out of this process's memory, so its own ru_maxrss reads
+    # this process's high-water mark: make that large. The peak must come from the guest
+    # tree (the rusage of bubblewrap's init), not from us.
+    ballast = bytearray(300 * MiB)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])
+    del ballast
     outcome = await arm.run(
         py_job(tmp_path, TWO_CHILDREN_60_MIB, limits=ResourceLimits(memory_bytes=256 * MiB))
     )
@@ -837,6 +839,37 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     # Without the cgroup the peak is one process's (a lower bound for the tree).
     peak = outcome.usage.peak_memory_bytes
     assert peak is not None and peak < 120 * MiB
+    assert peak >= 60 * MiB  # a child's fill: the guest's, really measured
+
+
+async def test_cpu_time_is_the_guests_own(arm: BwrapSandbox, tmp_path: Path) -> None:
+    """bubblewrap's monitor reaps nothing of the guest; its CPU time is taken from the init
+    that reaped it (pytest is a subreaper, like the worker process)."""
+    code = "import time\nx = 0\nfor i in range(3 * 10**6):\n    x += i\n"
+    code += "print(time.process_time())\n"
+    outcome = await arm.run(py_job(tmp_path, code))
+    assert outcome.exit == Success(), outcome
+    guest = float(outcome.stdout)
+    assert outcome.usage.cpu_s is not None and outcome.usage.cpu_s >= guest > 0.05
+
+
+async def test_usage_not_measured_is_not_guessed(
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When bubblewrap's init is not ours to reap (a worker that is no subreaper), the
+    guest's CPU time and, without a memory cgroup, its peak are unknown: ``None``."""
+    from metnos_exec import process
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+
+    async def not_ours(pid: int, timeout: float) -> None:  # noqa: ASYNC109
+        return None
+
+    monkeypatch.setattr(bwrap_mod, "reap_orphan", not_ours)
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    outcome = await arm.run(SandboxJob(argv=("/bin/true",)))
+    assert outcome.exit == Success()
+    assert outcome.usage.cpu_s is None and outcome.usage.peak_memory_bytes is None
+    process.reap_orphans()  # the init we did not reap (pytest is a subreaper)
 
 
 # --- a root worker: the guest is host root for file permissions ---------------------------
