@@ -76,6 +76,7 @@ from .sandbox._types import (
 
 __all__ = (
     "EX_TEMPFAIL",
+    "MAX_OUTPUT_DEPTH",
     "RAW_OUTPUT_CAP_BYTES",
     "ArmChooser",
     "ServerPinned",
@@ -87,6 +88,14 @@ EX_TEMPFAIL: Final = 75
 
 #: How much of a non-JSON stdout is kept (as text in ``Result.output``) for diagnosis.
 RAW_OUTPUT_CAP_BYTES: Final = 4096
+
+#: Deepest nesting of arrays and objects an executor's output may have (serde_json's
+#: default). Deeper is ``E_BAD_OUTPUT``. Why a bound at all: the JSON decoder, the broker's
+#: encoder and every reader of the result recurse once per level, so a job printing
+#: 400,000 ``[`` exhausted the worker's stack (a ``RecursionError`` that came back as a
+#: host fault); and a depth that decodes here could still fail when a reader with less
+#: stack left encodes it again.
+MAX_OUTPUT_DEPTH: Final = 128
 
 #: Extra wall time the supervisor's own backstop gives an arm past the job's budget: the
 #: arms enforce ``wall_time_s`` themselves (TERM, grace, KILL, reap); this scope only
@@ -932,17 +941,46 @@ def _exit_error(exit_: SandboxExit) -> ErrorInfo:
 _ANY_JSON = msgspec.json.Decoder()
 
 
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays/objects more than `limit` levels (iterative: a
+    recursive walk would fail exactly where this check is needed)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _parse_output(stdout: bytes) -> tuple[Any, ErrorInfo | None]:
-    """One JSON document, or the raw text (capped) and an ``E_BAD_OUTPUT`` error."""
+    """One JSON document, or the raw text (capped) and an ``E_BAD_OUTPUT`` error.
+
+    Whatever the bytes are, the answer is one of those two: no input from a job may
+    surface as an internal error or a host fault.
+    """
     if not stdout.strip():
         return None, ErrorInfo(
             code="E_BAD_OUTPUT", message="the executor wrote nothing to stdout (expected JSON)"
         )
     try:
-        return _ANY_JSON.decode(stdout), None
+        value = _ANY_JSON.decode(stdout)
     except msgspec.DecodeError as exc:
-        raw, _ = cap_text(stdout, RAW_OUTPUT_CAP_BYTES)
-        return raw, ErrorInfo(
-            code="E_BAD_OUTPUT",
-            message=f"stdout is not one JSON document ({exc}); the raw text is in output",
-        )
+        why = f"stdout is not one JSON document ({exc})"
+    except RecursionError:
+        why = f"stdout nests arrays or objects deeper than {MAX_OUTPUT_DEPTH} levels"
+    else:
+        # Only a document with more brackets than the limit can be deeper than it: the
+        # common case costs two counts in C, not a walk.
+        brackets = stdout.count(b"[") + stdout.count(b"{")
+        if brackets <= MAX_OUTPUT_DEPTH or not _deeper_than(value, MAX_OUTPUT_DEPTH):
+            return value, None
+        why = f"stdout nests arrays or objects deeper than {MAX_OUTPUT_DEPTH} levels"
+    raw, _ = cap_text(stdout, RAW_OUTPUT_CAP_BYTES)
+    return raw, ErrorInfo(code="E_BAD_OUTPUT", message=f"{why}; the raw text is in output")
