@@ -182,7 +182,7 @@ ERROR_CODES: dict[str, str] = {
     "E_TIMEOUT": "the executor exceeded its wall-time budget",
     "E_MEMORY": "the executor exceeded its memory budget",
     "E_FUEL": "the wasm guest ran out of fuel (its CPU budget)",
-    "E_TRAP": "the wasm guest trapped",
+    "E_TRAP": "the guest trapped (a wasm trap, or a native guest that tampered with its sandbox)",
     "E_FAILED": "the executor ended in an unexpected way",
     "E_BAD_OUTPUT": "the executor's stdout is not the JSON its result must be",
     "E_TEMPFAIL": "a transient failure; the job is retried with backoff",

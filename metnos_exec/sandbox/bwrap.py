@@ -78,6 +78,7 @@ from ._types import (
     SandboxOutcome,
     Success,
     Timeout,
+    Trap,
     Usage,
 )
 from .flags import (
@@ -582,9 +583,12 @@ def _limit_for(sig: int, job: SandboxJob) -> str | None:
 def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> SandboxExit:
     """Turn what bubblewrap and the process layer saw into a `SandboxExit`.
 
+    Only bubblewrap's own failure before the guest started is a host fault: once the
+    guest runs, whatever bubblewrap reports is a verdict on the job (see the ``Trap``
+    below for the one report a guest can forge).
+
     Raises:
         BwrapSetupFailed: bubblewrap exited without reporting a guest exit.
-        HostFault: an exit code outside what bubblewrap can report.
     """
     if result.timed_out:
         return Timeout()
@@ -601,7 +605,16 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
             f"no guest exit reported): {stderr[-500:] or 'no message'}"
         )
     if not isinstance(code, int) or not 0 <= code <= 255:
-        raise HostFault(f"bubblewrap reported an exit code out of range: {code!r}")
+        # bubblewrap writes "exit-code" only once the guest was exec'd, from a value its
+        # init hands the monitor over an eventfd the init keeps open (bwrap.c,
+        # do_init/monitor_child). A guest can reach that eventfd (pidfd_getfd on pid 1,
+        # its own uid) and write any number: no process exit produces one outside
+        # 0..255, so such a code is the guest's doing, a failure of its own, never a
+        # host fault (which would be retried and blamed on the worker).
+        return Trap(
+            f"bubblewrap reported exit code {code!r}, which no process exit produces: the "
+            "job tampered with bubblewrap's exit-status channel"
+        )
     if code == 0:
         return Success()
     if _SIGNAL_BASE < code <= _SIGNAL_BASE + _MAX_SIGNAL:
@@ -726,7 +739,7 @@ class BwrapSandbox:
         Raises:
             SandboxDenied: a mount would replace a private tree (``/proc``, ``/dev``, ``/``).
             BwrapSetupFailed: bubblewrap could not build the sandbox.
-            HostFault: the harness broke (status unreadable, exit out of range).
+            HostFault: the harness broke (status unreadable).
         """
         if not job.argv:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
