@@ -72,14 +72,16 @@ async def test_a_guest_forging_its_exit_report_gets_a_failure_of_its_own(
     value: int,
 ) -> None:
     # Writing N to the init's eventfd makes bubblewrap's monitor report exit code N - 1:
-    # 4999, or -3 (the monitor casts to int). Before the fix that was a HostFault (E_HOST_FAULT, retried, blamed on
-    # the worker); now it is the job's own failure. When a seccomp filter denies
-    # pidfd_getfd, the forgery does not happen at all and the job simply succeeds.
+    # 4999, or -3 (the monitor casts to int). Before the fix that was a HostFault
+    # (E_HOST_FAULT, retried, blamed on the worker); now it is the job's own failure.
+    # When a seccomp filter denies pidfd_getfd, the forgery does not happen at all and
+    # the job simply succeeds.
     outcome = await arm.run(py_job(tmp_path, FORGE.replace("VALUE", str(value))))
     first = outcome.stdout.splitlines()[0]
     if b'"forged": true' in first:
         assert isinstance(outcome.exit, Trap), outcome
-        assert "tampered" in outcome.exit.message and ("4999" if value == 5000 else "-3") in outcome.exit.message
+        reported = "4999" if value == 5000 else "-3"
+        assert "tampered" in outcome.exit.message and reported in outcome.exit.message
     else:
         assert outcome.exit.__class__.__name__ == "Success", outcome
 
