@@ -660,14 +660,47 @@ def _user_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
     )
 
 
-#: The memory wall without a memory cgroup: RLIMIT_AS binds each process, so N processes
-#: (and the private /tmp, whose pages no rlimit counts) reach N times the budget.
-MEMORY_PER_PROCESS_REASON = "memory bounded per process (RLIMIT_AS), not per job"
+#: The memory wall without a memory cgroup: RLIMIT_AS binds each process and the size of
+#: each private tmpfs, so N processes (plus /tmp, /dev/shm and SysV shared memory, whose
+#: pages no rlimit counts) reach several times the budget together.
+MEMORY_PER_PROCESS_REASON = (
+    "memory bounded per process (RLIMIT_AS) and per tmpfs (/tmp, /dev/shm: each at the "
+    "budget), not for the job as a whole: no memory cgroup"
+)
+#: Writes to a job's writable folders land on the host's disk as they happen: each file is
+#: capped (RLIMIT_FSIZE), their total is not, until writes go through a size-limited
+#: staging layer (issue 10).
+DISK_REASON = (
+    "disk not bounded in total: writes to the writable folders are capped per file "
+    "(RLIMIT_FSIZE) only, no staging layer limits their sum"
+)
+
+
+def _pids_reason(job_uid: int | None) -> str:
+    """Why the process count is not held per job (no pids cgroup), for whoever the job's
+    processes belong to on the host."""
+    if job_uid == 0:
+        return (
+            "no process limit: no pids cgroup, and RLIMIT_NPROC does not bind root "
+            "(the worker runs as root)"
+        )
+    return (
+        "process limit counted per user, not per job: no pids cgroup, and RLIMIT_NPROC "
+        "counts every process of the worker's uid"
+    )
 
 
 def _resources_verdict(
-    job: SandboxJob, pids_enforced: bool | None, memory_enforced: bool | None
+    job: SandboxJob,
+    pids_enforced: bool | None,
+    memory_enforced: bool | None,
+    job_uid: int | None,
 ) -> AxisVerdict:
+    """The resources axis, for what held (`None`: not known before the run).
+
+    Args:
+        job_uid: the host uid the job's processes run as (``None``: not known yet).
+    """
     lim = job.limits
     missing: list[str] = []
     if lim.memory_bytes is None:
@@ -679,11 +712,13 @@ def _resources_verdict(
     if lim.pids is None:
         missing.append("no process limit")
     elif pids_enforced is False:
-        missing.append("process limit not enforced (no pids cgroup; RLIMIT_NPROC is void for root)")
+        missing.append(_pids_reason(job_uid))
     elif pids_enforced is None:
         missing.append("process limit enforcement unknown until run")
     if lim.file_size_bytes is None:
         missing.append("no file size limit")
+    if any(m.writable for m in job.mounts):
+        missing.append(DISK_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
@@ -730,7 +765,9 @@ class BwrapSandbox:
             network=_NET_GRANTED if job.network else _NET_KEPT,
             process_tree=_TREE,
             user=_user_verdict(self._features, as_root),
-            resources=_resources_verdict(job, pids_enforced, memory_enforced),
+            resources=_resources_verdict(
+                job, pids_enforced, memory_enforced, 0 if as_root else os.geteuid()
+            ),
         )
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:

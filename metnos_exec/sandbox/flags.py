@@ -28,6 +28,8 @@ __all__ = (
     "GUEST_GID",
     "GUEST_UID",
     "MASKED_PATHS",
+    "PROC_MASKED_PATHS",
+    "PROC_READ_ONLY_PATHS",
     "RESERVED_GUEST_PATHS",
     "SYSTEM_PATHS",
     "BwrapFeatures",
@@ -148,6 +150,49 @@ MASKED_PATHS: tuple[str, ...] = (
 )
 
 
+#: Host-global kernel interfaces inside the private ``/proc``, made read-only (moby and
+#: runc's ``readonlyPaths``). Why: ``/proc`` shows this pid namespace's processes only, but
+#: these files act on the whole host. ``/proc/sys`` holds the sysctls: a guest whose uid
+#: maps to host root (a root worker) could write ``kernel.core_pattern`` and have the
+#: kernel run a program of its choosing as host root, in the host's namespaces, at the
+#: next crash (issue 8). ``/proc/sysrq-trigger`` reboots or crashes the host; ``/proc/irq``,
+#: ``/proc/bus`` and ``/proc/fs`` reconfigure devices and file servers. bubblewrap covers
+#: some of them itself, but only when it finds the *folder* writable, which misses the
+#: root-owned files of a read-only-looking folder (exactly ``/proc/sys``). Bound from the
+#: host's ``/proc`` (the same kernel tables: sysctl files resolve per the *reader's*
+#: namespaces, whichever proc mount they are reached through).
+PROC_READ_ONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+
+#: Kernel state inside the private ``/proc`` hidden behind ``/dev/null`` (files) or an
+#: empty read-only tmpfs (folders): moby and runc's ``maskedPaths`` (kernel memory, timers,
+#: the scheduler's debug dump, the keys of the reader's keyrings, hardware lists), plus the
+#: kernel's symbol table and allocator maps (addresses that help an exploit). Most need a
+#: capability no guest holds; masked anyway, as the runtimes do, so no kernel
+#: configuration is needed for the guest to learn nothing from them.
+PROC_MASKED_PATHS: tuple[str, ...] = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kallsyms",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/slabinfo",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/vmallocinfo",
+)
+
+
 def private_files(root: str = "/etc", *, skip: Sequence[str] = MASKED_PATHS) -> tuple[str, ...]:
     """Files and folders under `root` that only their owner or group may read.
 
@@ -265,6 +310,14 @@ class _Op(msgspec.Struct, frozen=True):
     args: tuple[str, ...]
 
 
+def _mask(path: str, is_dir: bool) -> tuple[str, ...]:
+    """Hide `path`: a file behind ``/dev/null``, a folder behind an empty tmpfs made
+    read-only (a writable one would be an unsized tmpfs the job could fill)."""
+    if is_dir:
+        return ("--tmpfs", path, "--remount-ro", path)
+    return ("--ro-bind", "/dev/null", path)
+
+
 def derive_bwrap_argv(
     job: SandboxJob,
     *,
@@ -336,14 +389,25 @@ def derive_bwrap_argv(
             ops.append(_Op(root, ("--ro-bind", root, root)))
 
     # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
-    # zero, random, tty...; no disks), and a private /tmp. The /tmp tmpfs is sized with
-    # the memory budget: tmpfs pages are RAM, and RLIMIT_AS does not count them.
+    # zero, random, tty...; no disks), and a private /tmp. ``/sys`` is never mounted: it
+    # is the host's device tree, and the guest has no use for it.
     ops.append(_Op("/proc", ("--proc", "/proc")))
-    ops.append(_Op("/dev", ("--dev", "/dev")))
-    tmpfs: tuple[str, ...] = ("--tmpfs", "/tmp")
+    for path in PROC_READ_ONLY_PATHS:
+        if exists(path):
+            ops.append(_Op(path, ("--ro-bind", path, path)))
+    for path in PROC_MASKED_PATHS:
+        if exists(path):
+            ops.append(_Op(path, _mask(path, isdir(path))))
+    # bubblewrap's /dev is a writable, unsized tmpfs: read-only, so its only writable
+    # place is /dev/shm (below), sized like /tmp.
+    ops.append(_Op("/dev", ("--dev", "/dev", "--remount-ro", "/dev")))
+    # The tmpfs mounts are sized with the memory budget: tmpfs pages are RAM, and
+    # RLIMIT_AS does not count them (a memory cgroup, when there is one, does).
+    size: tuple[str, ...] = ()
     if features.tmpfs_size and job.limits.memory_bytes is not None:
-        tmpfs = ("--size", str(job.limits.memory_bytes), *tmpfs)
-    ops.append(_Op("/tmp", tmpfs))
+        size = ("--size", str(job.limits.memory_bytes))
+    ops.append(_Op("/tmp", (*size, "--tmpfs", "/tmp")))
+    ops.append(_Op("/dev/shm", (*size, "--tmpfs", "/dev/shm")))
 
     # Rules 3-4: the executor folder (read-only) and the fs hints, as plan.py resolved
     # them. Only existing host paths; on an exact duplicate the read-only one wins
@@ -368,12 +432,8 @@ def derive_bwrap_argv(
 
     # Secrets the system binds would otherwise expose (see MASKED_PATHS).
     for path in dict.fromkeys(masked_paths):
-        if not exists(path):
-            continue
-        if isdir(path):
-            ops.append(_Op(path, ("--tmpfs", path)))
-        else:
-            ops.append(_Op(path, ("--ro-bind", "/dev/null", path)))
+        if exists(path):
+            ops.append(_Op(path, _mask(path, isdir(path))))
 
     # Order: a mount hides whatever an earlier one put below its destination, so parents
     # go first (sort by depth; stable, so at equal depth system < private < job < mask).
