@@ -252,7 +252,9 @@ class Supervisor:
         self.arm_chooser = arm_chooser
         self.predict_arm: Callable[[str], str | None] = predict_arm or (lambda runtime: None)
         self.policy = policy
-        self.home = os.path.abspath(os.fspath(home)) if home is not None else None
+        # Resolved once, now: ``~`` is this real folder for the worker's whole life, so a
+        # link planted in its place later is refused (`sandbox.mount_sources`), not followed.
+        self.home = os.path.realpath(os.fspath(home)) if home is not None else None
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
         self.clock = clock
         self.retry_delay = retry_delay

@@ -92,6 +92,7 @@ from .flags import (
     prlimit_prefix,
     shell_limits_prefix,
 )
+from .mount_sources import open_source
 
 __all__ = (
     "BwrapProbe",
@@ -130,16 +131,18 @@ class BwrapProbe(msgspec.Struct, frozen=True):
         version: parsed ``bwrap --version``; ``()`` when unknown.
         working: a sandbox with our namespace flags could be created and ran ``true``.
         error: why not, in bubblewrap's words (for people; decisions never parse it).
+        bind_fd: ``bwrap --help`` lists ``--bind-fd`` (see `BwrapFeatures.bind_fd`).
     """
 
     path: str | None
     version: tuple[int, ...] = ()
     working: bool = False
     error: str | None = None
+    bind_fd: bool = False
 
     @property
     def features(self) -> BwrapFeatures:
-        return BwrapFeatures(version=self.version)
+        return BwrapFeatures(version=self.version, bind_fd=self.bind_fd)
 
 
 #: How long a successful ``$PATH`` search for bubblewrap is reused (the supervisor probes
@@ -190,6 +193,14 @@ def _probe_uncached(path: str) -> BwrapProbe:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return BwrapProbe(path=path, error=f"bwrap --version: {exc}")
     version = _parse_version(out.stdout.decode(errors="replace"))
+    try:
+        usage = subprocess.run(
+            [path, "--help"], capture_output=True, timeout=10, check=False, env={}
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        usage = b""
+    # Parsed from the usage text: distributions backport it to older versions.
+    bind_fd = b"--bind-fd" in usage and b"--ro-bind-fd" in usage
     true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
     # The very namespace set the arm uses (user, pid, ipc, uts, net, cgroup), so "working"
     # means "our sandbox can be built here", not merely "bwrap starts".
@@ -203,8 +214,8 @@ def _probe_uncached(path: str) -> BwrapProbe:
     if run.returncode != 0:
         err = run.stderr.decode(errors="replace").strip().splitlines()
         reason = err[-1] if err else f"exit status {run.returncode}"
-        return BwrapProbe(path=path, version=version, error=reason)
-    return BwrapProbe(path=path, version=version, working=True)
+        return BwrapProbe(path=path, version=version, error=reason, bind_fd=bind_fd)
+    return BwrapProbe(path=path, version=version, working=True, bind_fd=bind_fd)
 
 
 _cache_lock = threading.Lock()
@@ -634,7 +645,19 @@ ROOT_WORKER_REASON = (
     "worker runs as root: the job is host root for file permissions (no capabilities); "
     "root-only files in read-only system folders are readable"
 )
-_FILES_AS_ROOT = AxisVerdict("partial", ROOT_WORKER_REASON)
+#: Why the files wall is only ``partial`` with a bubblewrap that cannot bind from an fd.
+NO_BIND_FD_REASON = (
+    "this bubblewrap has no --bind-fd (0.10+): mount sources are checked for symlinks, "
+    "but one swapped between that check and the mount would be mounted"
+)
+
+
+def _files_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
+    if as_root:
+        return AxisVerdict("partial", ROOT_WORKER_REASON)
+    if not features.bind_fd:
+        return AxisVerdict("partial", NO_BIND_FD_REASON)
+    return _FILES
 
 
 def worker_is_root() -> bool:
@@ -761,7 +784,7 @@ class BwrapSandbox:
         as_root = worker_is_root()
         return ContainmentReport(
             sandbox="bwrap",
-            files=_FILES_AS_ROOT if as_root else _FILES,
+            files=_files_verdict(self._features, as_root),
             network=_NET_GRANTED if job.network else _NET_KEPT,
             process_tree=_TREE,
             user=_user_verdict(self._features, as_root),
@@ -785,6 +808,24 @@ class BwrapSandbox:
         prefix = () if gated else _limits_in_guest(rlimits)
         host = _host_facts
         host.refresh()
+        # Every job mount and interpreter root opened without following a symlink (a
+        # swapped hint folder refuses the job here), and bound from that fd.
+        sources = _open_sources(job, host.roots)
+        try:
+            return await self._run(job, rlimits, gated, prefix, host, sources)
+        finally:
+            for fd in sources.values():
+                os.close(fd)
+
+    async def _run(
+        self,
+        job: SandboxJob,
+        rlimits: tuple[tuple[int, int, int], ...],
+        gated: bool,
+        prefix: tuple[str, ...],
+        host: _HostFacts,
+        sources: dict[str, int],
+    ) -> SandboxOutcome:
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
         try:
@@ -802,6 +843,7 @@ class BwrapSandbox:
                     json_status_fd=status_w,
                     masked_paths=host.masked,
                     block_fd=None if gate is None else gate.block_r,
+                    source_fds=sources,
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
@@ -815,7 +857,8 @@ class BwrapSandbox:
                 # With the gate (or the prefix), nothing runs between fork and exec: no
                 # preexec_fn, so CPython vforks instead of copying the worker (ms a job).
                 rlimits=() if in_guest else rlimits,
-                pass_fds=(status_w,) if gate is None else (status_w, gate.block_r),
+                pass_fds=((status_w,) if gate is None else (status_w, gate.block_r))
+                + tuple(sources.values()),
                 # --die-with-parent sets bubblewrap's own parent-death signal before the
                 # guest may start (the monitor sets it, then releases the sandbox), so a
                 # second one from us only costs the preexec_fn. Kept when the rlimits need
@@ -882,6 +925,34 @@ class BwrapSandbox:
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )
+
+
+def _open_sources(job: SandboxJob, roots: tuple[str, ...]) -> dict[str, int]:
+    """Open each job mount's host folder and each interpreter root (see
+    `mount_sources.open_source`); an absent one is left out (it is not mounted).
+
+    Raises:
+        SymlinkedFolder: one is reached through a symlink (nothing is left open).
+        HostFault: the kernel refused to open one for another reason.
+    """
+    fds: dict[str, int] = {}
+    try:
+        for path in (*roots, *(m.host for m in job.mounts)):
+            if path in fds:
+                continue
+            try:
+                fds[path] = open_source(path)
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                # Not mounted, as before: a hint naming a missing folder, or a folder the
+                # worker's own uid cannot reach (the guest could not have either).
+                continue
+            except OSError as exc:
+                raise HostFault(f"cannot open mount source {path}: {exc}") from exc
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
 
 
 async def _reap_orphaned_init(pid: object) -> Any | None:

@@ -18,7 +18,7 @@ import posixpath
 import resource
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -250,13 +250,17 @@ GUEST_GID = 65534
 
 
 class BwrapFeatures(msgspec.Struct, frozen=True):
-    """What the installed bubblewrap supports (from ``bwrap --version``).
+    """What the installed bubblewrap supports (from ``bwrap --version`` and ``--help``).
 
     Attributes:
         version: parsed version, e.g. ``(0, 8, 0)``; ``()`` when unknown.
+        bind_fd: ``--bind-fd`` / ``--ro-bind-fd`` exist (0.10.0, and distributions'
+            backports to older releases: Debian's 0.8.0-2+deb12u1), with the check that
+            the mounted inode is the fd's. Read from ``--help``, not the version.
     """
 
     version: tuple[int, ...] = ()
+    bind_fd: bool = False
 
     @property
     def disable_userns(self) -> bool:
@@ -331,6 +335,7 @@ def derive_bwrap_argv(
     seccomp_fd: int | None = None,
     masked_paths: Sequence[str] = MASKED_PATHS,
     block_fd: int | None = None,
+    source_fds: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
 
@@ -357,6 +362,11 @@ def derive_bwrap_argv(
             seam exists so adding it touches no caller).
         masked_paths: host paths hidden behind an empty file or folder; default
             `MASKED_PATHS` (the bwrap arm adds `private_files` for a root worker).
+        source_fds: host path → an fd (in the bwrap process) opened on it without
+            following symlinks (`sandbox.mount_sources.open_source`), for every job mount
+            and interpreter root that exists; with it, those are mounted from their fd
+            (``--bind-fd`` / ``--ro-bind-fd`` when `features` has them), and a path
+            missing from it counts as absent. ``None``: consult `exists` and bind by path.
 
     Returns:
         The argv, ready for `ProcessSpec`.
@@ -382,11 +392,23 @@ def derive_bwrap_argv(
             ops.append(_Op(path, ("--symlink", target, path)))
         else:
             ops.append(_Op(path, ("--ro-bind", path, path)))
+
+    def present(host: str) -> bool:
+        return exists(host) if source_fds is None else host in source_fds
+
+    def bind(host: str, guest: str, writable: bool) -> tuple[str, ...]:
+        fd = None if source_fds is None or not features.bind_fd else source_fds[host]
+        if fd is None:
+            return ("--bind" if writable else "--ro-bind", host, guest)
+        # From the fd opened without symlinks: what is mounted is what was checked
+        # (bubblewrap compares the mounted inode with the fd's and dies on a mismatch).
+        return ("--bind-fd" if writable else "--ro-bind-fd", str(fd), guest)
+
     for root in roots:
         if any(_under(root, sys_path) for sys_path in SYSTEM_PATHS if exists(sys_path)):
             continue
-        if exists(root):
-            ops.append(_Op(root, ("--ro-bind", root, root)))
+        if present(root):
+            ops.append(_Op(root, bind(root, root, False)))
 
     # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
     # zero, random, tty...; no disks), and a private /tmp. ``/sys`` is never mounted: it
@@ -421,14 +443,13 @@ def derive_bwrap_argv(
             # A host /proc over ours would show (and let the guest signal) host processes;
             # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
             raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
-        if not exists(mount.host):
+        if not present(mount.host):
             continue
         prev = chosen.get(mount.guest)
         if prev is None or (prev.writable and not mount.writable):
             chosen[mount.guest] = mount
     for mount in chosen.values():
-        flag = "--bind" if mount.writable else "--ro-bind"
-        ops.append(_Op(mount.guest, (flag, mount.host, mount.guest)))
+        ops.append(_Op(mount.guest, bind(mount.host, mount.guest, mount.writable)))
 
     # Secrets the system binds would otherwise expose (see MASKED_PATHS).
     for path in dict.fromkeys(masked_paths):

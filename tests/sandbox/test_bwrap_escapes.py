@@ -7,12 +7,14 @@ bubblewrap that report what they managed to do as one JSON line.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from metnos_exec.sandbox._types import MemoryExceeded, Mount, ResourceLimits, Trap
 from metnos_exec.sandbox.bwrap import DISK_REASON, BwrapSandbox, map_exit
 
+from ..conftest import need
 from .test_bwrap import arm, py_job, report  # noqa: F401
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -230,3 +232,127 @@ print(json.dumps({{"wrote_mib": 8}}))
     # Without a writable mount the disk is not the job's to fill.
     ro = await arm.run(py_job(tmp_path, "print('{}')"))
     assert DISK_REASON not in ro.containment.resources.reason
+
+
+# --- defect 2: a hint folder swapped for a symlink ----------------------------------------
+
+SWAPPER = """
+import json, os, shutil
+inner = os.path.join(os.environ["HOME"], "X", "swap", "inner")
+shutil.rmtree(inner)
+os.symlink(os.environ["HOME"], inner)
+print(json.dumps({"swapped": True}))
+"""
+
+VICTIM = """
+import json, os
+inner = os.path.join(os.environ["HOME"], "X", "swap", "inner")
+seen = sorted(os.listdir(inner))
+try:
+    with open(os.path.join(inner, "planted"), "w") as f:
+        f.write("x")
+    wrote = True
+except OSError:
+    wrote = False
+print(json.dumps({"seen": seen, "wrote": wrote}))
+"""
+
+
+def _executor(root: Path, name: str, hint: str, code: str) -> Any:
+    from metnos_exec.manifest import Executor, load_manifest
+
+    folder = root / "executors" / name
+    folder.mkdir(parents=True)
+    (folder / "manifest.toml").write_text(
+        f'name = "{name}"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+        f'[[capabilities]]\nname = "fs:write"\nhints = ["{hint}"]\n'
+    )
+    (folder / "main.py").write_text(code)
+    return Executor(manifest=load_manifest(folder / "manifest.toml"), path=str(folder))
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture
+def swap_home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    (home / "X" / "swap" / "inner").mkdir(parents=True)
+    (home / "X" / "swap" / "inner" / "b-data").write_text("B's own file")
+    (home / "secret").write_text("the worker's home")
+    return home
+
+
+async def test_a_hint_folder_swapped_for_a_symlink_is_refused_not_mounted(
+    arm: BwrapSandbox,  # noqa: F811
+    tmp_path: Path,
+    swap_home: Path,
+) -> None:
+    from metnos_exec.errors import SymlinkedFolder
+    from metnos_exec.plan import plan_invocation
+
+    a = _executor(tmp_path, "a", "~/X/swap/**", SWAPPER)
+    b = _executor(tmp_path, "b", "~/X/swap/inner/**", VICTIM)
+    home = str(swap_home)
+    planned_before = plan_invocation(b, {}, home=home)  # the folder is real at this point
+    assert report(await arm.run(plan_invocation(a, {}, home=home).job)) == {"swapped": True}
+    assert (swap_home / "X" / "swap" / "inner").is_symlink()
+    # Planned after the swap: refused before anything runs, naming the link.
+    with pytest.raises(SymlinkedFolder, match="inner") as ei:
+        plan_invocation(b, {}, home=home)
+    assert ei.value.code == "E_SYMLINKED_FOLDER"
+    # Planned before it (a job already queued): refused by the arm, at mount time.
+    with pytest.raises(SymlinkedFolder):
+        await arm.run(planned_before.job)
+    # Before the fix B's job listed and wrote the home: nothing was planted anywhere.
+    assert _names(swap_home) == ["X", "secret"]
+
+
+async def test_a_swap_between_the_check_and_the_mount_mounts_what_was_checked(
+    arm: BwrapSandbox,  # noqa: F811
+    tmp_path: Path,
+    swap_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The race the fd closes: the folder is checked (opened), then swapped for a link to
+    # the home before bubblewrap mounts it. Bound from the fd, the guest sees the folder
+    # that was checked (moved away, but the same inode), never the home.
+    from metnos_exec.plan import plan_invocation
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+
+    need(bwrap_mod.bwrap_probe().bind_fd, "this bubblewrap has no --bind-fd")
+    inner = swap_home / "X" / "swap" / "inner"
+    real_open = bwrap_mod.open_source
+
+    def open_then_swap(path: str) -> int:
+        fd = real_open(path)
+        if path == str(inner):
+            inner.rename(inner.with_name("moved"))
+            inner.symlink_to(swap_home)
+        return fd
+
+    monkeypatch.setattr(bwrap_mod, "open_source", open_then_swap)
+    b = _executor(tmp_path, "b", "~/X/swap/inner/**", VICTIM)
+    got = report(await arm.run(plan_invocation(b, {}, home=str(swap_home)).job))
+    # The guest's path shows the checked folder's content (B's file), and its write
+    # landed there, in the moved folder: not in the home.
+    assert got == {"seen": ["b-data"], "wrote": True}, got
+    assert (swap_home / "X" / "swap" / "moved" / "planted").exists()
+    assert _names(swap_home) == ["X", "secret"]
+
+
+def test_files_partial_with_a_bubblewrap_that_cannot_bind_from_an_fd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox._types import SandboxJob
+    from metnos_exec.sandbox.flags import BwrapFeatures
+
+    monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: False)
+    job = SandboxJob(argv=("x",))
+    old = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures((0, 9, 0), bind_fd=False))
+    files = old.containment(job).files
+    assert files.state == "partial" and files.reason == bwrap_mod.NO_BIND_FD_REASON
+    new = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures((0, 8, 0), bind_fd=True))
+    assert new.containment(job).files.state == "kept"
