@@ -50,6 +50,7 @@ only glues them and reads back what happened, honestly:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -65,8 +66,17 @@ from typing import Any, final
 import anyio
 import msgspec
 
-from ..errors import HostFault, SandboxDenied
-from ..process import ProcessResult, ProcessSpec, reap_orphan, run_process
+from ..errors import HostFault, MetnosError, SandboxDenied
+from ..identities import SLOT_UIDS_ENV, slot_uids_unavailable
+from ..process import (
+    ProcessResult,
+    ProcessSpec,
+    Slot,
+    pooled_slot,
+    reap_orphan,
+    run_process,
+    slots_available,
+)
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -92,7 +102,7 @@ from .flags import (
     prlimit_prefix,
     shell_limits_prefix,
 )
-from .mount_sources import open_source
+from .mount_sources import StagedSources, open_source
 
 __all__ = (
     "BwrapProbe",
@@ -329,16 +339,20 @@ def _have_cap_sys_resource() -> bool:
     return False
 
 
-def _can_gate(rlimits: tuple[tuple[int, int, int], ...]) -> bool:
+def _can_gate(rlimits: tuple[tuple[int, int, int], ...], *, other_uid: bool = False) -> bool:
     """Whether the worker may set `rlimits` on the blocked sandbox with prlimit(2).
 
     Raising a hard limit above the one the sandbox inherited (ours) needs
-    CAP_SYS_RESOURCE; without it the in-guest prefix (or the preexec path) stays.
+    CAP_SYS_RESOURCE; without it the in-guest prefix (or the preexec path) stays. So does
+    any prlimit(2) of a process of another uid (`other_uid`: a job run as its slot's own
+    uid): even root is refused it without CAP_SYS_RESOURCE (some containers drop it).
     """
     if not rlimits:
         return False
     if _have_cap_sys_resource():
         return True
+    if other_uid:
+        return False
     for res, _soft, hard in rlimits:
         ours = resource.getrlimit(res)[1]
         if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
@@ -636,14 +650,22 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
 
 # --- containment ----------------------------------------------------------------------
 
-_FILES = AxisVerdict("kept", "only the declared mounts and read-only system trees are visible")
-#: Why a root worker cannot claim the files and user walls. bubblewrap maps the guest's
-#: uid 65534 to the uid that started it; for root that is host uid 0, so discretionary
-#: access checks treat the guest as root (it holds no capability, so it cannot override
-#: a mode: 0600 root files are read by *owner* match). `MASKED_PATHS` hides a fixed list.
+_FILES_REASON = "only the declared mounts and read-only system trees are visible"
+_FILES = AxisVerdict("kept", _FILES_REASON)
+#: Why a job run as root cannot claim the files and user walls. bubblewrap maps the
+#: guest's uid 65534 to the uid that started it; for root that is host uid 0, so
+#: discretionary access checks treat the guest as root (it holds no capability, so it
+#: cannot override a mode: 0600 root files are read by *owner* match). `MASKED_PATHS`
+#: hides a fixed list. A root worker runs its jobs as slot uids instead
+#: (`metnos_exec.identities`); this is the reason when one could not.
 ROOT_WORKER_REASON = (
-    "worker runs as root: the job is host root for file permissions (no capabilities); "
-    "root-only files in read-only system folders are readable"
+    "the job ran as host root for file permissions (no capabilities); root-only files in "
+    "read-only system folders are readable"
+)
+#: A root worker's job, before it ran: which uid it gets is decided at the run.
+ROOT_UNKNOWN_REASON = (
+    "the worker runs as root: whether the job runs as its slot's own uid or as root is "
+    "known once it runs"
 )
 #: Why the files wall is only ``partial`` with a bubblewrap that cannot bind from an fd.
 NO_BIND_FD_REASON = (
@@ -652,16 +674,9 @@ NO_BIND_FD_REASON = (
 )
 
 
-def _files_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
-    if as_root:
-        return AxisVerdict("partial", ROOT_WORKER_REASON)
-    if not features.bind_fd:
-        return AxisVerdict("partial", NO_BIND_FD_REASON)
-    return _FILES
-
-
 def worker_is_root() -> bool:
-    """Whether the worker runs as root (the guest's uid then maps to host uid 0)."""
+    """Whether the worker runs as root (the guest's uid then maps to host uid 0, unless
+    the job runs as its slot's own uid)."""
     return os.geteuid() == 0
 
 
@@ -673,14 +688,63 @@ _TREE = AxisVerdict(
 _USER_REASON = "uid 65534 without capabilities in its own user namespace"
 
 
-def _user_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
-    if as_root:
-        return AxisVerdict("partial", ROOT_WORKER_REASON)
-    if features.disable_userns:
-        return AxisVerdict("kept", _USER_REASON + "; nested user namespaces disabled")
-    return AxisVerdict(
-        "partial", _USER_REASON + "; nested user namespaces allowed (bubblewrap < 0.8)"
+def _identity_verdicts(
+    features: BwrapFeatures, job_uid: int | None, root_reason: str | None
+) -> tuple[AxisVerdict, AxisVerdict]:
+    """The files and user axes, for the host uid the job ran as (`None`: not run yet).
+
+    Args:
+        job_uid: the job's host uid (`ProcessResult.uid`).
+        root_reason: for a root worker's job that ran as root: why not as a slot uid.
+    """
+    if worker_is_root():
+        if job_uid is None:
+            why = _slot_uids_unavailable()
+            reason = ROOT_UNKNOWN_REASON if why is None else f"{ROOT_WORKER_REASON} ({why})"
+            return AxisVerdict("partial", reason), AxisVerdict("partial", reason)
+        if job_uid == 0:
+            reason = f"{ROOT_WORKER_REASON} ({root_reason or 'no slot uid'})"
+            return AxisVerdict("partial", reason), AxisVerdict("partial", reason)
+    whose = (
+        f", host uid {job_uid} (this job slot's own: it owns nothing else on the host)"
+        if worker_is_root()
+        else ""
     )
+    files = (
+        AxisVerdict("partial", NO_BIND_FD_REASON)
+        if not features.bind_fd
+        else AxisVerdict("kept", _FILES_REASON + (f", to host uid {job_uid}" if whose else ""))
+    )
+    if features.disable_userns:
+        user = AxisVerdict("kept", _USER_REASON + whose + "; nested user namespaces disabled")
+    else:
+        user = AxisVerdict(
+            "partial", _USER_REASON + whose + "; nested user namespaces allowed (bubblewrap < 0.8)"
+        )
+    return files, user
+
+
+def root_worker_note() -> str | None:
+    """What a root worker's jobs run as, for `metnos-exec status` (``None``: not root)."""
+    if not worker_is_root():
+        return None
+    why = _slot_uids_unavailable()
+    if why is None and not slots_available():
+        why = "no job slots here (they need a writable cgroup v1 pids hierarchy)"
+    if why is None:
+        return (
+            "the worker runs as root: each job slot runs its jobs as a dedicated host uid "
+            f"of its own ({SLOT_UIDS_ENV}); a job whose folders cannot be idmapped for it "
+            "runs as root, and its report says so"
+        )
+    return f"{ROOT_WORKER_REASON} ({why}); run the worker as an unprivileged user"
+
+
+def _slot_uids_unavailable() -> str | None:
+    try:
+        return slot_uids_unavailable()
+    except MetnosError as exc:
+        return str(exc)
 
 
 #: The memory wall without a memory cgroup: RLIMIT_AS binds each process and the size of
@@ -705,7 +769,12 @@ def _pids_reason(job_uid: int | None) -> str:
     if job_uid == 0:
         return (
             "no process limit: no pids cgroup, and RLIMIT_NPROC does not bind root "
-            "(the worker runs as root)"
+            "(the job ran as root)"
+        )
+    if worker_is_root():
+        return (
+            "process limit held by RLIMIT_NPROC on the slot's own uid, not a pids cgroup: "
+            "earlier jobs' processes of that uid not yet reaped count too"
         )
     return (
         "process limit counted per user, not per job: no pids cgroup, and RLIMIT_NPROC "
@@ -779,17 +848,26 @@ class BwrapSandbox:
         return self._report(job, pids_enforced=None, memory_enforced=None)
 
     def _report(
-        self, job: SandboxJob, *, pids_enforced: bool | None, memory_enforced: bool | None
+        self,
+        job: SandboxJob,
+        *,
+        pids_enforced: bool | None,
+        memory_enforced: bool | None,
+        job_uid: int | None = None,
+        root_reason: str | None = None,
     ) -> ContainmentReport:
-        as_root = worker_is_root()
+        files, user = _identity_verdicts(self._features, job_uid, root_reason)
         return ContainmentReport(
             sandbox="bwrap",
-            files=_files_verdict(self._features, as_root),
+            files=files,
             network=_NET_GRANTED if job.network else _NET_KEPT,
             process_tree=_TREE,
-            user=_user_verdict(self._features, as_root),
+            user=user,
             resources=_resources_verdict(
-                job, pids_enforced, memory_enforced, 0 if as_root else os.geteuid()
+                job,
+                pids_enforced,
+                memory_enforced,
+                os.geteuid() if job_uid is None else job_uid,
             ),
         )
 
@@ -804,15 +882,21 @@ class BwrapSandbox:
         if not job.argv:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         rlimits = derive_rlimits(job.limits)
-        gated = _can_gate(rlimits)
-        prefix = () if gated else _limits_in_guest(rlimits)
         host = _host_facts
         host.refresh()
         # Every job mount and interpreter root opened without following a symlink (a
         # swapped hint folder refuses the job here), and bound from that fd.
         sources = _open_sources(job, host.roots)
         try:
-            return await self._run(job, rlimits, gated, prefix, host, sources)
+            async with pooled_slot() as slot:
+                place = await _placement(slot, sources)
+                gated = _can_gate(rlimits, other_uid=place.as_slot_user)
+                prefix = () if gated else _limits_in_guest(rlimits)
+                try:
+                    return await self._run(job, rlimits, gated, prefix, host, place)
+                finally:
+                    if place.staged is not None:
+                        place.staged.close()
         finally:
             for fd in sources.values():
                 os.close(fd)
@@ -824,8 +908,9 @@ class BwrapSandbox:
         gated: bool,
         prefix: tuple[str, ...],
         host: _HostFacts,
-        sources: dict[str, int],
+        place: _Placement,
     ) -> SandboxOutcome:
+        sources = place.sources
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
         try:
@@ -841,7 +926,9 @@ class BwrapSandbox:
                     readlink=host.readlink,
                     interpreter_roots=host.roots,
                     json_status_fd=status_w,
-                    masked_paths=host.masked,
+                    # As a slot's own uid the guest cannot read root's private files:
+                    # the scan of /etc only matters for a job run as root.
+                    masked_paths=MASKED_PATHS if place.as_slot_user else host.masked,
                     block_fd=None if gate is None else gate.block_r,
                     source_fds=sources,
                 )
@@ -878,8 +965,10 @@ class BwrapSandbox:
                 # held by the slot's memory cgroup (RLIMIT_AS only binds each process).
                 memory_max=job.limits.memory_bytes,
                 on_spawn=gate,
+                # A root worker's job runs as its slot's own host uid (`identities`).
+                as_slot_user=place.as_slot_user,
             )
-            result = await run_process(spec, timeout=job.limits.wall_time_s)
+            result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
             if gate is not None:
                 gate.close()  # our copy of status_w, if the gate did not run
             else:
@@ -920,11 +1009,54 @@ class BwrapSandbox:
                 ),
             ),
             containment=self._report(
-                job, pids_enforced=result.pids_limited, memory_enforced=result.memory_limited
+                job,
+                pids_enforced=result.pids_limited,
+                memory_enforced=result.memory_limited,
+                job_uid=result.uid,
+                root_reason=place.root_reason,
             ),
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )
+
+
+@dataclasses.dataclass
+class _Placement:
+    """Where and as whom one job runs: its mount sources (fds to bind from), its slot,
+    and for a root worker whether it runs as the slot's own uid (else why not)."""
+
+    sources: dict[str, int]
+    slot: Slot | None = None
+    staged: StagedSources | None = None
+    root_reason: str | None = None
+
+    @property
+    def as_slot_user(self) -> bool:
+        return self.staged is not None
+
+
+async def _placement(slot: Slot | None, sources: dict[str, int]) -> _Placement:
+    """For a root worker: the slot's uid and its idmapped mount sources, or the reason the
+    job runs as root (no slot here, slot uids off or unavailable, a folder whose
+    filesystem refuses idmapped mounts). Anyone else: the sources as opened."""
+    if not worker_is_root():
+        return _Placement(sources, slot)
+    off = _slot_uids_unavailable()  # read per job: METNOS_SLOT_UIDS=off takes effect at once
+    if off is not None:
+        return _Placement(sources, slot, root_reason=off)
+    if slot is None:
+        return _Placement(
+            sources,
+            root_reason="no job slot here (slots need a writable cgroup v1 pids hierarchy)",
+        )
+    identity = await slot.identity()
+    if identity is None:
+        return _Placement(sources, slot, root_reason=slot.identity_error)
+    try:
+        staged = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
+    except OSError as exc:
+        return _Placement(sources, slot, root_reason=f"cannot mount as the slot uid: {exc}")
+    return _Placement(staged.fds, slot, staged)
 
 
 def _open_sources(job: SandboxJob, roots: tuple[str, ...]) -> dict[str, int]:

@@ -29,18 +29,22 @@ The rules, each tested (``tests/sandbox/test_mount_sources.py``, and the escape 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
 import os
 import stat
+import threading
 
 from ..errors import SymlinkedFolder
 
 __all__ = (
+    "STAGE_ROOT",
+    "StagedSources",
+    "check_folder",
     "open_source",
     "symlink_on_path",
-    "check_folder",
 )
 
 # openat2(2): the same number on every architecture (Linux >= 5.6).
@@ -169,3 +173,215 @@ def check_folder(path: str) -> bool:
     if link is not None:
         raise SymlinkedFolder(_message(path, link))
     return os.path.lexists(path)
+
+
+# --- idmapped staging for a root worker's slot uids ----------------------------------------
+
+# The new mount API: the same numbers on every architecture (Linux >= 5.2 / 5.12).
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_MOUNT_SETATTR = 442
+_OPEN_TREE_CLONE = 0x1
+_AT_EMPTY_PATH = 0x1000
+_AT_RECURSIVE = 0x8000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOUNT_ATTR_IDMAP = 0x00100000
+_MNT_DETACH = 0x2
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 0x40000
+
+#: Where a root worker attaches its slots' idmapped mounts: ``<STAGE_ROOT>/<worker pid>/
+#: <slot uid>/<n>``, a private mount point (nothing attached below propagates anywhere).
+STAGE_ROOT = "/run/metnos-exec/mnt"
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = (
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    )
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def _mount_points() -> list[str]:
+    """This mount namespace's mount points (``/proc/self/mountinfo``, octal escapes kept
+    as they are: ours never need them)."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        return [line.split()[4] for line in f if line.strip()]
+
+
+def _umount(path: str) -> None:
+    # MNT_DETACH: never EBUSY; EINVAL: nothing mounted there (already gone).
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {path}: {os.strerror(err)}")
+
+
+def _sweep(root: str) -> None:
+    """Detach what dead workers left under `root` and remove their (empty) mount points.
+
+    Never removes anything recursively: a mount point still attached would hold a user's
+    folder; only ``rmdir``/``unlink`` of what is verifiably empty and unmounted.
+    """
+    try:
+        owners = os.listdir(root)
+    except OSError:
+        return
+    mounted = _mount_points()
+    for owner in owners:
+        if not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
+            continue
+        base = os.path.join(root, owner)
+        for point in sorted((m for m in mounted if m.startswith(base + "/")), reverse=True):
+            with contextlib.suppress(OSError):
+                _umount(point)
+        for top, dirs, files in os.walk(base, topdown=False):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(top, name))
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(top, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+
+
+_stage_lock = threading.Lock()
+_stage_ready: list[str] = []
+
+
+def _stage_dir(uid: int, gid: int) -> str:
+    """This worker's folder for slot `uid`'s mount points (made once; stale ones swept)."""
+    with _stage_lock:
+        if not _stage_ready:
+            for path in (os.path.dirname(STAGE_ROOT), STAGE_ROOT):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o711)
+                st = os.lstat(path)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+                    raise OSError(f"{path} is not a root-owned folder")
+                os.chmod(path, 0o711)
+            if STAGE_ROOT not in _mount_points():
+                # A private mount point of its own: what we attach below it is never
+                # propagated to other mount namespaces (a shared /run would).
+                _check(_libc.mount(os.fsencode(STAGE_ROOT), os.fsencode(STAGE_ROOT), None,
+                                   _MS_BIND, None), f"bind {STAGE_ROOT}")  # fmt: skip
+            _check(_libc.mount(None, os.fsencode(STAGE_ROOT), None, _MS_PRIVATE, None),
+                   f"make {STAGE_ROOT} private")  # fmt: skip
+            _sweep(STAGE_ROOT)
+            _stage_ready.append(STAGE_ROOT)
+        mine = os.path.join(STAGE_ROOT, str(os.getpid()))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(mine, 0o711)
+        slot = os.path.join(mine, str(uid))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(slot, 0o710)
+        # Searchable by the slot's group only: bubblewrap, running as the slot's uid,
+        # resolves the mount points by path; no other local user needs to.
+        os.chown(slot, 0, gid)
+        os.chmod(slot, 0o710)
+        return slot
+
+
+def _remove_own_stage() -> None:
+    """At exit: this worker's (empty, detached) mount points go; a worker killed before
+    this leaves them to the next one's sweep."""
+    mine = os.path.join(STAGE_ROOT, str(os.getpid()))
+    if not _stage_ready or not os.path.isdir(mine):
+        return
+    mounted = [m for m in _mount_points() if m.startswith(mine + "/")]
+    if mounted:
+        return  # a run still holds one (killed mid-job?): never remove under a mount
+    for top, dirs, files in os.walk(mine, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, name))
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(top, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(mine)
+
+
+atexit.register(_remove_own_stage)
+
+
+class StagedSources:
+    """A root worker's mount sources for one job of a slot uid: each an idmapped clone
+    (uid and gid 0 shown as the slot's) attached under `STAGE_ROOT`, where bubblewrap,
+    running as that uid, can reach it; `fds` are ``O_PATH`` fds of the attached roots, to
+    bind from. `close` detaches them.
+
+    Why idmapped: the job's folders belong to the root worker's user (root); the slot's
+    uid keeps the owner rights on them the job had as root, and nothing else of root's.
+    What the job creates there is root's on disk, as before.
+    """
+
+    def __init__(self, sources: dict[str, int], uid: int, gid: int, userns_fd: int) -> None:
+        """Stage every source (host path → fd from `open_source`).
+
+        Raises:
+            OSError: the kernel or a filesystem refused (no idmapped mounts there, say):
+                nothing stays attached, the caller runs the job as root instead.
+        """
+        self.fds: dict[str, int] = {}
+        self._points: list[str] = []
+        folder = _stage_dir(uid, gid)
+        try:
+            for n, (path, fd) in enumerate(sources.items()):
+                is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+                point = os.path.join(folder, str(n) if is_dir else f"{n}.f")
+                if is_dir:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(point, 0o700)
+                else:
+                    os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                clone = _check(
+                    _libc.syscall(
+                        _SYS_OPEN_TREE, fd, b"",
+                        _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH | _AT_RECURSIVE,
+                    ),
+                    f"open_tree {path}",
+                )  # fmt: skip
+                try:
+                    attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+                    _check(
+                        _libc.syscall(
+                            _SYS_MOUNT_SETATTR, clone, b"", _AT_EMPTY_PATH | _AT_RECURSIVE,
+                            ctypes.byref(attr), ctypes.sizeof(attr),
+                        ),
+                        f"idmapped mount of {path}",
+                    )  # fmt: skip
+                    _check(
+                        _libc.syscall(
+                            _SYS_MOVE_MOUNT, clone, b"", -100, os.fsencode(point),
+                            _MOVE_MOUNT_F_EMPTY_PATH,
+                        ),
+                        f"attach {path}",
+                    )  # fmt: skip
+                finally:
+                    os.close(clone)
+                self._points.append(point)
+                self.fds[path] = os.open(point, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Detach every staged mount (the sandbox keeps its own copies) and close fds."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        points, self._points = self._points, []
+        for point in points:
+            with contextlib.suppress(OSError):
+                _umount(point)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from .bwrap import ROOT_WORKER_REASON, bwrap_probe, worker_is_root
+from .bwrap import bwrap_probe, root_worker_note
 from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
 
 __all__ = ("RUNTIMES", "BwrapStatus", "SandboxStatus", "landlock_abi", "status")
@@ -52,9 +52,9 @@ class SandboxStatus(msgspec.Struct, frozen=True):
         sandbox_off: ``METNOS_SANDBOX`` switches the kernel wall off.
         arms: runtime → arm it would use now (``bwrap``, ``none``, ``wasm``, ``absent``).
         degraded: runtime → degradation reason, for the runtimes that would degrade.
-        worker_as_root: a warning when the worker runs as root (bwrap jobs are then host
-            root for file permissions: the files and user axes are ``partial``); ``None``
-            otherwise.
+        worker_as_root: for a root worker, what its bwrap jobs run as: dedicated slot
+            uids, or root (host root for file permissions: the files and user axes are
+            ``partial``) and why; ``None`` otherwise.
     """
 
     bwrap: BwrapStatus
@@ -152,9 +152,5 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
         sandbox_off=env.get("METNOS_SANDBOX", "").strip().lower() in SANDBOX_OFF_VALUES,
         arms={rt: d.arm for rt, d in decisions.items()},
         degraded={rt: d.degraded.reason for rt, d in decisions.items() if d.degraded},
-        worker_as_root=(
-            f"{ROOT_WORKER_REASON}; run the worker as an unprivileged user"
-            if worker_is_root()
-            else None
-        ),
+        worker_as_root=root_worker_note(),
     )

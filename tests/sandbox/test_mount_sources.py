@@ -90,3 +90,83 @@ def test_flags_bind_from_the_fds_and_leave_out_what_was_not_opened() -> None:
     old = " ".join(argv(BwrapFeatures(version=(0, 8, 0), bind_fd=False)))
     assert "--ro-bind /srv/ro /srv/ro" in old and "--bind /srv/rw /srv/rw" in old
     assert "-fd" not in old.replace("--json-status-fd", "")
+
+
+# --- a root worker's idmapped staging -------------------------------------------------------
+
+
+def need_root_staging() -> None:
+    from tests.conftest import need
+
+    need(os.geteuid() == 0, "idmapped staging is a root worker's (needs root)")
+
+
+def test_staged_sources_show_roots_files_as_the_slot_uid_and_detach_on_close(
+    tmp_path: Path,
+) -> None:
+    from metnos_exec.identities import allocate
+    from metnos_exec.sandbox.mount_sources import STAGE_ROOT, StagedSources
+
+    need_root_staging()
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.md").write_text("x")
+    (tmp_path / "todo.md").write_text("file mount")
+    identity = allocate()
+    try:
+        fds = {str(folder): open_source(str(folder)), str(tmp_path / "todo.md"):
+               open_source(str(tmp_path / "todo.md"))}  # fmt: skip
+        try:
+            staged = StagedSources(fds, identity.uid, identity.gid, identity.userns_fd)
+            try:
+                root = os.fstat(staged.fds[str(folder)])
+                assert os.path.samestat(root, os.stat(folder))  # the very folder...
+                point = os.readlink(f"/proc/self/fd/{staged.fds[str(folder)]}")
+                assert point.startswith(STAGE_ROOT + "/")
+                # ... shown through the idmap as the slot's: root's file, its owner.
+                assert os.stat(os.path.join(point, "a.md")).st_uid == identity.uid
+                assert (root.st_uid, os.stat(folder).st_uid) == (identity.uid, 0)
+                file_point = os.readlink(f"/proc/self/fd/{staged.fds[str(tmp_path / 'todo.md')]}")
+                with open(file_point) as f:
+                    assert f.read() == "file mount"
+            finally:
+                staged.close()
+            assert point not in _mount_points_now()
+            assert (folder / "a.md").read_text() == "x"  # detached, nothing removed
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    finally:
+        identity.close()
+
+
+def _mount_points_now() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f]
+
+
+def test_the_sweep_detaches_a_dead_workers_mounts_and_never_deletes_through_them(
+    tmp_path: Path,
+) -> None:
+    import ctypes
+
+    from metnos_exec.sandbox import mount_sources as ms
+
+    need_root_staging()
+    ms._stage_dir(os.getuid(), os.getgid())  # the private stage root exists
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.md").write_text("never deleted")
+    dead = 4_000_000  # above pid_max on any host: never alive
+    point = Path(ms.STAGE_ROOT) / str(dead) / "123" / "0"
+    point.mkdir(parents=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mount(str(precious).encode(), str(point).encode(), None, 0x1000, None) == 0
+    try:
+        assert str(point) in _mount_points_now()
+        ms._sweep(ms.STAGE_ROOT)
+        assert str(point) not in _mount_points_now()
+        assert not (Path(ms.STAGE_ROOT) / str(dead)).exists()
+        assert (precious / "keep.md").read_text() == "never deleted"
+    finally:
+        libc.umount2(str(point).encode(), 2)
