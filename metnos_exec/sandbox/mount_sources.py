@@ -244,15 +244,24 @@ def _sweep(root: str) -> None:
         for point in sorted((m for m in mounted if m.startswith(base + "/")), reverse=True):
             with contextlib.suppress(OSError):
                 _umount(point)
-        for top, dirs, files in os.walk(base, topdown=False):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(top, name))
-            for name in dirs:
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(top, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(base)
+        _remove_mount_points(base)
+
+
+def _remove_mount_points(base: str) -> None:
+    """Remove the mount points under `base`, and `base`, once detached: ``unlink`` of the
+    file ones, ``rmdir`` of the folders (which fails on anything not empty), never a
+    recursive delete that could reach through a mount still attached."""
+    if any(m.startswith(base + "/") for m in _mount_points()):
+        return
+    for top, dirs, files in os.walk(base, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, name))
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(top, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(base)
 
 
 _stage_lock = threading.Lock()
@@ -296,20 +305,8 @@ def _remove_own_stage() -> None:
     """At exit: this worker's (empty, detached) mount points go; a worker killed before
     this leaves them to the next one's sweep."""
     mine = os.path.join(STAGE_ROOT, str(os.getpid()))
-    if not _stage_ready or not os.path.isdir(mine):
-        return
-    mounted = [m for m in _mount_points() if m.startswith(mine + "/")]
-    if mounted:
-        return  # a run still holds one (killed mid-job?): never remove under a mount
-    for top, dirs, files in os.walk(mine, topdown=False):
-        for name in files:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(top, name))
-        for name in dirs:
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(top, name))
-    with contextlib.suppress(OSError):
-        os.rmdir(mine)
+    if _stage_ready and os.path.isdir(mine):
+        _remove_mount_points(mine)
 
 
 atexit.register(_remove_own_stage)

@@ -902,12 +902,12 @@ async def test_usage_not_measured_is_not_guessed(
 # --- a root worker: the guest is host root for file permissions ---------------------------
 
 
-@pytest.fixture
-def root_only_file() -> Any:
-    """A world-traversable folder (so an unprivileged worker can mount it) holding a
-    root-owned 0600 file, like /etc/wireguard/wg0.conf on a real host."""
+def _root_only_file(parent: str) -> Any:
+    """A world-traversable folder under `parent` holding a root-owned 0600 file, like
+    /etc/wireguard/wg0.conf on a real host; removed afterwards."""
     need(AS_ROOT, "creating a root-owned file needs root")
-    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir="/tmp"))
+    need(os.path.isdir(parent), f"{parent} absent on this host")
+    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir=parent))
     try:
         base.chmod(0o755)
         secret = base / "key"
@@ -916,6 +916,12 @@ def root_only_file() -> Any:
         yield secret
     finally:
         shutil.rmtree(base)
+
+
+@pytest.fixture
+def root_only_file() -> Any:
+    """In /tmp: a folder an unprivileged worker can mount too."""
+    yield from _root_only_file("/tmp")
 
 
 def secret_job(secret: Path) -> SandboxJob:
@@ -944,19 +950,9 @@ async def test_a_root_workers_job_as_root_reads_root_only_files_and_says_partial
 
 @pytest.fixture
 def system_secret() -> Any:
-    """A root-owned 0600 file in a *system* tree (``/opt``, mounted read-only for every
-    job, with no idmap): what a root worker's job could read as root."""
-    need(AS_ROOT, "creating a root-owned file needs root")
-    need(os.path.isdir("/opt"), "/opt absent on this host")
-    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir="/opt"))
-    try:
-        base.chmod(0o755)
-        secret = base / "key"
-        secret.write_text("root secret")
-        secret.chmod(0o600)
-        yield secret
-    finally:
-        shutil.rmtree(base)
+    """In a *system* tree (``/opt``, mounted read-only for every job, with no idmap):
+    what a root worker's job could read as root."""
+    yield from _root_only_file("/opt")
 
 
 def need_slot_uids() -> None:
