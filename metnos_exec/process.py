@@ -545,16 +545,25 @@ def _sweep_stale(parent: Path) -> None:
                 entry.rmdir()
 
 
+def _writable(folder: Path) -> bool:
+    """Whether this process may make cgroups in `folder` (and write their files)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def _find_cgroup_parent() -> Path | None:
     try:
         if (_V1_PIDS / "cgroup.procs").exists():
             parent = _V1_PIDS / "metnos"
             parent.mkdir(exist_ok=True)
-            return parent
+            # Existing (a root worker made it) is not writable: an unprivileged worker
+            # would then claim a pids wall it cannot create.
+            return parent if _writable(parent) else None
         controllers = _V2_ROOT / "cgroup.controllers"
         if controllers.exists() and "pids" in controllers.read_text().split():
             parent = _V2_ROOT / "metnos"
             parent.mkdir(exist_ok=True)
+            if not _writable(parent):
+                return None
             if "pids" not in (_V2_ROOT / "cgroup.subtree_control").read_text().split():
                 (_V2_ROOT / "cgroup.subtree_control").write_text("+pids")
             if "pids" not in (parent / "cgroup.subtree_control").read_text().split():
@@ -758,7 +767,7 @@ def _memory_parent() -> Path | None:
             candidate = _V1_MEMORY / own.lstrip("/") / "metnos"
             if (candidate.parent / "tasks").exists():
                 candidate.mkdir(exist_ok=True)
-                if (candidate / "memory.limit_in_bytes").exists():
+                if (candidate / "memory.limit_in_bytes").exists() and _writable(candidate):
                     _sweep_stale(candidate)
                     parent = candidate
         _memory_parent_cache.append(parent)

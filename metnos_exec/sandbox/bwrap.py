@@ -945,7 +945,7 @@ class BwrapSandbox:
                 # preexec_fn, so CPython vforks instead of copying the worker (ms a job).
                 rlimits=() if in_guest else rlimits,
                 pass_fds=((status_w,) if gate is None else (status_w, gate.block_r))
-                + tuple(sources.values()),
+                + _bound_fds(argv, sources),
                 # --die-with-parent sets bubblewrap's own parent-death signal before the
                 # guest may start (the monitor sets it, then releases the sandbox), so a
                 # second one from us only costs the preexec_fn. Kept when the rlimits need
@@ -1057,6 +1057,16 @@ async def _placement(slot: Slot | None, sources: dict[str, int]) -> _Placement:
     except OSError as exc:
         return _Placement(sources, slot, root_reason=f"cannot mount as the slot uid: {exc}")
     return _Placement(staged.fds, slot, staged)
+
+
+def _bound_fds(argv: list[str], sources: dict[str, int]) -> tuple[int, ...]:
+    """The source fds `argv` binds from: only those go to bubblewrap. bubblewrap closes
+    an fd once it has mounted it; one it was handed but never used (a root below a system
+    tree, a mount another one replaced) would reach the guest."""
+    used = {
+        int(argv[i + 1]) for i, arg in enumerate(argv[:-1]) if arg in ("--bind-fd", "--ro-bind-fd")
+    }
+    return tuple(fd for fd in sources.values() if fd in used)
 
 
 def _open_sources(job: SandboxJob, roots: tuple[str, ...]) -> dict[str, int]:
