@@ -111,3 +111,18 @@ def need(available: bool, reason: str) -> None:
     if os.environ.get("METNOS_REQUIRE_ALL") == "1":
         pytest.fail(f"required component missing in CI: {reason}")
     pytest.skip(reason)
+
+
+def need_privileged(available: bool, reason: str) -> None:
+    """Skip the calling test when what it needs is root's (cgroups it may create, a root
+    worker's slot uids, a root-owned file to plant), with the reason.
+
+    Run as an unprivileged user that is the expected answer, even in CI (`.ci/run` runs
+    those tests as root too); run as root, a missing piece is a missing component, and
+    `need` makes it a failure under ``METNOS_REQUIRE_ALL=1``.
+    """
+    if available:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"{reason} (needs root)")
+    need(False, reason)

@@ -43,7 +43,7 @@ from metnos_exec.sandbox.bwrap import (
     parse_json_status,
 )
 from metnos_exec.sandbox.flags import guest_python
-from tests.conftest import need
+from tests.conftest import need, need_privileged
 from tests.test_process import _reset_peak_rss, _vm_kib
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -771,7 +771,7 @@ FOUR_CHILDREN = children_filling(4, 200, 2)
 def need_memcg() -> None:
     from metnos_exec.process import memory_cgroup_available
 
-    need(memory_cgroup_available(), "no writable cgroup v1 memory hierarchy (needs root)")
+    need_privileged(memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
 
 
 async def test_a_tree_cannot_exceed_the_jobs_memory_limit(
@@ -905,7 +905,7 @@ async def test_usage_not_measured_is_not_guessed(
 def _root_only_file(parent: str) -> Any:
     """A world-traversable folder under `parent` holding a root-owned 0600 file, like
     /etc/wireguard/wg0.conf on a real host; removed afterwards."""
-    need(AS_ROOT, "creating a root-owned file needs root")
+    need_privileged(AS_ROOT, "creating a root-owned file")
     need(os.path.isdir(parent), f"{parent} absent on this host")
     base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir=parent))
     try:
@@ -959,10 +959,14 @@ def need_slot_uids() -> None:
     from metnos_exec import process
     from metnos_exec.identities import slot_uids_unavailable
 
-    need(AS_ROOT, "slot uids are a root worker's")
-    need(slot_uids_unavailable() is None, f"slot uids unavailable: {slot_uids_unavailable()}")
+    need_privileged(AS_ROOT, "slot uids are a root worker's")
+    need_privileged(
+        slot_uids_unavailable() is None, f"slot uids unavailable: {slot_uids_unavailable()}"
+    )
     parent = process._cgroup_parent()
-    need(parent is not None and (parent / "tasks").exists(), "no cgroup v1 job slots here")
+    need_privileged(
+        parent is not None and (parent / "tasks").exists(), "no cgroup v1 job slots here"
+    )
 
 
 @pytest.mark.parametrize("mode", ["as root", "as a slot uid"])
@@ -1162,7 +1166,7 @@ async def test_root_worker_hides_private_files_of_etc(
     arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     target = CACERTS
-    need(AS_ROOT, "only a root worker's jobs could read them")
+    need_privileged(AS_ROOT, "only a root worker's jobs could read them")
     need(CACERTS_PRIVATE, f"{target} absent or world-readable here")
     if mode == "as root":
         from metnos_exec.identities import SLOT_UIDS_ENV
@@ -1176,7 +1180,7 @@ async def test_root_worker_hides_private_files_of_etc(
     if mode == "as root":
         assert outcome.containment.files.state == "partial"  # files created later...
     else:
-        need(ran_as_slot_uid(outcome), "no slot uid here (no cgroup v1 job slots)")
+        need_privileged(ran_as_slot_uid(outcome), "no slot uid here (no cgroup v1 job slots)")
         assert outcome.containment.files.state == "kept"
 
 

@@ -96,9 +96,9 @@ def test_flags_bind_from_the_fds_and_leave_out_what_was_not_opened() -> None:
 
 
 def need_root_staging() -> None:
-    from tests.conftest import need
+    from tests.conftest import need_privileged
 
-    need(os.geteuid() == 0, "idmapped staging is a root worker's (needs root)")
+    need_privileged(os.geteuid() == 0, "idmapped staging is a root worker's")
 
 
 def test_staged_sources_show_roots_files_as_the_slot_uid_and_detach_on_close(
