@@ -296,6 +296,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             prefetch=ns.prefetch,
             backend=ns.backend,
             home=ns.home,
+            trust_keys=ns.trust_key or (),
         )
     except MetnosError as exc:
         # Everything raised before serving is configuration: the broker's (exit 4) or
@@ -514,6 +515,35 @@ def _cmd_codes(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(ns: argparse.Namespace) -> int:
+    from .signing import generate_key, key_id, load_public_key
+
+    try:
+        priv, pub = generate_key(ns.out)
+    except MetnosError as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+    except OSError as exc:
+        raise _Exit(EXIT["usage"], f"cannot write {ns.out}: {exc.strerror}") from None
+    kid = key_id(load_public_key(str(pub)).raw)
+    sys.stdout.write(
+        f"private key: {priv} (keep it secret; sign with --key {priv})\n"
+        f"public key:  {pub} (key id {kid}; give it to workers: --trust-key {pub})\n"
+    )
+    return 0
+
+
+def _cmd_sign(ns: argparse.Namespace) -> int:
+    from .signing import SignatureFile, sign_folder
+
+    try:
+        out = sign_folder(ns.folder, ns.key)
+    except MetnosError as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+    sig = msgspec.json.decode(out.read_bytes(), type=SignatureFile)
+    sys.stdout.write(f"signed {len(sig.files)} files with key {sig.key_id}: {out}\n")
+    return 0
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -588,6 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
+    )
+    w.add_argument(
+        "--trust-key",
+        action="append",
+        metavar="PUB",
+        help="verify every executor's signature with this public key (a file, or inline "
+        "ed25519:BASE64) before planning its jobs, and run them from the verified copy; "
+        "repeatable; also $METNOS_TRUST_KEYS (comma-separated). Required with --device",
     )
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
@@ -691,6 +729,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     co.add_argument("--json", action="store_true", help="as one JSON object")
     co.set_defaults(fn=_cmd_codes)
+
+    kg = sub.add_parser(
+        "keygen",
+        help="make an Ed25519 key pair for signing executors",
+        description="Write a new Ed25519 private key to OUT (PEM, mode 0600) and its "
+        "public key to OUT.pub (one line, ed25519:BASE64), for `sign` and "
+        "`worker --trust-key`. Needs the device extra (cryptography).",
+        formatter_class=_Formatter,
+    )
+    kg.add_argument("--out", required=True, metavar="OUT", help="private key file to create")
+    kg.set_defaults(fn=_cmd_keygen)
+
+    sg = sub.add_parser(
+        "sign",
+        help="sign an executor folder",
+        description="Hash every file of the executor folder (sorted relative paths, "
+        "SHA-256, no timestamps; symbolic links and special files refused) and write "
+        "the Ed25519 signature to FOLDER/manifest.sig. Re-sign after any change.",
+        formatter_class=_Formatter,
+    )
+    sg.add_argument("folder", metavar="FOLDER", help="the executor folder (with manifest.toml)")
+    sg.add_argument("--key", required=True, metavar="KEY", help="private key (from keygen)")
+    sg.set_defaults(fn=_cmd_sign)
 
     b = add("bench", "run benchmarks from bench/ (all when none named)")
     b.add_argument(

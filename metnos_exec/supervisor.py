@@ -73,6 +73,7 @@ from .sandbox._types import (
     Trap,
     Usage,
 )
+from .signing import TrustStore
 
 __all__ = (
     "EX_TEMPFAIL",
@@ -191,6 +192,9 @@ class Supervisor:
         idle_poll_s: longest wait for new work before polling the broker again.
         backstop_margin_s: how long past its wall-time budget an arm may run before the
             supervisor cancels it itself (the arms enforce the budget; this is a net).
+        trust: when set, every executor's signature is checked before its job is planned
+            (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
+            the verified private copy. Required on a device worker (`run_worker`).
     """
 
     def __init__(
@@ -214,6 +218,7 @@ class Supervisor:
         retry_delay: Callable[[int], float] = retry_delay,
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
+        trust: TrustStore | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -249,6 +254,7 @@ class Supervisor:
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
+        self.trust = trust
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -556,6 +562,13 @@ class Supervisor:
         structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
         _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
         try:
+            if self.trust is not None:
+                # Before planning: the plan (and the run) use the verified private copy,
+                # its manifest parsed from the signed bytes. Cached: a stat per file.
+                checked = self.trust.cached(executor)
+                if checked is None:
+                    checked = await anyio.to_thread.run_sync(self.trust.verify, executor)
+                executor = checked
             invocation = plan_invocation(
                 executor,
                 job.args,

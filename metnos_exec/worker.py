@@ -33,9 +33,11 @@ from .brokers import BadBrokerURL, Broker, open_broker
 from .errors import BadConfig, HostFault, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
+from .messages import SERVER_DEVICE
 from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
+from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
 from .supervisor import Supervisor
 
 __all__ = (
@@ -45,6 +47,8 @@ __all__ = (
     "preload_wasm",
     "run_worker",
     "serve",
+    "trust_store_for",
+    "verify_executors",
 )
 
 #: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
@@ -167,12 +171,68 @@ async def serve(
     async with anyio.create_task_group() as tg:
         if handle_signals:
             await tg.start(on_signals)
+        if sup.trust is not None:
+            # Before the first lease: its jobs then find the cache warm.
+            await verify_executors(registry, sup.trust)
         await tg.start(functools.partial(sup.run, burst=burst))
         if preload and "arm_chooser" not in supervisor_kw:
             tg.start_soon(preload_wasm, registry)
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
+
+
+def trust_store_for(
+    device: str,
+    trust_keys: tuple[str, ...] | list[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> TrustStore | None:
+    """The worker's `TrustStore` from ``--trust-key`` values and ``METNOS_TRUST_KEYS``.
+
+    A device worker (any `device` but ``server``) must have one: it runs code sent to it,
+    and unsigned or altered code must never run there (spec section 10). A server worker
+    verifies only when given keys.
+
+    Raises:
+        BadConfig: a device worker without a key, or a key that cannot be loaded
+            (cryptography missing, unreadable, not Ed25519).
+    """
+    keys = load_trust_keys(tuple(trust_keys), environ)
+    if not keys:
+        if device != SERVER_DEVICE:
+            raise BadConfig(
+                f"device worker {device!r} refuses to start without a trust key: it must "
+                "verify the signature of every executor it runs; pass --trust-key PUB "
+                f"(repeatable) or set {TRUST_KEYS_ENV}"
+            )
+        return None
+    return TrustStore(keys)
+
+
+async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int:
+    """Verify every executor once at start (in a thread), so the first jobs find the
+    cache warm and an operator learns at once which executors will be refused.
+
+    Logs ``executor.verified`` or ``executor.signature_failed`` per executor; a failure
+    does not stop the worker (its jobs are refused with the same error, and an executor
+    re-signed later is accepted at its next job).
+
+    Returns:
+        How many failed.
+    """
+    failed = 0
+    for name in sorted(registry):
+        executor = registry[name]
+        try:
+            checked = await anyio.to_thread.run_sync(trust.verify, executor)
+        except MetnosError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+            continue
+        _log.info("executor.verified", executor=name, copy=checked.path)
+    return failed
 
 
 async def preload_wasm(registry: ExecutorRegistry) -> None:
@@ -238,10 +298,13 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
+    worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -252,6 +315,7 @@ def run_worker(
     )
     if prefetch < 0:
         raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
+    trust = trust_store_for(device, trust_keys)
     if configure_logs:
         try:
             configure_logging(file=log_file, level=log_level)
@@ -284,6 +348,7 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                trust=trust,
             )
         finally:
             with anyio.CancelScope(shield=True):
