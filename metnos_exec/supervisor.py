@@ -195,6 +195,8 @@ class Supervisor:
         trust: when set, every executor's signature is checked before its job is planned
             (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
             the verified private copy. Required on a device worker (`run_worker`).
+        python: the interpreter of native executors (default: the worker's own; see
+            `runtimes.obtain_device_python`).
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class Supervisor:
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
         trust: TrustStore | None = None,
+        python: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -255,6 +258,7 @@ class Supervisor:
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
         self.trust = trust
+        self.python = python
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -577,6 +581,7 @@ class Supervisor:
                 skills_root=self.skills_root,
                 policy=self.policy,
                 timeout_s=job.timeout_s,
+                python=self.python,
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:
                 # Provider authority (or a non-packable executor) never leaves the server,

@@ -115,6 +115,9 @@ def check_worker_config(
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
+    from .runtimes import device_python_source
+
+    device_python_source(env)  # a URL without its pinned hash is refused here
     return policy
 
 
@@ -246,6 +249,18 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
     """
     runtimes = {name: registry[name].manifest.runtime for name in registry}
     python = "wasm-python" in runtimes.values()
+    if python:
+        try:
+            # Without the extra or METNOS_PYTHON_WASM: download it, if a URL is configured.
+            from .runtimes import obtain_python_wasm
+
+            fetched = await obtain_python_wasm()
+        except Exception as exc:
+            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
+            _log.warning("worker.preload_failed", module="python", code=code, error=str(exc))
+        else:
+            if fetched is not None:
+                _log.info("worker.preloaded", module=str(fetched), how="fetched", seconds=0.0)
     modules = tuple(
         registry[name].entry_path for name, runtime in sorted(runtimes.items()) if runtime == "wasm"
     )
@@ -330,6 +345,12 @@ def run_worker(
     become_subreaper()
 
     async def main() -> None:
+        from .runtimes import obtain_device_python
+
+        # A standalone CPython for native executors, when configured (downloaded once,
+        # verified by its pinned hash); before the broker, so a failure leaves nothing open.
+        exe = await obtain_device_python()
+        python = str(exe) if exe is not None else None
         try:
             broker = open_broker(broker_url)
         except ValueError as exc:  # a malformed URL or an unknown option in its query
@@ -349,6 +370,7 @@ def run_worker(
                 prefetch=prefetch,
                 preload=True,
                 trust=trust,
+                python=python,
             )
         finally:
             with anyio.CancelScope(shield=True):
