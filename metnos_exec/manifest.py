@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from .errors import BadManifest, UnknownExecutor
+from .packability import check_packable
 from .sandbox.flags import expand_hint
 
 __all__ = (
@@ -99,7 +100,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     args: dict[str, ArgSpec] = msgspec.field(default_factory=dict)
     capabilities: tuple[CapabilitySpec, ...] = ()
     limits: Limits = msgspec.field(default_factory=Limits)
-    #: Whether the executor can be shipped to a remote device (no server-only dependency).
+    #: Whether the executor can be shipped to a remote device: it imports only the standard
+    #: library and its own files (checked at load, see `packability`). ``false`` keeps it
+    #: on server workers.
     packable: bool = True
     #: Whether the executor mutates user files (refused under ``read_only`` autonomy even
     #: when it declares no ``fs:write``). Defaults to "has an fs:write capability".
@@ -193,6 +196,8 @@ def _validate(manifest: Manifest, where: Path) -> None:
             raise bad(f"limits.{fname}", "must be positive")
     if lim.fuel is not None and lim.fuel <= 0:
         raise bad("limits.fuel", "must be positive")
+    # Last: a packable executor must import only the standard library and its own files.
+    check_packable(manifest, where.parent)
 
 
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
@@ -310,6 +315,12 @@ class ExecutorRegistry(Mapping[str, Executor]):
                 continue
             found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
         return cls(found, errors)
+
+    def refuse(self, name: str, error: BadManifest) -> None:
+        """Move a loaded executor to `errors` (a check after load failed, e.g. its dry
+        run): its jobs are then refused with `error`."""
+        self._executors.pop(name, None)
+        self.errors[name] = error
 
     def get_executor(self, name: str) -> Executor:
         """Raises `BadManifest` (its load error) or `UnknownExecutor`."""

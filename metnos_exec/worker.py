@@ -30,7 +30,7 @@ import anyio
 import structlog
 
 from .brokers import BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, HostFault, MetnosError
+from .errors import BadConfig, BadManifest, HostFault, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
@@ -44,6 +44,7 @@ __all__ = (
     "ARM_OVERRIDE_ENV",
     "check_worker_config",
     "default_worker_id",
+    "dry_run_executors",
     "preload_wasm",
     "run_worker",
     "serve",
@@ -129,6 +130,7 @@ async def serve(
     burst: bool = False,
     handle_signals: bool = True,
     preload: bool = False,
+    dry_run: bool = False,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -137,6 +139,8 @@ async def serve(
     Args:
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        dry_run: before leasing, dry-run every packable native executor in the sandbox
+            (`dry_run_executors`); one whose imports the sandbox cannot find is refused.
         preload: compile the wasm modules the executors need (python.wasm for
             ``wasm-python``) in the background from the start (`preload_wasm`), so the
             first such job does not wait for a cold compile (4-8 s); the worker process
@@ -177,6 +181,8 @@ async def serve(
         if sup.trust is not None:
             # Before the first lease: its jobs then find the cache warm.
             await verify_executors(registry, sup.trust)
+        if dry_run:
+            await dry_run_executors(registry, python=supervisor_kw.get("python"))
         await tg.start(functools.partial(sup.run, burst=burst))
         if preload and "arm_chooser" not in supervisor_kw:
             tg.start_soon(preload_wasm, registry)
@@ -236,6 +242,42 @@ async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int
             continue
         _log.info("executor.verified", executor=name, copy=checked.path)
     return failed
+
+
+async def dry_run_executors(registry: ExecutorRegistry, *, python: str | None = None) -> None:
+    """Dry-run every packable native executor in the sandbox (`packability.dry_run`); one
+    that fails is refused from then on (``executor.not_packable``, ``E_BAD_MANIFEST``).
+
+    Runs on the native arm this host has (bubblewrap, else the direct arm: ``-I -S`` keep
+    site-packages out either way), without logging a degradation: no job runs here.
+    """
+    from .packability import dry_run
+    from .sandbox.bwrap import BwrapSandbox, bwrap_probe
+    from .sandbox.direct import DirectSandbox
+
+    targets = [
+        registry[name]
+        for name in sorted(registry)
+        if registry[name].manifest.packable and registry[name].manifest.runtime == "python"
+    ]
+    if not targets:
+        return
+    try:
+        working = bwrap_probe().working
+    except MetnosError:
+        working = False
+    arm = BwrapSandbox() if working else DirectSandbox()
+    for executor in targets:
+        try:
+            await dry_run(executor, arm, python=python)
+        except BadManifest as exc:
+            registry.refuse(executor.name, exc)
+            _log.warning(
+                "executor.not_packable", executor=executor.name, code=exc.code, error=exc.message
+            )
+        except (MetnosError, HostFault) as exc:
+            # The sandbox itself failed: say so, but do not refuse an executor for it.
+            _log.warning("worker.error", error=f"dry run of {executor.name}: {exc}")
 
 
 async def preload_wasm(registry: ExecutorRegistry) -> None:
@@ -369,6 +411,7 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                dry_run=True,
                 trust=trust,
                 python=python,
             )
