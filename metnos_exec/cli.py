@@ -34,7 +34,7 @@ import msgspec
 
 from .brokers import BadBrokerURL, Broker, open_broker
 from .client import Client, NotImplementedYet, default_broker_url
-from .errors import ERROR_CODES, BadMessage, IdempotencyConflict, MetnosError
+from .errors import ERROR_CODES, BadMessage, IdempotencyConflict, MetnosError, ServerPinned
 from .messages import Result
 
 __all__ = ("EXIT", "main")
@@ -345,7 +345,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
                 job_id = await client.submit(ns.executor, args, **fields)
             except BadMessage as exc:
                 raise _Exit(EXIT["usage"], str(exc)) from None
-            except IdempotencyConflict as exc:
+            except (IdempotencyConflict, ServerPinned) as exc:
                 raise _Exit(EXIT["rejected"], str(exc)) from None
             if not ns.wait:
                 if ns.json:

@@ -24,6 +24,7 @@ __all__ = (
     "MissingFolder",
     "SandboxDenied",
     "SandboxRequired",
+    "ServerPinned",
     "SignatureError",
     "ToolUnavailable",
     "UnknownExecutor",
@@ -111,6 +112,14 @@ class BadOutput(MetnosError):
 
 class BadMessage(MetnosError):
     code = "E_BAD_MESSAGE"
+
+
+class ServerPinned(MetnosError):
+    """The executor may only run on a server worker (not packable, or provider authority):
+    refused at submit for a device target when the broker knows the executor, and by a
+    device worker that leases such a job anyway."""
+
+    code = "E_SERVER_PINNED"
 
 
 class SignatureError(MetnosError):

@@ -52,7 +52,7 @@ from anyio.abc import TaskStatus
 
 from .backoff import retry_delay
 from .brokers.base import Broker, Lease
-from .errors import HostFault, MetnosError
+from .errors import HostFault, MetnosError, ServerPinned
 from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
@@ -127,12 +127,6 @@ def _predict_default_arm(runtime: str) -> str | None:
         return decide_arm(runtime).arm
     except (MetnosError, ValueError):
         return None
-
-
-class ServerPinned(MetnosError):
-    """A server-pinned job reached a device worker; it is refused there, never run."""
-
-    code = "E_SERVER_PINNED"
 
 
 _StopReason = Literal["lease_lost", "cancel_requested", "drain"]
@@ -317,6 +311,8 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        if self.device == SERVER_DEVICE and self.registry:
+            await self._publish_executors()
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -337,6 +333,23 @@ class Supervisor:
                 worker=self.worker_id,
                 device=self.device,
                 **self.stats,
+            )
+
+    async def _publish_executors(self) -> None:
+        """Tell the broker what this server worker runs (`catalog`): a submit can then
+        refuse a device job whose executor must stay on the server. A failure only delays
+        that refusal to the device's lease; it never stops the worker."""
+        from .catalog import ExecutorInfo
+
+        infos = [
+            ExecutorInfo(name=name, manifest=self.registry[name].manifest, worker=self.worker_id)
+            for name in sorted(self.registry)
+        ]
+        try:
+            await self.broker.publish_executors(infos)
+        except Exception as exc:
+            _log.warning(
+                "worker.error", error=f"publishing executors failed: {type(exc).__name__}: {exc}"
             )
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:

@@ -39,6 +39,7 @@ import anyio.to_thread
 import structlog
 from anyio.lowlevel import RunVar
 
+from ..catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, MetnosError
 from ..messages import (
     E_CANCELLED,
@@ -70,11 +71,11 @@ __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
 
 _log = structlog.get_logger("metnos_exec")
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 #: The schema; identical to ``queue/sqlite_schema.sql`` (a test keeps them in step). Kept
 #: in the code rather than read from the package so a wheel needs no data files.
-SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
+SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 2 (PRAGMA user_version = 2).
 -- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
 -- identical. Producers in other languages: see queue/README.md.
 --
@@ -157,7 +158,19 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
-PRAGMA user_version = 1;
+-- The executor catalog (version 2): each server worker publishes the manifests of the
+-- executors it runs, so a submit can refuse a device job whose executor must stay on the
+-- server (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON.
+CREATE TABLE IF NOT EXISTS executors (
+    name    TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    worker  TEXT NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
+
+-- Version 1 files are upgraded by running this script again: every statement above is
+-- IF NOT EXISTS, so only what version 2 added is created.
+PRAGMA user_version = 2;
 """
 
 _MIN_SQLITE = (3, 35, 0)
@@ -930,6 +943,27 @@ class SQLiteBroker(Broker):
 
         stats: BrokerStats = await self._run(work)
         return stats
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        rows = [(i.name, encode_info(i).decode(), i.worker, i.at) for i in infos]
+
+        def work(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "INSERT INTO executors (name, body, worker, at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body, "
+                "worker = excluded.worker, at = excluded.at",
+                rows,
+            )
+
+        await self._run(self._txn, work)
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        row = await self._run(
+            lambda: self._db.execute(
+                "SELECT body FROM executors WHERE name = ?", (name,)
+            ).fetchone()
+        )
+        return None if row is None else decode_info(row[0])
 
     async def purge(self, *, older_than_s: float) -> int:
         cut = self._clock() - older_than_s
