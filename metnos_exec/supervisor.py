@@ -10,7 +10,9 @@ Per job, in order:
    structlog contextvars, so every record of the job carries them (spec §9): look the
    executor up, and bind the arm its runtime will use here (`predict_arm`, no side
    effects) — ``sandbox=None`` while no executor is known; log ``job.received``;
-2. an unknown executor or a bad manifest → ``rejected`` with the code;
+2. an unknown executor or a bad manifest → ``rejected`` with the code; with a `TrustStore`
+   (``trust``), its signature is checked (cached) and the job is planned and run from the
+   verified private copy (``E_SIGNATURE`` → ``rejected``; see `signing`);
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
 4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); wait for a slot (a job leased
