@@ -151,3 +151,31 @@ def test_text_output_names_each_gap_and_its_fix(world: Path) -> None:
     assert "MISS bwrap: bubblewrap is not installed" in out and "[required]" in out
     assert "fix:   apt-get install bubblewrap" in out
     assert "NOT healthy: required and missing: bwrap" in out
+
+
+def test_the_cgroup_probe_is_honest_for_a_user_who_cannot_create_one() -> None:
+    # Root made the `metnos` parent (a root worker, or this suite, did before): an
+    # unprivileged process saw mkdir(exist_ok=True) succeed and claimed pids limits
+    # ("pids (cgroup)" in the direct arm's report) it could not create.
+    from metnos_exec.process import pids_cgroup_available
+
+    need(os.geteuid() == 0, "the parent cgroup must be made by root first")
+    need(pids_cgroup_available(), "no writable pids cgroup hierarchy here")
+    setpriv = shutil.which("setpriv")
+    need(setpriv is not None, "setpriv (util-linux) not installed")
+    assert setpriv is not None
+    code = (
+        "from metnos_exec.process import memory_cgroup_available, pids_cgroup_available\n"
+        "print(pids_cgroup_available(), memory_cgroup_available())\n"
+    )
+    argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    run = subprocess.run(
+        [*argv, sys.executable, "-c", code],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.split() == [b"False", b"False"]

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from metnos_exec.fetch import RANGE_BYTES, FetchError, robust_fetch
 
-from .conftest import need
+from .conftest import need_import
 from .helpers.http_server import Bad, serving
 
 try:
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(autouse=True)
-def _needs_httpx() -> None:
-    need(HAVE_HTTPX, "httpx is not installed (pip install 'metnos-exec[device]')")
+def _needs_device_extra() -> None:
+    need_import("httpx", "device")
 
 
 Serve = Callable[[Bad], str]

@@ -11,11 +11,8 @@ from metnos_exec.errors import BadManifest
 from metnos_exec.manifest import ExecutorRegistry, load_manifest
 from metnos_exec.messages import Job
 from metnos_exec.packability import dry_run, imported_modules
-from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-from metnos_exec.sandbox.direct import DirectSandbox
+from metnos_exec.sandbox._types import Sandbox
 from metnos_exec.worker import dry_run_executors, serve
-
-from .conftest import need
 
 
 def executor(root: Path, name: str, code: str, *, packable: bool = True, **files: str) -> Path:
@@ -108,14 +105,10 @@ def test_the_example_executors_are_all_packable() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("arm_name", ["bwrap", "direct"])
 async def test_the_dry_run_finds_what_the_static_check_cannot(
-    tmp_path: Path, arm_name: str
+    tmp_path: Path, native_arm: Sandbox
 ) -> None:
-    if arm_name == "bwrap":
-        probe = bwrap_probe()
-        need(probe.working, f"bubblewrap not usable here: {probe.error}")
-    arm = BwrapSandbox() if arm_name == "bwrap" else DirectSandbox()
+    arm = native_arm
     # winreg is in sys.stdlib_module_names everywhere, and exists only on Windows.
     bad = executor(tmp_path, "windows_only", "import json\nimport winreg\n")
     good = executor(tmp_path, "fine", "import json, helper\n", **{"helper.py": "X = 1\n"})

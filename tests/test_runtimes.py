@@ -23,14 +23,12 @@ from metnos_exec.runtimes import (
     obtain_device_python,
     obtain_python_wasm,
 )
-from metnos_exec.sandbox._types import Success
+from metnos_exec.sandbox._types import Sandbox, Success
 from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
-from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.flags import guest_python
 from metnos_exec.worker import check_worker_config
 
-from .conftest import need
+from .conftest import need, need_import
 from .helpers.http_server import Bad, serving
 
 try:
@@ -44,8 +42,8 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(autouse=True)
-def _needs_httpx() -> None:
-    need(HAVE_HTTPX, "httpx is not installed (pip install 'metnos-exec[device]')")
+def _needs_device_extra() -> None:
+    need_import("httpx", "device")
 
 
 async def test_python_wasm_is_fetched_when_the_extra_is_missing(tmp_path: Path) -> None:
@@ -110,16 +108,12 @@ def _standalone_archive() -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("arm_name", ["bwrap", "direct"])
 async def test_a_standalone_cpython_is_fetched_and_runs_native_jobs(
-    tmp_path: Path, arm_name: str
+    tmp_path: Path, native_arm: Sandbox
 ) -> None:
     import hashlib
 
-    if arm_name == "bwrap":
-        probe = bwrap_probe()
-        need(probe.working, f"bubblewrap not usable here: {probe.error}")
-    arm = BwrapSandbox() if arm_name == "bwrap" else DirectSandbox()
+    arm = native_arm
     archive = _standalone_archive()
     env = {
         "METNOS_CACHE_DIR": str(tmp_path / "cache"),
