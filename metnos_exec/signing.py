@@ -36,6 +36,13 @@ signed (spec section 10). The contract, in the order a worker applies it:
    slipped past the stat cache could not run: jobs run from the private copy, whose bytes
    were hashed.
 
+   What remains: the private copy lives under the worker's cache folder, owned by the
+   worker's user. A job granted ``fs:write`` over that folder (a hint such as ``~/**``
+   when the cache is under ``~``) could alter another executor's copy; the next check of
+   that executor sees the change (its ctime) and writes the copy again, but a job of it
+   running at that moment could read the altered bytes. Keep ``METNOS_CACHE_DIR``
+   outside every writable hint.
+
 Keys: `generate_key` writes a PKCS#8 PEM private key (mode 0600) and a one-line public key
 ``ed25519:<base64 of the 32 raw bytes>`` (``KEY.pub``); `load_public_key` takes that line
 inline, or a file holding it or a PEM public key. Ed25519 comes from the ``cryptography``
@@ -515,15 +522,23 @@ class TrustStore:
             BadManifest: the verified manifest does not load, or names another executor.
         """
         with self._verify_lock:  # rare; one at a time keeps the private copies simple
-            return self._verify(executor)
+            return self._verify(executor.path, executor.name)
 
-    def _verify(self, executor: Executor) -> Executor:
+    def verify_folder(self, folder: str | os.PathLike[str], name: str) -> Executor:
+        """`verify` for a folder whose manifest did not load: a worker with trust keys
+        says ``E_SIGNATURE`` for a tampered executor rather than the load error the
+        tampering caused (a broken import, a syntax error). A folder whose signature
+        holds raises its load error again, from the verified bytes."""
+        with self._verify_lock:
+            return self._verify(os.fspath(folder), name)
+
+    def _verify(self, path: str, name: str) -> Executor:
         from .manifest import Executor as _Executor
         from .manifest import load_manifest
 
-        folder = Path(executor.path)
+        folder = Path(path)
         checked_ns = self._clock_ns()
-        sig = self._signature(folder, executor.name)
+        sig = self._signature(folder, name)
         try:
             tree = _read_tree(folder)
         except OSError as exc:
@@ -532,12 +547,12 @@ class TrustStore:
         digest = tree_digest(tree.files)
         staged = self._stage(digest, tree)
         manifest = load_manifest(staged / "manifest.toml")
-        if manifest.name != executor.name:
+        if manifest.name != name:
             from .errors import BadManifest
 
             raise BadManifest(
                 f"{folder}/manifest.toml: field `name`: the signed manifest names "
-                f"{manifest.name!r}, loaded as {executor.name!r}; restart the worker"
+                f"{manifest.name!r}, loaded as {name!r}; restart the worker"
             )
         result = _Executor(manifest=manifest, path=str(staged))
         staged_stats = self._staged[digest]
@@ -549,7 +564,7 @@ class TrustStore:
             digest=digest,
         )
         with self._lock:
-            self._checked[executor.path] = entry
+            self._checked[path] = entry
         return result
 
     def forget(self, executor: Executor) -> None:

@@ -54,7 +54,7 @@ from anyio.abc import TaskStatus
 
 from .backoff import retry_delay
 from .brokers.base import Broker, Lease
-from .errors import HostFault, MetnosError, ServerPinned
+from .errors import HostFault, MetnosError, ServerPinned, SignatureError
 from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
@@ -572,9 +572,19 @@ class Supervisor:
         job = lease.job
         try:
             executor = self.registry.get_executor(job.executor)
-        except MetnosError as exc:
+        except MetnosError as load_error:
             _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
-            await self._reject(lease, exc)
+            refusal: MetnosError = load_error
+            folder = self.registry.error_folders.get(job.executor)
+            if self.trust is not None and folder is not None:
+                # Tampering is the finding, not the load error it caused.
+                try:
+                    await anyio.to_thread.run_sync(self.trust.verify_folder, folder, job.executor)
+                except SignatureError as sig:
+                    refusal = sig
+                except MetnosError:
+                    pass  # signed as it is: the load error stands
+            await self._reject(lease, refusal)
             return
         # Before the choice, which may log (``sandbox.degraded``) or refuse the job.
         running.sandbox = self.predict_arm(executor.manifest.runtime)

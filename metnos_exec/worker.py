@@ -30,7 +30,7 @@ import anyio
 import structlog
 
 from .brokers import BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, BadManifest, HostFault, MetnosError
+from .errors import BadConfig, BadManifest, HostFault, MetnosError, SignatureError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
@@ -241,6 +241,17 @@ async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int
             )
             continue
         _log.info("executor.verified", executor=name, copy=checked.path)
+    for name, folder in sorted(registry.error_folders.items()):
+        # Did not load: tampering, if that is why, is what the operator must hear.
+        try:
+            await anyio.to_thread.run_sync(trust.verify_folder, folder, name)
+        except SignatureError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+        except MetnosError:
+            pass  # signed as it is: its load error stands (executor.load_failed)
     return failed
 
 

@@ -167,7 +167,7 @@ def test_every_alteration_is_refused_naming_the_file(
     sign_folder(folder, key[0])
     if tamper == "one_byte":
         data = bytearray((folder / "main.py").read_bytes())
-        data[-2] ^= 1
+        data[data.index(b"says")] ^= 0x20  # "says" -> "Says": still valid Python
         (folder / "main.py").write_bytes(bytes(data))
     elif tamper == "added":
         (folder / "extra.py").write_text("")
@@ -325,18 +325,23 @@ async def test_worker_refuses_every_altered_executor_and_runs_the_signed_one(
     from metnos_exec.worker import serve, trust_store_for
 
     root = tmp_path / "executors"
-    for name in ("good", "one_byte", "unsigned", "other_key", "added"):
+    for name in ("good", "one_byte", "unsigned", "other_key", "added", "breaks_load"):
         make_executor(root, name)
         if name != "unsigned":
             sign_folder(root / name, key[0])
     sign_folder(root / "other_key", signing.generate_key(tmp_path / "other.key")[0])
     (root / "one_byte" / "word.txt").write_text("signeD\n")
     (root / "added" / "later.py").write_text("")
+    # Tampered so that it no longer loads (a third-party import in a packable executor):
+    # the worker names the tampering, not the load error it causes.
+    main_py = root / "breaks_load" / "main.py"
+    main_py.write_text(main_py.read_text() + "import yaml\n")
     registry = ExecutorRegistry.load(root)
+    assert "breaks_load" in registry.errors
     broker = MemoryBroker()
     ids = {
         name: (await broker.submit(Job(executor=name, device="phone"))).job_id
-        for name in sorted(registry)
+        for name in [*sorted(registry), "breaks_load"]
     }
     trust = trust_store_for("phone", [str(key[1])], environ={})
     assert trust is not None
@@ -361,6 +366,7 @@ async def test_worker_refuses_every_altered_executor_and_runs_the_signed_one(
         "unsigned": "is not signed",
         "other_key": "which this worker does not trust",
         "added": r"later\.py was added after signing",
+        "breaks_load": r"main\.py differs from what was signed",
     }
     for name, pattern in expected.items():
         r = results[name]
