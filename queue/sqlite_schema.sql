@@ -1,4 +1,4 @@
--- metnos-exec SQLite queue, schema version 2 (PRAGMA user_version = 2).
+-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
 -- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
 -- identical. Producers in other languages: see queue/README.md.
 --
@@ -81,9 +81,10 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
--- The executor catalog (version 2): each server worker publishes the manifests of the
--- executors it runs, so a submit can refuse a device job whose executor must stay on the
--- server (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON.
+-- The executor catalog: each server worker publishes the manifests of the executors it
+-- runs, so a submit can refuse a device job whose executor must stay on the server
+-- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
+-- it needs no schema version (a file made before it gains it when a broker opens it).
 CREATE TABLE IF NOT EXISTS executors (
     name    TEXT PRIMARY KEY,
     body    TEXT NOT NULL,
@@ -91,6 +92,4 @@ CREATE TABLE IF NOT EXISTS executors (
     at      REAL NOT NULL
 ) WITHOUT ROWID;
 
--- Version 1 files are upgraded by running this script again: every statement above is
--- IF NOT EXISTS, so only what version 2 added is created.
-PRAGMA user_version = 2;
+PRAGMA user_version = 1;

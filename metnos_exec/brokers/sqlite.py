@@ -26,6 +26,7 @@ Needs SQLite >= 3.35 (``RETURNING``), checked at open.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -71,11 +72,11 @@ __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
 
 _log = structlog.get_logger("metnos_exec")
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 1
 
 #: The schema; identical to ``queue/sqlite_schema.sql`` (a test keeps them in step). Kept
 #: in the code rather than read from the package so a wheel needs no data files.
-SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 2 (PRAGMA user_version = 2).
+SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
 -- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
 -- identical. Producers in other languages: see queue/README.md.
 --
@@ -158,9 +159,10 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
--- The executor catalog (version 2): each server worker publishes the manifests of the
--- executors it runs, so a submit can refuse a device job whose executor must stay on the
--- server (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON.
+-- The executor catalog: each server worker publishes the manifests of the executors it
+-- runs, so a submit can refuse a device job whose executor must stay on the server
+-- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
+-- it needs no schema version (a file made before it gains it when a broker opens it).
 CREATE TABLE IF NOT EXISTS executors (
     name    TEXT PRIMARY KEY,
     body    TEXT NOT NULL,
@@ -168,10 +170,15 @@ CREATE TABLE IF NOT EXISTS executors (
     at      REAL NOT NULL
 ) WITHOUT ROWID;
 
--- Version 1 files are upgraded by running this script again: every statement above is
--- IF NOT EXISTS, so only what version 2 added is created.
-PRAGMA user_version = 2;
+PRAGMA user_version = 1;
 """
+
+#: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
+_CATALOG_SQL: Final = SCHEMA_SQL[
+    SCHEMA_SQL.index("CREATE TABLE IF NOT EXISTS executors") : SCHEMA_SQL.rindex(
+        "PRAGMA user_version"
+    )
+]
 
 _MIN_SQLITE = (3, 35, 0)
 
@@ -393,6 +400,7 @@ class SQLiteBroker(Broker):
     def _init_schema(self) -> None:
         (version,) = self._db.execute("PRAGMA user_version").fetchone()
         if version == SCHEMA_VERSION:
+            self._ensure_catalog()
             return
         if version > SCHEMA_VERSION:
             raise BrokerUnavailable(
@@ -402,6 +410,16 @@ class SQLiteBroker(Broker):
         # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
         # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
         self._db.executescript("BEGIN IMMEDIATE;\n" + SCHEMA_SQL + "\nCOMMIT;")
+
+    def _ensure_catalog(self) -> None:
+        """Create the executor catalog in a file made before it (best effort: a file this
+        process may not write keeps working without it, see `executor_info`)."""
+        found = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'executors'"
+        ).fetchone()
+        if found is None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.executescript("BEGIN IMMEDIATE;\n" + _CATALOG_SQL + "\nCOMMIT;")
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -958,11 +976,17 @@ class SQLiteBroker(Broker):
         await self._run(self._txn, work)
 
     async def executor_info(self, name: str) -> ExecutorInfo | None:
-        row = await self._run(
-            lambda: self._db.execute(
-                "SELECT body FROM executors WHERE name = ?", (name,)
-            ).fetchone()
-        )
+        def work() -> Any:
+            try:
+                return self._db.execute(
+                    "SELECT body FROM executors WHERE name = ?", (name,)
+                ).fetchone()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None  # a file without the catalog (read-only, made before it)
+                raise
+
+        row = await self._run(work)
         return None if row is None else decode_info(row[0])
 
     async def purge(self, *, older_than_s: float) -> int:

@@ -301,8 +301,8 @@ async def test_jobs_survive_reopening_the_file(tmp_path: Path) -> None:
 def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("PRAGMA user_version = 3")
-    with pytest.raises(BrokerUnavailable, match="schema version 3"):
+        conn.execute("PRAGMA user_version = 2")
+    with pytest.raises(BrokerUnavailable, match="schema version 2"):
         SQLiteBroker(db)
 
 
