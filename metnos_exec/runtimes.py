@@ -132,14 +132,39 @@ async def obtain_device_python(env: Mapping[str, str] | None = None) -> Path | N
     return exe
 
 
+def _data_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """tarfile's ``data`` filter for Pythons without it: regular files, folders and links
+    that stay inside the tree; no absolute paths, devices or FIFOs; no setuid, setgid or
+    sticky bits, no group/other write."""
+    safe = []
+    for member in tar.getmembers():
+        name = member.name
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise tarfile.TarError(f"{name!r} leaves the archive's folder")
+        if member.issym() or member.islnk():
+            base = os.path.dirname(name) if member.issym() else ""
+            target = os.path.normpath(os.path.join(base, member.linkname))
+            if member.linkname.startswith("/") or target.split(os.sep)[0] == "..":
+                raise tarfile.TarError(f"{name!r} links out of the archive's folder")
+        elif not (member.isfile() or member.isdir()):
+            raise tarfile.TarError(f"{name!r} is a device or FIFO")
+        member.mode &= 0o755
+        safe.append(member)
+    return safe
+
+
 def _unpack(archive: Path, root: Path, sha: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     try:
         with tarfile.open(archive) as tar:
             # The "data" filter refuses absolute paths, links leaving the tree and device
             # files, and drops setuid/setgid bits: the archive is data until verified as
-            # an interpreter by running it.
-            tar.extractall(tmp, filter="data")
+            # an interpreter by running it. CPython before 3.11.4 has no filters: the
+            # same rules, checked here.
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(tmp, filter="data")
+            else:  # pragma: no cover - exercised on CPython < 3.11.4 only
+                tar.extractall(tmp, members=_data_members(tar))
         (tmp / ".sha256").write_text(sha + "\n")
         if root.exists():
             shutil.rmtree(root)

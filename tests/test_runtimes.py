@@ -93,6 +93,40 @@ def test_a_device_python_url_needs_its_pinned_hash() -> None:
         device_python_source({"METNOS_DEVICE_PYTHON_SHA256": "0" * 64})
 
 
+def test_the_fallback_data_filter_refuses_what_the_data_filter_refuses(tmp_path: Path) -> None:
+    from metnos_exec.runtimes import _data_members
+
+    def archive(*members: tarfile.TarInfo) -> tarfile.TarFile:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for m in members:
+                tar.addfile(m, io.BytesIO(b"") if m.isfile() else None)
+        buf.seek(0)
+        return tarfile.open(fileobj=buf)
+
+    def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", mode: int = 0o644):
+        m = tarfile.TarInfo(name)
+        m.type, m.linkname, m.mode = kind, link, mode
+        return m
+
+    ok = _data_members(
+        archive(
+            member("python/bin/python3.12", mode=0o6777),
+            member("python/bin/python3", tarfile.SYMTYPE, "python3.12"),
+        )
+    )
+    assert len(ok) == 2 and ok[0].mode == 0o755  # setuid, setgid and o+w gone
+    for bad in (
+        member("/etc/passwd"),
+        member("python/../../x"),
+        member("python/bin/sh", tarfile.SYMTYPE, "/bin/sh"),
+        member("python/bin/up", tarfile.SYMTYPE, "../../../etc"),
+        member("python/dev", tarfile.CHRTYPE),
+    ):
+        with pytest.raises(tarfile.TarError):
+            _data_members(archive(bad))
+
+
 def _standalone_archive() -> bytes:
     """An install_only-shaped archive whose python3 marks the jobs it runs."""
     script = f'#!/bin/sh\nMETNOS_STANDALONE=yes exec {guest_python()} "$@"\n'.encode()
