@@ -182,7 +182,7 @@ async def serve(
             # Before the first lease: its jobs then find the cache warm.
             await verify_executors(registry, sup.trust)
         if dry_run:
-            await dry_run_executors(registry, python=supervisor_kw.get("python"))
+            await dry_run_executors(registry, python=supervisor_kw.get("python"), trust=sup.trust)
         await tg.start(functools.partial(sup.run, burst=burst))
         if preload and "arm_chooser" not in supervisor_kw:
             tg.start_soon(preload_wasm, registry)
@@ -255,12 +255,16 @@ async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int
     return failed
 
 
-async def dry_run_executors(registry: ExecutorRegistry, *, python: str | None = None) -> None:
+async def dry_run_executors(
+    registry: ExecutorRegistry, *, python: str | None = None, trust: TrustStore | None = None
+) -> None:
     """Dry-run every packable native executor in the sandbox (`packability.dry_run`); one
     that fails is refused from then on (``executor.not_packable``, ``E_BAD_MANIFEST``).
 
     Runs on the native arm this host has (bubblewrap, else the direct arm: ``-I -S`` keep
-    site-packages out either way), without logging a degradation: no job runs here.
+    site-packages out either way), without logging a degradation: no job runs here. With
+    a `trust` store, the verified private copy is what is dry-run (an executor whose
+    signature fails is left to its ``E_SIGNATURE``).
     """
     from .packability import dry_run
     from .sandbox.bwrap import BwrapSandbox, bwrap_probe
@@ -278,10 +282,18 @@ async def dry_run_executors(registry: ExecutorRegistry, *, python: str | None = 
     except MetnosError:
         working = False
     arm = BwrapSandbox() if working else DirectSandbox()
-    for executor in targets:
+    for source in targets:
+        executor = source
+        if trust is not None:
+            try:
+                executor = await anyio.to_thread.run_sync(trust.check, source)
+            except MetnosError:
+                continue  # not verified: its jobs are refused with E_SIGNATURE anyway
         try:
             await dry_run(executor, arm, python=python)
         except BadManifest as exc:
+            # Named by the folder the operator knows, not the private copy it ran in.
+            exc = BadManifest(exc.message.replace(executor.path, source.path))
             registry.refuse(executor.name, exc)
             _log.warning(
                 "executor.not_packable", executor=executor.name, code=exc.code, error=exc.message

@@ -150,3 +150,24 @@ async def test_dry_run_skips_what_needs_none(tmp_path: Path) -> None:
     registry = ExecutorRegistry.load(tmp_path)
     await dry_run_executors(registry)
     assert "server_only" in registry and registry.errors == {}
+
+
+@pytest.mark.anyio
+async def test_a_trust_worker_dry_runs_the_verified_copy(tmp_path: Path) -> None:
+    from metnos_exec.signing import TrustStore, generate_key, load_public_key, sign_folder
+
+    from .conftest import need_import
+
+    need_import("cryptography", "device")
+    key, pub = generate_key(tmp_path / "k" / "srv.key")
+    folder = executor(tmp_path / "ex", "windows_only", "import winreg\n")
+    sign_folder(folder, key)
+    registry = ExecutorRegistry.load(tmp_path / "ex")
+    trust = TrustStore([load_public_key(str(pub))], verified_dir=tmp_path / "verified")
+    await dry_run_executors(registry, trust=trust)
+    assert "windows_only" not in registry
+    err = registry.errors["windows_only"]
+    # The dry run ran in the private copy; the refusal names the executor's own folder.
+    assert str(folder) in err.message and "`winreg`" in err.message
+    assert str(tmp_path / "verified") not in err.message
+    assert registry.error_folders["windows_only"] == str(folder)
