@@ -15,13 +15,6 @@ from metnos_exec.fetch import RANGE_BYTES, FetchError, robust_fetch
 from .conftest import need_import
 from .helpers.http_server import Bad, serving
 
-try:
-    import httpx  # noqa: F401
-
-    HAVE_HTTPX = True
-except ImportError:  # pragma: no cover
-    HAVE_HTTPX = False
-
 pytestmark = pytest.mark.anyio
 
 

@@ -31,13 +31,6 @@ from metnos_exec.worker import check_worker_config
 from .conftest import need, need_import
 from .helpers.http_server import Bad, serving
 
-try:
-    import httpx  # noqa: F401
-
-    HAVE_HTTPX = True
-except ImportError:  # pragma: no cover
-    HAVE_HTTPX = False
-
 pytestmark = pytest.mark.anyio
 
 
