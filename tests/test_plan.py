@@ -267,6 +267,16 @@ def test_provider_binding_mounts_skill_home_and_pins(tmp_path: Path, home: Path)
     assert Mount(skill_home, skill_home, True) in ro.job.mounts
 
 
+def test_a_skill_home_swapped_for_a_symlink_is_refused(tmp_path: Path, home: Path) -> None:
+    # A skill's home is mounted read-write: a link in its place (planted by a job that may
+    # write the skills root) would hand the job its target instead.
+    (home / "skills").mkdir(exist_ok=True)
+    (home / "skills" / "github").symlink_to(home)
+    ex = make_executor(tmp_path, '[[capabilities]]\nname = "provider:access"\nhints = ["github"]\n')
+    with pytest.raises(SymlinkedFolder, match="github"):
+        plan_invocation(ex, {}, home=str(home), skills_root=str(home / "skills"))
+
+
 def test_provider_skill_home_missing_is_noted(tmp_path: Path, home: Path) -> None:
     ex = make_executor(tmp_path, '[[capabilities]]\nname = "provider:access"\nhints = ["github"]\n')
     inv = plan_invocation(ex, {}, home=str(home), skills_root=str(home / "skills"))

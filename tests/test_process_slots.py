@@ -560,3 +560,37 @@ async def test_reap_orphan_takes_nothing_that_is_not_an_orphan_of_ours() -> None
     assert child.wait(timeout=5) == 4
     # Nor is a pid that is nobody's child here.
     assert await process.reap_orphan(1, 0.1) is None
+
+
+# --- a root worker's slot uids (metnos_exec.identities) ------------------------------------
+
+#: The child's uids and gids (real, effective, saved, fs), with tools any uid may run: the
+#: test's interpreter may sit where a slot's uid cannot reach (pyenv under /root).
+UIDS = ("/bin/sh", "-c", "grep -E '^(Uid|Gid):' /proc/self/status | cut -f2-")
+
+
+def thread_uids() -> set[str]:
+    """The ``Uid:`` line of every thread of this process."""
+    lines = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/status") as f:
+            lines.add(next(line for line in f if line.startswith("Uid:")).strip())
+    return lines
+
+
+@pytest.mark.anyio
+async def test_a_slot_switches_to_its_own_uid_for_the_fork_only() -> None:
+    need_slots()
+    need_privileged(os.geteuid() == 0, "slot uids are a root worker's")
+    async with process.pooled_slot() as slot:
+        assert slot is not None
+        identity = await slot.identity()
+        assert identity is not None, slot.identity_error
+        as_slot = await run_process(pooled(*UIDS, as_slot_user=True), timeout=10, slot=slot)
+        as_root = await run_process(pooled(*UIDS), timeout=10, slot=slot)
+    u = identity.uid
+    assert as_slot.uid == u and as_slot.stdout.split() == [str(u).encode()] * 8, as_slot
+    # The same thread forks the next job as root again: the switch held for one fork.
+    assert as_root.uid == 0 and as_root.stdout.split() == [b"0"] * 8, as_root
+    # Every thread of the worker (the slot's included) is root again.
+    assert thread_uids() == {"Uid:\t0\t0\t0\t0"}

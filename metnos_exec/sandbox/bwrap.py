@@ -38,13 +38,20 @@ only glues them and reads back what happened, honestly:
   moved), whatever the guest's exit status; RLIMIT_AS stays, so a single big allocation
   still fails gracefully first. Without the cgroup the resources axis says ``partial``
   (`MEMORY_PER_PROCESS_REASON`).
-* a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
-  file permission checks treat the guest as the owner of root's files (it holds no
-  capability: only *owner* matches). Root-only files in the read-only system trees are
-  readable. `MASKED_PATHS` and every private file of ``/etc`` found at the worker's first
-  job (`private_files`) are masked, but not what other system trees or the job's own
-  mounts hold, nor files created later: the files and user axes say ``partial``
-  (`ROOT_WORKER_REASON`). Running the worker as an unprivileged user keeps them.
+* a root worker: bubblewrap maps the guest's uid 65534 to the uid that runs bubblewrap.
+  For root that would be host uid 0, so file permission checks would treat the guest as
+  the owner of root's files (it holds no capability: only *owner* matches): root-only
+  files of the read-only system trees readable, root-owned kernel files writable. So each
+  job runs as its slot's own host uid instead (`metnos_exec.identities`; `_placement`):
+  the slot's thread forks bubblewrap as that uid, and the job's mount sources are
+  idmapped clones showing root as that uid (`mount_sources.StagedSources`), so the job
+  keeps its owner rights on its own folders and nothing else of root's. A job that cannot
+  run so runs as root: `MASKED_PATHS` and every private file of ``/etc`` found at the
+  worker's first job (`private_files`) are masked, but not what other system trees hold,
+  nor files created later, and the files and user axes say ``partial``
+  (`ROOT_WORKER_REASON`, with why).
+* every job mount source is opened without following a symlink and bound from that fd
+  (`mount_sources`): a folder swapped for a link is refused, never mounted.
 """
 
 from __future__ import annotations
