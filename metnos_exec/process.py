@@ -907,6 +907,24 @@ class Slot:
         self.identity_error = reason
         return self._identity
 
+    async def run_as(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on this slot's thread switched to its identity: for what the kernel
+        allows only to the same uid (prlimit(2) of the slot's processes by a root worker
+        without CAP_SYS_RESOURCE).
+
+        Raises:
+            RuntimeError: the slot has no identity.
+        """
+        identity = self._identity
+        if identity is None:
+            raise RuntimeError("this slot has no identity")
+
+        def call() -> None:
+            with switched(identity):
+                fn()
+
+        await _on_spawner(call, self.spawner)
+
 
 class _SlotPool:
     """Slots for `ProcessSpec.cgroup_pool` runs: as many as the most runs ever at once.

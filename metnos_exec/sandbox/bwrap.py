@@ -67,7 +67,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, final
 
 import anyio
@@ -346,20 +346,16 @@ def _have_cap_sys_resource() -> bool:
     return False
 
 
-def _can_gate(rlimits: tuple[tuple[int, int, int], ...], *, other_uid: bool = False) -> bool:
+def _can_gate(rlimits: tuple[tuple[int, int, int], ...]) -> bool:
     """Whether the worker may set `rlimits` on the blocked sandbox with prlimit(2).
 
     Raising a hard limit above the one the sandbox inherited (ours) needs
-    CAP_SYS_RESOURCE; without it the in-guest prefix (or the preexec path) stays. So does
-    any prlimit(2) of a process of another uid (`other_uid`: a job run as its slot's own
-    uid): even root is refused it without CAP_SYS_RESOURCE (some containers drop it).
+    CAP_SYS_RESOURCE; without it the in-guest prefix (or the preexec path) stays.
     """
     if not rlimits:
         return False
     if _have_cap_sys_resource():
         return True
-    if other_uid:
-        return False
     for res, _soft, hard in rlimits:
         ours = resource.getrlimit(res)[1]
         if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
@@ -413,6 +409,11 @@ class _LimitGate:
     The gate owns the worker's copy of the status pipe's write end (`status_w`) and closes
     it as soon as bubblewrap has its own: end-of-file on the read end then means that
     bubblewrap exited during its set-up.
+
+    A job run as its slot's own uid (a root worker's): prlimit(2) of another uid's process
+    needs CAP_SYS_RESOURCE, which some root workers lack (a container's bounding set); the
+    kernel also allows it to a caller whose *real* ids are the target's, so the calls are
+    made on the slot's thread while it is that uid (`as_user`, `process.Slot.run_as`).
     """
 
     def __init__(
@@ -421,7 +422,9 @@ class _LimitGate:
         status_r: int,
         status_w: int,
         wait_s: float,
+        as_user: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
     ):
+        self._as_user = as_user
         self._rlimits = rlimits
         self._status_r = status_r
         self.status_w = status_w
@@ -461,6 +464,15 @@ class _LimitGate:
                     return child
         raise HostFault("bubblewrap did not reach its block fd in time")
 
+    def _apply(self, child: int, pid: int) -> None:
+        for proc in (child, pid):
+            for res, soft, hard in self._rlimits:
+                resource.prlimit(proc, res, (soft, hard))
+        for proc in (child, pid):
+            for res, soft, hard in self._rlimits:
+                if resource.prlimit(proc, res) != (soft, hard):
+                    raise HostFault(f"rlimit {res} did not hold on pid {proc}")
+
     async def _tree(self, pid: int, members: Callable[[], list[int]] | None) -> set[int]:
         if members is not None:
             return set(members())  # one small cgroup file
@@ -481,13 +493,10 @@ class _LimitGate:
             if tree != {pid, child}:
                 raise HostFault(f"unexpected bubblewrap tree {sorted(tree)} (want {pid}, {child})")
             try:
-                for proc in (child, pid):
-                    for res, soft, hard in self._rlimits:
-                        resource.prlimit(proc, res, (soft, hard))
-                for proc in (child, pid):
-                    for res, soft, hard in self._rlimits:
-                        if resource.prlimit(proc, res) != (soft, hard):
-                            raise HostFault(f"rlimit {res} did not hold on pid {proc}")
+                if self._as_user is None:
+                    self._apply(child, pid)
+                else:
+                    await self._as_user(functools.partial(self._apply, child, pid))
             except OSError as exc:
                 raise HostFault(f"cannot set the job's rlimits on bubblewrap: {exc}") from exc
             if await self._tree(pid, members) != tree:
@@ -897,7 +906,7 @@ class BwrapSandbox:
         try:
             async with pooled_slot() as slot:
                 place = await _placement(slot, sources)
-                gated = _can_gate(rlimits, other_uid=place.as_slot_user)
+                gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
                     return await self._run(job, rlimits, gated, prefix, host, place)
@@ -922,7 +931,13 @@ class BwrapSandbox:
         gate: _LimitGate | None = None
         try:
             if gated:
-                gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s)
+                gate = _LimitGate(
+                    rlimits,
+                    status_r,
+                    status_w,
+                    job.limits.wall_time_s,
+                    as_user=place.slot.run_as if place.as_slot_user and place.slot else None,
+                )
             try:
                 argv = derive_bwrap_argv(
                     msgspec.structs.replace(job, argv=prefix + job.argv) if prefix else job,

@@ -69,11 +69,23 @@ def arm() -> BwrapSandbox:
 @pytest.fixture
 def root_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A root worker's jobs run as root, as before slot uids (``METNOS_SLOT_UIDS=off``):
-    for the tests of that mode (the /etc masks, the --block-fd gate, which needs prlimit
-    on a process of another uid, i.e. CAP_SYS_RESOURCE, once jobs run as slot uids)."""
+    for the tests of that mode."""
     from metnos_exec.identities import SLOT_UIDS_ENV
 
     monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+
+
+@pytest.fixture(params=["default", "slot uids off"])
+def uid_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a root worker runs a job (as its slot's uid, as root); for an
+    unprivileged worker the second is the first again, so it is skipped."""
+    from metnos_exec.identities import SLOT_UIDS_ENV
+
+    if request.param != "default":
+        if not AS_ROOT:
+            pytest.skip("only a root worker runs jobs as root")
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+    return str(request.param)
 
 
 def ran_as_slot_uid(outcome: SandboxOutcome) -> bool:
@@ -1188,7 +1200,7 @@ async def test_root_worker_hides_private_files_of_etc(
 
 
 async def test_limits_hold_from_the_guests_first_instruction(
-    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, root_jobs: None
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, uid_mode: str
 ) -> None:
     """The guest is ``cat /proc/self/limits`` itself (no shell, no prlimit exec before it):
     what it prints is what held when its first instruction ran."""
@@ -1222,7 +1234,7 @@ async def test_limits_hold_from_the_guests_first_instruction(
 
 
 async def test_gate_failure_kills_the_blocked_sandbox_before_the_guest_runs(
-    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root_jobs: None
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid_mode: str
 ) -> None:
     import resource
 
