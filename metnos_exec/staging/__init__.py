@@ -1,0 +1,695 @@
+"""Reversible runs: a job's writes are staged and committed (or backed up), never lost.
+
+`Staging` is the worker's piece of it (one per worker: the blob store, the commit journal,
+the staging namespace); `Staging.prepare` gives each job that may write a `Reversible`:
+
+- **staged** (`OverlayRun`, the bwrap arm with the staging namespace available): the job
+  writes into a copy-on-write overlay over each writable folder, on a tmpfs as large as
+  its disk budget. On success `commit` computes the change set (`changes.plan_commit`),
+  stores the originals as blobs, writes the journal and applies the changes to the real
+  folders; the undo entry is the reverse. On failure, timeout or cancel `discard` drops
+  the overlay: the real folders never saw a byte.
+- **backup** (`BackupRun`: the direct or wasm arm, a worker without the staging namespace,
+  or folders an unprivileged worker does not own): the job writes straight into the real
+  folders. Before it runs, its *declared targets* (path arguments under an ``fs:write``
+  hint) are backed up; after success the undo entry records how to restore them; after a
+  failure they are restored at once. What is lost is said once per job
+  (``sandbox.degraded``, reason ``no_staging``) and in the entry (`UndoEntry.lost`).
+
+After the result is acked, `settle` keeps (stored) or rolls back (lease lost) a commit. A
+worker killed in the middle is settled by the next start (`Staging.recover`, see
+`metnos_exec.journal`): changes whose result was stored stand, the others are rolled back.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, Protocol
+
+import anyio
+import anyio.to_thread
+import msgspec
+import structlog
+
+from ..blobs import BlobStore
+from ..brokers.base import Broker
+from ..errors import CommitConflict, HostFault
+from ..journal import (
+    BlobSource,
+    Blocked,
+    Conflict,
+    HostTree,
+    Journal,
+    JournalHandle,
+    JournalRecord,
+    OpConflict,
+    apply_ops,
+    fingerprints,
+    order_ops,
+    reverse_ops,
+    rollback,
+    same_state,
+)
+from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, UndoOp
+from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
+from .changes import CommitPlan, find_moves, plan_commit, store_originals
+from .overlay import OverlayNamespace, StagingUnavailable
+
+__all__ = (
+    "STATE_DIR_ENV",
+    "BackupRun",
+    "Committed",
+    "OverlayRun",
+    "Reversible",
+    "Staging",
+    "conflict_message",
+    "default_state_dir",
+    "disk_verdict",
+)
+
+#: Where a worker keeps its blobs, journals and staging mount points.
+STATE_DIR_ENV: Final = "METNOS_STATE_DIR"
+#: How long a staging helper that failed to start is trusted before it is tried again.
+RETRY_UNAVAILABLE_S: Final = 30.0
+#: Linux's ``CLOCK_REALTIME_COARSE`` (the `time` module does not name it): the clock the
+#: kernel stamps inode times with, so "changed since" compares like with like.
+CLOCK_REALTIME_COARSE: Final = 5
+#: The disk budget of a job whose limits set none (the manifest's default, 256 MiB).
+DEFAULT_DISK_BYTES: Final = 256 * 1024 * 1024
+#: Inodes a staging tmpfs allows per byte of budget (a 256 MiB budget: 65,536 files).
+_BYTES_PER_INODE: Final = 4096
+#: A full staging tmpfs: fewer bytes than this left (a write that did not fit failed).
+_FULL_SLACK_BYTES: Final = 64 * 1024
+
+_log = structlog.get_logger("metnos_exec")
+
+
+def default_state_dir() -> Path:
+    """``$METNOS_STATE_DIR``, else ``$XDG_STATE_HOME/metnos-exec``, else
+    ``~/.local/state/metnos-exec``."""
+    explicit = os.environ.get(STATE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(xdg) / "metnos-exec"
+
+
+def conflict_message(what: str, conflicts: Sequence[Conflict], *, limit: int = 10) -> str:
+    """``"<what>: /a (reason); /b (reason) and 3 more"``."""
+    shown = "; ".join(map(str, conflicts[:limit]))
+    more = f" and {len(conflicts) - limit} more" if len(conflicts) > limit else ""
+    return f"{what}: {shown}{more}"
+
+
+def disk_verdict(
+    report: ContainmentReport, *, method: str | None, disk_bytes: int | None
+) -> ContainmentReport:
+    """The resources axis with the disk wall added: a staged job's writes are bounded by
+    its staging tmpfs; a job writing straight into host folders is not bounded at all."""
+    axis = report.resources
+    if method == "staged" and disk_bytes is not None:
+        mib = disk_bytes / (1024 * 1024)
+        verdict = AxisVerdict(
+            axis.state, f"{axis.reason}; disk writes bounded ({mib:g} MiB staged)"
+        )
+    elif method == "backup":
+        state: Any = "partial" if axis.state == "kept" else axis.state
+        verdict = AxisVerdict(state, f"{axis.reason}; disk writes unbounded (no staging)")
+    else:
+        return report
+    return msgspec.structs.replace(report, resources=verdict)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A commit applied on the host, waiting for the result to be stored.
+
+    Attributes:
+        entry: the undo entry (``None``: the job changed nothing).
+        filtered: ``(path, what)`` not committed as staged (stripped bits, special files).
+    """
+
+    entry: UndoEntry | None
+    filtered: tuple[tuple[str, str], ...] = ()
+
+
+class Reversible(Protocol):
+    """One job's reversible run (see the module docstring)."""
+
+    method: Literal["staged", "backup"]
+    job: SandboxJob
+    #: Why this job is not staged (``None`` when it is); logged as ``sandbox.degraded``.
+    no_staging: str | None
+
+    async def commit(self) -> Committed: ...
+
+    def disk_exceeded(self) -> bool: ...
+
+    async def settle(self, *, stored: bool) -> None: ...
+
+    async def discard(self) -> None: ...
+
+    async def abandon(self) -> None:
+        """Whether the result was stored is unknown (the broker failed mid-ack): leave
+        the commit journal for `Staging.recover` to settle, and let go of the rest."""
+        ...
+
+
+# --- the worker's side ----------------------------------------------------------------
+
+
+class Staging:
+    """A worker's blob store, commit journal and staging namespace.
+
+    Args:
+        state_dir: default `default_state_dir`; holds ``blobs/``, ``journal/`` and the
+            (empty on the host) ``stage/`` mount base.
+        blob_dir: the blob store (default ``<state_dir>/blobs``). An undo reads its blobs
+            here: workers of one device on several machines need a shared one.
+        device: the device id recorded in undo entries.
+        overlay: use overlay staging when the arm can (``False``: always back up).
+        fsync: flush blobs, journals and committed files (power-loss safety; slower).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str] | None = None,
+        *,
+        blob_dir: str | os.PathLike[str] | None = None,
+        device: str = "server",
+        overlay: bool = True,
+        fsync: bool = False,
+    ) -> None:
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.store = BlobStore(
+            blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync
+        )
+        self.journal = Journal(self.state_dir / "journal", fsync=fsync)
+        self.device = device
+        self.fsync = fsync
+        self._ns = OverlayNamespace(self.state_dir / "stage") if overlay else None
+        self._unavailable: str | None = None if overlay else "overlay staging switched off"
+        self._failed_at = 0.0
+        self._lock = anyio.Lock()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why overlay staging is not available (``None``: it is, or was not tried yet)."""
+        return self._unavailable
+
+    async def start(self) -> str | None:
+        """Start the staging namespace now (else at the first job that needs it).
+
+        Returns:
+            ``None`` when staging works, else why not.
+        """
+        ns = self._ns
+        if ns is None:
+            return self._unavailable
+        async with self._lock:
+            if ns.running:
+                return None
+            if (
+                self._unavailable is not None
+                and time.monotonic() - self._failed_at < RETRY_UNAVAILABLE_S
+            ):
+                return self._unavailable
+            try:
+                await ns.start()
+            except StagingUnavailable as exc:
+                self._unavailable = str(exc)
+                self._failed_at = time.monotonic()
+                _log.warning("staging.unavailable", reason=self._unavailable)
+                return self._unavailable
+            self._unavailable = None
+            return None
+
+    async def aclose(self) -> None:
+        if self._ns is not None:
+            await self._ns.aclose()
+
+    async def prepare(
+        self,
+        *,
+        job_id: str,
+        executor: str,
+        job: SandboxJob,
+        write_roots: Sequence[str],
+        write_targets: Sequence[str],
+        arm_stages: bool,
+    ) -> Reversible | None:
+        """Set up the reversible run of one job; ``None`` when it writes nowhere.
+
+        Args:
+            job_id: the job.
+            executor: its executor (recorded in the entry).
+            job: what the arm would run.
+            write_roots: `Invocation.write_roots`.
+            write_targets: `Invocation.write_targets`.
+            arm_stages: the arm can run a job in the staging namespace (bwrap).
+
+        Raises:
+            HostFault: staging or the backups could not be set up (a mount failed, a root
+                changed); nothing ran.
+        """
+        roots = [m.host for m in job.mounts if m.writable and m.host in set(write_roots)]
+        if not roots:
+            return None
+        why = "the arm cannot stage (only bubblewrap jobs are staged)"
+        if arm_stages and self._ns is not None:
+            why = await self.start() or _not_owned(roots) or ""
+            if not why:
+                return await OverlayRun.create(self, self._ns, job_id, executor, job, roots)
+        elif self._ns is None:
+            why = self._unavailable or why
+        return await BackupRun.create(self, job_id, executor, job, roots, write_targets, why)
+
+    async def recover(self, broker: Broker) -> list[tuple[str, str]]:
+        """Settle the journals of commits whose worker died (see `metnos_exec.journal`).
+
+        A commit whose job's stored result lists its entry stands (the journal is just
+        removed); any other is rolled back. Each is logged as ``journal.recovered``.
+
+        Returns:
+            ``(job_id, "kept" | "rolled_back")`` for each journal settled.
+        """
+        try:
+            handles = await anyio.to_thread.run_sync(self.journal.orphans)
+        except (OSError, msgspec.DecodeError) as exc:
+            _log.error("worker.error", error=f"commit journal unreadable: {exc}")
+            return []
+        done: list[tuple[str, str]] = []
+        for handle in handles:
+            record = handle.record
+            try:
+                result = await broker.get_result(record.job_id)
+            except Exception:
+                handle.close(remove=False)  # the next start tries again
+                raise
+            if result is not None and record.entry_id in result.undo_ids:
+                handle.close()
+                done.append((record.job_id, "kept"))
+                _log.info(
+                    "journal.recovered", job_id=record.job_id, action="kept", ops=len(record.ops)
+                )
+                continue
+            left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
+            handle.close()
+            done.append((record.job_id, "rolled_back"))
+            _log.warning(
+                "journal.recovered",
+                job_id=record.job_id,
+                action="rolled_back",
+                ops=len(record.ops),
+                left=[str(c) for c in left[:20]],
+            )
+        return done
+
+
+def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
+    with HostTree(record.roots) as tree:
+        return rollback(tree, record.ops, store=store, tag=record.id)
+
+
+def _not_owned(roots: Sequence[str]) -> str | None:
+    """Why an unprivileged worker cannot stage these roots (``None``: it can)."""
+    if os.geteuid() == 0:
+        return None
+    uid, gid = os.getuid(), os.getgid()
+    for root in roots:
+        st = os.lstat(root)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            return (
+                f"{root} is owned by {st.st_uid}:{st.st_gid}, not the worker's {uid}:{gid} "
+                "(an unprivileged overlay can only copy up the worker's own files)"
+            )
+    return None
+
+
+# --- staged -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class OverlayRun:
+    """A job staged in overlays (see the module docstring)."""
+
+    staging: Staging
+    ns: OverlayNamespace
+    stage_id: str
+    job_id: str
+    executor: str
+    roots: tuple[str, ...]
+    job: SandboxJob
+    tmpfs_fd: int
+    since_ns: int
+    method: Literal["staged", "backup"] = "staged"
+    no_staging: str | None = None
+    _handle: JournalHandle | None = None
+    _tree: HostTree | None = None
+    _ops: tuple[UndoOp, ...] = ()
+    _closed: bool = False
+
+    @classmethod
+    async def create(
+        cls,
+        staging: Staging,
+        ns: OverlayNamespace,
+        job_id: str,
+        executor: str,
+        job: SandboxJob,
+        roots: Sequence[str],
+    ) -> OverlayRun:
+        # The clock inode times come from: a host change at or after this instant has a
+        # ctime at or after it (see changes.plan_commit).
+        since_ns = time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
+        found: list[tuple[str, int, int]] = []
+        for root in roots:
+            st = os.lstat(root)
+            if not stat.S_ISDIR(st.st_mode):
+                raise HostFault(f"writable folder {root} is no longer a plain folder")
+            found.append((root, st.st_dev, st.st_ino))
+        size = job.limits.disk_bytes or DEFAULT_DISK_BYTES
+        stage_id = f"{job_id}.{os.urandom(3).hex()}"
+        fd = await ns.stage(stage_id, found, size=size, inodes=max(1024, size // _BYTES_PER_INODE))
+        index = {root: i for i, root in enumerate(roots)}
+        mounts = tuple(
+            Mount(
+                host=ns.overlay_path(stage_id, index[m.host]),
+                guest=m.guest,
+                writable=True,
+                staged=True,
+            )
+            if m.writable and m.host in index
+            else m
+            for m in job.mounts
+        )
+        staged = msgspec.structs.replace(job, mounts=mounts, enter=ns.enter)
+        return cls(
+            staging=staging,
+            ns=ns,
+            stage_id=stage_id,
+            job_id=job_id,
+            executor=executor,
+            roots=tuple(roots),
+            job=staged,
+            tmpfs_fd=fd,
+            since_ns=since_ns,
+        )
+
+    def disk_exceeded(self) -> bool:
+        st = os.statvfs(f"/proc/self/fd/{self.tmpfs_fd}")
+        return st.f_bavail * st.f_frsize < _FULL_SLACK_BYTES or st.f_favail == 0
+
+    async def commit(self) -> Committed:
+        """Apply the staged changes to the host (in a thread); see the module docstring.
+
+        Raises:
+            CommitConflict: the host changed a target while the job ran; nothing applied.
+        """
+        return await anyio.to_thread.run_sync(self._commit)
+
+    def _commit(self) -> Committed:
+        staging = self.staging
+        tree = HostTree(self.roots)
+        uppers: list[tuple[str, int]] = []
+        plan: CommitPlan | None = None
+        try:
+            for i, root in enumerate(self.roots):
+                uppers.append(
+                    (
+                        root,
+                        os.open(
+                            f"u{i}",
+                            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=self.tmpfs_fd,
+                        ),
+                    )
+                )
+            plan = plan_commit(
+                tree, uppers, since_ns=self.since_ns, xattr_prefix=self.ns.xattr_prefix
+            )
+            if plan.conflicts:
+                raise CommitConflict(
+                    conflict_message("changed on the host while the job ran", plan.conflicts)
+                )
+            if not plan.ops:
+                tree.close()
+                return Committed(None, tuple(plan.filtered))
+            try:
+                store_originals(plan, tree, staging.store)
+            except Blocked as exc:
+                raise CommitConflict(str(exc)) from None
+            entry = UndoEntry(
+                job_id=self.job_id,
+                device=staging.device,
+                executor=self.executor,
+                method="staged",
+                roots=self.roots,
+                ops=reverse_ops(plan.ops),
+            )
+            handle = staging.journal.begin(
+                JournalRecord(job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops)
+            )
+            try:
+                apply_ops(
+                    tree,
+                    plan.ops,
+                    source=plan.source,
+                    store=staging.store,
+                    expect=plan.expect,
+                    tag=handle.record.id,
+                    fsync=staging.fsync,
+                )
+            except OpConflict as exc:
+                handle.close()
+                raise CommitConflict(
+                    conflict_message("changed on the host during the commit", exc.conflicts)
+                ) from None
+            except BaseException:
+                handle.close()
+                raise
+            self._handle, self._tree, self._ops = handle, tree, plan.ops
+            return Committed(entry, tuple(plan.filtered))
+        except BaseException:
+            if self._tree is None:
+                tree.close()
+            raise
+        finally:
+            for _, fd in uppers:
+                os.close(fd)
+            if plan is not None:
+                plan.source.close()
+
+    async def settle(self, *, stored: bool) -> None:
+        """Keep the commit (its result is stored) or roll it back (it is not)."""
+        handle, tree, ops = self._handle, self._tree, self._ops
+        self._handle, self._tree = None, None
+        try:
+            if handle is not None and not stored and tree is not None:
+                await anyio.to_thread.run_sync(
+                    lambda: rollback(tree, ops, store=self.staging.store, tag=handle.record.id)
+                )
+        finally:
+            if handle is not None:
+                handle.close()
+            if tree is not None:
+                tree.close()
+            await self.discard()
+
+    async def abandon(self) -> None:
+        handle, tree = self._handle, self._tree
+        self._handle, self._tree = None, None
+        if handle is not None:
+            handle.close(remove=False)
+        if tree is not None:
+            tree.close()
+        await self.discard()
+
+    async def discard(self) -> None:
+        """Drop the staged writes (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self.tmpfs_fd)
+        self.ns.release(self.stage_id)
+
+
+# --- backup (no staging) ----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class BackupRun:
+    """A job writing straight into the host, with its declared targets backed up."""
+
+    staging: Staging
+    job_id: str
+    executor: str
+    roots: tuple[str, ...]
+    job: SandboxJob
+    no_staging: str | None
+    targets: dict[str, PathState] = field(default_factory=dict)
+    method: Literal["staged", "backup"] = "backup"
+    _committed: bool = False
+
+    @classmethod
+    async def create(
+        cls,
+        staging: Staging,
+        job_id: str,
+        executor: str,
+        job: SandboxJob,
+        roots: Sequence[str],
+        targets: Sequence[str],
+        why: str,
+    ) -> BackupRun:
+        run = cls(staging, job_id, executor, tuple(roots), job, why)
+        run.targets = await anyio.to_thread.run_sync(run._back_up, tuple(targets))
+        return run
+
+    @property
+    def lost(self) -> str:
+        return (
+            f"no staging ({self.no_staging}): only the {len(self.targets)} declared target(s) "
+            "were backed up (restored on failure and by undo); other writes under "
+            f"{', '.join(self.roots)} are not recorded and stay after a failure, folders the "
+            "job created around a target are not removed, a folder target is restored only "
+            "as a folder (not its content), and the disk is not bounded"
+        )
+
+    def _back_up(self, targets: tuple[str, ...]) -> dict[str, PathState]:
+        found: dict[str, PathState] = {}
+        with HostTree(self.roots) as tree:
+            for path in targets:
+                found[path] = _backed_up_state(tree, path, self.staging.store)
+        return found
+
+    def disk_exceeded(self) -> bool:
+        return False
+
+    async def commit(self) -> Committed:
+        return await anyio.to_thread.run_sync(self._commit)
+
+    def _commit(self) -> Committed:
+        ops: list[UndoOp] = []
+        deleted: dict[tuple[str, int], list[str]] = {}
+        with HostTree(self.roots) as tree:
+            for path, before in self.targets.items():
+                after = _current(tree, path)
+                if after is None or same_state(after, before):
+                    continue
+                ops.append(Put(path=path, before=before, after=after))
+                if isinstance(after, Absent) and isinstance(before, FileState | LinkState):
+                    deleted.setdefault(_key(before), []).append(path)
+        self._committed = True
+        if not ops:
+            return Committed(None)
+        forward = order_ops(find_moves(ops, deleted, dict(self.targets)))
+        entry = UndoEntry(
+            job_id=self.job_id,
+            device=self.staging.device,
+            executor=self.executor,
+            method="backup",
+            roots=self.roots,
+            ops=reverse_ops(forward),
+            lost=self.lost,
+        )
+        return Committed(entry)
+
+    async def settle(self, *, stored: bool) -> None:
+        if not stored:
+            await self._restore()
+
+    async def abandon(self) -> None:
+        # Nothing was applied by us (the job wrote in place): the entry, if stored, stands.
+        return
+
+    async def discard(self) -> None:
+        """Put the declared targets back as they were (a failed, timed-out or cancelled
+        job); what else it wrote stays (said in `lost`)."""
+        if not self._committed:
+            self._committed = True
+            await self._restore()
+
+    async def _restore(self) -> None:
+        left = await anyio.to_thread.run_sync(self._restore_sync)
+        if left:
+            _log.warning(
+                "undo.conflict",
+                reason="backed-up targets not restored",
+                paths=[str(c) for c in left[:20]],
+            )
+
+    def _restore_sync(self) -> list[Conflict]:
+        with HostTree(self.roots) as tree:
+            ops: list[UndoOp] = []
+            for path, before in self.targets.items():
+                now = _current(tree, path)
+                if now is None:
+                    continue
+                if not same_state(now, before):
+                    ops.append(Put(path=path, before=now, after=before))
+            ordered = order_ops(ops)
+            expect = fingerprints(tree, [op.path for op in ordered if isinstance(op, Put)])
+            try:
+                apply_ops(
+                    tree,
+                    ordered,
+                    source=BlobSource(self.staging.store),
+                    store=self.staging.store,
+                    expect=expect,
+                    tag=f"restore-{os.urandom(4).hex()}",
+                )
+            except OpConflict as exc:
+                return list(exc.conflicts)
+            except (OSError, Blocked) as exc:
+                return [Conflict(", ".join(self.targets), str(exc))]
+        return []
+
+
+def _key(state: FileState | LinkState) -> tuple[str, int]:
+    if isinstance(state, FileState):
+        return state.sha256, state.mode
+    return "link:" + state.target, -1
+
+
+def _current(tree: HostTree, path: str) -> PathState | None:
+    try:
+        return tree.state(path)
+    except Blocked:
+        return None
+
+
+def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
+    """The target's state, its content copied into the blob store when it is a file."""
+    try:
+        st = tree.lstat(path)
+    except Blocked as exc:
+        raise HostFault(f"declared target {path} cannot be backed up: {exc}") from exc
+    if st is None:
+        return Absent()
+    if stat.S_ISREG(st.st_mode):
+        fd = tree.open_file(path, st)
+        try:
+            digest, size = store.put_fd(fd)
+        finally:
+            os.close(fd)
+        return FileState(
+            sha256=digest,
+            size=size,
+            mode=stat.S_IMODE(st.st_mode),
+            mtime_ns=st.st_mtime_ns,
+            uid=st.st_uid,
+            gid=st.st_gid,
+        )
+    state = tree.state_of(path, st)
+    if state is None:
+        raise HostFault(f"declared target {path} is a special file: it cannot be backed up")
+    return state
