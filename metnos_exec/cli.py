@@ -296,6 +296,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             prefetch=ns.prefetch,
             backend=ns.backend,
             home=ns.home,
+            state_dir=ns.state_dir,
         )
     except MetnosError as exc:
         # Everything raised before serving is configuration: the broker's (exit 4) or
@@ -603,6 +604,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
+    )
+    w.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="blobs (originals kept for undo), commit journals, staging mount points "
+        "(default: $METNOS_STATE_DIR, else $XDG_STATE_HOME/metnos-exec, else "
+        "~/.local/state/metnos-exec); an undo needs the blobs of the worker that committed",
     )
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])

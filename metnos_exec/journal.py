@@ -51,6 +51,7 @@ import hashlib
 import os
 import posixpath
 import stat
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ __all__ = (
     "JournalHandle",
     "JournalRecord",
     "OpConflict",
+    "PAUSE_ENV",
     "apply_ops",
     "inverse",
     "order_ops",
@@ -552,8 +554,11 @@ def apply_ops(
     """
     applier = _Applier(tree, source, tag=tag, fsync=fsync)
     done: list[UndoOp] = []
+    pause_at = len(ops) // 2 if os.environ.get(PAUSE_ENV) else -1
     try:
         for index, op in enumerate(ops):
+            if index == pause_at:
+                _pause_for_test(os.environ[PAUSE_ENV])
             conflict = _check(tree, op, expect)
             if conflict is not None:
                 raise OpConflict([conflict])
@@ -570,6 +575,22 @@ def apply_ops(
         if leftovers:
             raise OpConflict(leftovers) from None
         raise
+
+
+#: Test hook (the crash-safety acceptance test): set to a path, the first commit that
+#: reaches the middle of its ops creates that file and stops there for good, so the test
+#: can SIGKILL the worker mid-commit. Later commits see the file and do not stop.
+PAUSE_ENV: Final = "METNOS_TEST_PAUSE_COMMIT"
+
+
+def _pause_for_test(marker: str) -> None:
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    threading.Event().wait()  # until the test kills this process
 
 
 def rollback(

@@ -72,6 +72,8 @@ EVENTS: Mapping[str, str] = {
     "stripped setuid/setgid bit, a fifo/socket/device left out)",
     "journal.recovered": "a commit a dead worker left half-done was settled at start "
     "(job_id, action: kept|rolled_back, ops, left)",
+    "blobs.collected": "blobs no stored undo entry needs were deleted at worker start "
+    "(removed, removed_bytes, kept)",
     "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "
     "jobs fall back to backups of their declared targets",
 }

@@ -264,6 +264,7 @@ class Supervisor:
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
         self._staging = staging
+        self._owns_staging = staging is None
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -341,9 +342,15 @@ class Supervisor:
             _log.warning("executor.load_failed", executor=name, error=exc.message)
         if self._staging is not None or self._needs_staging():
             # Before the first lease: a commit a dead worker left half-done is completed or
-            # rolled back before any job can see it.
+            # rolled back before any job can see it; then the blobs nobody needs go.
             with structlog.contextvars.bound_contextvars(worker=self.worker_id, device=self.device):
                 await self.recover()
+                try:
+                    await self.staging.collect(self.broker)
+                except Exception as exc:  # e.g. a broker without undo storage
+                    _log.warning(
+                        "worker.error", error=f"blob collection: {type(exc).__name__}: {exc}"
+                    )
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -358,6 +365,9 @@ class Supervisor:
                     await self._lease_loop(jobs, burst=burst)
                 tg.cancel_scope.cancel()
         finally:
+            if self._owns_staging and self._staging is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._staging.aclose()  # the staging helper process
             self._stopped.set()
             _log.info(
                 "worker.stopped",

@@ -36,6 +36,7 @@ from .manifest import ExecutorRegistry
 from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
+from .staging import Staging
 from .supervisor import Supervisor
 
 __all__ = (
@@ -238,10 +239,13 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    state_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``state_dir``: blobs, commit journals and staging mount points (default
+    `metnos_exec.staging.default_state_dir`).
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -265,6 +269,11 @@ def run_worker(
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
 
+    try:
+        staging = Staging(state_dir, device=device)
+    except OSError as exc:
+        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+
     async def main() -> None:
         try:
             broker = open_broker(broker_url)
@@ -284,9 +293,11 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                staging=staging,
             )
         finally:
             with anyio.CancelScope(shield=True):
+                await staging.aclose()
                 await broker.close()
 
     anyio.run(main, backend=backend)

@@ -23,6 +23,7 @@ worker killed in the middle is settled by the next start (`Staging.recover`, see
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import time
@@ -74,11 +75,11 @@ __all__ = (
 
 #: Where a worker keeps its blobs, journals and staging mount points.
 STATE_DIR_ENV: Final = "METNOS_STATE_DIR"
+#: A blob younger than this is never collected, needed or not: it may belong to a backup
+#: taken before a long job ran, or to a commit whose entry is not stored yet.
+BLOB_MIN_AGE_S: Final = 24 * 3600.0
 #: How long a staging helper that failed to start is trusted before it is tried again.
 RETRY_UNAVAILABLE_S: Final = 30.0
-#: Linux's ``CLOCK_REALTIME_COARSE`` (the `time` module does not name it): the clock the
-#: kernel stamps inode times with, so "changed since" compares like with like.
-CLOCK_REALTIME_COARSE: Final = 5
 #: The disk budget of a job whose limits set none (the manifest's default, 256 MiB).
 DEFAULT_DISK_BYTES: Final = 256 * 1024 * 1024
 #: Inodes a staging tmpfs allows per byte of budget (a 256 MiB budget: 65,536 files).
@@ -272,6 +273,21 @@ class Staging:
             why = self._unavailable or why
         return await BackupRun.create(self, job_id, executor, job, roots, write_targets, why)
 
+    async def collect(self, broker: Broker, *, min_age_s: float = BLOB_MIN_AGE_S) -> None:
+        """Delete blobs no stored undo entry needs (retention follows the results': an
+        entry goes with its job's result, see `Broker.purge`), older than `min_age_s`.
+        Logged as ``blobs.collected``."""
+        keep = await broker.undo_blobs()
+        stats = await anyio.to_thread.run_sync(
+            functools.partial(self.store.collect, keep, min_age_s=min_age_s)
+        )
+        _log.info(
+            "blobs.collected",
+            removed=stats.removed,
+            removed_bytes=stats.removed_bytes,
+            kept=stats.kept,
+        )
+
     async def recover(self, broker: Broker) -> list[tuple[str, str]]:
         """Settle the journals of commits whose worker died (see `metnos_exec.journal`).
 
@@ -312,6 +328,29 @@ class Staging:
                 left=[str(c) for c in left[:20]],
             )
         return done
+
+
+def _change_stamp(folder: int) -> int:
+    """An inode change time taken now, to tell "changed while the job ran" (ctime at or
+    after it) from "changed before" (ctime before it).
+
+    Read from a real inode change, not from a clock: since Linux 6.13, ext4, xfs, btrfs
+    and tmpfs hand out *multigrain* times, fine-grained for an inode whose time was just
+    read, and never earlier than the last fine-grained time handed out anywhere (a global
+    floor). Two query-then-change rounds on a file of the staging tmpfs: the first lifts
+    its ctime to that floor, the second gets a fresh fine-grained time and raises the
+    floor to it. Every earlier change is then strictly before the stamp, every later one
+    at or after it, on any multigrain file system. (On one that is not, a change in the
+    coarse tick, ~1-4 ms, right after the start can go unseen.)
+    """
+    fd = os.open("stamp", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    try:
+        for _ in range(2):
+            os.fstat(fd)
+            os.ftruncate(fd, 0)
+        return os.fstat(fd).st_ctime_ns
+    finally:
+        os.close(fd)
 
 
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
@@ -367,9 +406,6 @@ class OverlayRun:
         job: SandboxJob,
         roots: Sequence[str],
     ) -> OverlayRun:
-        # The clock inode times come from: a host change at or after this instant has a
-        # ctime at or after it (see changes.plan_commit).
-        since_ns = time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
         found: list[tuple[str, int, int]] = []
         for root in roots:
             st = os.lstat(root)
@@ -379,6 +415,12 @@ class OverlayRun:
         size = job.limits.disk_bytes or DEFAULT_DISK_BYTES
         stage_id = f"{job_id}.{os.urandom(3).hex()}"
         fd = await ns.stage(stage_id, found, size=size, inodes=max(1024, size // _BYTES_PER_INODE))
+        try:
+            since_ns = _change_stamp(fd)
+        except OSError:
+            os.close(fd)
+            ns.release(stage_id)
+            raise
         index = {root: i for i, root in enumerate(roots)}
         mounts = tuple(
             Mount(

@@ -389,8 +389,9 @@ def plan_commit(
     Args:
         tree: the host's writable roots.
         uppers: ``(root, fd of its overlay's upper folder)`` for every staged root.
-        since_ns: when the job started (``CLOCK_REALTIME_COARSE``, the clock inode times
-            use): a host path changed at or after it is a conflict.
+        since_ns: an inode change time taken when the job started (see
+            ``staging._change_stamp``): a host path with a ctime at or after it changed
+            while the job ran, a conflict.
         xattr_prefix: ``"user."`` for an overlay made in a user namespace, else
             ``"trusted."``.
     """
