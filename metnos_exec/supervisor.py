@@ -302,7 +302,7 @@ class Supervisor:
     def staging(self) -> Staging:
         """The worker's `Staging` (made at first use when none was given)."""
         if self._staging is None:
-            self._staging = Staging(device=self.device)
+            self._staging = Staging()
         return self._staging
 
     async def recover(self) -> None:
@@ -655,6 +655,7 @@ class Supervisor:
                 reversible = await self.staging.prepare(
                     job_id=job.id,
                     executor=job.executor,
+                    device=self.device,
                     job=sjob,
                     write_roots=invocation.write_roots,
                     write_targets=invocation.write_targets,

@@ -270,7 +270,7 @@ def run_worker(
     become_subreaper()
 
     try:
-        staging = Staging(state_dir, device=device)
+        staging = Staging(state_dir)
     except OSError as exc:
         raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
 

@@ -13,8 +13,8 @@ import contextlib
 import ctypes
 import os
 import shutil
-import tempfile
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 

@@ -174,7 +174,6 @@ class Staging:
             (empty on the host) ``stage/`` mount base.
         blob_dir: the blob store (default ``<state_dir>/blobs``). An undo reads its blobs
             here: workers of one device on several machines need a shared one.
-        device: the device id recorded in undo entries.
         overlay: use overlay staging when the arm can (``False``: always back up).
         fsync: flush blobs, journals and committed files (power-loss safety; slower).
     """
@@ -184,7 +183,6 @@ class Staging:
         state_dir: str | os.PathLike[str] | None = None,
         *,
         blob_dir: str | os.PathLike[str] | None = None,
-        device: str = "server",
         overlay: bool = True,
         fsync: bool = False,
     ) -> None:
@@ -194,7 +192,6 @@ class Staging:
             blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync
         )
         self.journal = Journal(self.state_dir / "journal", fsync=fsync)
-        self.device = device
         self.fsync = fsync
         self._ns = OverlayNamespace(self.state_dir / "stage") if overlay else None
         self._unavailable: str | None = None if overlay else "overlay staging switched off"
@@ -242,6 +239,7 @@ class Staging:
         *,
         job_id: str,
         executor: str,
+        device: str,
         job: SandboxJob,
         write_roots: Sequence[str],
         write_targets: Sequence[str],
@@ -252,6 +250,7 @@ class Staging:
         Args:
             job_id: the job.
             executor: its executor (recorded in the entry).
+            device: the device it runs on (recorded in the entry: the undo runs there).
             job: what the arm would run.
             write_roots: `Invocation.write_roots`.
             write_targets: `Invocation.write_targets`.
@@ -268,10 +267,12 @@ class Staging:
         if arm_stages and self._ns is not None:
             why = await self.start() or _not_owned(roots) or ""
             if not why:
-                return await OverlayRun.create(self, self._ns, job_id, executor, job, roots)
+                return await OverlayRun.create(self, self._ns, job_id, executor, device, job, roots)
         elif self._ns is None:
             why = self._unavailable or why
-        return await BackupRun.create(self, job_id, executor, job, roots, write_targets, why)
+        return await BackupRun.create(
+            self, job_id, executor, device, job, roots, write_targets, why
+        )
 
     async def collect(self, broker: Broker, *, min_age_s: float = BLOB_MIN_AGE_S) -> None:
         """Delete blobs no stored undo entry needs (retention follows the results': an
@@ -385,6 +386,7 @@ class OverlayRun:
     stage_id: str
     job_id: str
     executor: str
+    device: str
     roots: tuple[str, ...]
     job: SandboxJob
     tmpfs_fd: int
@@ -403,6 +405,7 @@ class OverlayRun:
         ns: OverlayNamespace,
         job_id: str,
         executor: str,
+        device: str,
         job: SandboxJob,
         roots: Sequence[str],
     ) -> OverlayRun:
@@ -440,6 +443,7 @@ class OverlayRun:
             stage_id=stage_id,
             job_id=job_id,
             executor=executor,
+            device=device,
             roots=tuple(roots),
             job=staged,
             tmpfs_fd=fd,
@@ -491,7 +495,7 @@ class OverlayRun:
                 raise CommitConflict(str(exc)) from None
             entry = UndoEntry(
                 job_id=self.job_id,
-                device=staging.device,
+                device=self.device,
                 executor=self.executor,
                 method="staged",
                 roots=self.roots,
@@ -574,6 +578,7 @@ class BackupRun:
     staging: Staging
     job_id: str
     executor: str
+    device: str
     roots: tuple[str, ...]
     job: SandboxJob
     no_staging: str | None
@@ -587,12 +592,13 @@ class BackupRun:
         staging: Staging,
         job_id: str,
         executor: str,
+        device: str,
         job: SandboxJob,
         roots: Sequence[str],
         targets: Sequence[str],
         why: str,
     ) -> BackupRun:
-        run = cls(staging, job_id, executor, tuple(roots), job, why)
+        run = cls(staging, job_id, executor, device, tuple(roots), job, why)
         run.targets = await anyio.to_thread.run_sync(run._back_up, tuple(targets))
         return run
 
@@ -636,7 +642,7 @@ class BackupRun:
         forward = order_ops(find_moves(ops, deleted, dict(self.targets)))
         entry = UndoEntry(
             job_id=self.job_id,
-            device=self.staging.device,
+            device=self.device,
             executor=self.executor,
             method="backup",
             roots=self.roots,

@@ -157,7 +157,9 @@ class World:
     device: str = "server"
     supervisors: list[Supervisor] = field(default_factory=list)
 
-    def supervisor(self, *, device: str | None = None, staging: Staging | None = None, **kw: Any) -> Supervisor:
+    def supervisor(
+        self, *, device: str | None = None, staging: Staging | None = None, **kw: Any
+    ) -> Supervisor:
         return Supervisor(
             self.broker,
             self.registry,
@@ -168,7 +170,9 @@ class World:
             **kw,
         )
 
-    async def burst(self, *, device: str | None = None, staging: Staging | None = None, **kw: Any) -> None:
+    async def burst(
+        self, *, device: str | None = None, staging: Staging | None = None, **kw: Any
+    ) -> None:
         await self.supervisor(device=device, staging=staging, **kw).run(burst=True)
 
     async def run(self, ops: list[list[Any]], **args: Any) -> Result:
@@ -180,7 +184,7 @@ class World:
         return result
 
     async def entries_count(self) -> int:
-        return len(self.broker._undo)  # noqa: SLF001 - the test looks inside on purpose
+        return len(self.broker._undo)
 
 
 def make_world(tmp: Path, *, disk_mb: int = 64, overlay: bool = True) -> World:
@@ -238,8 +242,9 @@ async def api_undo(world: World, job_id: str, *, device: str | None = None) -> R
     return result
 
 
-async def wait_for(pred: Any, timeout: float = 10.0) -> None:
-    """Poll `pred` (a plain callable) until true, with a deadline."""
-    with anyio.fail_after(timeout):
-        while not pred():
+async def wait_for(pred: Any, deadline_s: float = 10.0) -> None:
+    """Poll `pred` (a plain callable: a host file, a broker dict) until true, with a
+    deadline: what it watches has no event to wait on."""
+    with anyio.fail_after(deadline_s):
+        while not pred():  # noqa: ASYNC110 - polling with a deadline, nothing to wait on
             await anyio.sleep(0.01)

@@ -17,9 +17,20 @@ from structlog.testing import capture_logs
 from metnos_exec.client import Client
 from metnos_exec.errors import UndoConflict, UndoUnavailable
 from metnos_exec.messages import UNDO_EXECUTOR, Job
-from metnos_exec.staging import Staging
+from metnos_exec.sandbox._types import AXES
+from metnos_exec.sandbox.direct import DirectSandbox
+from metnos_exec.sandbox.select import ArmChoice, Degradation
 
-from .helpers import World, api_undo, make_world, seed, snapshot, staging_works, wait_for
+from .helpers import (
+    World,
+    api_undo,
+    bwrap_works,
+    make_world,
+    seed,
+    snapshot,
+    staging_works,
+    wait_for,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -152,7 +163,7 @@ async def test_a_cancelled_job_leaves_nothing(world: World) -> None:
     job = Job(executor="mutate", args={"root": "~/notes", "ops": ALL_KINDS, "sleep": 30})
     await world.broker.submit(job)
     stage = world.staging.state_dir / "stage"
-    helper = world.staging._ns  # noqa: SLF001 - we look at the staged writes on purpose
+    helper = world.staging._ns
     assert helper is not None
 
     def staged_write_seen() -> bool:
@@ -167,7 +178,7 @@ async def test_a_cancelled_job_leaves_nothing(world: World) -> None:
         await wait_for(staged_write_seen, 20)
         assert snapshot(world.notes) == before
         assert await world.broker.cancel(job.id) == "cancelling"
-        await wait_for(lambda: job.id in world.broker._results, 20)  # noqa: SLF001
+        await wait_for(lambda: job.id in world.broker._results, 20)
         await sup.drain(0)
     result = await world.broker.get_result(job.id)
     assert result is not None and result.status == "cancelled"
@@ -194,7 +205,7 @@ async def test_undo_after_a_later_edit_is_refused_and_changes_nothing(world: Wor
     assert "new.txt" not in refused.error.message  # only what changed is named
     assert snapshot(world.notes) == now
     # The API raises it.
-    with pytest.raises(UndoConflict, match="mod.txt"):
+    with pytest.raises(UndoConflict, match=r"mod\.txt"):
         await api_undo(world, result.job_id)
     assert snapshot(world.notes) == now
 
@@ -223,7 +234,10 @@ async def test_a_planted_symlink_stays_inert(world: World, tmp_path: Path) -> No
     secret.write_text("host secret\n")
     parts = str(secret).strip("/").split("/")
     result = await world.run(
-        [["symlink_abs", "evil", *parts], ["symlink_abs", "evildir", *str(outside).strip("/").split("/")]]
+        [
+            ["symlink_abs", "evil", *parts],
+            ["symlink_abs", "evildir", *str(outside).strip("/").split("/")],
+        ]
     )
     assert result.status == "succeeded", result
     # Committed as links, never followed: the host file is untouched.
@@ -301,7 +315,7 @@ async def test_a_host_change_during_the_job_refuses_the_commit(world: World) -> 
     job = Job(executor="mutate", args={"root": "~/notes", "ops": ops})
     await world.broker.submit(job)
     stage = world.staging.state_dir / "stage"
-    helper = world.staging._ns  # noqa: SLF001
+    helper = world.staging._ns
     assert helper is not None
 
     def staged() -> bool:
@@ -320,3 +334,111 @@ async def test_a_host_change_during_the_job_refuses_the_commit(world: World) -> 
     assert "mod.txt" in result.error.message
     assert snapshot(world.notes) == now  # nothing applied: "n" was not created
     assert result.undo_ids == () and await world.entries_count() == 0
+
+
+# --- 6. without staging: the declared targets are backed up and restored ----------------
+
+
+def _direct_chooser(runtime: str, *, require_sandbox: bool) -> ArmChoice:
+    return ArmChoice(
+        DirectSandbox(),
+        Degradation(requested="bwrap", used="none", reason="sandbox_off", axes_lost=AXES),
+    )
+
+
+@pytest.mark.parametrize("how", ["direct_arm", "no_overlay"])
+async def test_without_staging_the_declared_targets_are_backed_up(tmp_path: Path, how: str) -> None:
+    world = make_world(tmp_path, overlay=how != "no_overlay")
+    kw = {"arm_chooser": _direct_chooser} if how == "direct_arm" else {}
+    if how == "no_overlay":
+        bwrap_works()
+    try:
+        target = world.notes / "target.txt"
+        target.write_text("precious\n")
+        os.chmod(target, 0o640)
+        before = snapshot(world.notes)
+        ops = [["write", "target.txt", "overwritten"], ["write", "other.txt", "not declared"]]
+
+        # A failure: the target is put back at once; the undeclared file stays.
+        job = Job(executor="mutate", args={"root": "~/notes", "ops": ops, "fail": True})
+        await world.broker.submit(job)
+        with capture_logs() as logs:
+            await world.burst(**kw)
+        failed = await world.broker.get_result(job.id)
+        assert failed is not None and failed.status == "failed" and failed.undo_ids == ()
+        assert target.read_text() == "precious\n" and stat.S_IMODE(target.stat().st_mode) == 0o640
+        assert (world.notes / "other.txt").exists()  # lost: said in the degradation
+        degraded = [
+            r for r in logs if r["event"] == "sandbox.degraded" and r["reason"] == "no_staging"
+        ]
+        assert len(degraded) == 1, degraded  # once for the job, whatever it touched
+        assert "only the 2 declared target(s)" in degraded[0]["detail"]  # root, target
+        assert failed.containment is not None
+        assert failed.containment.resources.state != "kept"
+        assert "disk writes unbounded" in failed.containment.resources.reason
+        (world.notes / "other.txt").unlink()
+
+        # A success: recorded as a backup entry; undo restores the target exactly.
+        job = Job(executor="mutate", args={"root": "~/notes", "ops": ops})
+        await world.broker.submit(job)
+        await world.burst(**kw)
+        ok = await world.broker.get_result(job.id)
+        assert ok is not None and ok.status == "succeeded" and len(ok.undo_ids) == 1
+        assert target.read_text() == "overwritten"
+        [record] = await world.broker.get_undo(ok.undo_ids)
+        assert record.entry.method == "backup" and record.entry.lost
+        undo_id = await Client(world.broker).submit_undo(job.id)
+        await world.burst(**kw)
+        undone = await world.broker.get_result(undo_id)
+        assert undone is not None and undone.status == "succeeded", undone
+        (world.notes / "other.txt").unlink()
+        assert snapshot(world.notes) == before
+    finally:
+        await world.staging.aclose()
+
+
+# --- 7. an undo runs on the device that made the change, and nowhere else ---------------
+
+
+async def test_an_undo_runs_on_the_device_that_made_the_change(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": [["write", "from-d.txt", "d"]]},
+        device="phone-d",
+    )
+    await world.broker.submit(job)
+    await world.burst(device="phone-d")
+    done = await world.broker.get_result(job.id)
+    assert done is not None and done.status == "succeeded" and done.device == "phone-d"
+
+    undo_id = await Client(world.broker).submit_undo(job.id)
+    state = await world.broker.get_job_state(undo_id)
+    assert state is not None and state.state == "queued"
+    # Server workers and other devices never see it.
+    await world.burst()
+    await world.burst(device="tablet-e")
+    state = await world.broker.get_job_state(undo_id)
+    assert state is not None and state.state == "queued" and state.attempt == 0
+    assert (world.notes / "from-d.txt").exists()
+    # Device D does.
+    await world.burst(device="phone-d")
+    undone = await world.broker.get_result(undo_id)
+    assert undone is not None and undone.status == "succeeded" and undone.device == "phone-d"
+    assert snapshot(world.notes) == before
+
+
+async def test_an_undo_misrouted_by_hand_is_refused_by_the_wrong_device(world: World) -> None:
+    await staging_works(world)
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": [["write", "x", "x"]]}, device="d")
+    await world.broker.submit(job)
+    await world.burst(device="d")
+    undo = Job(executor=UNDO_EXECUTOR, args={"job_id": job.id}, device="e")
+    await world.broker.submit(undo)
+    await world.burst(device="e")
+    refused = await world.broker.get_result(undo.id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "device 'd'" in refused.error.message
+    assert (world.notes / "x").read_text() == "x"
