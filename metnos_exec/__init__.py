@@ -29,6 +29,7 @@ from .errors import (
     BadMessage,
     BadOutput,
     CapabilityDenied,
+    CommitConflict,
     HostFault,
     IdempotencyConflict,
     MetnosError,
@@ -38,6 +39,7 @@ from .errors import (
     SignatureError,
     ToolUnavailable,
     UndoConflict,
+    UndoUnavailable,
     UnknownExecutor,
 )
 from .logs import EVENTS, configure_logging, tail
@@ -50,7 +52,7 @@ from .manifest import (
     Manifest,
     load_manifest,
 )
-from .messages import DeadLetter, ErrorInfo, Job, Result, new_job_id
+from .messages import DeadLetter, ErrorInfo, Job, Result, UndoEntry, new_job_id
 from .plan import Invocation, plan_invocation
 from .policy import Policy, Profile, profile_for, require_sandbox
 from .process import ProcessResult, ProcessSpec, run_process
@@ -78,6 +80,7 @@ from .sandbox.direct import DirectSandbox
 from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
+from .staging import Staging
 from .supervisor import Supervisor
 from .worker import run_worker
 
@@ -101,6 +104,7 @@ __all__ = (
     "Capability",
     "CapabilityDenied",
     "CapabilitySpec",
+    "CommitConflict",
     "Client",
     "ContainmentReport",
     "DeadLetter",
@@ -141,6 +145,7 @@ __all__ = (
     "SandboxRequired",
     "SandboxStatus",
     "SignatureError",
+    "Staging",
     "Success",
     "Supervisor",
     "SyncClient",
@@ -148,6 +153,8 @@ __all__ = (
     "ToolUnavailable",
     "Trap",
     "UndoConflict",
+    "UndoEntry",
+    "UndoUnavailable",
     "UnknownExecutor",
     "Usage",
     "VettedArgs",

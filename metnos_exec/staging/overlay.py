@@ -35,6 +35,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,7 +44,13 @@ import anyio.to_thread
 
 from ..errors import HostFault
 
-__all__ = ("NSENTER_SEARCH", "OverlayNamespace", "StagingUnavailable", "find_nsenter")
+__all__ = (
+    "NSENTER_SEARCH",
+    "OverlayNamespace",
+    "StagingUnavailable",
+    "find_nsenter",
+    "probe_staging",
+)
 
 #: Where nsenter (util-linux) is looked for: system folders only.
 NSENTER_SEARCH: Final = "/usr/bin:/bin:/usr/sbin:/sbin"
@@ -230,3 +237,41 @@ def _spawn_helper(base: Path, fd: int) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
         env={},
     )
+
+
+def probe_staging() -> str:
+    """Whether overlay staging works here, for ``status``: start a helper (it mounts and
+    writes through a probe overlay), read its answer, stop it. Blocking (~20 ms).
+
+    Returns:
+        ``"available"`` (root: any owner), ``"available (user namespace: ...)"``, or
+        ``"unavailable: <reason>"``.
+    """
+    if find_nsenter() is None:
+        return "unavailable: nsenter (util-linux) not found"
+    with tempfile.TemporaryDirectory(prefix="metnos-stage-probe-") as base:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                proc = _spawn_helper(Path(base), theirs.fileno())
+            except OSError as exc:
+                return f"unavailable: cannot start the staging helper: {exc}"
+            finally:
+                theirs.close()
+            try:
+                ours.settimeout(_HELLO_TIMEOUT_S)
+                hello = json.loads(ours.recv(_MAX_MSG) or b"{}")
+            except (OSError, ValueError) as exc:
+                hello = {"ok": False, "error": f"no answer: {exc}"}
+        finally:
+            ours.close()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if not hello.get("ok"):
+        return f"unavailable: {hello.get('error', 'the helper exited')}"
+    if hello.get("userns"):
+        return "available (user namespace: only folders the worker's uid and gid own)"
+    return "available"
