@@ -145,12 +145,13 @@ class _Stager:
                         os.chown(upper, st.st_uid, st.st_gid)
                     # An overlay keeps its own metadata (whiteouts, opaque folders) in
                     # xattrs: user.* inside a user namespace, trusted.* for root.
-                    # redirect_dir and metacopy off: every change is a plain file in the
-                    # upper folder (a rename of a lower folder fails with EXDEV, and
-                    # tools copy instead), which the worker's commit can read as is.
+                    # No redirects (nofollow: neither made nor followed; "off" would
+                    # still follow, which userxattr refuses) and no metacopy: every change
+                    # is a plain file in the upper folder (renaming a lower folder fails
+                    # with EXDEV, and tools copy instead), which the commit reads as is.
                     options = (
                         f"lowerdir=/proc/self/fd/{lower},upperdir={upper},workdir={work},"
-                        "redirect_dir=off,metacopy=off,index=off"
+                        "redirect_dir=nofollow,metacopy=off,index=off"
                     )
                     if self.userns:
                         options += ",userxattr"
