@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Final
 
@@ -89,24 +89,17 @@ class BlobStore:
         Returns:
             The content's SHA-256 (hex) and its size in bytes.
         """
-        tmp_fd, tmp = self._temp()
-        try:
-            digest = hashlib.sha256()
-            size = 0
-            while True:
-                chunk = os.read(fd, _CHUNK)
-                if not chunk:
-                    break
+        digest = hashlib.sha256()
+        size = 0
+
+        def copy(tmp_fd: int) -> None:
+            nonlocal size
+            while chunk := os.read(fd, _CHUNK):
                 digest.update(chunk)
                 os.write(tmp_fd, chunk)  # regular file: a short write is ENOSPC, raised
                 size += len(chunk)
-            if self.fsync:
-                os.fsync(tmp_fd)
-        except BaseException:
-            os.close(tmp_fd)
-            os.unlink(tmp)
-            raise
-        os.close(tmp_fd)
+
+        tmp = self._write_temp(copy)
         return self._adopt(tmp, digest.hexdigest()), size
 
     def put_bytes(self, data: bytes) -> str:
@@ -114,17 +107,7 @@ class BlobStore:
         digest = hashlib.sha256(data).hexdigest()
         if self._touch(digest):
             return digest
-        tmp_fd, tmp = self._temp()
-        try:
-            os.write(tmp_fd, data)
-            if self.fsync:
-                os.fsync(tmp_fd)
-        except BaseException:
-            os.close(tmp_fd)
-            os.unlink(tmp)
-            raise
-        os.close(tmp_fd)
-        return self._adopt(tmp, digest)
+        return self._adopt(self._write_temp(lambda tmp_fd: _write_all(tmp_fd, data)), digest)
 
     def open(self, digest: str) -> int:
         """An fd (read-only) on the blob `digest`.
@@ -173,10 +156,20 @@ class BlobStore:
 
     # --- internals ---------------------------------------------------------------------
 
-    def _temp(self) -> tuple[int, Path]:
+    def _write_temp(self, write: Callable[[int], None]) -> Path:
+        """A new temporary file filled by `write` (flushed with ``fsync``); its path."""
         path = self._tmp / f"{os.getpid()}-{os.urandom(8).hex()}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        return fd, path
+        try:
+            write(fd)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            path.unlink()
+            raise
+        os.close(fd)
+        return path
 
     def _touch(self, digest: str) -> bool:
         """Refresh an existing blob's mtime (so `collect` spares it); ``False`` if absent."""
@@ -202,6 +195,12 @@ class BlobStore:
         if self.fsync:
             _fsync_dir(final.parent)
         return digest
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: Path) -> None:

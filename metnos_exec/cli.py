@@ -185,6 +185,13 @@ def _dump_json(obj: Any, out: TextIO) -> None:
     out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")
 
 
+def _print_job_id(job_id: str, *, as_json: bool) -> None:
+    if as_json:
+        _dump_json({"job_id": job_id}, sys.stdout)
+    else:
+        sys.stdout.write(job_id + "\n")
+
+
 def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
     if as_json:
         _dump_json(result, out)
@@ -348,10 +355,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
             except IdempotencyConflict as exc:
                 raise _Exit(EXIT["rejected"], str(exc)) from None
             if not ns.wait:
-                if ns.json:
-                    _dump_json({"job_id": job_id}, sys.stdout)
-                else:
-                    sys.stdout.write(job_id + "\n")
+                _print_job_id(job_id, as_json=ns.json)
                 return 0
             if not ns.json:
                 sys.stderr.write(f"submitted {job_id}\n")
@@ -503,10 +507,7 @@ def _cmd_undo(ns: argparse.Namespace) -> int:
                     raise _Exit(EXIT["not_found"], f"no job {ns.job_id}") from None
                 raise _Exit(EXIT["rejected"], str(exc)) from None
             if ns.no_wait:
-                if ns.json:
-                    _dump_json({"job_id": undo_id}, sys.stdout)
-                else:
-                    sys.stdout.write(undo_id + "\n")
+                _print_job_id(undo_id, as_json=ns.json)
                 return 0
             if not ns.json:
                 sys.stderr.write(f"undo of {ns.job_id} submitted as job {undo_id}\n")

@@ -86,6 +86,9 @@ __all__ = (
     "OpConflict",
     "PAUSE_ENV",
     "apply_ops",
+    "conflict_message",
+    "file_state",
+    "hash_fd",
     "inverse",
     "order_ops",
     "reverse_ops",
@@ -237,15 +240,7 @@ class HostTree:
 
     def state_of(self, path: str, st: os.stat_result) -> PathState | None:
         if stat.S_ISREG(st.st_mode):
-            digest, size = self.hash_file(path, st)
-            return FileState(
-                sha256=digest,
-                size=size,
-                mode=stat.S_IMODE(st.st_mode),
-                mtime_ns=st.st_mtime_ns,
-                uid=st.st_uid,
-                gid=st.st_gid,
-            )
+            return file_state(st, *self.hash_file(path, st))
         if stat.S_ISLNK(st.st_mode):
             parent, name = self.split(path)
             return LinkState(target=os.readlink(name, dir_fd=parent))
@@ -271,12 +266,32 @@ class HostTree:
     def hash_file(self, path: str, st: os.stat_result | None = None) -> tuple[str, int]:
         fd = self.open_file(path, st)
         try:
-            return _hash_fd(fd)
+            return hash_fd(fd)
         finally:
             os.close(fd)
 
 
-def _hash_fd(fd: int) -> tuple[str, int]:
+def file_state(st: os.stat_result, sha256: str, size: int) -> FileState:
+    """The `FileState` of a regular file whose lstat is `st` and content hash `sha256`."""
+    return FileState(
+        sha256=sha256,
+        size=size,
+        mode=stat.S_IMODE(st.st_mode),
+        mtime_ns=st.st_mtime_ns,
+        uid=st.st_uid,
+        gid=st.st_gid,
+    )
+
+
+def conflict_message(what: str, conflicts: Sequence[Conflict], *, limit: int = 10) -> str:
+    """``"<what>: /a (reason); /b (reason) and 3 more"``."""
+    shown = "; ".join(map(str, conflicts[:limit]))
+    more = f" and {len(conflicts) - limit} more" if len(conflicts) > limit else ""
+    return f"{what}: {shown}{more}"
+
+
+def hash_fd(fd: int) -> tuple[str, int]:
+    """SHA-256 (hex) and size of what `fd` holds from its offset on."""
     digest = hashlib.sha256()
     size = 0
     while chunk := os.read(fd, _CHUNK):

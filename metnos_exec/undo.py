@@ -38,6 +38,7 @@ from .journal import (
     JournalRecord,
     OpConflict,
     apply_ops,
+    conflict_message,
     order_ops,
     reverse_ops,
     same_state,
@@ -280,9 +281,5 @@ def apply_undo(
 
 
 def _conflict_text(job_id: str, conflicts: Sequence[Conflict]) -> str:
-    shown = "; ".join(map(str, conflicts[:10]))
-    more = f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
-    return (
-        f"not undone: {len(conflicts)} path(s) changed since job {job_id}: {shown}{more}; "
-        "nothing was changed"
-    )
+    what = f"not undone, nothing was changed: {len(conflicts)} path(s) changed since job {job_id}"
+    return conflict_message(what, conflicts)

@@ -50,6 +50,8 @@ from ..journal import (
     JournalRecord,
     OpConflict,
     apply_ops,
+    conflict_message,
+    file_state,
     fingerprints,
     order_ops,
     reverse_ops,
@@ -68,7 +70,6 @@ __all__ = (
     "OverlayRun",
     "Reversible",
     "Staging",
-    "conflict_message",
     "default_state_dir",
     "disk_verdict",
 )
@@ -100,13 +101,6 @@ def default_state_dir() -> Path:
         os.path.expanduser("~"), ".local", "state"
     )
     return Path(xdg) / "metnos-exec"
-
-
-def conflict_message(what: str, conflicts: Sequence[Conflict], *, limit: int = 10) -> str:
-    """``"<what>: /a (reason); /b (reason) and 3 more"``."""
-    shown = "; ".join(map(str, conflicts[:limit]))
-    more = f" and {len(conflicts) - limit} more" if len(conflicts) > limit else ""
-    return f"{what}: {shown}{more}"
 
 
 def disk_verdict(
@@ -726,17 +720,9 @@ def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
     if stat.S_ISREG(st.st_mode):
         fd = tree.open_file(path, st)
         try:
-            digest, size = store.put_fd(fd)
+            return file_state(st, *store.put_fd(fd))
         finally:
             os.close(fd)
-        return FileState(
-            sha256=digest,
-            size=size,
-            mode=stat.S_IMODE(st.st_mode),
-            mtime_ns=st.st_mtime_ns,
-            uid=st.st_uid,
-            gid=st.st_gid,
-        )
     state = tree.state_of(path, st)
     if state is None:
         raise HostFault(f"declared target {path} is a special file: it cannot be backed up")

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ..blobs import BlobStore
-from ..journal import Blocked, Conflict, Fingerprint, HostTree, order_ops, strip_mode
+from ..journal import Blocked, Conflict, Fingerprint, HostTree, hash_fd, order_ops, strip_mode
 from ..messages import Absent, DirState, FileState, LinkState, Move, PathState, Put, UndoOp
 
 __all__ = ("CommitPlan", "UpperSource", "find_moves", "plan_commit", "store_originals")
@@ -231,7 +231,7 @@ class _Planner:
                 digest, size = hashlib.sha256(data).hexdigest(), len(data)
                 self.plan.source._data[path] = data
             else:
-                digest, size = _hash(fd)
+                digest, size = hash_fd(fd)
                 self.plan.source._where[path] = (self.plan.source.add_dir(os.dup(folder)), name)
         finally:
             os.close(fd)
@@ -366,15 +366,6 @@ def _read_all(fd: int) -> bytes:
     while chunk := os.read(fd, _CHUNK):
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _hash(fd: int) -> tuple[str, int]:
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := os.read(fd, _CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-    return digest.hexdigest(), size
 
 
 def plan_commit(

@@ -242,6 +242,16 @@ async def api_undo(world: World, job_id: str, *, device: str | None = None) -> R
     return result
 
 
+def staged_file_seen(world: World, name: str) -> bool:
+    """Whether a running job's overlay holds `name` in its upper folder (the job wrote
+    it): looked at inside the staging helper's namespace, never visible on the host."""
+    helper = world.staging._ns
+    if helper is None or not helper.running:
+        return False
+    base = Path(f"/proc/{helper.pid}/root{world.staging.state_dir / 'stage'}")
+    return any((d / "t" / "u0" / name).exists() for d in base.iterdir())
+
+
 async def wait_for(pred: Any, deadline_s: float = 10.0) -> None:
     """Poll `pred` (a plain callable: a host file, a broker dict) until true, with a
     deadline: what it watches has no event to wait on."""

@@ -28,6 +28,7 @@ from .helpers import (
     make_world,
     seed,
     snapshot,
+    staged_file_seen,
     staging_works,
     wait_for,
 )
@@ -162,20 +163,10 @@ async def test_a_cancelled_job_leaves_nothing(world: World) -> None:
     before = snapshot(world.notes)
     job = Job(executor="mutate", args={"root": "~/notes", "ops": ALL_KINDS, "sleep": 30})
     await world.broker.submit(job)
-    stage = world.staging.state_dir / "stage"
-    helper = world.staging._ns
-    assert helper is not None
-
-    def staged_write_seen() -> bool:
-        # The job's writes are in its overlay's upper folder, inside the helper's
-        # namespace: seen there, never on the host.
-        root = Path(f"/proc/{helper.pid}/root{stage}")
-        return any((d / "t" / "u0" / "new.txt").exists() for d in root.iterdir())
-
     async with anyio.create_task_group() as tg:
         sup = world.supervisor(cancel_poll_s=0.05)
         tg.start_soon(sup.run)
-        await wait_for(staged_write_seen, 20)
+        await wait_for(lambda: staged_file_seen(world, "new.txt"), 20)
         assert snapshot(world.notes) == before
         assert await world.broker.cancel(job.id) == "cancelling"
         await wait_for(lambda: job.id in world.broker._results, 20)
@@ -318,17 +309,9 @@ async def test_a_host_change_during_the_job_refuses_the_commit(world: World) -> 
     ops = [["append", "mod.txt", "job\n"], ["write", "n", "n"], ["waitfor", "go"]]
     job = Job(executor="mutate", args={"root": "~/notes", "ops": ops})
     await world.broker.submit(job)
-    stage = world.staging.state_dir / "stage"
-    helper = world.staging._ns
-    assert helper is not None
-
-    def staged() -> bool:
-        root = Path(f"/proc/{helper.pid}/root{stage}")
-        return any((d / "t" / "u0" / "n").exists() for d in root.iterdir())
-
     async with anyio.create_task_group() as tg:
         tg.start_soon(world.burst)
-        await wait_for(staged, 20)
+        await wait_for(lambda: staged_file_seen(world, "n"), 20)
         (world.notes / "mod.txt").write_text("a person edited it meanwhile\n")
         (world.notes / "go").write_text("go")
         now = snapshot(world.notes)
