@@ -687,10 +687,10 @@ class Supervisor:
             await self._settle_run(running, arm, sjob, reversible, outcome, fault, started_at)
         finally:
             if reversible is not None:
-                # Whatever happened, nothing staged outlives the job (a committed run was
-                # settled already; this is then a no-op).
+                # Whatever happened, nothing staged outlives the job (normally discarded or
+                # settled already; then this is a no-op).
                 with anyio.CancelScope(shield=True):
-                    await reversible.discard()
+                    await reversible.discard(restore=running.stop != "lease_lost")
 
     async def _settle_run(
         self,
@@ -708,6 +708,18 @@ class Supervisor:
 
         def contained(report: ContainmentReport) -> ContainmentReport:
             return disk_verdict(report, method=method, disk_bytes=sjob.limits.disk_bytes)
+
+        if reversible is not None and (
+            running.stop is not None
+            or fault is not None
+            or outcome is None
+            or (isinstance(outcome.exit, Failure) and outcome.exit.code == EX_TEMPFAIL)
+        ):
+            # Nothing of this run is kept: drop it *before* the job goes back to the queue
+            # or gets its result (a backup run puts its targets back now, while no other
+            # delivery can be writing them; not after a lost lease, when one may be).
+            with anyio.CancelScope(shield=True):
+                await reversible.discard(restore=running.stop != "lease_lost")
 
         if running.stop == "lease_lost":
             _log.warning("lease.lost", visibility_s=self.visibility_s)
@@ -777,7 +789,10 @@ class Supervisor:
         if outcome.containment is not None:
             result = msgspec.structs.replace(result, containment=contained(outcome.containment))
         if result.status != "succeeded":
-            if reversible.disk_exceeded():
+            exceeded = reversible.disk_exceeded()
+            with anyio.CancelScope(shield=True):
+                await reversible.discard()
+            if exceeded:
                 budget = (sjob.limits.disk_bytes or 0) / (1024 * 1024)
                 result = msgspec.structs.replace(
                     result,

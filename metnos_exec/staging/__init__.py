@@ -149,7 +149,10 @@ class Reversible(Protocol):
 
     async def settle(self, *, stored: bool) -> None: ...
 
-    async def discard(self) -> None: ...
+    async def discard(self, *, restore: bool = True) -> None:
+        """Drop the run (idempotent): staged writes vanish; a backup run puts its
+        targets back unless ``restore=False`` (another delivery may be writing them)."""
+        ...
 
     async def abandon(self) -> None:
         """Whether the result was stored is unknown (the broker failed mid-ack): leave
@@ -553,7 +556,7 @@ class OverlayRun:
             tree.close()
         await self.discard()
 
-    async def discard(self) -> None:
+    async def discard(self, *, restore: bool = True) -> None:
         """Drop the staged writes (idempotent)."""
         if self._closed:
             return
@@ -653,12 +656,13 @@ class BackupRun:
         # Nothing was applied by us (the job wrote in place): the entry, if stored, stands.
         return
 
-    async def discard(self) -> None:
+    async def discard(self, *, restore: bool = True) -> None:
         """Put the declared targets back as they were (a failed, timed-out or cancelled
         job); what else it wrote stays (said in `lost`)."""
         if not self._committed:
             self._committed = True
-            await self._restore()
+            if restore:
+                await self._restore()
 
     async def _restore(self) -> None:
         left = await anyio.to_thread.run_sync(self._restore_sync)

@@ -55,6 +55,8 @@ __all__ = (
 #: Where nsenter (util-linux) is looked for: system folders only.
 NSENTER_SEARCH: Final = "/usr/bin:/bin:/usr/sbin:/sbin"
 _HELLO_TIMEOUT_S: Final = 15.0
+#: How long one staging request may take (two mounts; normally well under 1 ms).
+_REQUEST_TIMEOUT_S: Final = 10.0
 _MAX_MSG: Final = 65536
 _HELPER: Final = Path(__file__).with_name("_nshelper.py")
 
@@ -158,8 +160,17 @@ class OverlayNamespace:
             "roots": [{"path": p, "dev": d, "ino": i} for p, d, i in roots],
         }
         async with self._lock:
-            self._send(request)
-            reply, fds = await self._recv()
+            # Shielded: a reply abandoned half-way (a cancelled job) would be read as the
+            # answer to the next request. Bounded: a helper that hangs is replaced.
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(_REQUEST_TIMEOUT_S) as waited:
+                    self._send(request)
+                    reply, fds = await self._recv()
+                if waited.cancelled_caught:
+                    await self.aclose()
+                    raise HostFault(
+                        f"the staging helper did not answer within {_REQUEST_TIMEOUT_S:g} s"
+                    )
         if not reply.get("ok") or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
