@@ -61,7 +61,7 @@ from ..journal import (
 from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, UndoOp
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
 from .changes import CommitPlan, find_moves, plan_commit, store_originals
-from .overlay import OverlayNamespace, StagingUnavailable
+from .overlay import HelperGone, OverlayNamespace, StagingUnavailable
 
 __all__ = (
     "STATE_DIR_ENV",
@@ -264,7 +264,18 @@ class Staging:
         if arm_stages and self._ns is not None:
             why = await self.start() or _not_owned(roots) or ""
             if not why:
-                return await OverlayRun.create(self, self._ns, job_id, executor, device, job, roots)
+                try:
+                    return await OverlayRun.create(
+                        self, self._ns, job_id, executor, device, job, roots
+                    )
+                except HelperGone:
+                    # It died since the last job (killed, OOM): one new one, once.
+                    await self._ns.aclose()
+                    why = await self.start() or ""
+                    if not why:
+                        return await OverlayRun.create(
+                            self, self._ns, job_id, executor, device, job, roots
+                        )
         elif self._ns is None:
             why = self._unavailable or why
         return await BackupRun.create(

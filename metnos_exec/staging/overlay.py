@@ -46,6 +46,7 @@ from ..errors import HostFault
 
 __all__ = (
     "NSENTER_SEARCH",
+    "HelperGone",
     "OverlayNamespace",
     "StagingUnavailable",
     "find_nsenter",
@@ -63,6 +64,10 @@ _HELPER: Final = Path(__file__).with_name("_nshelper.py")
 
 class StagingUnavailable(Exception):
     """Staging cannot work here (the reason is for people and for ``no_staging``)."""
+
+
+class HelperGone(HostFault):
+    """The staging helper exited (or was killed): a new one may be started."""
 
 
 def find_nsenter() -> str | None:
@@ -204,16 +209,16 @@ class OverlayNamespace:
 
     def _send(self, doc: dict[str, Any]) -> None:
         if self._sock is None:
-            raise HostFault("the staging helper is not running")
+            raise HelperGone("the staging helper is not running")
         try:
             self._sock.send(json.dumps(doc).encode())
         except OSError as exc:
-            raise HostFault(f"the staging helper is gone: {exc}") from exc
+            raise HelperGone(f"the staging helper is gone: {exc}") from exc
 
     async def _recv(self) -> tuple[dict[str, Any], list[int]]:
         sock = self._sock
         if sock is None:
-            raise HostFault("the staging helper is not running")
+            raise HelperGone("the staging helper is not running")
         sock.setblocking(False)
         while True:
             try:
@@ -223,6 +228,8 @@ class OverlayNamespace:
                 break
             except BlockingIOError:
                 await anyio.wait_readable(sock)
+            except OSError as exc:  # ECONNRESET: it died with our request unread
+                raise HelperGone(f"the staging helper is gone: {exc}") from exc
         fds: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -232,7 +239,7 @@ class OverlayNamespace:
         if not data:
             for fd in fds:
                 os.close(fd)
-            raise HostFault("the staging helper exited")
+            raise HelperGone("the staging helper exited")
         return json.loads(data), fds
 
 
