@@ -235,3 +235,23 @@ async def test_recovery_keeps_a_stored_commit_and_rolls_back_the_others(tmp_path
     assert sorted(done) == sorted([(leases[0].job.id, "kept"), (leases[1].job.id, "rolled_back")])
     assert sorted(os.listdir(root)) == ["f0"]
     assert list(staging.journal.folder.iterdir()) == []
+
+
+def test_a_name_taken_on_the_host_meanwhile_is_a_conflict(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a").write_bytes(b"a0")
+    store = BlobStore(tmp_path / "blobs")
+    r = str(root)
+    ops = order_ops(
+        [
+            Put(path=f"{r}/a", before=file_state(store, b"a0"), after=file_state(store, b"a1")),
+            Put(path=f"{r}/z", before=Absent(), after=file_state(store, b"mine")),
+        ]
+    )
+    with HostTree([r]) as tree:
+        expect = fingerprints(tree, [f"{r}/a", f"{r}/z"])
+        (root / "z").write_bytes(b"theirs")  # created after the plan said "absent"
+        with pytest.raises(OpConflict, match="appeared on the host"):
+            apply_ops(tree, ops, source=BlobSource(store), store=store, expect=expect, tag="t")
+    assert (root / "a").read_bytes() == b"a0" and (root / "z").read_bytes() == b"theirs"
