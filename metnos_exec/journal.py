@@ -787,27 +787,37 @@ class Journal:
             raise
         return JournalHandle(final, record, fd)
 
-    def orphans(self) -> list[JournalHandle]:
-        """Journals whose owner is gone (their lock could be taken), now held by us.
+    def orphans(self) -> tuple[list[JournalHandle], list[tuple[str, str]]]:
+        """Journals whose owner is gone (their lock could be taken), now held by us, and
+        ``(path, why)`` for those that cannot be read (left in place, not held).
 
         Temp files of a journal never completed are removed on the way (nothing was
         applied before the rename).
         """
         found: list[JournalHandle] = []
+        unreadable: list[tuple[str, str]] = []
         for path in sorted(self.folder.iterdir()):
-            if path.name.startswith(".") and path.name.endswith(".tmp"):
-                handle = self._take(path)
-                if handle is not None:
-                    handle.close()
+            temp = path.name.startswith(".") and path.name.endswith(".tmp")
+            if not temp and not path.name.endswith(".journal"):
                 continue
-            if not path.name.endswith(".journal"):
+            fd = self._lock(path)
+            if fd is None:
                 continue
-            handle = self._take(path)
-            if handle is not None:
-                found.append(handle)
-        return found
+            if temp:
+                JournalHandle(path, _NO_RECORD, fd).close()
+                continue
+            try:
+                record = _record_decoder.decode(os.pread(fd, os.fstat(fd).st_size, 0))
+            except (OSError, msgspec.DecodeError) as exc:
+                os.close(fd)
+                unreadable.append((str(path), str(exc)))
+                continue
+            found.append(JournalHandle(path, record, fd))
+        return found, unreadable
 
-    def _take(self, path: Path) -> JournalHandle | None:
+    @staticmethod
+    def _lock(path: Path) -> int | None:
+        """An fd holding `path`'s lock, or ``None`` (gone, or its owner is alive)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -817,30 +827,10 @@ class Journal:
         except BlockingIOError:
             os.close(fd)
             return None
-        try:
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
-            record = (
-                _record_decoder.decode(data)
-                if path.name.endswith(".journal")
-                else JournalRecord(job_id="", entry_id="", roots=(), ops=())
-            )
-        except (OSError, msgspec.DecodeError):
-            # Unreadable (hand-edited, a disk error): keep the file for a person, and say so.
-            os.close(fd)
-            raise
-        return JournalHandle(path, record, fd)
+        return fd
 
 
-def blob_ops_missing(ops: Iterable[UndoOp], store: BlobStore) -> list[str]:
-    """Paths whose content `ops` would restore from blobs the store lacks."""
-    return [
-        op.path
-        for op in ops
-        if isinstance(op, Put)
-        and writes_content(op)
-        and isinstance(op.after, FileState)
-        and not store.has(op.after.sha256)
-    ]
+_NO_RECORD = JournalRecord(job_id="", entry_id="", roots=(), ops=())
 
 
 def fingerprints(tree: HostTree, paths: Iterable[str]) -> dict[str, Fingerprint | None]:

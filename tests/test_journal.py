@@ -198,16 +198,24 @@ def test_the_journal_belongs_to_its_live_owner_only(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "j")
     record = JournalRecord(job_id="J", entry_id="E", roots=(), ops=())
     mine = journal.begin(record)
-    assert journal.orphans() == []  # held by us: alive
+    assert journal.orphans() == ([], [])  # held by us: alive
     mine.close(remove=False)
-    taken = journal.orphans()
+    taken, _ = journal.orphans()
     assert [h.record for h in taken] == [record]
     taken[0].close()
     assert list((tmp_path / "j").iterdir()) == []
     _dead_owner(tmp_path / "j", record)
-    [orphan] = journal.orphans()
+    [orphan], _ = journal.orphans()
     assert orphan.record.job_id == "J"
     orphan.close()
+    # One that cannot be read is reported and left for a person; the others still go.
+    (tmp_path / "j" / "bad.journal").write_text("{not json")
+    _dead_owner(tmp_path / "j", record)
+    found, unreadable = journal.orphans()
+    assert [h.record.job_id for h in found] == ["J"]
+    assert [p for p, _ in unreadable] == [str(tmp_path / "j" / "bad.journal")]
+    found[0].close()
+    assert (tmp_path / "j" / "bad.journal").exists()
 
 
 @pytest.mark.anyio

@@ -24,6 +24,7 @@ worker killed in the middle is settled by the next start (`Staging.recover`, see
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import stat
 import time
@@ -306,36 +307,34 @@ class Staging:
         Returns:
             ``(job_id, "kept" | "rolled_back")`` for each journal settled.
         """
-        try:
-            handles = await anyio.to_thread.run_sync(self.journal.orphans)
-        except (OSError, msgspec.DecodeError) as exc:
-            _log.error("worker.error", error=f"commit journal unreadable: {exc}")
-            return []
+        handles, unreadable = await anyio.to_thread.run_sync(self.journal.orphans)
+        for path, why in unreadable:
+            # Left in place for a person: what it did cannot be known.
+            _log.error("worker.error", error=f"commit journal {path} unreadable: {why}")
         done: list[tuple[str, str]] = []
-        for handle in handles:
-            record = handle.record
-            try:
+        try:
+            while handles:
+                handle = handles[0]
+                record = handle.record
                 result = await broker.get_result(record.job_id)
-            except Exception:
-                handle.close(remove=False)  # the next start tries again
-                raise
-            if result is not None and record.entry_id in result.undo_ids:
-                handle.close()
-                done.append((record.job_id, "kept"))
-                _log.info(
-                    "journal.recovered", job_id=record.job_id, action="kept", ops=len(record.ops)
+                if result is not None and record.entry_id in result.undo_ids:
+                    action, left = "kept", []
+                else:
+                    action = "rolled_back"
+                    left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
+                handles.pop(0).close()
+                done.append((record.job_id, action))
+                _log.log(
+                    logging.WARNING if action == "rolled_back" else logging.INFO,
+                    "journal.recovered",
+                    job_id=record.job_id,
+                    action=action,
+                    ops=len(record.ops),
+                    left=[str(c) for c in left[:20]],
                 )
-                continue
-            left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
-            handle.close()
-            done.append((record.job_id, "rolled_back"))
-            _log.warning(
-                "journal.recovered",
-                job_id=record.job_id,
-                action="rolled_back",
-                ops=len(record.ops),
-                left=[str(c) for c in left[:20]],
-            )
+        finally:
+            for handle in handles:
+                handle.close(remove=False)  # the broker failed: the next call tries again
         return done
 
 
