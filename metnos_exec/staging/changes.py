@@ -141,8 +141,12 @@ class _Planner:
             return False, st
         return True, st
 
-    def walk(self, upper_fd: int, host_dir: str, *, host_known: bool) -> None:
-        """`host_known`: the host folder exists (else every entry below is new)."""
+    def walk(
+        self, upper_fd: int, host_dir: str, *, host_known: bool, replaced: bool = False
+    ) -> None:
+        """`host_known`: the host folder exists (else every entry below is new).
+        `replaced`: the folder was deleted and made again by the job (opaque, or inside
+        an opaque one): what the host holds below it goes, whatever the upper holds."""
         for entry in sorted(os.scandir(upper_fd), key=lambda e: e.name):
             path = posixpath.join(host_dir, entry.name)
             st = entry.stat(follow_symlinks=False)
@@ -152,13 +156,15 @@ class _Planner:
                 if not ok:
                     continue
             if self.is_whiteout(upper_fd, entry.name, st):
+                if not host_known:
+                    continue  # nothing below a new folder to delete
                 if host is None:
                     self.conflict(path, "deleted by the job and removed from the host meanwhile")
                     continue
                 self.remove_host(path, host)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                self.dir(upper_fd, entry.name, path, st, host)
+                self.dir(upper_fd, entry.name, path, st, host, replaced=replaced)
             elif stat.S_ISREG(st.st_mode):
                 self.file(upper_fd, entry.name, path, st, host)
             elif stat.S_ISLNK(st.st_mode):
@@ -188,11 +194,20 @@ class _Planner:
             os.close(fd)
 
     def dir(
-        self, folder: int, name: str, path: str, st: os.stat_result, host: os.stat_result | None
+        self,
+        folder: int,
+        name: str,
+        path: str,
+        st: os.stat_result,
+        host: os.stat_result | None,
+        *,
+        replaced: bool = False,
     ) -> None:
         fd = os.open(name, _DIR_FLAGS, dir_fd=folder)
         try:
-            opaque = os.getxattr(fd, self.opaque_xattr) == b"y"
+            # Inside a folder the job made again, the overlay looks nothing up below:
+            # a sub-folder there replaces the host's whole, marked or not.
+            opaque = replaced or os.getxattr(fd, self.opaque_xattr) == b"y"
         except OSError as exc:
             if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
                 os.close(fd)
@@ -216,7 +231,7 @@ class _Planner:
                             self.remove_host(child, child_st)
             if stat.S_IMODE(host.st_mode) != mode:
                 self.items.append(_Item(path, _Upper(DirState(mode=mode)), host))
-            self.walk(fd, path, host_known=True)
+            self.walk(fd, path, host_known=True, replaced=opaque)
         finally:
             os.close(fd)
 

@@ -163,3 +163,22 @@ def test_a_moved_file_keeps_its_inode(trees: tuple[Path, Path], tmp_path: Path) 
     (upper / "dst").write_text("content")
     result = plan(root, upper, since)
     assert [type(op) for op in result.ops] == [Move]
+
+
+def test_below_an_opaque_folder_the_host_is_replaced_whole(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (root / "d" / "e").mkdir(parents=True)
+    (root / "d" / "e" / "old.txt").write_text("old")
+    (root / "d" / "e" / "f.txt").write_text("f0")
+    (root / "d" / "x").write_text("x")
+    since = stamp_after(root / "d" / "e" / "old.txt", root / "d" / "e" / "f.txt", root / "d" / "x")
+    # rm -r d; mkdir -p d/e; echo f1 > d/e/f.txt: only d carries the opaque mark.
+    (upper / "d" / "e").mkdir(parents=True)
+    os.setxattr(upper / "d", f"{XATTR}overlay.opaque", b"y")
+    (upper / "d" / "e" / "f.txt").write_text("f1")
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    gone = {op.path for op in result.ops if isinstance(op, Put) and isinstance(op.after, Absent)}
+    assert gone == {str(root / "d" / "x"), str(root / "d" / "e" / "old.txt")}
+    replaced = [op for op in result.ops if isinstance(op, Put) and op.path.endswith("/f.txt")]
+    assert len(replaced) == 1 and isinstance(replaced[0].after, FileState)
