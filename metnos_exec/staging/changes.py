@@ -129,17 +129,30 @@ class _Planner:
     def conflict(self, path: str, reason: str) -> None:
         self.plan.conflicts.append(Conflict(path, reason))
 
-    def host_stat(self, path: str) -> tuple[bool, os.stat_result | None]:
-        """``(ok, lstat)``: not ok when the path cannot be walked (a conflict noted)."""
+    def host_stat(
+        self, path: str, *, folder_in_upper: bool = False
+    ) -> tuple[bool, os.stat_result | None]:
+        """``(ok, lstat)``: not ok when the path cannot be walked, or changed on the host
+        while the job ran (a conflict noted).
+
+        `folder_in_upper`: the job's upper layer holds a folder here. A host folder's
+        ctime moves whenever an entry is added or removed in it, which is no conflict
+        with a job that only changed *other* entries: folders are checked by `dir` only
+        when the job changes the folder itself (its mode).
+        """
         try:
             st = self.tree.lstat(path)
         except Blocked as exc:
             self.conflict(path, str(exc))
             return False, None
-        if st is not None and st.st_ctime_ns >= self.since_ns:
+        both_folders = folder_in_upper and st is not None and stat.S_ISDIR(st.st_mode)
+        if st is not None and not both_folders and self.changed_since(st):
             self.conflict(path, "changed on the host while the job ran")
             return False, st
         return True, st
+
+    def changed_since(self, st: os.stat_result) -> bool:
+        return st.st_ctime_ns >= self.since_ns
 
     def walk(
         self, upper_fd: int, host_dir: str, *, host_known: bool, replaced: bool = False
@@ -152,7 +165,7 @@ class _Planner:
             st = entry.stat(follow_symlinks=False)
             host: os.stat_result | None = None
             if host_known:
-                ok, host = self.host_stat(path)
+                ok, host = self.host_stat(path, folder_in_upper=stat.S_ISDIR(st.st_mode))
                 if not ok:
                     continue
             if self.is_whiteout(upper_fd, entry.name, st):
@@ -230,6 +243,9 @@ class _Planner:
                         if ok:
                             self.remove_host(child, child_st)
             if stat.S_IMODE(host.st_mode) != mode:
+                if self.changed_since(host):
+                    # The job changed its mode; the host changed it (or its entries).
+                    self.conflict(path, "changed on the host while the job ran")
                 self.items.append(_Item(path, _Upper(DirState(mode=mode)), host))
             self.walk(fd, path, host_known=True, replaced=opaque)
         finally:

@@ -182,3 +182,17 @@ def test_below_an_opaque_folder_the_host_is_replaced_whole(trees: tuple[Path, Pa
     assert gone == {str(root / "d" / "x"), str(root / "d" / "e" / "old.txt")}
     replaced = [op for op in result.ops if isinstance(op, Put) and op.path.endswith("/f.txt")]
     assert len(replaced) == 1 and isinstance(replaced[0].after, FileState)
+
+
+def test_a_host_entry_next_to_the_jobs_is_no_conflict(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (root / "sub").mkdir()
+    (root / "sub" / "a").write_text("a")
+    since = stamp_after(root / "sub", root / "sub" / "a")
+    (root / "sub" / "theirs.txt").write_text("a person saved a note meanwhile")
+    (upper / "sub").mkdir()  # copied up: the job added an entry in it
+    os.chmod(upper / "sub", stat.S_IMODE((root / "sub").stat().st_mode))
+    (upper / "sub" / "mine.txt").write_text("the job's note")
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    assert [op.path for op in result.ops if isinstance(op, Put)] == [str(root / "sub" / "mine.txt")]
