@@ -61,7 +61,7 @@ from ..journal import (
 )
 from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, UndoOp
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
-from .changes import CommitPlan, find_moves, plan_commit, store_originals
+from .changes import CommitPlan, change_stamp, find_moves, plan_commit, store_originals
 from .overlay import HelperGone, OverlayNamespace, StagingUnavailable
 
 __all__ = (
@@ -338,29 +338,6 @@ class Staging:
         return done
 
 
-def _change_stamp(folder: int) -> int:
-    """An inode change time taken now, to tell "changed while the job ran" (ctime at or
-    after it) from "changed before" (ctime before it).
-
-    Read from a real inode change, not from a clock: since Linux 6.13, ext4, xfs, btrfs
-    and tmpfs hand out *multigrain* times, fine-grained for an inode whose time was just
-    read, and never earlier than the last fine-grained time handed out anywhere (a global
-    floor). Two query-then-change rounds on a file of the staging tmpfs: the first lifts
-    its ctime to that floor, the second gets a fresh fine-grained time and raises the
-    floor to it. Every earlier change is then strictly before the stamp, every later one
-    at or after it, on any multigrain file system. (On one that is not, a change in the
-    coarse tick, ~1-4 ms, right after the start can go unseen.)
-    """
-    fd = os.open("stamp", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=folder)
-    try:
-        for _ in range(2):
-            os.fstat(fd)
-            os.ftruncate(fd, 0)
-        return os.fstat(fd).st_ctime_ns
-    finally:
-        os.close(fd)
-
-
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
     with HostTree(record.roots) as tree:
         return rollback(tree, record.ops, store=store, tag=record.id)
@@ -426,7 +403,7 @@ class OverlayRun:
         stage_id = f"{job_id}.{os.urandom(3).hex()}"
         fd = await ns.stage(stage_id, found, size=size, inodes=max(1024, size // _BYTES_PER_INODE))
         try:
-            since_ns = _change_stamp(fd)
+            since_ns = change_stamp(fd)
         except OSError:
             os.close(fd)
             ns.release(stage_id)

@@ -44,7 +44,14 @@ from ..blobs import BlobStore
 from ..journal import Blocked, Conflict, Fingerprint, HostTree, hash_fd, order_ops, strip_mode
 from ..messages import Absent, DirState, FileState, LinkState, Move, PathState, Put, UndoOp
 
-__all__ = ("CommitPlan", "UpperSource", "find_moves", "plan_commit", "store_originals")
+__all__ = (
+    "CommitPlan",
+    "UpperSource",
+    "change_stamp",
+    "find_moves",
+    "plan_commit",
+    "store_originals",
+)
 
 #: Files up to this size are read into memory while hashed, and written from there.
 _INLINE_MAX: Final = 64 * 1024
@@ -399,6 +406,29 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def change_stamp(folder: int) -> int:
+    """An inode change time taken now, to tell "changed while the job ran" (ctime at or
+    after it) from "changed before" (ctime before it).
+
+    Read from a real inode change, not from a clock: since Linux 6.13, ext4, xfs, btrfs
+    and tmpfs hand out *multigrain* times, fine-grained for an inode whose time was just
+    read, and never earlier than the last fine-grained time handed out anywhere (a global
+    floor). Two query-then-change rounds on a file of the staging tmpfs: the first lifts
+    its ctime to that floor, the second gets a fresh fine-grained time and raises the
+    floor to it. Every earlier change is then strictly before the stamp, every later one
+    at or after it, on any multigrain file system. (On one that is not, a change in the
+    coarse tick, ~1-4 ms, right after the start can go unseen.)
+    """
+    fd = os.open("stamp", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    try:
+        for _ in range(2):
+            os.fstat(fd)
+            os.ftruncate(fd, 0)
+        return os.fstat(fd).st_ctime_ns
+    finally:
+        os.close(fd)
+
+
 def plan_commit(
     tree: HostTree,
     uppers: list[tuple[str, int]],
@@ -411,9 +441,8 @@ def plan_commit(
     Args:
         tree: the host's writable roots.
         uppers: ``(root, fd of its overlay's upper folder)`` for every staged root.
-        since_ns: an inode change time taken when the job started (see
-            ``staging._change_stamp``): a host path with a ctime at or after it changed
-            while the job ran, a conflict.
+        since_ns: an inode change time taken when the job started (`change_stamp`): a
+            host path with a ctime at or after it changed while the job ran, a conflict.
         xattr_prefix: ``"user."`` for an overlay made in a user namespace, else
             ``"trusted."``.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from metnos_exec.journal import HostTree
 from metnos_exec.messages import Absent, DirState, FileState, LinkState, Move, Put
-from metnos_exec.staging.changes import CommitPlan, plan_commit
+from metnos_exec.staging.changes import CommitPlan, change_stamp, plan_commit
 
 XATTR = "user."
 
@@ -31,9 +32,21 @@ def plan(root: Path, upper: Path, since_ns: int) -> CommitPlan:
         os.close(fd)
 
 
+_stamps: list[Path] = []
+
+
 def stamp_after(*paths: Path) -> int:
-    """A "job start" stamp later than the last change of `paths`."""
-    return max(p.lstat().st_ctime_ns for p in paths) + 1
+    """A "job start" stamp taken now, as staging takes it (after the changes of `paths`,
+    which the test made just before)."""
+    folder = Path(tempfile.mkdtemp(prefix="stamp-"))
+    _stamps.append(folder)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        stamp = change_stamp(fd)
+    finally:
+        os.close(fd)
+    assert all(p.lstat().st_ctime_ns < stamp for p in paths)
+    return stamp
 
 
 @pytest.fixture
