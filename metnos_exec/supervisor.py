@@ -882,6 +882,8 @@ class Supervisor:
             )
             return
         staging = self.staging
+        if lease.attempt > 1:
+            await self.recover()  # its last worker may have died mid-undo
         try:
             entries = await entries_to_undo(self.broker, target, device=self.device)
         except UndoUnavailable as exc:

@@ -9,9 +9,9 @@ worker that leases it:
    undone while Y's own entry is not undone in turn: so "undo the undo" brings X's result
    back, and X can then be undone again); they must have been made on this device;
 2. checks every path against what X left there (`check_ops`): content by SHA-256, kind,
-   link target, mode; a folder X created must hold nothing X did not put there; every
-   content to restore must be in the blob store. Any difference refuses the undo with
-   ``E_UNDO_CONFLICT`` naming the files, and nothing changes;
+   link target, mode; a folder X created must hold nothing X did not put there. Any
+   difference refuses the undo with ``E_UNDO_CONFLICT`` naming the files, and nothing
+   changes (an original missing from the blob store: ``E_UNDO_UNAVAILABLE``);
 3. stores what the undo destroys (X's results) as blobs, writes the commit journal and
    applies the ops (`apply_undo`, with `metnos_exec.journal`'s rules);
 4. records its own entry, the *redo* (the same ops reversed, ``reverses`` = X's entry),
@@ -60,6 +60,7 @@ __all__ = (
     "apply_undo",
     "check_ops",
     "entries_to_undo",
+    "missing_blobs",
     "undo_job_args",
 )
 
@@ -117,7 +118,7 @@ async def entries_to_undo(broker: Broker, job_id: str, *, device: str) -> list[U
 
 
 def check_ops(
-    tree: HostTree, ops: Sequence[UndoOp], store: BlobStore
+    tree: HostTree, ops: Sequence[UndoOp]
 ) -> tuple[dict[str, Fingerprint | None], list[Conflict]]:
     """Compare the host with what `ops` expect to find (their ``before``).
 
@@ -160,13 +161,19 @@ def check_ops(
                     conflicts.append(
                         Conflict(path, f"folder holds entries made since: {', '.join(extra[:5])}")
                     )
-        if isinstance(op, Put) and writes_content(op):
-            assert isinstance(op.after, FileState)
-            if not store.has(op.after.sha256):
-                conflicts.append(
-                    Conflict(op.path, f"its original (blob {op.after.sha256[:12]}) is missing")
-                )
     return expect, conflicts
+
+
+def missing_blobs(ops: Sequence[UndoOp], store: BlobStore) -> list[Conflict]:
+    """Paths whose original content `ops` restore from a blob this store lacks."""
+    return [
+        Conflict(op.path, f"its original (blob {op.after.sha256[:12]}) is not in {store.root}")
+        for op in ops
+        if isinstance(op, Put)
+        and isinstance(op.after, FileState)
+        and writes_content(op)
+        and not store.has(op.after.sha256)
+    ]
 
 
 def _difference(current: object, expected: object) -> str:
@@ -227,12 +234,22 @@ def apply_undo(
 
     Raises:
         UndoConflict: the host changed since the job; nothing was changed.
+        UndoUnavailable: an original to restore is not in `store`; nothing was changed.
     """
     ops = order_ops(op for entry in entries for op in entry.ops)
     roots = tuple(dict.fromkeys(root for entry in entries for root in entry.roots))
+    missing = missing_blobs(ops, store)
+    if missing:
+        raise UndoUnavailable(
+            conflict_message(
+                "the originals are not in this worker's blob store (pruned, or kept by a "
+                "worker on another machine: give the device's workers one blob folder)",
+                missing,
+            )
+        )
     tree = HostTree(roots)
     try:
-        expect, conflicts = check_ops(tree, ops, store)
+        expect, conflicts = check_ops(tree, ops)
         if conflicts:
             raise UndoConflict(_conflict_text(entries[0].job_id, conflicts))
         # What the undo destroys (the job's results) is kept, for the redo.

@@ -20,6 +20,7 @@ from metnos_exec.messages import UNDO_EXECUTOR, Job
 from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
+from metnos_exec.staging import Staging
 
 from .helpers import (
     World,
@@ -429,3 +430,24 @@ async def test_an_undo_misrouted_by_hand_is_refused_by_the_wrong_device(world: W
     assert refused is not None and refused.error is not None
     assert refused.error.code == "E_UNDO_UNAVAILABLE" and "device 'd'" in refused.error.message
     assert (world.notes / "x").read_text() == "x"
+
+
+async def test_an_undo_without_the_originals_is_refused_and_changes_nothing(
+    world: World, tmp_path: Path
+) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    result = await world.run([["append", "mod.txt", "job\n"], ["rm", "del.txt"]])
+    now = snapshot(world.notes)
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    # A worker of the same device whose blob folder is another (another machine).
+    elsewhere = Staging(tmp_path / "elsewhere")
+    try:
+        await world.burst(staging=elsewhere)
+    finally:
+        await elsewhere.aclose()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "blob store" in refused.error.message
+    assert "mod.txt" in refused.error.message and "del.txt" in refused.error.message
+    assert snapshot(world.notes) == now
