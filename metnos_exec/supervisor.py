@@ -892,17 +892,18 @@ class Supervisor:
         _log.info("job.started", undo_of=target, entries=[e.id for e in entries])
         started_at = self.clock()
         try:
-            applied = await anyio.to_thread.run_sync(
-                functools.partial(
-                    apply_undo,
-                    entries,
-                    undo_job_id=job.id,
-                    device=self.device,
-                    store=staging.store,
-                    journal=staging.journal,
-                    fsync=staging.fsync,
+            async with staging.commit_lock:
+                applied = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        apply_undo,
+                        entries,
+                        undo_job_id=job.id,
+                        device=self.device,
+                        store=staging.store,
+                        journal=staging.journal,
+                        fsync=staging.fsync,
+                    )
                 )
-            )
         except MetnosError as exc:  # UndoConflict: nothing changed
             await self._reject(lease, exc)
             return

@@ -195,6 +195,9 @@ class Staging:
         self._unavailable: str | None = None if overlay else "overlay staging switched off"
         self._failed_at = 0.0
         self._lock = anyio.Lock()
+        #: One commit (or undo) applied at a time by this worker: two jobs changing the
+        #: same file then conflict at planning, not in between one op's check and write.
+        self.commit_lock = anyio.Lock()
 
     @property
     def unavailable(self) -> str | None:
@@ -444,7 +447,8 @@ class OverlayRun:
         Raises:
             CommitConflict: the host changed a target while the job ran; nothing applied.
         """
-        return await anyio.to_thread.run_sync(self._commit)
+        async with self.staging.commit_lock:
+            return await anyio.to_thread.run_sync(self._commit)
 
     def _commit(self) -> Committed:
         staging = self.staging
