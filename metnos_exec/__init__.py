@@ -36,12 +36,14 @@ from .errors import (
     MissingFolder,
     SandboxDenied,
     SandboxRequired,
+    ServerPinned,
     SignatureError,
     ToolUnavailable,
     UndoConflict,
     UndoUnavailable,
     UnknownExecutor,
 )
+from .fetch import FetchError, robust_fetch
 from .logs import EVENTS, configure_logging, tail
 from .manifest import (
     ArgSpec,
@@ -80,6 +82,7 @@ from .sandbox.direct import DirectSandbox
 from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
+from .signing import TrustStore, generate_key, sign_folder
 from .staging import Staging
 from .supervisor import Supervisor
 from .worker import run_worker
@@ -89,6 +92,7 @@ __version__ = "0.1.0"
 __all__ = (
     "ERROR_CODES",
     "EVENTS",
+    "FetchError",
     "PROVIDER_SKILLS",
     "AbsentSandbox",
     "ArgSpec",
@@ -144,6 +148,7 @@ __all__ = (
     "SandboxOutcome",
     "SandboxRequired",
     "SandboxStatus",
+    "ServerPinned",
     "SignatureError",
     "Staging",
     "Success",
@@ -152,6 +157,7 @@ __all__ = (
     "Timeout",
     "ToolUnavailable",
     "Trap",
+    "TrustStore",
     "UndoConflict",
     "UndoEntry",
     "UndoUnavailable",
@@ -164,6 +170,7 @@ __all__ = (
     "configure_logging",
     "effective_capabilities",
     "final_args",
+    "generate_key",
     "load_manifest",
     "new_job_id",
     "open_broker",
@@ -171,8 +178,10 @@ __all__ = (
     "profile_for",
     "require_sandbox",
     "retry_delay",
+    "robust_fetch",
     "run_process",
     "run_worker",
+    "sign_folder",
     "status",
     "tail",
     "vet_arguments",

@@ -10,7 +10,9 @@ Per job, in order:
    structlog contextvars, so every record of the job carries them (spec §9): look the
    executor up, and bind the arm its runtime will use here (`predict_arm`, no side
    effects) — ``sandbox=None`` while no executor is known; log ``job.received``;
-2. an unknown executor or a bad manifest → ``rejected`` with the code;
+2. an unknown executor or a bad manifest → ``rejected`` with the code; with a `TrustStore`
+   (``trust``), its signature is checked (cached) and the job is planned and run from the
+   verified private copy (``E_SIGNATURE`` → ``rejected``; see `signing`);
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
 4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); wait for a slot (a job leased
@@ -54,7 +56,15 @@ from anyio.abc import TaskStatus
 
 from .backoff import retry_delay
 from .brokers.base import Broker, Lease
-from .errors import BadArguments, CommitConflict, HostFault, MetnosError, UndoUnavailable
+from .errors import (
+    BadArguments,
+    CommitConflict,
+    HostFault,
+    MetnosError,
+    ServerPinned,
+    SignatureError,
+    UndoUnavailable,
+)
 from .journal import Blocked
 from .logs import finished_level
 from .manifest import ExecutorRegistry
@@ -76,6 +86,7 @@ from .sandbox._types import (
     Trap,
     Usage,
 )
+from .signing import TrustStore
 from .staging import Reversible, Staging, disk_verdict
 from .undo import apply_undo, entries_to_undo
 
@@ -138,12 +149,6 @@ def _predict_default_arm(runtime: str) -> str | None:
         return None
 
 
-class ServerPinned(MetnosError):
-    """A server-pinned job reached a device worker; it is refused there, never run."""
-
-    code = "E_SERVER_PINNED"
-
-
 _StopReason = Literal["lease_lost", "cancel_requested", "drain"]
 
 
@@ -204,6 +209,11 @@ class Supervisor:
         staging: the blob store, commit journal and staging namespace that make the
             jobs' file changes reversible (default: a `Staging` in `default_state_dir`,
             made at first use).
+        trust: when set, every executor's signature is checked before its job is planned
+            (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
+            the verified private copy. Required on a device worker (`run_worker`).
+        python: the interpreter of native executors (default: the worker's own; see
+            `runtimes.obtain_device_python`).
     """
 
     def __init__(
@@ -228,6 +238,8 @@ class Supervisor:
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
         staging: Staging | None = None,
+        trust: TrustStore | None = None,
+        python: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -265,6 +277,8 @@ class Supervisor:
         self.backstop_margin_s = backstop_margin_s
         self._staging = staging
         self._owns_staging = staging is None
+        self.trust = trust
+        self.python = python
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -351,6 +365,8 @@ class Supervisor:
                     _log.warning(
                         "worker.error", error=f"blob collection: {type(exc).__name__}: {exc}"
                     )
+        if self.device == SERVER_DEVICE and self.registry:
+            await self._publish_executors()
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -374,6 +390,23 @@ class Supervisor:
                 worker=self.worker_id,
                 device=self.device,
                 **self.stats,
+            )
+
+    async def _publish_executors(self) -> None:
+        """Tell the broker what this server worker runs (`catalog`): a submit can then
+        refuse a device job whose executor must stay on the server. A failure only delays
+        that refusal to the device's lease; it never stops the worker."""
+        from .catalog import ExecutorInfo
+
+        infos = [
+            ExecutorInfo(name=name, manifest=self.registry[name].manifest, worker=self.worker_id)
+            for name in sorted(self.registry)
+        ]
+        try:
+            await self.broker.publish_executors(infos)
+        except Exception as exc:
+            _log.warning(
+                "worker.error", error=f"publishing executors failed: {type(exc).__name__}: {exc}"
             )
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
@@ -606,15 +639,32 @@ class Supervisor:
             return
         try:
             executor = self.registry.get_executor(job.executor)
-        except MetnosError as exc:
+        except MetnosError as load_error:
             _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
-            await self._reject(lease, exc)
+            refusal: MetnosError = load_error
+            folder = self.registry.error_folders.get(job.executor)
+            if self.trust is not None and folder is not None:
+                # Tampering is the finding, not the load error it caused.
+                try:
+                    await anyio.to_thread.run_sync(self.trust.verify_folder, folder, job.executor)
+                except SignatureError as sig:
+                    refusal = sig
+                except MetnosError:
+                    pass  # signed as it is: the load error stands
+            await self._reject(lease, refusal)
             return
         # Before the choice, which may log (``sandbox.degraded``) or refuse the job.
         running.sandbox = self.predict_arm(executor.manifest.runtime)
         structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
         _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
         try:
+            if self.trust is not None:
+                # Before planning: the plan (and the run) use the verified private copy,
+                # its manifest parsed from the signed bytes. Cached: a stat per file.
+                checked = self.trust.cached(executor)
+                if checked is None:
+                    checked = await anyio.to_thread.run_sync(self.trust.verify, executor)
+                executor = checked
             invocation = plan_invocation(
                 executor,
                 job.args,
@@ -623,6 +673,7 @@ class Supervisor:
                 skills_root=self.skills_root,
                 policy=self.policy,
                 timeout_s=job.timeout_s,
+                python=self.python,
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:
                 # Provider authority (or a non-packable executor) never leaves the server,

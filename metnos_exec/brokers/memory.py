@@ -17,6 +17,7 @@ from typing import Any, Literal
 import anyio
 import structlog
 
+from ..catalog import ExecutorInfo
 from ..errors import BadMessage
 from ..messages import (
     E_CANCELLED,
@@ -102,6 +103,7 @@ class MemoryBroker(Broker):
         self._work_event: anyio.Event | None = None
         self._result_events: dict[str, anyio.Event] = {}
         self._closed = False
+        self._catalog: dict[str, ExecutorInfo] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBroker:
@@ -537,6 +539,13 @@ class MemoryBroker(Broker):
     async def undo_blobs(self) -> set[str]:
         await anyio.lowlevel.checkpoint()
         return {digest for record in self._undo.values() for digest in record.entry.blobs()}
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        for info in infos:
+            self._catalog[info.name] = info
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        return self._catalog.get(name)
 
     async def close(self) -> None:
         self._closed = True
