@@ -184,7 +184,11 @@ class Staging:
         overlay: bool = True,
         fsync: bool = False,
     ) -> None:
-        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        # Absolute: bubblewrap (started under nsenter, at the namespace's root) binds the
+        # overlays below it by path.
+        self.state_dir = (
+            Path(state_dir) if state_dir is not None else default_state_dir()
+        ).absolute()
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.store = BlobStore(
             blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync

@@ -83,7 +83,7 @@ class OverlayNamespace:
     """
 
     def __init__(self, base: str | os.PathLike[str]) -> None:
-        self.base = Path(base)
+        self.base = Path(base).absolute()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = anyio.Lock()

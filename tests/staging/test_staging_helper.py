@@ -91,3 +91,19 @@ async def test_an_unprivileged_worker_does_not_stage_folders_it_does_not_own(
     )
     assert isinstance(run2, OverlayRun)
     await run2.discard()
+
+
+async def test_a_relative_state_folder_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    world = make_world(tmp_path)
+    await world.staging.aclose()
+    world.staging = Staging("state")  # as `./dev demo` and `--state-dir state` give it
+    try:
+        await staging_works(world)
+        result = await world.run([["write", "rel.txt", "r"]])
+        assert result.status == "succeeded", result
+        assert (world.notes / "rel.txt").read_text() == "r"
+    finally:
+        await world.staging.aclose()
