@@ -403,6 +403,23 @@ class BlobSource:
 # --- applying -------------------------------------------------------------------------
 
 
+def _read_umask() -> int | None:
+    """This process's umask, read without changing it (``os.umask`` would, for every
+    thread at once); ``None`` when the kernel does not say (before Linux 4.7)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+#: Read once: a worker does not change its umask while it runs.
+_UMASK: Final = _read_umask()
+
+
 def _temp_name(tag: str, index: int) -> str:
     return f".metnos-{tag}-{index}.tmp"
 
@@ -439,23 +456,28 @@ class _Applier:
         self.fsync = fsync
         self.written: list[tuple[int, str]] = []  # (parent fd, name) to fsync at the end
 
-    def _meta(self, fd: int, state: FileState | DirState) -> None:
-        os.fchmod(fd, state.mode)
+    def _meta(self, fd: int, state: FileState | DirState, *, chmod: bool = True) -> None:
+        if chmod:
+            os.fchmod(fd, state.mode)
         if self.tree.as_root and state.uid is not None and state.gid is not None:
             os.fchown(fd, state.uid, state.gid)
         if isinstance(state, FileState) and state.mtime_ns is not None:
             os.utime(fd, ns=(state.mtime_ns, state.mtime_ns))
 
     def _new_file(self, parent: int, name: str, path: str, state: FileState) -> None:
+        # Created with its final mode when the umask lets it through unchanged: one
+        # syscall (and one inode update in the file system's journal) less per file,
+        # which is a third of a small file's commit.
+        exact = _UMASK is not None and state.mode & ~_UMASK & 0o777 == state.mode
         fd = os.open(
             name,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
+            state.mode if exact else 0o600,
             dir_fd=parent,
         )
         try:
             _write_content(fd, self.source.fetch(path, state))
-            self._meta(fd, state)
+            self._meta(fd, state, chmod=not exact)
             if self.fsync:
                 os.fsync(fd)
         finally:

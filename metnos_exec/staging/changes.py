@@ -273,7 +273,9 @@ class _Planner:
                 self.plan.source._where[path] = (self.plan.source.add_dir(os.dup(folder)), name)
         finally:
             os.close(fd)
-        after = FileState(sha256=digest, size=size, mode=mode, mtime_ns=st.st_mtime_ns)
+        # No mtime: a committed file is stamped when the commit writes it (setting the
+        # job's would cost a write of the inode per file); originals keep theirs on undo.
+        after = FileState(sha256=digest, size=size, mode=mode)
         self.changed(path, after, host)
 
     def stripped(self, path: str, st: os.stat_result) -> int:
