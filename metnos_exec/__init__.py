@@ -29,6 +29,7 @@ from .errors import (
     BadMessage,
     BadOutput,
     CapabilityDenied,
+    CommitConflict,
     HostFault,
     IdempotencyConflict,
     MetnosError,
@@ -40,6 +41,7 @@ from .errors import (
     SymlinkedFolder,
     ToolUnavailable,
     UndoConflict,
+    UndoUnavailable,
     UnknownExecutor,
 )
 from .fetch import FetchError, robust_fetch
@@ -53,7 +55,7 @@ from .manifest import (
     Manifest,
     load_manifest,
 )
-from .messages import DeadLetter, ErrorInfo, Job, Result, new_job_id
+from .messages import DeadLetter, ErrorInfo, Job, Result, UndoEntry, new_job_id
 from .plan import Invocation, plan_invocation
 from .policy import Policy, Profile, profile_for, require_sandbox
 from .process import ProcessResult, ProcessSpec, run_process
@@ -82,6 +84,7 @@ from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
 from .signing import TrustStore, generate_key, sign_folder
+from .staging import Staging
 from .supervisor import Supervisor
 from .worker import run_worker
 
@@ -106,6 +109,7 @@ __all__ = (
     "Capability",
     "CapabilityDenied",
     "CapabilitySpec",
+    "CommitConflict",
     "Client",
     "ContainmentReport",
     "DeadLetter",
@@ -147,15 +151,18 @@ __all__ = (
     "SandboxStatus",
     "ServerPinned",
     "SignatureError",
-    "SymlinkedFolder",
+    "Staging",
     "Success",
     "Supervisor",
+    "SymlinkedFolder",
     "SyncClient",
     "Timeout",
     "ToolUnavailable",
     "Trap",
     "TrustStore",
     "UndoConflict",
+    "UndoEntry",
+    "UndoUnavailable",
     "UnknownExecutor",
     "Usage",
     "VettedArgs",

@@ -825,7 +825,8 @@ def _resources_verdict(
         missing.append("process limit enforcement unknown until run")
     if lim.file_size_bytes is None:
         missing.append("no file size limit")
-    if any(m.writable for m in job.mounts):
+    # A staged folder's writes are bounded by its staging tmpfs (the supervisor says so).
+    if any(m.writable and not m.staged for m in job.mounts):
         missing.append(DISK_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
@@ -849,6 +850,9 @@ class BwrapSandbox:
     """
 
     name = "bwrap"
+    #: A job's writes can be staged: bubblewrap is started in the staging namespace
+    #: (`SandboxJob.enter`) and binds the overlays marked `Mount.staged`.
+    stages_writes = True
 
     def __init__(self, bwrap: str | None = None, *, features: BwrapFeatures | None = None) -> None:
         if bwrap is None or features is None:
@@ -905,7 +909,7 @@ class BwrapSandbox:
         sources = _open_sources(job, host.roots)
         try:
             async with pooled_slot() as slot:
-                place = await _placement(slot, sources)
+                place = await _placement(slot, sources, staging=bool(job.enter))
                 gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
@@ -956,6 +960,10 @@ class BwrapSandbox:
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
+            if job.enter:
+                # Staging: bubblewrap starts inside the staging namespace (an exec'd
+                # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`).
+                argv = [*job.enter, *argv]
             in_guest = gate is not None or bool(prefix)
             spec = ProcessSpec(
                 argv=tuple(argv),
@@ -1057,12 +1065,26 @@ class _Placement:
         return self.staged is not None
 
 
-async def _placement(slot: Slot | None, sources: dict[str, int]) -> _Placement:
+async def _placement(
+    slot: Slot | None, sources: dict[str, int], *, staging: bool = False
+) -> _Placement:
     """For a root worker: the slot's uid and its idmapped mount sources, or the reason the
     job runs as root (no slot here, slot uids off or unavailable, a folder whose
-    filesystem refuses idmapped mounts). Anyone else: the sources as opened."""
+    filesystem refuses idmapped mounts, a staged job). Anyone else: the sources as opened.
+
+    A staged job (`staging`: bubblewrap starts under ``nsenter`` in the staging
+    namespace) runs as root for now: entering that mount namespace needs CAP_SYS_ADMIN,
+    and the slot's idmapped mounts are not attached in it.
+    """
     if not worker_is_root():
         return _Placement(sources, slot)
+    if staging:
+        return _Placement(
+            sources,
+            slot,
+            root_reason="its writes are staged, and a slot uid cannot enter the staging "
+            "namespace yet",
+        )
     off = _slot_uids_unavailable()  # read per job: METNOS_SLOT_UIDS=off takes effect at once
     if off is not None:
         return _Placement(sources, slot, root_reason=off)
@@ -1101,7 +1123,8 @@ def _open_sources(job: SandboxJob, roots: tuple[str, ...]) -> dict[str, int]:
     """
     fds: dict[str, int] = {}
     try:
-        for path in (*roots, *(m.host for m in job.mounts)):
+        # A staged mount lives in the staging namespace, not here (`Mount.staged`).
+        for path in (*roots, *(m.host for m in job.mounts if not m.staged)):
             if path in fds:
                 continue
             try:

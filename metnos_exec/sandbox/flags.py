@@ -397,7 +397,8 @@ def derive_bwrap_argv(
         return exists(host) if source_fds is None else host in source_fds
 
     def bind(host: str, guest: str, writable: bool) -> tuple[str, ...]:
-        fd = None if source_fds is None or not features.bind_fd else source_fds[host]
+        # A staged mount (not opened on the worker's side) is bound by path.
+        fd = None if source_fds is None or not features.bind_fd else source_fds.get(host)
         if fd is None:
             return ("--bind" if writable else "--ro-bind", host, guest)
         # From the fd opened without symlinks: what is mounted is what was checked
@@ -443,7 +444,9 @@ def derive_bwrap_argv(
             # A host /proc over ours would show (and let the guest signal) host processes;
             # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
             raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
-        if not present(mount.host):
+        # A staged mount lives in the staging namespace bubblewrap is started in, not on
+        # the worker's side: it is checked there (by bubblewrap) instead.
+        if not mount.staged and not present(mount.host):
             continue
         prev = chosen.get(mount.guest)
         if prev is None or (prev.writable and not mount.writable):
