@@ -750,8 +750,8 @@ def root_worker_note() -> str | None:
     if why is None:
         return (
             "the worker runs as root: each job slot runs its jobs as a dedicated host uid "
-            f"of its own ({SLOT_UIDS_ENV}); a job whose folders cannot be idmapped for it "
-            "runs as root, and its report says so"
+            f"of its own ({SLOT_UIDS_ENV}); a staged job, or one whose folders cannot be "
+            "idmapped for it, runs as root, and its report says so"
         )
     return f"{ROOT_WORKER_REASON} ({why}); run the worker as an unprivileged user"
 
