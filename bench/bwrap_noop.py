@@ -54,7 +54,7 @@ from metnos_exec.process import ProcessSpec, run_process
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, _host_facts, _limits_in_guest, bwrap_probe
 from metnos_exec.sandbox.flags import derive_bwrap_argv, derive_rlimits, guest_python
-from metnos_exec.sandbox.hardening import guest_argv, host_hardening, seccomp_fd
+from metnos_exec.sandbox.hardening import guest_job, host_hardening, seccomp_fd
 
 #: Issue 8, acceptance 5: the arm with every mechanism on, against the bare command.
 TARGET = 1.15
@@ -99,8 +99,13 @@ async def measure(
         masked_paths=masked,
     )
 
-    landlocked = msgspec.structs.replace(
-        job, argv=guest_argv(job, hardening, interpreter_roots=_host_facts.roots)
+    landlocked = guest_job(
+        job,
+        hardening,
+        interpreter_roots=_host_facts.roots,
+        exists=_host_facts.exists,
+        readlink=_host_facts.readlink,
+        isdir=_host_facts.isdir,
     )
 
     def hardened_argv(seccomp: int | None, landlock: bool) -> list[str]:

@@ -1,21 +1,27 @@
 """The in-guest step: landlock the sandbox's first process, then become the job.
 
-Not imported by the worker: its *text* is the ``-c`` program of the guest's interpreter
-(`metnos_exec.sandbox.landlock.wrap_argv`), so it may use builtin modules only, and it
-runs before any code of the executor::
+Not imported by the worker: it is the ``-c`` program of the guest's interpreter
+(`metnos_exec.sandbox.landlock.wrap_argv`: the worker's own interpreter gets this code
+compiled and marshalled in ``METNOS_LANDLOCK_STEP`` behind a one-line loader, any other
+one the text), so it may use builtin modules only, and it runs before any code of the
+executor::
 
-    python -I -S -c <this text> MODE CTYPES SCOPE [RIGHTS PATH]... -- TARGET...
+    python -I -S -c <the step> MODE CTYPES SCOPE [RIGHTS PATH]... -- TARGET...
 
 It creates a landlock ruleset that handles every access right the kernel knows (up to ABI
 7; best effort below, as the landlock documentation describes), allows each ``PATH`` the
-``RIGHTS`` given (only file rights when the path is a file; a path that does not exist is
+``RIGHTS`` given (the worker gives a file only file rights; a path that does not exist is
 skipped, so it stays denied), scopes abstract Unix sockets and signals (``SCOPE``,
-ABI >= 6), and restricts itself. Then, for MODE ``run`` (``TARGET`` = a Python script and
-its arguments), it runs the script in this very interpreter as ``python -I -S script``
-would: a fresh ``__main__``, ``sys.argv`` = ``TARGET``, tracebacks without this step's
-frame. That saves a second interpreter start; only ``_ctypes`` is loaded on top (its path
-is ``CTYPES``, which skips the import system's search). MODE ``exec`` execs ``TARGET``
-instead (PATH searched like ``execvp``); the landlock domain survives ``execve``.
+ABI >= 6), and restricts itself. ``CTYPES`` is the path of ``_ctypes``, which spares the
+import system's search (``""``: import it).
+
+Then, for MODE ``run`` (``TARGET`` = a Python script and its arguments), it runs the
+script in this very interpreter as ``python -I -S script`` would: a fresh ``__main__``,
+``sys.argv`` = ``TARGET``, tracebacks without this step's frames. That saves a second
+interpreter start. ``METNOS_LANDLOCK_SCRIPT``, when set, is the script compiled by the
+worker (marshalled); otherwise the step compiles it. Both variables leave the environment
+before the job runs. MODE ``exec`` execs ``TARGET`` instead (PATH searched like
+``execvp``); the landlock domain survives ``execve``.
 
 Any failure before the job starts exits 126 with a line on stderr: the job does not run
 unrestricted.
@@ -92,25 +98,27 @@ def _landlock(ct: "ModuleType", scope: int, rules: "list[tuple[int, str]]") -> i
     ruleset = call(syscall, (444, attr, len(attr), 0))
     if ruleset < 0:
         _fail("landlock_create_ruleset failed")
-    # EXECUTE, WRITE_FILE, READ_FILE, TRUNCATE, IOCTL_DEV: what a rule on a file may hold.
-    file_rights = 0b1100000000000111
+    fds = [ruleset]
     for rights, path in rules:
         try:
             fd = posix.open(path, 0o10000000 | 0o2000000)  # O_PATH | O_CLOEXEC
         except OSError:
             continue  # not in the sandbox: stays denied
-        if posix.fstat(fd).st_mode & 0o170000 != 0o040000:
-            rights &= file_rights
+        fds.append(fd)
         rights &= handled
         if rights:
             attr = rights.to_bytes(8, order) + fd.to_bytes(4, order, signed=True)
             # landlock_add_rule(ruleset, LANDLOCK_RULE_PATH_BENEATH, &attr, 0)
             if call(syscall, (445, ruleset, 1, attr, 0)):
                 _fail(f"landlock_add_rule failed for {path}")
-        posix.close(fd)
     if call(syscall, (446, ruleset, 0)):  # landlock_restrict_self
         _fail("landlock_restrict_self failed")
-    posix.close(ruleset)
+    low, high = min(fds), max(fds)
+    if high - low + 1 == len(fds):  # numbered in a row (the usual case): one close_range
+        posix.closerange(low, high + 1)
+    else:
+        for fd in fds:
+            posix.close(fd)
     return libc
 
 
@@ -139,24 +147,39 @@ def _exec(target: "list[str]") -> "NoReturn":
 
 
 def _main() -> "tuple[CodeType, dict[str, Any]]":
+    import posix
+
     argv = sys.argv
     end = argv.index("--", 4)
     mode, ct_path, scope = argv[1], argv[2], int(argv[3])
     rules = [(int(argv[i]), argv[i + 1]) for i in range(4, end, 2)]
+    # Ours, not the job's: out of the environment (the C one too, for its children).
+    compiled = posix.environ.pop(b"METNOS_LANDLOCK_SCRIPT", b"").decode()
+    for name in (b"METNOS_LANDLOCK_STEP", b"METNOS_LANDLOCK_SCRIPT"):
+        posix.environ.pop(name, None)
+        posix.unsetenv(name)
     target = argv[end + 1 :]
     ct = _ctypes(ct_path)
     libc = _landlock(ct, scope, rules)
     if mode != "run":
         _exec(target)
     script = target[0]
+    code: CodeType | None = None
     try:
-        with open(script, "rb") as f:
-            source = f.read()
+        if compiled:
+            # Compiled by the worker: only check that the guest may read the script, as
+            # `python script` would by opening it.
+            posix.close(posix.open(script, 0o2000000))  # O_RDONLY | O_CLOEXEC
+            import marshal
+
+            code = marshal.loads(bytes.fromhex(compiled))
+        else:
+            with open(script, "rb") as f:
+                source = f.read()
     except OSError as exc:
         sys.stderr.write(f"{sys.executable}: can't open file {script!r}: {exc}\n")
         raise SystemExit(2) from None
-    code: CodeType | None = None
-    if b"\0" not in source:
+    if code is None and b"\0" not in source:
         # Py_CompileStringExFlags: what `python script` does. The builtin compile() would
         # first build the ast module's types (~0.8 ms) to check for an AST argument.
         try:
@@ -195,9 +218,11 @@ if __name__ == "__main__":  # run as the guest's -c program, never on import
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as _exc:
-        # What the interpreter prints for an uncaught exception, minus this step's frame.
+        # What the interpreter prints for an uncaught exception, minus this step's frames
+        # (the script's frames are the ones that run in its own namespace, and after).
         _tb = _exc.__traceback__
-        _tb = _tb.tb_next if _tb is not None else None
+        while _tb is not None and _tb.tb_frame.f_globals is not _globals:
+            _tb = _tb.tb_next
         # The hook prints the exception's own traceback: shorten that one.
         sys.excepthook(type(_exc), _exc.with_traceback(_tb), _tb)
         raise SystemExit(1) from None

@@ -91,7 +91,7 @@ from .flags import (
     prlimit_prefix,
     shell_limits_prefix,
 )
-from .hardening import Hardening, annotate, guest_argv, host_hardening, seccomp_fd
+from .hardening import Hardening, annotate, guest_job, host_hardening, seccomp_fd
 
 __all__ = (
     "BwrapProbe",
@@ -748,7 +748,14 @@ class BwrapSandbox:
         host.refresh()
         # Landlock is applied by the guest's first process (the in-guest step): the
         # command bubblewrap execs is the job's, behind it (and behind the limits prefix).
-        guest = guest_argv(job, self._hardening, interpreter_roots=host.roots, exists=host.exists)
+        guest = guest_job(
+            job,
+            self._hardening,
+            interpreter_roots=host.roots,
+            exists=host.exists,
+            readlink=host.readlink,
+            isdir=host.isdir,
+        )
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
         seccomp_r: int | None = None
@@ -758,9 +765,7 @@ class BwrapSandbox:
                 gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s)
             try:
                 argv = derive_bwrap_argv(
-                    msgspec.structs.replace(job, argv=prefix + guest)
-                    if prefix or guest is not job.argv
-                    else job,
+                    msgspec.structs.replace(guest, argv=prefix + guest.argv) if prefix else guest,
                     bwrap=self._bwrap,
                     features=self._features,
                     exists=host.exists,

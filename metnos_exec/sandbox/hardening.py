@@ -5,7 +5,7 @@ Two, each decided once per worker from what the kernel offers (`host_hardening`)
 * the seccomp filter (`.seccomp`): loaded by bubblewrap itself (``--seccomp FD``) just
   before it execs the guest; the program comes through a pipe, one per job;
 * landlock (`.landlock`): applied by the guest's first process to itself, before the
-  executor's code, through the argv wrapper `guest_argv`.
+  executor's code, through the argv wrapper `guest_job`.
 
 `annotate` adds to the containment report what they hold, and, where one is missing, the
 axis that no longer holds says ``partial`` with the reason:
@@ -34,7 +34,7 @@ from ._types import AxisVerdict, ContainmentReport, SandboxJob
 from .landlock import landlock_rules, landlock_support, wrap_argv
 from .seccomp import compile_program, seccomp_support
 
-__all__ = ("Hardening", "annotate", "guest_argv", "host_hardening", "seccomp_fd")
+__all__ = ("Hardening", "annotate", "guest_job", "host_hardening", "seccomp_fd")
 
 
 class Hardening(msgspec.Struct, frozen=True):
@@ -101,20 +101,26 @@ def seccomp_fd(hardening: Hardening) -> int | None:
     return read_end
 
 
-def guest_argv(
+def guest_job(
     job: SandboxJob,
     hardening: Hardening,
     *,
     interpreter_roots: Sequence[str],
     exists: Callable[[str], bool] = os.path.exists,
-) -> tuple[str, ...]:
-    """`job.argv`, behind the in-guest landlock step when landlock is applied here."""
+    readlink: Callable[[str], str | None] = lambda _path: None,
+    isdir: Callable[[str], bool] = os.path.isdir,
+) -> SandboxJob:
+    """`job` behind the in-guest landlock step when landlock is applied here (its argv
+    wrapped, the step's variables added to its environment); else `job` itself."""
     if hardening.landlock_abi is None or hardening.landlock_python is None:
-        return job.argv
-    rules = landlock_rules(job, interpreter_roots=interpreter_roots, exists=exists)
-    return wrap_argv(
+        return job
+    rules = landlock_rules(
+        job, interpreter_roots=interpreter_roots, exists=exists, readlink=readlink, isdir=isdir
+    )
+    argv, env = wrap_argv(
         job.argv, rules, python=hardening.landlock_python, ctypes_path=hardening.ctypes_path
     )
+    return msgspec.structs.replace(job, argv=argv, env={**job.env, **env})
 
 
 def _add(verdict: AxisVerdict, note: str, *, weakens: bool = False) -> AxisVerdict:

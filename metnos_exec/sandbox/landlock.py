@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import marshal
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -62,10 +64,14 @@ from .flags import SYSTEM_PATHS, guest_python
 __all__ = (
     "READ",
     "SCOPE",
+    "SCRIPT_ENV",
+    "STEP_ENV",
     "SYSTEM_PYTHON",
     "WRITE",
     "LandlockSupport",
+    "compiled_script",
     "guest_program",
+    "guest_source",
     "landlock_abi",
     "landlock_rules",
     "landlock_support",
@@ -103,6 +109,8 @@ WRITE = (
     | TRUNCATE
 )
 DEVICES = READ | WRITE_FILE | TRUNCATE | IOCTL_DEV
+#: What a rule on a single file may hold.
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 #: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
 SCOPE = 0b11
 
@@ -183,6 +191,8 @@ def landlock_rules(
     *,
     interpreter_roots: Sequence[str],
     exists: Callable[[str], bool] = os.path.exists,
+    readlink: Callable[[str], str | None] = lambda _path: None,
+    isdir: Callable[[str], bool] = os.path.isdir,
 ) -> tuple[tuple[int, str], ...]:
     """The rules for `job`: ``(rights, guest path)`` pairs, as the module's table says.
 
@@ -191,10 +201,15 @@ def landlock_rules(
         interpreter_roots: the interpreter's prefixes the arm mounts read-only.
         exists: host path check for the fixed system trees (the arm's cached one); the
             job's mounts are left to the guest, which skips what is not there.
+        readlink: the arm's cached symlink check: a system tree that is a symlink
+            (``/bin`` -> ``usr/bin``) needs no rule of its own (each rule is a few system
+            calls in every job), its target's rule covers it.
+        isdir: host folder check for the job's mounts: a mount of a single file gets only
+            the rights a file can hold (the kernel refuses folder rights on a file).
     """
     rules: dict[str, int] = {"/": READ_DIR}
     for path in (*SYSTEM_PATHS, *interpreter_roots):
-        if exists(path):
+        if exists(path) and readlink(path) is None:
             rules[path] = rules.get(path, 0) | READ | EXECUTE
     rules["/proc"] = READ
     rules["/dev"] = DEVICES
@@ -202,14 +217,88 @@ def landlock_rules(
     rules["/tmp"] = READ | WRITE
     for mount in job.mounts:
         guest = os.path.normpath(mount.guest)
-        rules[guest] = rules.get(guest, 0) | READ | (WRITE if mount.writable else 0)
+        rights = READ | (WRITE if mount.writable else 0)
+        if not isdir(mount.host):
+            rights &= FILE_RIGHTS
+        rules[guest] = rules.get(guest, 0) | rights
     return tuple((rights, path) for path, rights in rules.items())
 
 
 @functools.cache
-def guest_program() -> str:
-    """The text of the in-guest step (`._landlock_guest`), the interpreter's ``-c``."""
+def guest_source() -> str:
+    """The text of the in-guest step (`._landlock_guest`)."""
     return (Path(__file__).parent / "_landlock_guest.py").read_text(encoding="utf-8")
+
+
+#: Environment variables that carry compiled code into the guest: the step itself, and
+#: the executor's script. Not arguments: CPython decodes every argument through the locale
+#: at start-up (~0.4 ms for the step's ~23 KB of hex), the environment it only copies. The
+#: step removes both before the job runs.
+STEP_ENV = "METNOS_LANDLOCK_STEP"
+SCRIPT_ENV = "METNOS_LANDLOCK_SCRIPT"
+
+#: The ``-c`` loader of the marshalled step.
+_LOADER = (
+    "import marshal,posix;"
+    f"exec(marshal.loads(bytes.fromhex(posix.environ[b'{STEP_ENV}'].decode())))"
+)
+
+
+@functools.cache
+def _marshalled_step() -> str:
+    code = compile(
+        guest_source(), "<metnos-exec landlock step>", "exec", optimize=2, dont_inherit=True
+    )
+    return marshal.dumps(code).hex()
+
+
+def guest_program(python: str | None = None) -> tuple[str, dict[str, str]]:
+    """The in-guest step: the interpreter's ``-c`` program, and the environment it needs.
+
+    For the worker's own interpreter (`flags.guest_python`, the default), the step's code
+    compiled here and marshalled (`STEP_ENV`) behind a one-line loader: compiling its ~200
+    lines would cost every job ~1 ms of CPU, unmarshalling a few tens of microseconds (the
+    marshal format is the interpreter's own, hence only for the same one). For any other
+    interpreter, the source.
+    """
+    if python is not None and python != guest_python():
+        return guest_source(), {}
+    return _LOADER, {STEP_ENV: _marshalled_step()}
+
+
+#: A compiled script is passed only below this size (hex characters): one environment
+#: string may hold 128 KiB (MAX_ARG_STRLEN); a bigger script is compiled in the guest.
+MAX_COMPILED_HEX = 64 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(path: str, _stamp: tuple[int, int, int, int]) -> str:
+    """`path` compiled as ``python -I -S path`` would, marshalled, hex; ``""`` when the
+    guest should compile it itself: unreadable, too big, or the compiler has something to
+    say (a syntax error, a warning: the guest must say it, where the job's stderr is).
+
+    Cached by the file's identity and modification (`_stamp`), so a changed script is
+    compiled again.
+    """
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            code = compile(source, path, "exec", dont_inherit=True, optimize=0)
+    except (OSError, SyntaxError, ValueError, Warning):
+        return ""
+    compiled = marshal.dumps(code).hex()
+    return compiled if len(compiled) <= MAX_COMPILED_HEX else ""
+
+
+def compiled_script(path: str) -> str:
+    """`_compiled` for the script as it is now (one ``stat``)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return _compiled(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
 def wrap_argv(
@@ -219,12 +308,13 @@ def wrap_argv(
     python: str,
     ctypes_path: str,
     scope: int = SCOPE,
-) -> tuple[str, ...]:
-    """`argv` behind the in-guest landlock step.
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """`argv` behind the in-guest landlock step, and the environment the step needs.
 
     A job of the form ``(python, "-I", "-S", script, *args)`` (what `plan` builds for a
-    ``python`` executor) runs its script in the same interpreter after the step; any
-    other command is ``exec``ed by it.
+    ``python`` executor) runs its script in the same interpreter after the step, compiled
+    here when `python` is the worker's own interpreter (`SCRIPT_ENV`: it saves the guest
+    the compile); any other command is ``exec``ed by the step.
 
     Args:
         argv: the job's command.
@@ -232,11 +322,20 @@ def wrap_argv(
         python: the interpreter that runs the step, as the guest sees it.
         ctypes_path: that interpreter's ``_ctypes`` extension (``""``: import it).
         scope: landlock scopes to request (ABI >= 6).
+
+    Returns:
+        ``(argv, env)``: the command bubblewrap execs, and variables to add to the job's
+        environment (the step removes them).
     """
+    program, env = guest_program(python)
     same = len(argv) >= 4 and argv[0] == python and tuple(argv[1:3]) == ("-I", "-S")
     run = same and not argv[3].startswith("-")
+    if run and env:
+        compiled = compiled_script(argv[3])
+        if compiled:
+            env = {**env, SCRIPT_ENV: compiled}
     spec: list[str] = ["run" if run else "exec", ctypes_path, str(scope)]
     for rights, path in rules:
         spec += [str(rights), path]
     target = tuple(argv[3:]) if run else tuple(argv)
-    return (python, "-I", "-S", "-c", guest_program(), *spec, "--", *target)
+    return (python, "-I", "-S", "-c", program, *spec, "--", *target), env

@@ -74,7 +74,13 @@ def _alu(op: int, a: int, src: int) -> int:
 
 def run(program: bytes, data: bytes) -> int:
     """The action the program returns for `data` (a ``SECCOMP_RET_*`` value)."""
+    return trace(program, data)[0]
+
+
+def trace(program: bytes, data: bytes) -> tuple[int, int]:
+    """The action, and how many instructions ran to reach it."""
     insns = decode(program)
+    steps = 0
     a = x = 0
     mem = [0] * 16
     pc = 0
@@ -82,9 +88,10 @@ def run(program: bytes, data: bytes) -> int:
     while True:
         code, jt, jf, k = insns[pc]
         pc += 1
+        steps += 1
         cls = code & 0x07
         if cls == 0x06:  # RET
-            return k if code == 0x06 else a
+            return (k if code == 0x06 else a), steps
         if code == 0x20:  # LD W ABS
             a = struct.unpack_from("=I", data, k)[0]
         elif code == 0x00:  # LD IMM

@@ -24,9 +24,16 @@ from metnos_exec.sandbox.hardening import Hardening, annotate, host_hardening
 from metnos_exec.sandbox.landlock import (
     EXECUTE,
     READ,
+    READ_FILE,
     SCOPE,
+    SCRIPT_ENV,
+    STEP_ENV,
+    TRUNCATE,
     WRITE,
+    WRITE_FILE,
+    compiled_script,
     guest_program,
+    guest_source,
     landlock_abi,
     landlock_rules,
     landlock_support,
@@ -56,7 +63,10 @@ def test_rules_mirror_the_mounts() -> None:
         ),
     )
     rules = {
-        p: r for r, p in landlock_rules(job, interpreter_roots=("/opt/py",), exists=lambda _: True)
+        p: r
+        for r, p in landlock_rules(
+            job, interpreter_roots=("/opt/py",), exists=lambda _: True, isdir=lambda _: True
+        )
     }
     assert rules["/x/exe"] == READ
     assert rules["/home/u/ref"] == READ
@@ -69,17 +79,37 @@ def test_rules_mirror_the_mounts() -> None:
         if path not in (*SYSTEM_PATHS, "/opt/py"):
             assert not rights & EXECUTE, path
         assert not rights & ((1 << 9) | (1 << 6) | (1 << 11)), path  # MAKE_SOCK/CHAR/BLOCK
+    # A symlinked system tree (merged /usr) is covered by its target's rule.
+    links = {"/bin": "usr/bin", "/lib": "usr/lib"}
+    linked = landlock_rules(
+        job, interpreter_roots=(), exists=lambda _: True, readlink=links.get, isdir=lambda _: True
+    )
+    assert {p for _, p in linked}.isdisjoint(links) and (READ | EXECUTE, "/usr") in linked
+    # A mount of a single file gets only what a file can hold (the kernel refuses more).
+    files = landlock_rules(job, interpreter_roots=(), isdir=lambda path: path == "/x/exe")
+    assert (READ_FILE | WRITE_FILE | TRUNCATE, "/home/u/notes") in files
+    assert (READ_FILE, "/home/u/ref") in files and (READ, "/x/exe") in files
 
 
-def test_wrap_runs_a_python_script_in_place_and_execs_anything_else() -> None:
+def test_wrap_runs_a_python_script_in_place_and_execs_anything_else(tmp_path: Path) -> None:
     rules = ((READ, "/a"),)
-    run = wrap_argv((PY, "-I", "-S", "/x/main.py", "arg"), rules, python=PY, ctypes_path="")
-    assert run[:4] == (PY, "-I", "-S", "-c") and run[4] == guest_program()
-    assert run[5:] == ("run", "", str(SCOPE), str(READ), "/a", "--", "/x/main.py", "arg")
-    other = wrap_argv(("/bin/sh", "-c", "echo"), rules, python=PY, ctypes_path="")
+    main = tmp_path / "main.py"
+    main.write_text("print(1)\n")
+    run, env = wrap_argv((PY, "-I", "-S", str(main), "arg"), rules, python=PY, ctypes_path="")
+    loader, step_env = guest_program(PY)
+    assert run[:5] == (PY, "-I", "-S", "-c", loader)
+    assert run[5:] == ("run", "", str(SCOPE), str(READ), "/a", "--", str(main), "arg")
+    # The step's code and the compiled script travel in the environment, not the argv.
+    assert env == {**step_env, SCRIPT_ENV: compiled_script(str(main))}
+    assert env[STEP_ENV] and env[SCRIPT_ENV]
+    other, other_env = wrap_argv(("/bin/sh", "-c", "echo"), rules, python=PY, ctypes_path="")
     assert other[5] == "exec" and other[-4:] == ("--", "/bin/sh", "-c", "echo")
-    flags = wrap_argv((PY, "-I", "-S", "-u", "/x/main.py"), rules, python=PY, ctypes_path="")
+    assert other_env == step_env
+    flags, _ = wrap_argv((PY, "-I", "-S", "-u", str(main)), rules, python=PY, ctypes_path="")
     assert flags[5] == "exec"  # other interpreter flags: run it as given
+    # Another interpreter gets the source (a marshalled program is the worker's own's).
+    src, src_env = wrap_argv(("/bin/true",), rules, python="/usr/bin/python3.9", ctypes_path="")
+    assert src[4:6] == (guest_source(), "exec") and src_env == {}
 
 
 # --- the in-guest step, on the host ---------------------------------------------------------
@@ -92,19 +122,31 @@ def step(
     rules: list[tuple[int, str]] | None = None,
     program: str | None = None,
     ctypes_path: str | None = None,
+    compiled: bool = True,
 ) -> subprocess.CompletedProcess[bytes]:
     """Run the in-guest step directly (no sandbox): read and execute everywhere, write in
-    ``tmp_path/w`` only, unless `rules` says otherwise."""
+    ``tmp_path/w`` only, unless `rules` says otherwise. Without `compiled`, the step
+    compiles the script itself."""
     need_landlock()
     if rules is None:
         rules = [(READ | EXECUTE, "/"), (READ | WRITE, str(tmp_path / "w"))]
     (tmp_path / "w").mkdir(exist_ok=True)
     if ctypes_path is None:
         ctypes_path = landlock_support().ctypes_path
-    argv = list(wrap_argv(target, rules, python=PY, ctypes_path=ctypes_path))
-    if program is not None:
+    wrapped, env = wrap_argv(target, rules, python=PY, ctypes_path=ctypes_path)
+    argv = list(wrapped)
+    if not compiled:
+        env.pop(SCRIPT_ENV, None)
+    if program is not None:  # a test's own version of the step, from source
         argv[4] = program
-    return subprocess.run(argv, capture_output=True, timeout=60, check=False, cwd=tmp_path)
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
 
 
 def script(tmp_path: Path, code: str, name: str = "main.py") -> str:
@@ -164,8 +206,9 @@ def test_step_fallbacks_still_restrict(tmp_path: Path) -> None:
     done = step(
         tmp_path,
         [PY, "-I", "-S", main, str(tmp_path)],
-        program=handicap + guest_program(),
+        program=handicap + guest_source(),
         ctypes_path="",
+        compiled=False,
     )
     assert done.returncode == 0, done.stderr.decode()
     got = json.loads(done.stdout)
@@ -174,11 +217,30 @@ def test_step_fallbacks_still_restrict(tmp_path: Path) -> None:
     assert json.loads(bad_path.stdout)["write_here"] == 13
 
 
-def test_step_keeps_the_scripts_exit_status_and_traceback(tmp_path: Path) -> None:
-    exits = step(tmp_path, [PY, "-I", "-S", script(tmp_path, "import sys; sys.exit(3)")])
+def test_the_worker_compiles_the_script_once_per_version(tmp_path: Path) -> None:
+    main = Path(script(tmp_path, "print('one')"))
+    first = compiled_script(str(main))
+    assert first and compiled_script(str(main)) == first  # cached
+    main.write_text("print('two, longer')")
+    assert compiled_script(str(main)) not in ("", first)  # changed: compiled again
+    assert step(tmp_path, [PY, "-I", "-S", str(main)]).stdout == b"two, longer\n"
+    # What the compiler would say, the guest says itself, on the job's stderr.
+    noisy = Path(script(tmp_path, "x = '\\d'\nprint(x)\n", "noisy.py"))
+    assert compiled_script(str(noisy)) == ""
+    out = step(tmp_path, [PY, "-I", "-S", str(noisy)])
+    plain = subprocess.run([PY, "-I", "-S", str(noisy)], capture_output=True, check=False)
+    assert (out.stdout, out.stderr) == (plain.stdout, plain.stderr)
+    assert compiled_script(str(tmp_path / "missing.py")) == ""
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_step_keeps_the_scripts_exit_status_and_traceback(tmp_path: Path, compiled: bool) -> None:
+    exits = step(
+        tmp_path, [PY, "-I", "-S", script(tmp_path, "import sys; sys.exit(3)")], compiled=compiled
+    )
     assert exits.returncode == 3
     main = script(tmp_path, "def f():\n    raise KeyError('boom')\nf()\n", "crash.py")
-    crash = step(tmp_path, [PY, "-I", "-S", main])
+    crash = step(tmp_path, [PY, "-I", "-S", main], compiled=compiled)
     plain = subprocess.run([PY, "-I", "-S", main], capture_output=True, check=False)
     assert crash.returncode == plain.returncode == 1
     # The same traceback as without the step: no frame of the step itself.
@@ -242,7 +304,7 @@ def test_step_fails_closed(tmp_path: Path) -> None:
     done = step(
         tmp_path,
         [PY, "-I", "-S", main],
-        program=guest_program().replace("\nimport sys\n", "\nimport sys\n" + refuse, 1),
+        program=refuse + guest_source(),
         ctypes_path="",
     )
     assert done.returncode == 126 and done.stdout == b"", done

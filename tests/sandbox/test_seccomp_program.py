@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import errno
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,35 @@ def test_every_call_the_policy_does_not_name_is_allowed(arch: str) -> None:
             # With argument values that trip every condition of the policy.
             data = bpf.seccomp_data(nr, AUDIT_ARCH[arch], [0xFFFFFFFFFFFFFFFF] * 6)
             assert bpf.run(program, data) == ALLOW, nr
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHES)
+def test_the_kernel_walks_a_short_path_for_every_call(arch: str) -> None:
+    # When it loads the filter the kernel runs it once per call number (to cache the
+    # calls always allowed); then it runs it for every call that depends on arguments. A
+    # binary search keeps both short: a chain of ~70 comparisons would walk ~150.
+    program = compile_program(arch)
+    longest = max(
+        bpf.trace(program, bpf.seccomp_data(nr, AUDIT_ARCH[arch], [0] * 6))[1]
+        for nr in range(NEWEST[arch] + 2)
+    )
+    assert longest <= 20, longest
+
+
+def test_the_interpreter_refuses_what_the_kernel_refuses() -> None:
+    def insn(code: int, jt: int = 0, jf: int = 0, k: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    ret = insn(0x06, k=ALLOW)
+    with pytest.raises(bpf.BadProgram, match="last instruction"):
+        bpf.decode(insn(0x20, k=4))  # ld arch, no return
+    with pytest.raises(bpf.BadProgram, match="out of the program"):
+        bpf.decode(insn(0x15, jt=5) + ret)  # jeq beyond the end
+    with pytest.raises(bpf.BadProgram, match="out-of-range load"):
+        bpf.decode(insn(0x20, k=64) + ret)  # past seccomp_data
+    with pytest.raises(bpf.BadProgram, match="refuses"):
+        bpf.run(insn(0x28) + ret, bpf.seccomp_data(0, 0))  # a half-word load
+    assert bpf.run(ret, bpf.seccomp_data(0, 0)) == ALLOW
 
 
 def test_every_named_call_exists_somewhere_and_the_table_names_it() -> None:
