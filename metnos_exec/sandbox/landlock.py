@@ -21,8 +21,9 @@ denied; on a file only the file rights of a row apply). Each row: path, rights, 
   ``pts``.
 * ``/dev/shm`` and ``/tmp``: read, write. Private scratch (POSIX shared memory, temporary
   files).
-* read-only mounts (the executor folder, ``fs:read`` hints): read. No execute: an
-  executor runs its scripts through the interpreter.
+* read-only mounts (the executor folder, ``fs:read`` hints): read. No execute (an
+  executor runs its scripts through the interpreter), except in the read-only mount that
+  holds the job's own command (a standalone interpreter's prefix): read, execute.
 * writable mounts (``fs:write`` hints): read, write. No execute, no sockets, no device
   nodes.
 
@@ -215,9 +216,13 @@ def landlock_rules(
     rules["/dev"] = DEVICES
     rules["/dev/shm"] = READ | WRITE
     rules["/tmp"] = READ | WRITE
+    command = os.path.normpath(job.argv[0]) if job.argv else ""
     for mount in job.mounts:
         guest = os.path.normpath(mount.guest)
         rights = READ | (WRITE if mount.writable else 0)
+        if not mount.writable and (command + "/").startswith(guest.rstrip("/") + "/"):
+            # The job's own command lives here (a standalone interpreter's prefix).
+            rights |= EXECUTE
         if not isdir(mount.host):
             rights &= FILE_RIGHTS
         rules[guest] = rules.get(guest, 0) | rights

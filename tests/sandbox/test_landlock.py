@@ -85,6 +85,15 @@ def test_rules_mirror_the_mounts() -> None:
         job, interpreter_roots=(), exists=lambda _: True, readlink=links.get, isdir=lambda _: True
     )
     assert {p for _, p in linked}.isdisjoint(links) and (READ | EXECUTE, "/usr") in linked
+    # The read-only mount holding the job's command (a standalone interpreter) executes.
+    standalone = SandboxJob(
+        argv=("/cache/py/bin/python3", "-I", "-S", "/x/exe/main.py"),
+        mounts=(Mount("/x/exe", "/x/exe"), Mount("/cache/py", "/cache/py")),
+    )
+    got = dict(
+        (p, r) for r, p in landlock_rules(standalone, interpreter_roots=(), isdir=lambda _: True)
+    )
+    assert got["/cache/py"] == READ | EXECUTE and got["/x/exe"] == READ
     # A mount of a single file gets only what a file can hold (the kernel refuses more).
     files = landlock_rules(job, interpreter_roots=(), isdir=lambda path: path == "/x/exe")
     assert (READ_FILE | WRITE_FILE | TRUNCATE, "/home/u/notes") in files
