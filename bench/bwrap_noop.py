@@ -15,10 +15,11 @@ interleaved round by round so both see the same machine state:
 The ratio of medians is printed; target: arm <= 1.15 x raw (issue 8: every mechanism on;
 issue 2's target for the arm without them was 1.10).
 
-With ``--mechanisms`` three more variants join the interleaving, to show what each kernel
+With ``--mechanisms`` four more variants join the interleaving, to show what each kernel
 mechanism costs on its own: ``raw_seccomp`` (the raw argv plus the filter),
 ``raw_landlock`` (the raw argv behind the in-guest landlock step: its cost is
-``raw_landlock - raw``) and ``raw_hardened`` (both).
+``raw_landlock - raw``), ``raw_hardened`` (both), and ``arm_bare`` (the arm with neither,
+as it was before issue 8: ``arm - arm_bare`` is what the mechanisms add to the arm).
 
 With ``--breakdown`` three more variants join the interleaving, to show where the arm's
 time goes: ``raw_limits`` (the raw argv with the limits prefix the arm falls back to when
@@ -84,6 +85,11 @@ async def measure(
         raise SystemExit(f"bubblewrap not usable here: {probe.error}")
     hardening = host_hardening()
     arm = BwrapSandbox()
+    bare = BwrapSandbox(
+        hardening=msgspec.structs.replace(
+            hardening, seccomp_arch=None, seccomp="off", landlock_abi=None, landlock="off"
+        )
+    )
     job = make_job()
     # The same masks as the arm (a root worker also masks /etc's private files).
     _host_facts.refresh()
@@ -147,6 +153,12 @@ async def measure(
             raise SystemExit(f"arm run failed: {outcome}")
         return outcome.stdout
 
+    async def run_arm_bare() -> bytes:
+        outcome = await bare.run(job)
+        if outcome.exit != Success():
+            raise SystemExit(f"bare arm run failed: {outcome}")
+        return outcome.stdout
+
     async def run_raw() -> bytes:
         done = subprocess.run(raw_argv, input=b"{}", capture_output=True, check=False)  # noqa: ASYNC221 - measured on purpose, blocking like a plain script would
         return done.stdout
@@ -184,6 +196,7 @@ async def measure(
             "raw_seccomp": run_raw_seccomp,
             "raw_landlock": run_raw_landlock,
             "raw_hardened": run_raw_hardened,
+            "arm_bare": run_arm_bare,
         }
     if breakdown:
         variants |= {
@@ -213,6 +226,8 @@ async def measure(
     if mechanisms:
         for name in ("raw_seccomp", "raw_landlock", "raw_hardened"):
             result[f"{name}_cost_ms"] = round((med[name] - med["raw"]) * 1000, 2)
+        result["arm_over_arm_bare_ms"] = round((med["arm"] - med["arm_bare"]) * 1000, 2)
+        result["arm_bare_ratio"] = round(med["arm_bare"] / med["raw"], 3)
     result["seccomp"] = hardening.seccomp
     result["landlock"] = hardening.landlock
     result["bwrap"] = probe.path
@@ -255,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in result.items():
             if key.endswith("_cost_ms"):
                 print(f"  {key.removesuffix('_cost_ms'):12s} costs {value} ms over raw")
+        if args.mechanisms:
+            print(
+                f"  the mechanisms add {result['arm_over_arm_bare_ms']} ms to the arm "
+                f"(arm without them / raw: {result['arm_bare_ratio']})"
+            )
         print(f"  arm: {result['seccomp']}; {result['landlock']}")
         print(f"  ratio arm/raw: {result['ratio']}  (target <= {TARGET})")
     ratio = result["ratio"]
