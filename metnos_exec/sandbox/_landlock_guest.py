@@ -98,28 +98,37 @@ def _landlock(ct: "ModuleType", scope: int, rules: "list[tuple[int, str]]") -> i
     ruleset = call(syscall, (444, attr, len(attr), 0))
     if ruleset < 0:
         _fail("landlock_create_ruleset failed")
-    fds = [ruleset]
+    batch: list[int] = []
     for rights, path in rules:
         try:
             fd = posix.open(path, 0o10000000 | 0o2000000)  # O_PATH | O_CLOEXEC
-        except OSError:
-            continue  # not in the sandbox: stays denied
-        fds.append(fd)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue  # not in the sandbox, or not for this uid: stays denied
+        except OSError as exc:  # out of fds (a tiny RLIMIT_NOFILE), ...: fail closed
+            _fail(f"cannot open {path} for a landlock rule: {exc.strerror}")
+        batch.append(fd)
         rights &= handled
         if rights:
             attr = rights.to_bytes(8, order) + fd.to_bytes(4, order, signed=True)
             # landlock_add_rule(ruleset, LANDLOCK_RULE_PATH_BENEATH, &attr, 0)
             if call(syscall, (445, ruleset, 1, attr, 0)):
                 _fail(f"landlock_add_rule failed for {path}")
+        if len(batch) == 8:  # the rule holds its own reference: few fds open at once
+            _close(posix, batch)
+            batch = []
     if call(syscall, (446, ruleset, 0)):  # landlock_restrict_self
         _fail("landlock_restrict_self failed")
+    _close(posix, [ruleset, *batch])
+    return libc
+
+
+def _close(posix: "ModuleType", fds: "list[int]") -> None:
     low, high = min(fds), max(fds)
     if high - low + 1 == len(fds):  # numbered in a row (the usual case): one close_range
         posix.closerange(low, high + 1)
     else:
         for fd in fds:
             posix.close(fd)
-    return libc
 
 
 def _exec(target: "list[str]") -> "NoReturn":

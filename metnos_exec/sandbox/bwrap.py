@@ -38,6 +38,11 @@ only glues them and reads back what happened, honestly:
   moved), whatever the guest's exit status; RLIMIT_AS stays, so a single big allocation
   still fails gracefully first. Without the cgroup the resources axis says ``partial``
   (`MEMORY_PER_PROCESS_REASON`).
+* two kernel mechanisms on top of the namespaces (`.hardening`, decided once per worker):
+  the seccomp filter (`.seccomp`), handed to bubblewrap through a pipe (``--seccomp``),
+  and landlock (`.landlock`), which the guest's first process applies to itself before the
+  executor's code (the job's argv is wrapped). The report names what they hold, and says
+  ``partial`` where one is missing.
 * a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
   file permission checks treat the guest as the owner of root's files (it holds no
   capability: only *owner* matches). Root-only files in the read-only system trees are

@@ -503,3 +503,18 @@ def test_report_names_landlock_or_its_absence() -> None:
     # The mounts still hold: landlock's absence alone weakens no axis.
     assert report_off.files.state == on.files.state
     assert annotate(on, job, off).files.state == on.files.state
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_the_step_leaves_no_fd_and_fits_a_small_fd_budget(tmp_path: Path) -> None:
+    from metnos_exec.sandbox._types import ResourceLimits
+
+    code = """
+        import json, os
+        print(json.dumps(sorted(int(fd) for fd in os.listdir("/proc/self/fd"))))
+        """
+    for limit in (256, 16):
+        job = py_job(tmp_path, code, limits=ResourceLimits(open_files=limit))
+        # stdio, and the fd the listing itself opened
+        assert report(await arm_with().run(job)) == [0, 1, 2, 3], limit
