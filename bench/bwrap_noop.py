@@ -33,8 +33,13 @@ budget, no JSON status: the process layer's own cost).
 Run it against this checkout (``PYTHONPATH=.``): an editable install elsewhere would
 otherwise be measured.
 
+With ``--cpu`` the CPU time of each job is measured too: this process's (every thread)
+plus the job's whole tree (the benchmark is a subreaper, as the worker is, and reaps
+bubblewrap's orphaned init after each run, outside the timed window): on a busy machine
+it moves far less than wall time.
+
 Usage: python bench/bwrap_noop.py [--rounds 30] [--warmup 3] [--backend asyncio|trio]
-       [--json] [--breakdown] [--mechanisms]
+       [--json] [--breakdown] [--mechanisms] [--cpu]
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +57,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from metnos_exec.process import ProcessSpec, run_process
+from metnos_exec.process import ProcessSpec, become_subreaper, run_process
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, _host_facts, _limits_in_guest, bwrap_probe
 from metnos_exec.sandbox.flags import derive_bwrap_argv, derive_rlimits, guest_python
@@ -77,12 +83,35 @@ def _noop() -> None:
     pass
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of every child reaped so far."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 async def measure(
-    rounds: int, warmup: int, breakdown: bool = False, mechanisms: bool = False
+    rounds: int,
+    warmup: int,
+    breakdown: bool = False,
+    mechanisms: bool = False,
+    cpu_too: bool = False,
 ) -> dict[str, object]:
     probe = bwrap_probe()
     if not probe.working:
         raise SystemExit(f"bubblewrap not usable here: {probe.error}")
+    if cpu_too:
+        # As `metnos-exec worker` is: bubblewrap's orphaned inits come back to us, and
+        # reaping them adds the guest's CPU time to ours (RUSAGE_CHILDREN).
+        become_subreaper()
     hardening = host_hardening()
     arm = BwrapSandbox()
     bare = BwrapSandbox(
@@ -205,24 +234,34 @@ async def measure(
             "run_process": run_rp,
         }
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for i in range(warmup + rounds):
         # Rotate the order, so no variant always runs on a warmer cache.
         order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
+            c0 = _cpu_s()
             t0 = time.perf_counter()
             out = await variants[name]()
             dt = time.perf_counter() - t0
             if out != b"{}\n":
                 raise SystemExit(f"{name} run printed {out!r}")
+            if cpu_too:
+                _reap_all()  # bubblewrap's init, orphaned to us: its rusage holds the guest's
             if i >= warmup:
                 times[name].append(dt)
+                cpu[name].append(_cpu_s() - c0)
     med = {name: statistics.median(v) for name, v in times.items()}
     result: dict[str, object] = {"rounds": rounds}
     for name, v in times.items():
         result[f"{name}_median_ms"] = round(med[name] * 1000, 2)
         result[f"{name}_p90_ms"] = round(statistics.quantiles(v, n=10)[-1] * 1000, 2)
     result["ratio"] = round(med["arm"] / med["raw"], 3)
+    if cpu_too:
+        cmed = {name: statistics.median(v) for name, v in cpu.items()}
+        for name in variants:
+            result[f"{name}_cpu_ms"] = round(cmed[name] * 1000, 2)
+        result["cpu_ratio"] = round(cmed["arm"] / cmed["raw"], 3)
     if mechanisms:
         for name in ("raw_seccomp", "raw_landlock", "raw_hardened"):
             result[f"{name}_cost_ms"] = round((med[name] - med["raw"]) * 1000, 2)
@@ -247,13 +286,25 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown", action="store_true", help="add raw_limits, raw_fork, run_process"
     )
     parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also the CPU time of each job's whole tree (and of this process), as a "
+        "subreaper: steadier than wall time on a busy machine",
+    )
+    parser.add_argument(
         "--mechanisms",
         action="store_true",
         help="add raw_seccomp, raw_landlock, raw_hardened (each mechanism's own cost)",
     )
     args = parser.parse_args(argv)
     result = anyio.run(
-        measure, args.rounds, args.warmup, args.breakdown, args.mechanisms, backend=args.backend
+        measure,
+        args.rounds,
+        args.warmup,
+        args.breakdown,
+        args.mechanisms,
+        args.cpu,
+        backend=args.backend,
     )
     result["backend"] = args.backend
     if args.json:
@@ -266,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in result.items():
             if key.endswith("_median_ms"):
                 name = key.removesuffix("_median_ms")
-                print(f"  {name:12s} median {value} ms, p90 {result[name + '_p90_ms']} ms")
+                cpu_ms = result.get(f"{name}_cpu_ms")
+                extra = "" if cpu_ms is None else f", CPU {cpu_ms} ms"
+                print(f"  {name:12s} median {value} ms, p90 {result[name + '_p90_ms']} ms{extra}")
         for key, value in result.items():
             if key.endswith("_cost_ms"):
                 print(f"  {key.removesuffix('_cost_ms'):12s} costs {value} ms over raw")
@@ -276,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(arm without them / raw: {result['arm_bare_ratio']})"
             )
         print(f"  arm: {result['seccomp']}; {result['landlock']}")
+        if "cpu_ratio" in result:
+            print(f"  CPU ratio arm/raw: {result['cpu_ratio']}")
         print(f"  ratio arm/raw: {result['ratio']}  (target <= {TARGET})")
     ratio = result["ratio"]
     assert isinstance(ratio, float)
