@@ -27,7 +27,12 @@ Any failure before the job starts exits 126 with a line on stderr: the job does 
 unrestricted.
 """
 
+import gc
 import sys
+
+# The step allocates a few thousand objects (its own code, _ctypes's types) that live until
+# the process ends: no collection while it runs (the loader already stopped the collector).
+gc.disable()
 
 # Type names for the checker only, in quoted annotations: importing typing would cost the
 # job ~10 ms, and even ``from __future__ import annotations`` imports a module.
@@ -222,6 +227,12 @@ def _main() -> "tuple[CodeType, dict[str, Any]]":
 
 if __name__ == "__main__":  # run as the guest's -c program, never on import
     _code, _globals = _main()
+    # What exists now (the interpreter's start-up and this step) lives until exit anyway:
+    # frozen out of the collector's reach, so the job's collections, and the last one at
+    # exit, do not walk it again (~0.15 ms less per job). The job's own objects are
+    # collected as usual.
+    gc.freeze()
+    gc.enable()
     try:
         exec(_code, _globals)
     except (SystemExit, KeyboardInterrupt):

@@ -242,9 +242,9 @@ def guest_source() -> str:
 STEP_ENV = "METNOS_LANDLOCK_STEP"
 SCRIPT_ENV = "METNOS_LANDLOCK_SCRIPT"
 
-#: The ``-c`` loader of the marshalled step.
+#: The ``-c`` loader of the marshalled step (the collector waits: see the step).
 _LOADER = (
-    "import marshal,posix;"
+    "import gc,marshal,posix;gc.disable();"
     f"exec(marshal.loads(bytes.fromhex(posix.environ[b'{STEP_ENV}'].decode())))"
 )
 

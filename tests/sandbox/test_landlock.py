@@ -272,6 +272,27 @@ def test_step_decodes_the_source_as_python_does(tmp_path: Path) -> None:
     assert failed.returncode == 1 and b"null bytes" in failed.stderr
 
 
+def test_the_jobs_own_garbage_is_collected_as_usual(tmp_path: Path) -> None:
+    # The step freezes what exists before the script (start-up objects, its own): the
+    # script's objects, cycles included, are the collector's as in a plain interpreter.
+    main = script(
+        tmp_path,
+        """
+        import gc, json
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        del a, b
+        print(json.dumps({"enabled": gc.isenabled(), "collected": gc.collect() >= 2}))
+        """,
+    )
+    assert json.loads(step(tmp_path, [PY, "-I", "-S", main]).stdout) == {
+        "enabled": True,
+        "collected": True,
+    }
+
+
 def test_step_pickles_functions_of_the_main_script(tmp_path: Path) -> None:
     main = script(
         tmp_path,
