@@ -38,6 +38,7 @@ from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
 from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
+from .staging import Staging
 from .supervisor import Supervisor
 
 __all__ = (
@@ -378,11 +379,14 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    state_dir: str | os.PathLike[str] | None = None,
     trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``state_dir``: blobs, commit journals and staging mount points (default
+    `metnos_exec.staging.default_state_dir`).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -409,6 +413,11 @@ def run_worker(
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
 
+    try:
+        staging = Staging(state_dir)
+    except OSError as exc:
+        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+
     async def main() -> None:
         from .runtimes import obtain_device_python
 
@@ -434,12 +443,14 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                staging=staging,
                 dry_run=True,
                 trust=trust,
                 python=python,
             )
         finally:
             with anyio.CancelScope(shield=True):
+                await staging.aclose()
                 await broker.close()
 
     anyio.run(main, backend=backend)

@@ -26,6 +26,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
 )
 
 __all__ = (
@@ -38,6 +39,7 @@ __all__ = (
     "Lease",
     "RetryOutcome",
     "SubmitReceipt",
+    "UndoRecord",
     "open_broker",
 )
 
