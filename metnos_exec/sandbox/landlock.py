@@ -206,7 +206,8 @@ def landlock_rules(
             (``/bin`` -> ``usr/bin``) needs no rule of its own (each rule is a few system
             calls in every job), its target's rule covers it.
         isdir: host folder check for the job's mounts: a mount of a single file gets only
-            the rights a file can hold (the kernel refuses folder rights on a file).
+            the rights a file can hold (the kernel refuses folder rights on a file). Not
+            asked for a staged mount (an overlay, always a folder).
     """
     rules: dict[str, int] = {"/": READ_DIR}
     for path in (*SYSTEM_PATHS, *interpreter_roots):
@@ -223,7 +224,9 @@ def landlock_rules(
         if not mount.writable and (command + "/").startswith(guest.rstrip("/") + "/"):
             # The job's own command lives here (a standalone interpreter's prefix).
             rights |= EXECUTE
-        if not isdir(mount.host):
+        # A staged mount is a staging overlay, always a folder, on the staging namespace's
+        # side, where the worker cannot look.
+        if not mount.staged and not isdir(mount.host):
             rights &= FILE_RIGHTS
         rules[guest] = rules.get(guest, 0) | rights
     return tuple((rights, path) for path, rights in rules.items())

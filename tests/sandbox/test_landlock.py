@@ -94,6 +94,13 @@ def test_rules_mirror_the_mounts() -> None:
         (p, r) for r, p in landlock_rules(standalone, interpreter_roots=(), isdir=lambda _: True)
     )
     assert got["/cache/py"] == READ | EXECUTE and got["/x/exe"] == READ
+    # A staged writable folder (an overlay the worker cannot see) is a folder.
+    staged = SandboxJob(
+        argv=("/bin/true",), mounts=(Mount("/ns/ov/0", "/home/u/notes", True, staged=True),)
+    )
+    assert (READ | WRITE, "/home/u/notes") in landlock_rules(
+        staged, interpreter_roots=(), isdir=lambda _: False
+    )
     # A mount of a single file gets only what a file can hold (the kernel refuses more).
     files = landlock_rules(job, interpreter_roots=(), isdir=lambda path: path == "/x/exe")
     assert (READ_FILE | WRITE_FILE | TRUNCATE, "/home/u/notes") in files
