@@ -289,6 +289,11 @@ def test_status_is_readable(env: dict[str, str]) -> None:
     assert "{'" not in out.stdout and "('" not in out.stdout and "None" not in out.stdout
     assert "queued=1" in out.stdout and "  arms:" in out.stdout
     assert "    python: " in out.stdout  # nested keys on their own indented lines
+    # Whether the bwrap arm's kernel mechanisms are on, in words.
+    assert "  bwrap_seccomp:\n    active: " in out.stdout
+    assert "  bwrap_landlock:\n    active: " in out.stdout
+    doc = json.loads(cli(env, "status", "--json").stdout)["sandbox"]
+    assert set(doc["bwrap_seccomp"]) == set(doc["bwrap_landlock"]) == {"active", "detail"}
 
 
 def test_codes_lists_every_error_code(env: dict[str, str]) -> None:
