@@ -270,7 +270,9 @@ def run_worker(
             broker = open_broker(broker_url)
         except ValueError as exc:  # a malformed URL or an unknown option in its query
             raise BadBrokerURL(f"{broker_url}: {exc}") from None
-        try:
+        # Entered, not just closed at the end: a broker may hold resources that live in
+        # the task that opens it (the Redis client's connection tasks).
+        async with broker:
             await serve(
                 broker,
                 registry,
@@ -285,9 +287,6 @@ def run_worker(
                 prefetch=prefetch,
                 preload=True,
             )
-        finally:
-            with anyio.CancelScope(shield=True):
-                await broker.close()
 
     anyio.run(main, backend=backend)
     return 0

@@ -168,6 +168,35 @@ class Keys:
         return f"{self.base}idem:{key}"
 
 
+def _closing_buffers(cls: type[Any]) -> type[Any]:
+    """`cls` (a coredis connection class) whose failed connect closes its buffers.
+
+    coredis 6.9 creates six in-memory streams per connection and closes them only once
+    connected: each failed attempt (Redis down) leaves them to the garbage collector,
+    which warns (``ResourceWarning: Unclosed <MemoryObjectSendStream>``) for every retry
+    of a worker waiting for Redis to come back.
+    """
+
+    class Connection(cls):  # type: ignore[misc]
+        async def _connect(self) -> Any:
+            try:
+                return await super()._connect()
+            except BaseException:
+                for stream in (
+                    self._write_buffer_in,
+                    self._write_buffer_out,
+                    self._push_message_buffer_in,
+                    self._push_message_buffer_out,
+                    self._streamed_message_buffer_in,
+                    self._streamed_message_buffer_out,
+                ):
+                    stream.close()
+                raise
+
+    Connection.__name__ = Connection.__qualname__ = f"Closing{cls.__name__}"
+    return Connection
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -226,6 +255,8 @@ class RedisBroker(Broker):
             # client's would resend a lease whose reply was lost, for instance.
             retry_policy=coredis.retry.NoRetryPolicy(),
         )
+        pool = self._redis.connection_pool
+        pool.connection_class = _closing_buffers(pool.connection_class)
         self._scripts = {name: self._redis.register_script(src) for name, src in SCRIPTS.items()}
         self._stack: contextlib.AsyncExitStack | None = None
         self._open = False
@@ -580,7 +611,7 @@ class RedisBroker(Broker):
                         )
             if error is None:
                 # Re-encoded: a body without an id got one here, and it must stay put.
-                args += [eid, "job", *self._submit_args(job), ""]
+                args += [eid, "job", *self._submit_args(job)]
                 continue
             job_id = given or new_job_id()
             result, letter = self._dead_records(
