@@ -1,0 +1,415 @@
+"""The queue alone, on Redis and on SQLite, next to taskiq, Dramatiq and Huey (issue 11).
+
+Every system drains the same number of no-op jobs from the same private redis-server
+(started here on a free loopback port, never the shared 6379), or from a fresh SQLite
+file, with real worker processes:
+
+- metnos-exec: ``metnos-exec worker`` processes with the echo arm
+  (``METNOS_ARM_OVERRIDE=echo``: no executor process, the queue alone), JSON logs to a
+  file as in production, each result stored; 1, 2 and 4 worker processes;
+- taskiq with taskiq-redis's ``RedisStreamBroker`` (streams and a consumer group, acked
+  when executed, no result backend), ``taskiq worker --workers N``;
+- Dramatiq with its ``RedisBroker``, ``dramatiq --processes N --threads T``;
+- Huey with ``RedisHuey`` and ``SqliteHuey`` (``results=False``),
+  ``huey_consumer -k thread -w T`` (one process; Huey has no multi-process mode with
+  threads, so it runs at 1 process only).
+
+The peers store no result; metnos-exec stores one per job and logs every step: the
+comparison favours them.
+
+How a drain is timed: the jobs are queued first, then the workers start; the clock runs
+from the moment the first job leaves the queue to the moment none is left (queued or in
+flight), polled every 5 ms, so process start-up is not counted. Rounds rotate the order
+of the systems; medians are reported.
+
+Usage: python bench/queue_brokers.py [--jobs N] [--rounds R] [--processes 1,2,4]
+       [--concurrency C] [--peers taskiq,dramatiq,huey] [--peer-threads T]
+(with ``PYTHONPATH=.`` from the repository root; the peers come from the ``bench``
+extra: ``pip install -e '.[bench]'``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+
+from tests.helpers.redis_server import RedisServer  # noqa: E402
+
+PEERS_APP = '''\
+"""No-op tasks for the peers, configured by environment variables (bench/queue_brokers.py)."""
+import os
+
+KIND = os.environ["BENCH_KIND"]
+URL = os.environ.get("BENCH_REDIS_URL", "")
+NS = os.environ.get("BENCH_NS", "bench")
+
+if KIND == "taskiq":
+    from taskiq_redis import RedisStreamBroker
+
+    # consumer_id="0": the group reads the jobs queued before the workers started.
+    broker = RedisStreamBroker(url=URL, queue_name=NS, consumer_group_name=NS, consumer_id="0")
+
+    @broker.task
+    async def noop() -> None:
+        return None
+
+elif KIND == "dramatiq":
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+
+    dramatiq.set_broker(RedisBroker(url=URL, namespace=NS))
+
+    @dramatiq.actor(queue_name="q", max_retries=0)
+    def noop() -> None:
+        return None
+
+elif KIND in ("huey", "huey-sqlite"):
+    from huey import RedisHuey, SqliteHuey
+
+    if KIND == "huey":
+        huey = RedisHuey(NS, url=URL, results=False)
+    else:
+        huey = SqliteHuey(NS, filename=os.environ["BENCH_SQLITE"], results=False)
+
+    @huey.task()
+    def noop() -> None:
+        return None
+'''
+
+NOOP_MANIFEST = 'name = "noop"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+
+
+def _redis_client(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+class Drain:
+    """One system's drain: queue jobs, start workers, report jobs/s."""
+
+    def __init__(self, name: str, tmp: Path, jobs: int) -> None:
+        self.name = name
+        self.tmp = tmp
+        self.jobs = jobs
+
+    def prefill(self, tag: str) -> None:
+        raise NotImplementedError
+
+    def remaining(self) -> int:
+        raise NotImplementedError
+
+    def workers(self, tag: str) -> list[subprocess.Popen[bytes]]:
+        raise NotImplementedError
+
+    def run(self, tag: str) -> float:
+        self.prefill(tag)
+        procs = self.workers(tag)
+        try:
+            t0 = r0 = None
+            deadline = time.monotonic() + 600
+            while True:
+                left = self.remaining()
+                now = time.perf_counter()
+                if t0 is None and left < self.jobs:
+                    t0, r0 = now, left
+                if left == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: {left} jobs left after 600 s")
+                time.sleep(0.005)  # the harness polls; the same for every system
+            assert t0 is not None and r0 is not None
+            if r0 == 0:
+                raise RuntimeError(f"{self.name}: drained before the first poll; use more jobs")
+            return r0 / (now - t0)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{self.name}.out", "ab")  # noqa: SIM115 (kept by Popen)
+        try:
+            return subprocess.Popen(
+                argv,
+                env={**os.environ, "PYTHONPATH": f"{self.tmp}:{ROOT}", **env},
+                cwd=self.tmp,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            log.close()
+
+
+class Metnos(Drain):
+    def __init__(
+        self, tmp: Path, jobs: int, *, url: str | None, processes: int, concurrency: int
+    ) -> None:
+        kind = "redis" if url else "sqlite"
+        super().__init__(f"metnos-exec {kind} x{processes}", tmp, jobs)
+        self.redis_url = url
+        self.processes = processes
+        self.concurrency = concurrency
+        self.executors = tmp / "executors"
+        (self.executors / "noop").mkdir(parents=True, exist_ok=True)
+        (self.executors / "noop" / "manifest.toml").write_text(NOOP_MANIFEST)
+        (self.executors / "noop" / "main.py").write_text("")
+        self.url = ""
+        self._poll: Callable[[], int] = lambda: 0
+
+    def prefill(self, tag: str) -> None:
+        from metnos_exec.brokers import open_broker
+        from metnos_exec.messages import Job
+
+        if self.redis_url:
+            self.url = f"{self.redis_url}?prefix=m{tag}"
+            client = _redis_client(self.redis_url)
+            counts = "{m" + tag + "}:counts"
+
+            def poll() -> int:
+                queued, running = client.hmget(counts, "queued", "running")
+                return int(queued or 0) + int(running or 0)
+
+            self._poll = poll
+        else:
+            db = self.tmp / f"m{tag}.db"
+            self.url = f"sqlite:///{db}"
+
+            def poll_sqlite() -> int:
+                with sqlite3.connect(db) as conn:
+                    (n,) = conn.execute(
+                        "SELECT count(*) FROM jobs WHERE state IN ('queued', 'running')"
+                    ).fetchone()
+                return int(n)
+
+            self._poll = poll_sqlite
+
+        async def fill() -> None:
+            async with open_broker(self.url) as broker:
+                jobs = [Job(executor="noop") for _ in range(self.jobs)]
+                for i in range(0, len(jobs), 1000):
+                    await broker.submit_many(jobs[i : i + 1000])
+
+        anyio.run(fill)
+
+    def remaining(self) -> int:
+        return self._poll()
+
+    def workers(self, tag: str) -> list[subprocess.Popen[bytes]]:
+        return [
+            self._spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "metnos_exec",
+                    "worker",
+                    "--broker",
+                    self.url,
+                    "--executors",
+                    str(self.executors),
+                    "--concurrency",
+                    str(self.concurrency),
+                    "--worker-id",
+                    f"w{i}",
+                    "--log-file",
+                    str(self.tmp / f"m{tag}-w{i}.jsonl"),
+                ],
+                {"METNOS_ARM_OVERRIDE": "echo"},
+            )
+            for i in range(self.processes)
+        ]
+
+
+class Peer(Drain):
+    def __init__(
+        self,
+        kind: str,
+        tmp: Path,
+        jobs: int,
+        *,
+        url: str,
+        processes: int,
+        threads: int,
+    ) -> None:
+        super().__init__(f"{kind} x{processes}", tmp, jobs)
+        self.kind = kind
+        self.url = url
+        self.processes = processes
+        self.threads = threads
+        self.env: dict[str, str] = {}
+        self.app: Any = None
+
+    def _load(self, tag: str) -> Any:
+        self.env = {"BENCH_KIND": self.kind, "BENCH_REDIS_URL": self.url, "BENCH_NS": f"p{tag}"}
+        if self.kind == "huey-sqlite":
+            self.env["BENCH_SQLITE"] = str(self.tmp / f"p{tag}.db")
+        os.environ.update(self.env)
+        sys.modules.pop("peers_app", None)
+        return importlib.import_module("peers_app")
+
+    def prefill(self, tag: str) -> None:
+        app = self.app = self._load(tag)
+        if self.kind == "taskiq":
+
+            async def fill() -> None:
+                await app.broker.startup()
+                for _ in range(self.jobs):
+                    await app.noop.kiq()
+                await app.broker.shutdown()
+
+            anyio.run(fill)
+        elif self.kind == "dramatiq":
+            for _ in range(self.jobs):
+                app.noop.send()
+        else:
+            for _ in range(self.jobs):
+                app.noop()
+
+    def remaining(self) -> int:
+        ns = self.env["BENCH_NS"]
+        if self.kind == "taskiq":
+            client = _redis_client(self.url)
+            groups = client.xinfo_groups(ns)
+            return sum(int(g["lag"] or 0) + int(g["pending"]) for g in groups)
+        if self.kind == "dramatiq":
+            return int(_redis_client(self.url).hlen(f"{ns}:q.msgs"))
+        return int(self.app.huey.pending_count())
+
+    def workers(self, tag: str) -> list[subprocess.Popen[bytes]]:
+        bin_dir = Path(sys.executable).parent
+        if self.kind == "taskiq":
+            argv = [
+                str(bin_dir / "taskiq"),
+                "worker",
+                "peers_app:broker",
+                "--workers",
+                str(self.processes),
+                "--no-configure-logging",
+            ]
+        elif self.kind == "dramatiq":
+            argv = [
+                str(bin_dir / "dramatiq"),
+                "peers_app",
+                "--processes",
+                str(self.processes),
+                "--threads",
+                str(self.threads),
+            ]
+        else:
+            argv = [
+                str(bin_dir / "huey_consumer"),
+                "peers_app.huey",
+                "-k",
+                "thread",
+                "-w",
+                str(self.threads),
+                "-q",
+            ]
+        return [self._spawn(argv, self.env)]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", default="1,2,4")
+    parser.add_argument("--concurrency", type=int, default=32, help="metnos-exec slots")
+    parser.add_argument("--peers", default="taskiq,dramatiq,huey")
+    parser.add_argument("--peer-threads", type=int, default=8)
+    ns = parser.parse_args(argv)
+    counts = [int(x) for x in ns.processes.split(",") if x]
+    peers = []
+    for peer in (p for p in ns.peers.split(",") if p):
+        module = {"taskiq": "taskiq_redis"}.get(peer, peer)
+        if importlib.util.find_spec(module) is None or importlib.util.find_spec("redis") is None:
+            print(f"{peer}: not installed, left out (pip install -e '.[bench]')")
+        else:
+            peers.append(peer)
+    medians: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        (tmp / "peers_app.py").write_text(PEERS_APP)
+        sys.path.insert(0, str(tmp))  # the harness queues the peers' jobs itself
+        server = RedisServer(tmp / "redis")
+        server.start()
+        try:
+            systems: list[Drain] = []
+            for n in counts:
+                systems.append(
+                    Metnos(tmp, ns.jobs, url=server.url, processes=n, concurrency=ns.concurrency)
+                )
+                systems.append(
+                    Metnos(tmp, ns.jobs, url=None, processes=n, concurrency=ns.concurrency)
+                )
+            for peer in peers:
+                systems.append(
+                    Peer(peer, tmp, ns.jobs, url=server.url, processes=1, threads=ns.peer_threads)
+                )
+                if peer == "huey":
+                    systems.append(
+                        Peer(
+                            "huey-sqlite",
+                            tmp,
+                            ns.jobs,
+                            url=server.url,
+                            processes=1,
+                            threads=ns.peer_threads,
+                        )
+                    )
+            rates: dict[str, list[float]] = {s.name: [] for s in systems}
+            for r in range(ns.rounds):
+                order = systems[r % len(systems) :] + systems[: r % len(systems)]
+                for i, system in enumerate(order):
+                    rate = system.run(f"{r}x{i}")
+                    rates[system.name].append(rate)
+                    print(f"round {r + 1} {system.name:28s} {rate:8.0f} jobs/s", flush=True)
+            for name, values in rates.items():
+                medians[name] = statistics.median(values)
+        finally:
+            server.stop()
+    load = os.getloadavg()
+    print(f"\n{ns.jobs} no-op jobs per drain, {ns.rounds} rounds, medians (load {load[0]:.2f}):")
+    for name, value in medians.items():
+        print(f"  {name:28s} {value:8.0f} jobs/s")
+    redis_peers = [v for k, v in medians.items() if not k.startswith(("metnos", "huey-sqlite"))]
+    sqlite_peers = [v for k, v in medians.items() if k.startswith("huey-sqlite")]
+    if 1 in counts:
+        one_redis = medians["metnos-exec redis x1"]
+        one_sqlite = medians["metnos-exec sqlite x1"]
+        if redis_peers:
+            print(f"  redis:  1 process / fastest peer = {one_redis / max(redis_peers):.2f}x")
+        if sqlite_peers:
+            print(f"  sqlite: 1 process / fastest peer = {one_sqlite / max(sqlite_peers):.2f}x")
+        for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
+            for n in counts:
+                if n > 1:
+                    ratio = medians[f"metnos-exec {kind} x{n}"] / one
+                    print(f"  {kind}: {n} processes / 1 = {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
