@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -222,13 +223,26 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
         leases += await b.lease("w2", visibility_s=5, limit=10)
         for lease in leases[3:]:
             await b.ack(lease, _ok(lease, "w2"))
-        families = ("job:", "q:", "prios:", "leases:", "idem:")
-        singles = {"counts", "delayed", "finished", "dead", "inbox"}
+        documented = _documented_keys()
+        assert len(documented) == 10
+        seen = set()
         for key in await _keys(raw, b):
             rest = key[len(b.keys.base) :]
-            assert rest.startswith(families) or rest in singles, key
+            matches = [name for name, pattern in documented.items() if pattern.fullmatch(rest)]
+            assert matches, f"{key} is not in queue/README.md's key layout"
+            seen.update(matches)
             if (await raw.type(key)) == b"string":
                 assert rest.startswith("idem:"), key
+        # This run made every kind of key (the inbox stays, empty, once admitted).
+        assert seen == set(documented), seen
+        assert await raw.xlen(b.keys.inbox) == 0
+
+
+def _documented_keys() -> dict[str, re.Pattern[str]]:
+    """The key names in queue/README.md's layout table, as patterns (``<x>`` = a part)."""
+    text = (Path(__file__).parents[2] / "queue" / "README.md").read_text()
+    names = re.findall(r"`\{P\}:([^`]+)`", text.split("### Key layout", 1)[1].split("###")[0])
+    return {n: re.compile(re.sub(r"<[^>]+>", ".+", n)) for n in dict.fromkeys(names)}
 
 
 # --- fencing across takeovers ---------------------------------------------------------
