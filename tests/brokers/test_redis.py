@@ -221,7 +221,7 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
         leases = await b.lease("w1", visibility_s=5, limit=3)
         clock.advance(6)
         leases += await b.lease("w2", visibility_s=5, limit=10)
-        for lease in leases[3:]:
+        for lease in leases[3:-1]:  # one stays running
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
         assert len(documented) == 10
@@ -234,7 +234,7 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
             if (await raw.type(key)) == b"string":
                 assert rest.startswith("idem:"), key
         # This run made every kind of key (the inbox stays, empty, once admitted).
-        assert seen == set(documented), seen
+        assert seen == set(documented), set(documented) - seen
         assert await raw.xlen(b.keys.inbox) == 0
 
 
