@@ -8,8 +8,9 @@ never blocks the event loop.
 
 Layout (every key name is built in one place: `Keys` here, the prelude of ``redis.lua``
 for the scripts, and the table in ``queue/README.md``). All keys share the prefix's hash
-tag (``{metnos}:...``), so on a Redis Cluster a queue lives in one slot and every script
-may touch all its keys.
+tag (``{metnos}:...``), so on a Redis Cluster a queue would live in one slot and every
+script may touch all its keys; connecting to a Cluster or through Sentinel (coredis has
+both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
 
 - ``job:<id>`` (hash): the job's body and its delivery state (the "row" of the SQLite
   broker): ``state``, ``attempt``, ``token``, ``lease_until``, ``worker``, ``entry`` (its
