@@ -63,6 +63,8 @@ EVENTS: Mapping[str, str] = {
     "job.released": "a running job was handed back un-attempted during drain",
     "job.bad_message": "the broker dead-lettered a malformed message (E_BAD_MESSAGE)",
     "lease.lost": "a heartbeat found the lease gone (expired and re-leased elsewhere)",
+    "broker.error": "the broker's store cannot be reached (broker, error); calls are retried",
+    "broker.recovered": "the broker's store answers again after errors (broker, down_s)",
     "undo.recorded": "an undo entry was stored for a mutation (entry_id, paths, blob)",
     "undo.applied": "an undo entry was applied (entry_id, paths)",
 }
