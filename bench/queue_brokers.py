@@ -18,9 +18,10 @@ The peers store no result; metnos-exec stores one per job and logs every step: t
 comparison favours them.
 
 How a drain is timed: the jobs are queued first, then the workers start; the clock runs
-from the moment the first job leaves the queue to the moment none is left (queued or in
-flight), polled every 5 ms, so process start-up is not counted. Rounds rotate the order
-of the systems; medians are reported.
+from the moment the first job leaves the queue (with several metnos-exec processes: from
+the moment the last of them logged ``worker.started``) to the moment none is left (queued
+or in flight), polled every 5 ms, so process start-up is not counted. Rounds rotate the
+order of the systems; medians are reported.
 
 Usage: python bench/queue_brokers.py [--jobs N] [--rounds R] [--processes 1,2,4]
        [--concurrency C] [--peers taskiq,dramatiq,huey] [--peer-threads T]
@@ -118,16 +119,26 @@ class Drain:
     def workers(self, tag: str) -> list[subprocess.Popen[bytes]]:
         raise NotImplementedError
 
+    def ready(self, tag: str) -> bool:
+        """Every worker process is serving (the clock may start). Default: at once."""
+        return True
+
     def run(self, tag: str) -> float:
         self.prefill(tag)
         procs = self.workers(tag)
         try:
             t0 = r0 = None
             deadline = time.monotonic() + 600
+            while not self.ready(tag):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"{self.name}: workers did not start")
+                time.sleep(0.005)
             while True:
                 left = self.remaining()
                 now = time.perf_counter()
-                if t0 is None and left < self.jobs:
+                if t0 is None and (left < self.jobs or len(procs) > 1):
+                    # With several processes the clock starts once all of them serve:
+                    # jobs drained while the last one was still starting do not count.
                     t0, r0 = now, left
                 if left == 0:
                     break
@@ -217,6 +228,13 @@ class Metnos(Drain):
 
     def remaining(self) -> int:
         return self._poll()
+
+    def ready(self, tag: str) -> bool:
+        for i in range(self.processes):
+            log = self.tmp / f"m{tag}-w{i}.jsonl"
+            if not log.exists() or b'"worker.started"' not in log.read_bytes():
+                return False
+        return True
 
     def workers(self, tag: str) -> list[subprocess.Popen[bytes]]:
         return [
