@@ -104,9 +104,9 @@ from .base import (
     check_idempotent_reuse,
 )
 
-# Shared with the SQLite broker: its unavailable-store error, its body check, and the
-# in-process wake-ups (per event loop, keyed by store).
-from .sqlite import BrokerUnavailable, SQLiteBroker, _notify, _wake_event
+# Shared with the SQLite broker: its unavailable-store error, its body and argument checks,
+# and the in-process wake-ups (per event loop, keyed by store).
+from .sqlite import BrokerUnavailable, SQLiteBroker, _check_lease_args, _notify, _wake_event
 
 __all__ = ("GROUP", "Keys", "RedisBroker")
 
@@ -121,6 +121,12 @@ _BATCH: Final = 200
 #: Errors that mean "Redis cannot be reached right now" (down, restarting, loading its
 #: data, a dropped or timed-out connection), as opposed to a bug or a refused command.
 _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, TimeoutError, OSError)
+
+#: Replies by which a reachable Redis refuses writes for a while, by their first word:
+#: ``OOM`` (maxmemory reached under ``noeviction``: a queue must not evict), ``READONLY``
+#: (a replica, e.g. just after a failover), ``MASTERDOWN``, ``BUSY`` (a script running too
+#: long elsewhere), ``LOADING``, ``TRYAGAIN``.
+_REFUSING: Final = ("OOM", "READONLY", "MASTERDOWN", "BUSY", "LOADING", "TRYAGAIN")
 
 
 def _load_scripts() -> dict[str, str]:
@@ -332,6 +338,11 @@ class RedisBroker(Broker):
             raise BrokerUnavailable(
                 f"cannot reach Redis at {self.where}: {type(exc).__name__}: {exc}"
             ) from None
+        except coredis.exceptions.ResponseError as exc:
+            if not str(exc).startswith(_REFUSING):
+                raise
+            self._failed(exc)
+            raise BrokerUnavailable(f"Redis at {self.where} refuses writes: {exc}") from None
         if self._failing_since is not None:
             _log.info(
                 "broker.recovered",
@@ -486,10 +497,7 @@ class RedisBroker(Broker):
         device: str | None = None,
         limit: int = 1,
     ) -> list[Lease]:
-        if not visibility_s > 0:
-            raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+        _check_lease_args(visibility_s, limit)
         dev = device or SERVER_DEVICE
         leases, inbox = await self._lease_once(worker_id, visibility_s, dev, limit)
         # Only server workers open the inbox: a bad message is dead-lettered by the
@@ -504,7 +512,7 @@ class RedisBroker(Broker):
     async def _lease_once(
         self, worker_id: str, visibility_s: float, dev: str, limit: int
     ) -> tuple[list[Lease], int]:
-        now_s, inbox, taken, finals, until_s = await self._script(
+        _now, inbox, taken, finals, until_s = await self._script(
             "lease", worker_id, repr(float(visibility_s)), dev, str(limit), os.urandom(8).hex()
         )
         until = float(until_s)
@@ -513,7 +521,9 @@ class RedisBroker(Broker):
             job_id = _s(id_b)
             decoded = SQLiteBroker._decode_body(job_id, body)
             if isinstance(decoded, ErrorInfo):
-                await self._bad_leased(job_id, body, decoded, _s(token_b), worker_id, dev)
+                await self._bad_leased(
+                    job_id, body, decoded, _s(token_b), int(attempt_b), worker_id, dev
+                )
                 continue
             out.append(
                 Lease(
@@ -528,14 +538,20 @@ class RedisBroker(Broker):
             )
         for final in finals:
             await self._settle_lapsed(final, dev)
-        del now_s
         return out, int(inbox)
 
     async def _bad_leased(
-        self, job_id: str, body: bytes, error: ErrorInfo, token: str, worker: str, dev: str
+        self,
+        job_id: str,
+        body: bytes,
+        error: ErrorInfo,
+        token: str,
+        attempt: int,
+        worker: str,
+        dev: str,
     ) -> None:
         result, letter = self._dead_records(
-            None, job_id, error, raw=bytes(body), attempt=1, worker=worker, device=dev
+            None, job_id, error, raw=bytes(body), attempt=attempt, worker=worker, device=dev
         )
         await self._settle("dead_letter", job_id, token, result, letter)
         _log.error("job.bad_message", job_id=job_id, executor=None, **_fields(error))
@@ -644,6 +660,7 @@ class RedisBroker(Broker):
 
     async def ack_many(self, items: Sequence[tuple[Lease, Result]]) -> list[bool]:
         oks: list[bool] = [False] * len(items)
+        called = False
         for start in range(0, len(items), _BATCH):
             args: list[str | bytes] = []
             where: list[int] = []
@@ -655,12 +672,13 @@ class RedisBroker(Broker):
             if not where:
                 continue
             replies = await self._settle("ack", *args)
+            called = True
             for i, ok in zip(where, replies, strict=True):
                 oks[i] = bool(ok)
         if any(oks):
             self._wake_results()
-        else:
-            await anyio.lowlevel.checkpoint()
+        if not called:
+            await anyio.lowlevel.checkpoint()  # every async call yields once
         return oks
 
     async def retry(self, lease: Lease, *, error: ErrorInfo, delay_s: float) -> RetryOutcome:
@@ -708,9 +726,8 @@ class RedisBroker(Broker):
             return set()
         found: set[str] = set()
         for start in range(0, len(ids), _BATCH):
-            found.update(
-                _s(x) for x in await self._script("cancel_requested", *ids[start:][:_BATCH])
-            )
+            chunk = ids[start : start + _BATCH]
+            found.update(_s(x) for x in await self._script("cancel_requested", *chunk))
         return found
 
     async def get_result(self, job_id: str) -> Result | None:

@@ -396,3 +396,30 @@ async def test_a_result_is_kept_while_redis_restarts_and_stored_after(tmp_path: 
             assert result is not None and result.status == "succeeded"
     finally:
         server.stop()
+
+
+@pytest.mark.anyio
+async def test_a_full_redis_is_broker_unavailable_and_nothing_is_evicted(tmp_path: Path) -> None:
+    """maxmemory reached under noeviction (queue/redis.conf): writes are refused with
+    ``E_BROKER_UNAVAILABLE`` (the worker retries), and nothing already queued is lost."""
+    need(redis_server_path() is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        async with _broker(server.url) as b, _raw(server.url) as raw:
+            kept = Job(executor="echo")
+            await b.submit(kept)
+            used = int((await raw.info("memory"))["used_memory"])
+            await raw.config_set({"maxmemory": used})
+            with (
+                capture_logs() as logs,
+                pytest.raises(BrokerUnavailable, match="refuses writes: OOM") as info,
+            ):
+                await b.submit(Job(executor="echo", args={"pad": "x" * 100_000}))
+            assert info.value.code == "E_BROKER_UNAVAILABLE"
+            assert [r["event"] for r in logs] == ["broker.error"]
+            await raw.config_set({"maxmemory": 0})
+            [lease] = await b.lease("w", visibility_s=30)
+            assert lease.job == kept
+    finally:
+        server.stop()
