@@ -59,12 +59,16 @@ import os
 KIND = os.environ["BENCH_KIND"]
 URL = os.environ.get("BENCH_REDIS_URL", "")
 NS = os.environ.get("BENCH_NS", "bench")
+# "like" mode: each job's result stored, as metnos-exec does; "quiet": nothing stored.
+RESULTS = os.environ.get("BENCH_RESULTS") == "1"
 
 if KIND == "taskiq":
-    from taskiq_redis import RedisStreamBroker
+    from taskiq_redis import RedisAsyncResultBackend, RedisStreamBroker
 
     # consumer_id="0": the group reads the jobs queued before the workers started.
     broker = RedisStreamBroker(url=URL, queue_name=NS, consumer_group_name=NS, consumer_id="0")
+    if RESULTS:
+        broker = broker.with_result_backend(RedisAsyncResultBackend(redis_url=URL))
 
     @broker.task
     async def noop() -> None:
@@ -74,9 +78,16 @@ elif KIND == "dramatiq":
     import dramatiq
     from dramatiq.brokers.redis import RedisBroker
 
-    dramatiq.set_broker(RedisBroker(url=URL, namespace=NS))
+    redis_broker = RedisBroker(url=URL, namespace=NS)
+    if RESULTS:
+        from dramatiq.results import Results
+        from dramatiq.results.backends.redis import RedisBackend
 
-    @dramatiq.actor(queue_name="q", max_retries=0)
+        redis_broker.add_middleware(Results(backend=RedisBackend(url=URL, namespace=NS)))
+    dramatiq.set_broker(redis_broker)
+
+    # store_results exists only with the Results middleware.
+    @dramatiq.actor(queue_name="q", max_retries=0, **({"store_results": True} if RESULTS else {}))
     def noop() -> None:
         return None
 
@@ -84,9 +95,9 @@ elif KIND in ("huey", "huey-sqlite"):
     from huey import RedisHuey, SqliteHuey
 
     if KIND == "huey":
-        huey = RedisHuey(NS, url=URL, results=False)
+        huey = RedisHuey(NS, url=URL, results=RESULTS)
     else:
-        huey = SqliteHuey(NS, filename=os.environ["BENCH_SQLITE"], results=False)
+        huey = SqliteHuey(NS, filename=os.environ["BENCH_SQLITE"], results=RESULTS)
 
     @huey.task()
     def noop() -> None:
@@ -271,9 +282,11 @@ class Peer(Drain):
         url: str,
         processes: int,
         threads: int,
+        like: bool = False,
     ) -> None:
-        super().__init__(f"{kind} x{processes}", tmp, jobs)
+        super().__init__(f"{kind} x{processes}{' like' if like else ''}", tmp, jobs)
         self.kind = kind
+        self.like = like
         self.url = url
         self.processes = processes
         self.threads = threads
@@ -281,7 +294,12 @@ class Peer(Drain):
         self.app: Any = None
 
     def _load(self, tag: str) -> Any:
-        self.env = {"BENCH_KIND": self.kind, "BENCH_REDIS_URL": self.url, "BENCH_NS": f"p{tag}"}
+        self.env = {
+            "BENCH_KIND": self.kind,
+            "BENCH_REDIS_URL": self.url,
+            "BENCH_NS": f"p{tag}",
+            "BENCH_RESULTS": "1" if self.like else "0",
+        }
         if self.kind == "huey-sqlite":
             self.env["BENCH_SQLITE"] = str(self.tmp / f"p{tag}.db")
         os.environ.update(self.env)
@@ -325,7 +343,7 @@ class Peer(Drain):
                 "peers_app:broker",
                 "--workers",
                 str(self.processes),
-                "--no-configure-logging",
+                *([] if self.like else ["--no-configure-logging"]),
             ]
         elif self.kind == "dramatiq":
             argv = [
@@ -344,7 +362,7 @@ class Peer(Drain):
                 "thread",
                 "-w",
                 str(self.threads),
-                "-q",
+                *([] if self.like else ["-q"]),
             ]
         return [self._spawn(argv, self.env)]
 
@@ -357,6 +375,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="metnos-exec slots")
     parser.add_argument("--peers", default="taskiq,dramatiq,huey")
     parser.add_argument("--peer-threads", type=int, default=8)
+    parser.add_argument(
+        "--peer-modes",
+        default="quiet,like",
+        help="quiet: no result stored, no per-job log (their fastest); like: results "
+        "stored and default logging, as metnos-exec works",
+    )
     ns = parser.parse_args(argv)
     counts = [int(x) for x in ns.processes.split(",") if x]
     peers = []
@@ -382,21 +406,21 @@ def main(argv: list[str]) -> int:
                 systems.append(
                     Metnos(tmp, ns.jobs, url=None, processes=n, concurrency=ns.concurrency)
                 )
+            modes = [m for m in ns.peer_modes.split(",") if m]
             for peer in peers:
-                systems.append(
-                    Peer(peer, tmp, ns.jobs, url=server.url, processes=1, threads=ns.peer_threads)
-                )
-                if peer == "huey":
-                    systems.append(
-                        Peer(
-                            "huey-sqlite",
-                            tmp,
-                            ns.jobs,
-                            url=server.url,
-                            processes=1,
-                            threads=ns.peer_threads,
+                for kind in (peer, "huey-sqlite") if peer == "huey" else (peer,):
+                    for mode in modes:
+                        systems.append(
+                            Peer(
+                                kind,
+                                tmp,
+                                ns.jobs,
+                                url=server.url,
+                                processes=1,
+                                threads=ns.peer_threads,
+                                like=mode == "like",
+                            )
                         )
-                    )
             rates: dict[str, list[float]] = {s.name: [] for s in systems}
             for r in range(ns.rounds):
                 order = systems[r % len(systems) :] + systems[: r % len(systems)]
@@ -412,15 +436,31 @@ def main(argv: list[str]) -> int:
     print(f"\n{ns.jobs} no-op jobs per drain, {ns.rounds} rounds, medians (load {load[0]:.2f}):")
     for name, value in medians.items():
         print(f"  {name:28s} {value:8.0f} jobs/s")
-    redis_peers = [v for k, v in medians.items() if not k.startswith(("metnos", "huey-sqlite"))]
-    sqlite_peers = [v for k, v in medians.items() if k.startswith("huey-sqlite")]
     if 1 in counts:
         one_redis = medians["metnos-exec redis x1"]
         one_sqlite = medians["metnos-exec sqlite x1"]
-        if redis_peers:
-            print(f"  redis:  1 process / fastest peer = {one_redis / max(redis_peers):.2f}x")
-        if sqlite_peers:
-            print(f"  sqlite: 1 process / fastest peer = {one_sqlite / max(sqlite_peers):.2f}x")
+        for mode in ("", " like"):
+            redis_peers = {
+                k: v
+                for k, v in medians.items()
+                if not k.startswith(("metnos", "huey-sqlite")) and k.endswith("x1" + mode)
+            }
+            sqlite_peers = {
+                k: v
+                for k, v in medians.items()
+                if k.startswith("huey-sqlite") and k.endswith("x1" + mode)
+            }
+            what = "results stored, default logs" if mode else "quiet"
+            for kind, one, peer_rates in (
+                ("redis", one_redis, redis_peers),
+                ("sqlite", one_sqlite, sqlite_peers),
+            ):
+                if peer_rates:
+                    best = max(peer_rates, key=peer_rates.__getitem__)
+                    print(
+                        f"  {kind}: 1 process / fastest peer ({what}: {best}) = "
+                        f"{one / peer_rates[best]:.2f}x"
+                    )
         for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
             for n in counts:
                 if n > 1:
