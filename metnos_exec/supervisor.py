@@ -10,7 +10,9 @@ Per job, in order:
    structlog contextvars, so every record of the job carries them (spec §9): look the
    executor up, and bind the arm its runtime will use here (`predict_arm`, no side
    effects) — ``sandbox=None`` while no executor is known; log ``job.received``;
-2. an unknown executor or a bad manifest → ``rejected`` with the code;
+2. an unknown executor or a bad manifest → ``rejected`` with the code; with a `TrustStore`
+   (``trust``), its signature is checked (cached) and the job is planned and run from the
+   verified private copy (``E_SIGNATURE`` → ``rejected``; see `signing`);
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
 4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); wait for a slot (a job leased
@@ -52,7 +54,7 @@ from anyio.abc import TaskStatus
 
 from .backoff import retry_delay
 from .brokers.base import Broker, Lease
-from .errors import HostFault, MetnosError
+from .errors import HostFault, MetnosError, ServerPinned, SignatureError
 from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
@@ -73,6 +75,7 @@ from .sandbox._types import (
     Trap,
     Usage,
 )
+from .signing import TrustStore
 
 __all__ = (
     "EX_TEMPFAIL",
@@ -126,12 +129,6 @@ def _predict_default_arm(runtime: str) -> str | None:
         return decide_arm(runtime).arm
     except (MetnosError, ValueError):
         return None
-
-
-class ServerPinned(MetnosError):
-    """A server-pinned job reached a device worker; it is refused there, never run."""
-
-    code = "E_SERVER_PINNED"
 
 
 _StopReason = Literal["lease_lost", "cancel_requested", "drain"]
@@ -191,6 +188,11 @@ class Supervisor:
         idle_poll_s: longest wait for new work before polling the broker again.
         backstop_margin_s: how long past its wall-time budget an arm may run before the
             supervisor cancels it itself (the arms enforce the budget; this is a net).
+        trust: when set, every executor's signature is checked before its job is planned
+            (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
+            the verified private copy. Required on a device worker (`run_worker`).
+        python: the interpreter of native executors (default: the worker's own; see
+            `runtimes.obtain_device_python`).
     """
 
     def __init__(
@@ -214,6 +216,8 @@ class Supervisor:
         retry_delay: Callable[[int], float] = retry_delay,
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
+        trust: TrustStore | None = None,
+        python: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -249,6 +253,8 @@ class Supervisor:
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
+        self.trust = trust
+        self.python = python
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -307,6 +313,8 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        if self.device == SERVER_DEVICE and self.registry:
+            await self._publish_executors()
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -327,6 +335,23 @@ class Supervisor:
                 worker=self.worker_id,
                 device=self.device,
                 **self.stats,
+            )
+
+    async def _publish_executors(self) -> None:
+        """Tell the broker what this server worker runs (`catalog`): a submit can then
+        refuse a device job whose executor must stay on the server. A failure only delays
+        that refusal to the device's lease; it never stops the worker."""
+        from .catalog import ExecutorInfo
+
+        infos = [
+            ExecutorInfo(name=name, manifest=self.registry[name].manifest, worker=self.worker_id)
+            for name in sorted(self.registry)
+        ]
+        try:
+            await self.broker.publish_executors(infos)
+        except Exception as exc:
+            _log.warning(
+                "worker.error", error=f"publishing executors failed: {type(exc).__name__}: {exc}"
             )
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
@@ -547,15 +572,32 @@ class Supervisor:
         job = lease.job
         try:
             executor = self.registry.get_executor(job.executor)
-        except MetnosError as exc:
+        except MetnosError as load_error:
             _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
-            await self._reject(lease, exc)
+            refusal: MetnosError = load_error
+            folder = self.registry.error_folders.get(job.executor)
+            if self.trust is not None and folder is not None:
+                # Tampering is the finding, not the load error it caused.
+                try:
+                    await anyio.to_thread.run_sync(self.trust.verify_folder, folder, job.executor)
+                except SignatureError as sig:
+                    refusal = sig
+                except MetnosError:
+                    pass  # signed as it is: the load error stands
+            await self._reject(lease, refusal)
             return
         # Before the choice, which may log (``sandbox.degraded``) or refuse the job.
         running.sandbox = self.predict_arm(executor.manifest.runtime)
         structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
         _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
         try:
+            if self.trust is not None:
+                # Before planning: the plan (and the run) use the verified private copy,
+                # its manifest parsed from the signed bytes. Cached: a stat per file.
+                checked = self.trust.cached(executor)
+                if checked is None:
+                    checked = await anyio.to_thread.run_sync(self.trust.verify, executor)
+                executor = checked
             invocation = plan_invocation(
                 executor,
                 job.args,
@@ -564,6 +606,7 @@ class Supervisor:
                 skills_root=self.skills_root,
                 policy=self.policy,
                 timeout_s=job.timeout_s,
+                python=self.python,
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:
                 # Provider authority (or a non-packable executor) never leaves the server,

@@ -31,21 +31,26 @@ import anyio
 import structlog
 
 from .brokers import BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, HostFault, MetnosError
+from .errors import BadConfig, BadManifest, HostFault, MetnosError, SignatureError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
+from .messages import SERVER_DEVICE
 from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
+from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
 from .supervisor import Supervisor
 
 __all__ = (
     "ARM_OVERRIDE_ENV",
     "check_worker_config",
     "default_worker_id",
+    "dry_run_executors",
     "preload_wasm",
     "run_worker",
     "serve",
+    "trust_store_for",
+    "verify_executors",
 )
 
 #: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
@@ -112,6 +117,9 @@ def check_worker_config(
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
+    from .runtimes import device_python_source
+
+    device_python_source(env)  # a URL without its pinned hash is refused here
     return policy
 
 
@@ -123,6 +131,7 @@ async def serve(
     burst: bool = False,
     handle_signals: bool = True,
     preload: bool = False,
+    dry_run: bool = False,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -131,6 +140,8 @@ async def serve(
     Args:
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        dry_run: before leasing, dry-run every packable native executor in the sandbox
+            (`dry_run_executors`); one whose imports the sandbox cannot find is refused.
         preload: compile the wasm modules the executors need (python.wasm for
             ``wasm-python``) in the background from the start (`preload_wasm`), so the
             first such job does not wait for a cold compile (4-8 s); the worker process
@@ -168,12 +179,129 @@ async def serve(
     async with anyio.create_task_group() as tg:
         if handle_signals:
             await tg.start(on_signals)
+        if sup.trust is not None:
+            # Before the first lease: its jobs then find the cache warm.
+            await verify_executors(registry, sup.trust)
+        if dry_run:
+            await dry_run_executors(registry, python=supervisor_kw.get("python"), trust=sup.trust)
         await tg.start(functools.partial(sup.run, burst=burst))
         if preload and "arm_chooser" not in supervisor_kw:
             tg.start_soon(preload_wasm, registry)
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
+
+
+def trust_store_for(
+    device: str,
+    trust_keys: tuple[str, ...] | list[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> TrustStore | None:
+    """The worker's `TrustStore` from ``--trust-key`` values and ``METNOS_TRUST_KEYS``.
+
+    A device worker (any `device` but ``server``) must have one: it runs code sent to it,
+    and unsigned or altered code must never run there (spec section 10). A server worker
+    verifies only when given keys.
+
+    Raises:
+        BadConfig: a device worker without a key, or a key that cannot be loaded
+            (cryptography missing, unreadable, not Ed25519).
+    """
+    keys = load_trust_keys(tuple(trust_keys), environ)
+    if not keys:
+        if device != SERVER_DEVICE:
+            raise BadConfig(
+                f"device worker {device!r} refuses to start without a trust key: it must "
+                "verify the signature of every executor it runs; pass --trust-key PUB "
+                f"(repeatable) or set {TRUST_KEYS_ENV}"
+            )
+        return None
+    return TrustStore(keys)
+
+
+async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int:
+    """Verify every executor once at start (in a thread), so the first jobs find the
+    cache warm and an operator learns at once which executors will be refused.
+
+    Logs ``executor.verified`` or ``executor.signature_failed`` per executor; a failure
+    does not stop the worker (its jobs are refused with the same error, and an executor
+    re-signed later is accepted at its next job).
+
+    Returns:
+        How many failed.
+    """
+    failed = 0
+    for name in sorted(registry):
+        executor = registry[name]
+        try:
+            checked = await anyio.to_thread.run_sync(trust.verify, executor)
+        except MetnosError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+            continue
+        _log.info("executor.verified", executor=name, copy=checked.path)
+    for name, folder in sorted(registry.error_folders.items()):
+        # Did not load: tampering, if that is why, is what the operator must hear.
+        try:
+            await anyio.to_thread.run_sync(trust.verify_folder, folder, name)
+        except SignatureError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+        except MetnosError:
+            pass  # signed as it is: its load error stands (executor.load_failed)
+    return failed
+
+
+async def dry_run_executors(
+    registry: ExecutorRegistry, *, python: str | None = None, trust: TrustStore | None = None
+) -> None:
+    """Dry-run every packable native executor in the sandbox (`packability.dry_run`); one
+    that fails is refused from then on (``executor.not_packable``, ``E_BAD_MANIFEST``).
+
+    Runs on the native arm this host has (bubblewrap, else the direct arm: ``-I -S`` keep
+    site-packages out either way), without logging a degradation: no job runs here. With
+    a `trust` store, the verified private copy is what is dry-run (an executor whose
+    signature fails is left to its ``E_SIGNATURE``).
+    """
+    from .packability import dry_run
+    from .sandbox.bwrap import BwrapSandbox, bwrap_probe
+    from .sandbox.direct import DirectSandbox
+
+    targets = [
+        registry[name]
+        for name in sorted(registry)
+        if registry[name].manifest.packable and registry[name].manifest.runtime == "python"
+    ]
+    if not targets:
+        return
+    try:
+        working = bwrap_probe().working
+    except MetnosError:
+        working = False
+    arm = BwrapSandbox() if working else DirectSandbox()
+    for source in targets:
+        executor = source
+        if trust is not None:
+            try:
+                executor = await anyio.to_thread.run_sync(trust.check, source)
+            except MetnosError:
+                continue  # not verified: its jobs are refused with E_SIGNATURE anyway
+        try:
+            await dry_run(executor, arm, python=python)
+        except BadManifest as exc:
+            # Named by the folder the operator knows, not the private copy it ran in.
+            exc = BadManifest(exc.message.replace(executor.path, source.path))
+            registry.refuse(executor.name, exc)
+            _log.warning(
+                "executor.not_packable", executor=executor.name, code=exc.code, error=exc.message
+            )
+        except (MetnosError, HostFault) as exc:
+            # The sandbox itself failed: say so, but do not refuse an executor for it.
+            _log.warning("worker.error", error=f"dry run of {executor.name}: {exc}")
 
 
 async def preload_wasm(registry: ExecutorRegistry) -> None:
@@ -187,6 +315,18 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
     """
     runtimes = {name: registry[name].manifest.runtime for name in registry}
     python = "wasm-python" in runtimes.values()
+    if python:
+        try:
+            # Without the extra or METNOS_PYTHON_WASM: download it, if a URL is configured.
+            from .runtimes import obtain_python_wasm
+
+            fetched = await obtain_python_wasm()
+        except Exception as exc:
+            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
+            _log.warning("worker.preload_failed", module="python", code=code, error=str(exc))
+        else:
+            if fetched is not None:
+                _log.info("worker.preloaded", module=str(fetched), how="fetched", seconds=0.0)
     modules = tuple(
         registry[name].entry_path for name, runtime in sorted(runtimes.items()) if runtime == "wasm"
     )
@@ -259,10 +399,13 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
+    worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -273,6 +416,7 @@ def run_worker(
     )
     if prefetch < 0:
         raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
+    trust = trust_store_for(device, trust_keys)
     if configure_logs:
         try:
             configure_logging(file=log_file, level=log_level)
@@ -288,6 +432,12 @@ def run_worker(
     _tune_gc()
 
     async def main() -> None:
+        from .runtimes import obtain_device_python
+
+        # A standalone CPython for native executors, when configured (downloaded once,
+        # verified by its pinned hash); before the broker, so a failure leaves nothing open.
+        exe = await obtain_device_python()
+        python = str(exe) if exe is not None else None
         try:
             broker = open_broker(broker_url)
         except ValueError as exc:  # a malformed URL or an unknown option in its query
@@ -308,6 +458,9 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                dry_run=True,
+                trust=trust,
+                python=python,
             )
 
     anyio.run(main, backend=backend)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import anyio
 import structlog
 
+from ..catalog import ExecutorInfo
 from ..errors import BadMessage
 from ..messages import (
     E_CANCELLED,
@@ -99,6 +100,7 @@ class MemoryBroker(Broker):
         self._work_event: anyio.Event | None = None
         self._result_events: dict[str, anyio.Event] = {}
         self._closed = False
+        self._catalog: dict[str, ExecutorInfo] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBroker:
@@ -502,6 +504,13 @@ class MemoryBroker(Broker):
             del self._results[job_id], self._result_at[job_id]
         self._dead = [d for d in self._dead if d.job_id not in old]
         return len(old)
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        for info in infos:
+            self._catalog[info.name] = info
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        return self._catalog.get(name)
 
     async def close(self) -> None:
         self._closed = True
