@@ -26,6 +26,8 @@ both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
   join their stream inside `lease`.
 - ``idem:<key>``: idempotency key → job id. ``finished`` / ``dead`` (sorted sets, score =
   when): for `purge` and `dead_letters`. ``counts`` (hash): jobs per state, for `stats`.
+- ``executors`` (hash): name → the executor as a server worker published it (the
+  catalog `submit` checks device jobs against, `metnos_exec.catalog`).
 - ``inbox`` (stream): the door for producers in other languages (``XADD`` a ``job`` field;
   see ``queue/README.md``). Server workers take entries off it, validate them with the
   same decoder as `submit`, and queue or dead-letter them (``E_BAD_MESSAGE``), once each.
@@ -77,6 +79,7 @@ import coredis.exceptions
 import coredis.retry
 import structlog
 
+from ..catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, IdempotencyConflict
 from ..messages import (
     E_CANCELLED,
@@ -158,6 +161,7 @@ class Keys:
         self.finished = self.base + "finished"
         self.dead = self.base + "dead"
         self.inbox = self.base + "inbox"
+        self.executors = self.base + "executors"
 
     def job(self, job_id: str) -> str:
         return f"{self.base}job:{job_id}"
@@ -776,6 +780,21 @@ class RedisBroker(Broker):
     async def stats(self) -> BrokerStats:
         queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
         return BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
+
+    # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        if not infos:
+            await anyio.lowlevel.checkpoint()
+            return
+        # One HSET: every entry replaces its name's at once.
+        await self._guard(
+            self._redis.hset(self.keys.executors, {i.name: encode_info(i) for i in infos})
+        )
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        body = await self._guard(self._redis.hget(self.keys.executors, name))
+        return None if body is None else decode_info(body)
 
     async def purge(self, *, older_than_s: float) -> int:
         removed = 0
