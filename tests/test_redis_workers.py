@@ -19,7 +19,7 @@ import pytest
 
 from metnos_exec.brokers import Broker, BrokerStats
 from metnos_exec.messages import Job, Result
-from tests.conftest import need
+from tests.conftest import need, need_import
 from tests.helpers.redis_server import RedisServer, redis_server_path
 from tests.test_worker_process import (
     SLEEPY_MAIN,
@@ -61,6 +61,18 @@ def executors(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def trust(tmp_path: Path, executors: Path) -> list[str]:
+    """Device workers run only signed executors: sign them, return the worker options."""
+    need_import("cryptography", "device")
+    from metnos_exec.signing import generate_key, sign_folder
+
+    key, pub = generate_key(tmp_path / "keys" / "server.key")
+    for folder in executors.iterdir():
+        sign_folder(folder, key)
+    return ["--trust-key", str(pub)]
+
+
+@pytest.fixture
 def workers(tmp_path: Path, executors: Path, redis_server: RedisServer) -> Iterator[Workers]:
     w = Workers(tmp_path, executors)
     # One queue per test on the session's server: its own key prefix.
@@ -84,11 +96,12 @@ def _stats(url: str) -> BrokerStats:
     return stats
 
 
-def test_three_devices_drain_3000_mixed_jobs(workers: Workers) -> None:
+def test_three_devices_drain_3000_mixed_jobs(workers: Workers, trust: list[str]) -> None:
     devices = {"S": "server", "P": "phone", "L": "laptop"}
     logs = {
         wid: workers.start(
             wid,
+            *trust,
             "--device",
             device,
             "--concurrency",
