@@ -17,6 +17,10 @@ file, with real worker processes:
 The peers store no result; metnos-exec stores one per job and logs every step: the
 comparison favours them.
 
+Besides jobs/s, each drain reports the CPU time (user + system) its worker processes and
+their children used per job during the timed window: a measure of the work per job that
+moves far less with the machine's load than the rate does.
+
 How a drain is timed: the jobs are queued first, then the workers start; the clock runs
 from the moment the first job leaves the queue (with several metnos-exec processes: from
 the moment the last of them logged ``worker.started``) to the moment none is left (queued
@@ -113,6 +117,31 @@ def _redis_client(url: str) -> Any:
     return redis.Redis.from_url(url)
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by `pids` and their descendants."""
+    total = 0
+    seen: set[int] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return total / _TICK
+
+
 class Drain:
     """One system's drain: queue jobs, start workers, report jobs/s."""
 
@@ -134,6 +163,9 @@ class Drain:
         """Every worker process is serving (the clock may start). Default: at once."""
         return True
 
+    #: Worker CPU seconds per job during the last drain (all its processes).
+    cpu_per_job: float = 0.0
+
     def run(self, tag: str) -> float:
         self.prefill(tag)
         procs = self.workers(tag)
@@ -151,12 +183,14 @@ class Drain:
                     # With several processes the clock starts once all of them serve:
                     # jobs drained while the last one was still starting do not count.
                     t0, r0 = now, left
+                    cpu0 = _tree_cpu([p.pid for p in procs])
                 if left == 0:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.name}: {left} jobs left after 600 s")
                 time.sleep(0.005)  # the harness polls; the same for every system
             assert t0 is not None and r0 is not None
+            self.cpu_per_job = (_tree_cpu([p.pid for p in procs]) - cpu0) / max(r0, 1)
             if r0 == 0:
                 raise RuntimeError(f"{self.name}: drained before the first poll; use more jobs")
             return r0 / (now - t0)
@@ -391,6 +425,7 @@ def main(argv: list[str]) -> int:
         else:
             peers.append(peer)
     medians: dict[str, float] = {}
+    cpu_medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         (tmp / "peers_app.py").write_text(PEERS_APP)
@@ -422,20 +457,28 @@ def main(argv: list[str]) -> int:
                             )
                         )
             rates: dict[str, list[float]] = {s.name: [] for s in systems}
+            cpus: dict[str, list[float]] = {s.name: [] for s in systems}
             for r in range(ns.rounds):
                 order = systems[r % len(systems) :] + systems[: r % len(systems)]
                 for i, system in enumerate(order):
                     rate = system.run(f"{r}x{i}")
                     rates[system.name].append(rate)
-                    print(f"round {r + 1} {system.name:28s} {rate:8.0f} jobs/s", flush=True)
+                    cpus[system.name].append(system.cpu_per_job)
+                    print(
+                        f"round {r + 1} {system.name:28s} {rate:8.0f} jobs/s "
+                        f"{system.cpu_per_job * 1e6:7.0f} worker-CPU us/job",
+                        flush=True,
+                    )
             for name, values in rates.items():
                 medians[name] = statistics.median(values)
+                cpu_medians[name] = statistics.median(cpus[name])
         finally:
             server.stop()
     load = os.getloadavg()
     print(f"\n{ns.jobs} no-op jobs per drain, {ns.rounds} rounds, medians (load {load[0]:.2f}):")
     for name, value in medians.items():
-        print(f"  {name:28s} {value:8.0f} jobs/s")
+        cpu = cpu_medians[name]
+        print(f"  {name:28s} {value:8.0f} jobs/s {cpu * 1e6:7.0f} worker-CPU us/job")
     if 1 in counts:
         one_redis = medians["metnos-exec redis x1"]
         one_sqlite = medians["metnos-exec sqlite x1"]
