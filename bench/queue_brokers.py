@@ -18,8 +18,8 @@ The peers store no result; metnos-exec stores one per job and logs every step: t
 comparison favours them.
 
 Besides jobs/s, each drain reports the CPU time (user + system) its worker processes and
-their children used per job during the timed window: a measure of the work per job that
-moves far less with the machine's load than the rate does.
+their children used per job during the timed window, and the redis-server's: a measure of
+the work per job that moves far less with the machine's load than the rate does.
 
 How a drain is timed: the jobs are queued first, then the workers start; the clock runs
 from the moment the first job leaves the queue (with several metnos-exec processes: from
@@ -165,6 +165,11 @@ class Drain:
 
     #: Worker CPU seconds per job during the last drain (all its processes).
     cpu_per_job: float = 0.0
+    #: redis-server CPU seconds per job during the last drain (0 on SQLite).
+    server_cpu_per_job: float = 0.0
+    #: The private redis-server's pid (set by `main`).
+    server_pid: int = 0
+    uses_redis: bool = True
 
     def run(self, tag: str) -> float:
         self.prefill(tag)
@@ -184,6 +189,7 @@ class Drain:
                     # jobs drained while the last one was still starting do not count.
                     t0, r0 = now, left
                     cpu0 = _tree_cpu([p.pid for p in procs])
+                    server0 = _tree_cpu([self.server_pid]) if self.uses_redis else 0.0
                 if left == 0:
                     break
                 if time.monotonic() > deadline:
@@ -191,6 +197,9 @@ class Drain:
                 time.sleep(0.005)  # the harness polls; the same for every system
             assert t0 is not None and r0 is not None
             self.cpu_per_job = (_tree_cpu([p.pid for p in procs]) - cpu0) / max(r0, 1)
+            if self.uses_redis:
+                server = _tree_cpu([self.server_pid]) - server0
+                self.server_cpu_per_job = server / max(r0, 1)
             if r0 == 0:
                 raise RuntimeError(f"{self.name}: drained before the first poll; use more jobs")
             return r0 / (now - t0)
@@ -226,6 +235,7 @@ class Metnos(Drain):
     ) -> None:
         kind = "redis" if url else "sqlite"
         super().__init__(f"metnos-exec {kind} x{processes}", tmp, jobs)
+        self.uses_redis = url is not None
         self.redis_url = url
         self.processes = processes
         self.concurrency = concurrency
@@ -321,6 +331,7 @@ class Peer(Drain):
         super().__init__(f"{kind} x{processes}{' like' if like else ''}", tmp, jobs)
         self.kind = kind
         self.like = like
+        self.uses_redis = kind != "huey-sqlite"
         self.url = url
         self.processes = processes
         self.threads = threads
@@ -426,12 +437,15 @@ def main(argv: list[str]) -> int:
             peers.append(peer)
     medians: dict[str, float] = {}
     cpu_medians: dict[str, float] = {}
+    server_medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         (tmp / "peers_app.py").write_text(PEERS_APP)
         sys.path.insert(0, str(tmp))  # the harness queues the peers' jobs itself
         server = RedisServer(tmp / "redis")
         server.start()
+        assert server.proc is not None
+        Drain.server_pid = server.proc.pid
         try:
             systems: list[Drain] = []
             for n in counts:
@@ -458,27 +472,34 @@ def main(argv: list[str]) -> int:
                         )
             rates: dict[str, list[float]] = {s.name: [] for s in systems}
             cpus: dict[str, list[float]] = {s.name: [] for s in systems}
+            server_cpus: dict[str, list[float]] = {s.name: [] for s in systems}
             for r in range(ns.rounds):
                 order = systems[r % len(systems) :] + systems[: r % len(systems)]
                 for i, system in enumerate(order):
                     rate = system.run(f"{r}x{i}")
                     rates[system.name].append(rate)
                     cpus[system.name].append(system.cpu_per_job)
+                    server_cpus[system.name].append(system.server_cpu_per_job)
                     print(
                         f"round {r + 1} {system.name:28s} {rate:8.0f} jobs/s "
-                        f"{system.cpu_per_job * 1e6:7.0f} worker-CPU us/job",
+                        f"{system.cpu_per_job * 1e6:5.0f} + {system.server_cpu_per_job * 1e6:3.0f}"
+                        " CPU us/job (workers + redis-server)",
                         flush=True,
                     )
             for name, values in rates.items():
                 medians[name] = statistics.median(values)
                 cpu_medians[name] = statistics.median(cpus[name])
+                server_medians[name] = statistics.median(server_cpus[name])
         finally:
             server.stop()
     load = os.getloadavg()
     print(f"\n{ns.jobs} no-op jobs per drain, {ns.rounds} rounds, medians (load {load[0]:.2f}):")
     for name, value in medians.items():
-        cpu = cpu_medians[name]
-        print(f"  {name:28s} {value:8.0f} jobs/s {cpu * 1e6:7.0f} worker-CPU us/job")
+        cpu, server_cpu = cpu_medians[name] * 1e6, server_medians[name] * 1e6
+        print(
+            f"  {name:28s} {value:8.0f} jobs/s {cpu:5.0f} + {server_cpu:3.0f} "
+            "CPU us/job (workers + redis-server)"
+        )
     if 1 in counts:
         one_redis = medians["metnos-exec redis x1"]
         one_sqlite = medians["metnos-exec sqlite x1"]
