@@ -250,3 +250,29 @@ def test_redis_restarted_while_workers_run(workers: Workers, tmp_path: Path) -> 
     finally:
         workers.close()
         server.stop()
+
+
+def test_a_worker_started_before_redis_waits_for_it(workers: Workers, tmp_path: Path) -> None:
+    need(redis_server_path() is not None, "redis-server is not installed")
+    from tests.helpers.redis_server import _free_port
+
+    server = RedisServer(tmp_path / "redis-late", appendonly=True)
+    server.port = _free_port()
+    try:
+        workers.url = f"{server.url}?poll_interval_s=0.02&connect_timeout_s=0.5"
+        log = workers.start("W", "--backend", "trio", env=ECHO)
+        wait_until(lambda: has_event(log, "broker.error"), 15, "the worker says Redis is down")
+        assert workers.procs[0].poll() is None
+        server.start()
+        job = Job(executor="sleepy", args={"s": 0})
+        with_broker(workers.url, lambda b: b.submit(job))
+        result: Result = wait_until(
+            lambda: with_broker(workers.url, lambda b: b.get_result(job.id)), 30, "the result"
+        )
+        assert result.status == "succeeded" and result.worker == "W"
+        assert has_event(log, "broker.recovered")
+        workers.procs[0].send_signal(signal.SIGTERM)
+        assert workers.procs[0].wait(15) == 0
+    finally:
+        workers.close()
+        server.stop()
