@@ -3,10 +3,10 @@
 -- (EVALSHA, reloaded after a restart). Every multi-key step is one script, so it is
 -- atomic: no other client sees a job half-leased, half-settled or half-queued.
 --
--- The key layout is documented in queue/README.md ("Redis"); the names are built here in
--- the prelude and nowhere else in Lua (redis.py's `Keys` mirrors them, a test keeps the two
--- in step). All keys share the prefix's hash tag, so on a Redis Cluster every script's keys
--- live in one slot.
+-- The key layout is documented in queue/README.md ("Redis"); the names are built in the
+-- prelude from redis.py's `KEY_NAMES` (a test keeps the README's table to the keys Redis
+-- really holds). All keys share the prefix's hash tag, so on a Redis Cluster every
+-- script's keys live in one slot.
 --
 -- Conventions: ARGV[1] is the key prefix (with its hash tag, e.g. "{metnos}:"), ARGV[2]
 -- the broker clock's time in unix seconds ('' = this server's TIME, one clock for every
@@ -23,19 +23,21 @@ else
   local t = redis.call('TIME')
   NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-local GROUP = 'workers'
-local COUNTS = P .. 'counts'
-local DELAYED = P .. 'delayed'
-local FINISHED = P .. 'finished'
-local DEAD = P .. 'dead'
-local INBOX = P .. 'inbox'
+-- The names come from redis.py (`KEY_NAMES`), put in for the dollar placeholders when it
+-- loads this file: one table of key names for the code and the scripts.
+local GROUP = '$group'
+local COUNTS = P .. '$counts'
+local DELAYED = P .. '$delayed'
+local FINISHED = P .. '$finished'
+local DEAD = P .. '$dead'
+local INBOX = P .. '$inbox'
 
 local function num(x) return string.format('%.17g', x) end
-local function jkey(id) return P .. 'job:' .. id end
-local function qkey(dev, prio) return P .. 'q:' .. dev .. ':' .. prio end
-local function prios_key(dev) return P .. 'prios:' .. dev end
-local function leases_key(dev) return P .. 'leases:' .. dev end
-local function idem_key(k) return P .. 'idem:' .. k end
+local function jkey(id) return P .. '$job' .. id end
+local function qkey(dev, prio) return P .. '$stream' .. dev .. ':' .. prio end
+local function prios_key(dev) return P .. '$priorities' .. dev end
+local function leases_key(dev) return P .. '$leases' .. dev end
+local function idem_key(k) return P .. '$idempotency' .. k end
 
 -- Append the job to its device's stream for its priority (created with its consumer
 -- group on first use, and listed in the device's priorities).

@@ -6,8 +6,9 @@ Selected by ``redis://[:password@]host:port/db`` (``rediss://`` for TLS). Query 
 The client is coredis, which runs on anyio: the same code serves asyncio and trio, and
 never blocks the event loop.
 
-Layout (every key name is built in one place: `Keys` here, the prelude of ``redis.lua``
-for the scripts, and the table in ``queue/README.md``). All keys share the prefix's hash
+Layout (every key name is in one place, `KEY_NAMES`: `Keys` builds them for the code, and
+they are substituted into ``redis.lua`` for the scripts; the table in ``queue/README.md``
+is kept to them by a test). All keys share the prefix's hash
 tag (``{metnos}:...``), so on a Redis Cluster a queue would live in one slot and every
 script may touch all its keys; connecting to a Cluster or through Sentinel (coredis has
 both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
@@ -111,7 +112,7 @@ from .base import (
 # and the in-process wake-ups (per event loop, keyed by store).
 from .sqlite import BrokerUnavailable, SQLiteBroker, _check_lease_args, _notify, _wake_event
 
-__all__ = ("GROUP", "Keys", "RedisBroker")
+__all__ = ("GROUP", "KEY_NAMES", "SCRIPTS", "Keys", "RedisBroker")
 
 _log = structlog.get_logger("metnos_exec")
 
@@ -132,8 +133,28 @@ _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, TimeoutError, OSError
 _REFUSING: Final = ("OOM", "READONLY", "MASTERDOWN", "BUSY", "LOADING", "TRYAGAIN")
 
 
+#: Every Redis key name, in one place: what follows the queue's prefix (``{metnos}:``).
+#: Names ending in ``:`` take a part (a job id, a device, ...). `Keys` builds them for the
+#: code; `SCRIPTS` gets them substituted into ``redis.lua`` (``$job``, ``$stream``, ...).
+KEY_NAMES: Final = {
+    "job": "job:",  # job:<id> hash
+    "stream": "q:",  # q:<device>:<priority> stream
+    "priorities": "prios:",  # prios:<device> sorted set
+    "leases": "leases:",  # leases:<device> sorted set
+    "idempotency": "idem:",  # idem:<key> string
+    "delayed": "delayed",
+    "finished": "finished",
+    "dead": "dead",
+    "counts": "counts",
+    "inbox": "inbox",
+    "executors": "executors",
+    "group": GROUP,  # not a key: the consumer group of every stream
+}
+
+
 def _load_scripts() -> dict[str, str]:
     text = resources.files(__package__).joinpath("redis.lua").read_text(encoding="utf-8")
+    text = re.sub(r"\$(\w+)", lambda m: KEY_NAMES[m.group(1)], text)
     parts = re.split(r"^-- == (\w+) ==\n", text, flags=re.MULTILINE)
     sections = dict(zip(parts[1::2], parts[2::2], strict=True))
     prelude = sections.pop("prelude")
@@ -145,7 +166,7 @@ SCRIPTS: Final = _load_scripts()
 
 
 class Keys:
-    """Every key of one queue, by name (``redis.lua``'s prelude builds the same names).
+    """Every key of one queue (`KEY_NAMES` after the prefix).
 
     Args:
         prefix: the namespace; wrapped in a hash tag, so ``metnos`` gives ``{metnos}:``.
@@ -156,27 +177,27 @@ class Keys:
             raise ValueError(f"a key prefix is a non-empty name without braces, got {prefix!r}")
         #: What every key starts with (the scripts' ``P``).
         self.base = "{" + prefix + "}:"
-        self.counts = self.base + "counts"
-        self.delayed = self.base + "delayed"
-        self.finished = self.base + "finished"
-        self.dead = self.base + "dead"
-        self.inbox = self.base + "inbox"
-        self.executors = self.base + "executors"
+        self.counts = self.base + KEY_NAMES["counts"]
+        self.delayed = self.base + KEY_NAMES["delayed"]
+        self.finished = self.base + KEY_NAMES["finished"]
+        self.dead = self.base + KEY_NAMES["dead"]
+        self.inbox = self.base + KEY_NAMES["inbox"]
+        self.executors = self.base + KEY_NAMES["executors"]
 
     def job(self, job_id: str) -> str:
-        return f"{self.base}job:{job_id}"
+        return self.base + KEY_NAMES["job"] + job_id
 
     def stream(self, device: str, priority: int) -> str:
-        return f"{self.base}q:{device}:{priority}"
+        return f"{self.base}{KEY_NAMES['stream']}{device}:{priority}"
 
     def priorities(self, device: str) -> str:
-        return f"{self.base}prios:{device}"
+        return self.base + KEY_NAMES["priorities"] + device
 
     def leases(self, device: str) -> str:
-        return f"{self.base}leases:{device}"
+        return self.base + KEY_NAMES["leases"] + device
 
     def idempotency(self, key: str) -> str:
-        return f"{self.base}idem:{key}"
+        return self.base + KEY_NAMES["idempotency"] + key
 
 
 def _closing_buffers(cls: type[Any]) -> type[Any]:
