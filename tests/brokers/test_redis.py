@@ -425,3 +425,17 @@ async def test_a_full_redis_is_broker_unavailable_and_nothing_is_evicted(tmp_pat
             assert lease.job == kept
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_sync_client_on_redis(redis_server: RedisServer, backend: str) -> None:
+    """The blocking client opens the Redis broker in its portal's own task (the client's
+    connections live there) and closes it with the client."""
+    from metnos_exec.client import SyncClient
+
+    with SyncClient(f"{redis_server.url}?prefix={_prefix()}", backend=backend) as client:
+        job_id = client.submit("echo", {"n": 1})
+        assert client.result(job_id) is None
+        assert client.cancel(job_id) == "cancelled"
+        result = client.result(job_id, wait=5)
+        assert result is not None and result.status == "cancelled"
