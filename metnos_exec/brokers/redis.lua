@@ -69,8 +69,9 @@ local function holds(jk, token)
   return h[1] == 'running' and h[2] == token
 end
 
--- A settle call resent after a dropped connection (replay = '1') whose first try was
--- carried out: the outcome it had, so the retry reports what really happened.
+-- A settle call sent again after a call for the same token failed with the outcome
+-- unknown (replay = '1': the connection dropped, the first try may have been carried
+-- out): that try's outcome, so the resend reports what really happened.
 local function replayed(jk, token, replay)
   if replay ~= '1' then return nil end
   local prev = redis.call('HGET', jk, 'prev')
@@ -259,17 +260,19 @@ if h[3] then redis.call('XCLAIM', qkey(h[1], h[2]), GROUP, h[4], 0, h[3], 'JUSTI
 return {until_, h[5] or ''}
 
 -- == ack ==
--- ARGV[3] replay flag, ARGV[4..]: groups of (id, token, result, status). One 1/0 each.
+-- ARGV[3] replay flags (one character per job), ARGV[4..]: groups of (id, token, result,
+-- status). One 1/0 each.
 local out = {}
 for i = 4, #ARGV, 4 do
   local id, tok = ARGV[i], ARGV[i + 1]
   local jk = jkey(id)
+  local replay = string.sub(ARGV[3], #out + 1, #out + 1)
   if holds(jk, tok) then
     local state = 'done'
     if ARGV[i + 3] == 'dead' then state = 'dead' end
     finish(id, state, ARGV[i + 2], nil, 'running', tok, 'acked')
     out[#out + 1] = 1
-  elseif replayed(jk, tok, ARGV[3]) == 'acked' then
+  elseif replayed(jk, tok, replay) == 'acked' then
     out[#out + 1] = 1
   else
     out[#out + 1] = 0

@@ -58,7 +58,8 @@ then keeps its running jobs and stops leasing until Redis answers. Settling call
 retry, dead-letter, release) retry with backoff for up to ``settle_patience_s`` first, so
 a finished job's result is kept in memory and stored once Redis is back; a retried call
 whose first try did reach Redis reports the outcome that try had (the scripts remember
-the last settle per token), never a false "lease lost". With the append-only file on
+the last settle per token, and the broker remembers which tokens' settles failed with
+their outcome unknown), never a false "lease lost". With the append-only file on
 (``queue/redis.conf``) nothing acknowledged is lost across a restart.
 """
 
@@ -294,6 +295,8 @@ class RedisBroker(Broker):
         self._open = False
         self._closed = False
         self._failing_since: float | None = None
+        #: Lease tokens whose last settle failed with its outcome unknown (see `_settle`).
+        self._unsure: set[str] = set()
         self._wake_key = f"{self.where}/{parts.path}/{self.keys.base}"
 
     @classmethod
@@ -389,19 +392,23 @@ class RedisBroker(Broker):
             )
         )
 
-    async def _settle(self, name: str, *args: str | bytes) -> Any:
-        """Run a settle script, retrying with backoff while Redis cannot be reached.
+    async def _settle(self, name: str, tokens: Sequence[str], *args: str | bytes) -> Any:
+        """Run a settle script for the leases `tokens`, retrying with backoff while Redis
+        cannot be reached (up to ``settle_patience_s``).
 
-        A resend carries the replay flag: if the first try was carried out (its reply
-        lost with the connection), the script answers with that try's outcome.
+        A call that failed may still have been carried out (its reply lost with the
+        connection): its tokens are remembered, and every later settle of them (this
+        loop's resends, or the caller's own retry) carries the replay flag, so the script
+        answers with the outcome the first try had rather than "lease lost".
         """
-        replay = "0"
         delay = 0.05
         deadline: float | None = None
         while True:
+            flags = "".join("1" if t in self._unsure else "0" for t in tokens)
             try:
-                return await self._script(name, replay, *args)
+                out = await self._script(name, flags, *args)
             except BrokerUnavailable:
+                self._unsure.update(tokens)
                 if self._closed:
                     raise
                 now = anyio.current_time()
@@ -409,9 +416,11 @@ class RedisBroker(Broker):
                     deadline = now + self._patience
                 if now >= deadline:
                     raise
-                replay = "1"
                 await anyio.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, 2.0)
+            else:
+                self._unsure.difference_update(tokens)
+                return out
 
     def _wake_workers(self) -> None:
         _notify(self._wake_key, "work")
@@ -578,7 +587,7 @@ class RedisBroker(Broker):
         result, letter = self._dead_records(
             None, job_id, error, raw=bytes(body), attempt=attempt, worker=worker, device=dev
         )
-        await self._settle("dead_letter", job_id, token, result, letter)
+        await self._settle("dead_letter", [token], job_id, token, result, letter)
         _log.error("job.bad_message", job_id=job_id, executor=None, **_fields(error))
 
     async def _settle_lapsed(self, final: Sequence[bytes], dev: str) -> None:
@@ -597,7 +606,7 @@ class RedisBroker(Broker):
                 attempt=attempt,
                 finished_at=self._wall(),
             )
-            await self._settle("ack", job_id, token, encode(result), "cancelled")
+            await self._settle("ack", [token], job_id, token, encode(result), "cancelled")
             self._wake_results()
             return
         decoded = SQLiteBroker._decode_body(job_id, body)
@@ -612,7 +621,7 @@ class RedisBroker(Broker):
         result_b, letter_b = self._dead_records(
             None, job_id, error, job=job, attempt=attempt, worker=worker, device=dev
         )
-        if await self._settle("dead_letter", job_id, token, result_b, letter_b):
+        if await self._settle("dead_letter", [token], job_id, token, result_b, letter_b):
             _log.warning(
                 "job.dead_lettered",
                 job_id=job_id,
@@ -688,15 +697,17 @@ class RedisBroker(Broker):
         called = False
         for start in range(0, len(items), _BATCH):
             args: list[str | bytes] = []
+            tokens: list[str] = []
             where: list[int] = []
             for i, (lease, result) in enumerate(items[start : start + _BATCH], start):
                 if result.job_id != lease.job.id:
                     continue
                 args += [lease.job.id, lease.token, encode(result), result.status]
+                tokens.append(lease.token)
                 where.append(i)
             if not where:
                 continue
-            replies = await self._settle("ack", *args)
+            replies = await self._settle("ack", tokens, *args)
             called = True
             for i, ok in zip(where, replies, strict=True):
                 oks[i] = bool(ok)
@@ -711,6 +722,7 @@ class RedisBroker(Broker):
         outcome = _s(
             await self._settle(
                 "retry",
+                [lease.token],
                 lease.job.id,
                 lease.token,
                 repr(max(0.0, float(delay_s))),
@@ -727,12 +739,16 @@ class RedisBroker(Broker):
 
     async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
         result, letter = self._dead_records(lease, lease.job.id, error)
-        ok = bool(await self._settle("dead_letter", lease.job.id, lease.token, result, letter))
+        ok = bool(
+            await self._settle(
+                "dead_letter", [lease.token], lease.job.id, lease.token, result, letter
+            )
+        )
         self._wake_results()
         return ok
 
     async def release(self, lease: Lease) -> bool:
-        ok = bool(await self._settle("release", lease.job.id, lease.token))
+        ok = bool(await self._settle("release", [lease.token], lease.job.id, lease.token))
         self._wake_workers()
         return ok
 

@@ -439,3 +439,32 @@ def test_the_sync_client_on_redis(redis_server: RedisServer, backend: str) -> No
         assert client.cancel(job_id) == "cancelled"
         result = client.result(job_id, wait=5)
         assert result is not None and result.status == "cancelled"
+
+
+@pytest.mark.anyio
+async def test_an_ack_whose_reply_was_lost_is_reported_stored(redis_server: RedisServer) -> None:
+    """The connection drops after Redis ran the ack but before its reply arrived: the
+    broker's resend (and any later ack of the same lease) must say "stored", not "lease
+    lost", or the worker would log a lost lease for a job whose result is in."""
+    async with _broker(redis_server.url, settle_patience_s=30) as b:
+        await b.submit_many([Job(executor="echo"), Job(executor="echo")])
+        one, two = await b.lease("w1", visibility_s=30, limit=2)
+        real = b._script
+        lost: list[str] = []
+
+        async def reply_lost(name: str, *args: str | bytes) -> Any:
+            out = await real(name, *args)
+            if not lost:
+                lost.append(name)
+                raise BrokerUnavailable("cannot reach Redis: reply lost (test)")
+            return out
+
+        b._script = reply_lost  # type: ignore[method-assign]
+        assert await b.ack(one, _ok(one, "w1"))  # carried out, reply lost, resent: stored
+        assert lost == ["ack"]
+        b._script = real  # type: ignore[method-assign]
+        result = await b.get_result(one.job.id)
+        assert result is not None and result.worker == "w1"
+        # Another lease's double ack is still refused: the replay is per token.
+        assert await b.ack(two, _ok(two))
+        assert not await b.ack(two, _ok(two))
