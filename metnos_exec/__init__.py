@@ -29,6 +29,7 @@ from .errors import (
     BadMessage,
     BadOutput,
     CapabilityDenied,
+    CommitConflict,
     HostFault,
     IdempotencyConflict,
     MetnosError,
@@ -39,6 +40,7 @@ from .errors import (
     SignatureError,
     ToolUnavailable,
     UndoConflict,
+    UndoUnavailable,
     UnknownExecutor,
 )
 from .fetch import FetchError, robust_fetch
@@ -52,7 +54,7 @@ from .manifest import (
     Manifest,
     load_manifest,
 )
-from .messages import DeadLetter, ErrorInfo, Job, Result, new_job_id
+from .messages import DeadLetter, ErrorInfo, Job, Result, UndoEntry, new_job_id
 from .plan import Invocation, plan_invocation
 from .policy import Policy, Profile, profile_for, require_sandbox
 from .process import ProcessResult, ProcessSpec, run_process
@@ -81,6 +83,7 @@ from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
 from .signing import TrustStore, generate_key, sign_folder
+from .staging import Staging
 from .supervisor import Supervisor
 from .worker import run_worker
 
@@ -105,6 +108,7 @@ __all__ = (
     "Capability",
     "CapabilityDenied",
     "CapabilitySpec",
+    "CommitConflict",
     "Client",
     "ContainmentReport",
     "DeadLetter",
@@ -146,6 +150,7 @@ __all__ = (
     "SandboxStatus",
     "ServerPinned",
     "SignatureError",
+    "Staging",
     "Success",
     "Supervisor",
     "SyncClient",
@@ -154,6 +159,8 @@ __all__ = (
     "Trap",
     "TrustStore",
     "UndoConflict",
+    "UndoEntry",
+    "UndoUnavailable",
     "UnknownExecutor",
     "Usage",
     "VettedArgs",

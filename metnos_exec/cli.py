@@ -14,7 +14,7 @@ Exit codes (stable; scripts may rely on them):
 4     the broker is unreachable or its URL is wrong (a missing SQLite file for readers)
 5     not found (unknown job id, missing log file)
 6     still pending: no result within the wait
-7     not implemented yet (``undo``)
+7     not implemented yet (no command answers it today)
 130   interrupted (Ctrl-C)
 ====  =====================================================================
 """
@@ -33,8 +33,15 @@ import anyio
 import msgspec
 
 from .brokers import BadBrokerURL, Broker, open_broker
-from .client import Client, NotImplementedYet, default_broker_url
-from .errors import ERROR_CODES, BadMessage, IdempotencyConflict, MetnosError, ServerPinned
+from .client import Client, default_broker_url
+from .errors import (
+    ERROR_CODES,
+    BadMessage,
+    IdempotencyConflict,
+    MetnosError,
+    ServerPinned,
+    UndoUnavailable,
+)
 from .messages import Result
 
 __all__ = ("EXIT", "main")
@@ -190,6 +197,13 @@ def _dump_json(obj: Any, out: TextIO) -> None:
     out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")
 
 
+def _print_job_id(job_id: str, *, as_json: bool) -> None:
+    if as_json:
+        _dump_json({"job_id": job_id}, sys.stdout)
+    else:
+        sys.stdout.write(job_id + "\n")
+
+
 def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
     if as_json:
         _dump_json(result, out)
@@ -301,6 +315,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             prefetch=ns.prefetch,
             backend=ns.backend,
             home=ns.home,
+            state_dir=ns.state_dir,
             trust_keys=ns.trust_key or (),
         )
     except MetnosError as exc:
@@ -353,10 +368,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
             except (IdempotencyConflict, ServerPinned) as exc:
                 raise _Exit(EXIT["rejected"], str(exc)) from None
             if not ns.wait:
-                if ns.json:
-                    _dump_json({"job_id": job_id}, sys.stdout)
-                else:
-                    sys.stdout.write(job_id + "\n")
+                _print_job_id(job_id, as_json=ns.json)
                 return 0
             if not ns.json:
                 sys.stderr.write(f"submitted {job_id}\n")
@@ -500,13 +512,25 @@ def _cmd_tail(ns: argparse.Namespace) -> int:
 def _cmd_undo(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
-            await Client(broker).undo(ns.job_id)
-        return 0
+            client = Client(broker)
+            try:
+                undo_id = await client.submit_undo(ns.job_id)
+            except UndoUnavailable as exc:
+                if await broker.get_job_state(ns.job_id) is None:
+                    raise _Exit(EXIT["not_found"], f"no job {ns.job_id}") from None
+                raise _Exit(EXIT["rejected"], str(exc)) from None
+            if ns.no_wait:
+                _print_job_id(undo_id, as_json=ns.json)
+                return 0
+            if not ns.json:
+                sys.stderr.write(f"undo of {ns.job_id} submitted as job {undo_id}\n")
+            result = await _wait_result(client, undo_id, ns.wait)
+            if result is None:
+                raise _Exit(EXIT["pending"], f"no result for undo job {undo_id} within {ns.wait} s")
+            _print_result(result, as_json=ns.json, out=sys.stdout)
+            return _STATUS_EXIT[result.status]
 
-    try:
-        return _run(go)
-    except NotImplementedYet as exc:
-        raise _Exit(EXIT["not_implemented"], str(exc)) from None
+    return _run(go)
 
 
 def _cmd_codes(ns: argparse.Namespace) -> int:
@@ -661,6 +685,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
     )
     w.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="blobs (originals kept for undo), commit journals, staging mount points "
+        "(default: $METNOS_STATE_DIR, else $XDG_STATE_HOME/metnos-exec, else "
+        "~/.local/state/metnos-exec); an undo needs the blobs of the worker that committed",
+    )
+    w.add_argument(
         "--trust-key",
         action="append",
         metavar="PUB",
@@ -758,8 +789,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the matching raw JSON lines")
     t.set_defaults(fn=_cmd_tail)
 
-    u = add("undo", "undo a job's file changes (not available yet)")
+    u = add(
+        "undo",
+        "undo a job's file changes",
+        "Put back exactly what a job changed (content, names, modes, links). The undo is "
+        "a job, run by a worker of the device that made the changes; it is refused "
+        "(E_UNDO_CONFLICT, exit 3, nothing changed) when a file changed since. An undo "
+        "can be undone: `metnos-exec undo <the undo job's id>`.",
+    )
     u.add_argument("job_id")
+    u.add_argument(
+        "--wait", type=_positive_float, default=None, metavar="S", help="wait at most S seconds"
+    )
+    u.add_argument("--no-wait", action="store_true", help="print the undo job's id and exit")
+    u.add_argument("--json", action="store_true", help="the undo's Result as JSON")
     u.set_defaults(fn=_cmd_undo)
 
     co = sub.add_parser(

@@ -39,6 +39,7 @@ from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
 from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
+from .staging import Staging
 from .supervisor import Supervisor
 
 __all__ = (
@@ -399,11 +400,14 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    state_dir: str | os.PathLike[str] | None = None,
     trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``state_dir``: blobs, commit journals and staging mount points (default
+    `metnos_exec.staging.default_state_dir`).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -431,6 +435,11 @@ def run_worker(
     become_subreaper()
     _tune_gc()
 
+    try:
+        staging = Staging(state_dir)
+    except OSError as exc:
+        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+
     async def main() -> None:
         from .runtimes import obtain_device_python
 
@@ -442,26 +451,31 @@ def run_worker(
             broker = open_broker(broker_url)
         except ValueError as exc:  # a malformed URL or an unknown option in its query
             raise BadBrokerURL(f"{broker_url}: {exc}") from None
-        # Entered, not just closed at the end: a broker may hold resources that live in
-        # the task that opens it (the Redis client's connection tasks).
-        async with broker:
-            await serve(
-                broker,
-                registry,
-                grace_s=grace_s,
-                burst=burst,
-                worker_id=wid,
-                device=device,
-                concurrency=concurrency,
-                visibility_s=visibility_s,
-                home=home,
-                policy=policy,
-                prefetch=prefetch,
-                preload=True,
-                dry_run=True,
-                trust=trust,
-                python=python,
-            )
+        try:
+            # Entered, not just closed at the end: a broker may hold resources that live
+            # in the task that opens it (the Redis client's connection tasks).
+            async with broker:
+                await serve(
+                    broker,
+                    registry,
+                    grace_s=grace_s,
+                    burst=burst,
+                    worker_id=wid,
+                    device=device,
+                    concurrency=concurrency,
+                    visibility_s=visibility_s,
+                    home=home,
+                    policy=policy,
+                    prefetch=prefetch,
+                    preload=True,
+                    staging=staging,
+                    dry_run=True,
+                    trust=trust,
+                    python=python,
+                )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await staging.aclose()
 
     anyio.run(main, backend=backend)
     return 0

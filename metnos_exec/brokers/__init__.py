@@ -27,6 +27,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
 )
 
 __all__ = (
@@ -39,6 +40,7 @@ __all__ = (
     "Lease",
     "RetryOutcome",
     "SubmitReceipt",
+    "UndoRecord",
     "open_broker",
 )
 

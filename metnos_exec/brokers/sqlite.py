@@ -50,9 +50,11 @@ from ..messages import (
     ErrorInfo,
     Job,
     Result,
+    UndoEntry,
     decode_dead_letter,
     decode_job,
     decode_result,
+    decode_undo_entry,
     encode,
     new_job_id,
 )
@@ -65,6 +67,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
     check_idempotent_reuse,
 )
 
@@ -72,11 +75,11 @@ __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
 
 _log = structlog.get_logger("metnos_exec")
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 #: The schema; identical to ``queue/sqlite_schema.sql`` (a test keeps them in step). Kept
 #: in the code rather than read from the package so a wheel needs no data files.
-SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
+SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 2 (PRAGMA user_version = 2).
 -- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
 -- identical. Producers in other languages: see queue/README.md.
 --
@@ -159,6 +162,26 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
+-- Undo entries (see queue/schemas/undo_entry.json), stored with the results. An entry
+-- counts only once its job's result lists its id in undo_ids; undone_by names the undo
+-- job that applied it (it stands only if that job's result is 'succeeded').
+-- Version 2 added these two tables; opening a version 1 file creates them.
+CREATE TABLE IF NOT EXISTS undo_entries (
+    id         TEXT PRIMARY KEY,
+    job_id     TEXT NOT NULL,
+    body       TEXT NOT NULL,
+    at         REAL NOT NULL,
+    undone_by  TEXT
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS undo_entries_job ON undo_entries (job_id);
+
+-- The blobs each entry needs (blob retention: never delete one a stored entry lists).
+CREATE TABLE IF NOT EXISTS undo_blobs (
+    entry_id  TEXT NOT NULL,
+    sha256    TEXT NOT NULL,
+    PRIMARY KEY (entry_id, sha256)
+) WITHOUT ROWID;
+
 -- The executor catalog: each server worker publishes the manifests of the executors it
 -- runs, so a submit can refuse a device job whose executor must stay on the server
 -- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
@@ -170,7 +193,7 @@ CREATE TABLE IF NOT EXISTS executors (
     at      REAL NOT NULL
 ) WITHOUT ROWID;
 
-PRAGMA user_version = 1;
+PRAGMA user_version = 2;
 """
 
 #: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
@@ -249,6 +272,7 @@ _REQUEUE = (
     "attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
 )
 _GET_RESULT = "SELECT body FROM results WHERE job_id = ?"
+_LEASE_IS_CURRENT = "SELECT 1 FROM jobs WHERE id = ? AND token = ? AND state = 'running'"
 #: Ids per ``IN (...)`` list: well under SQLite's host-parameter cap (999 before 3.32).
 _IN_CHUNK = 500
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
@@ -1006,11 +1030,83 @@ class SQLiteBroker(Broker):
                 "DELETE FROM results WHERE at < ? AND job_id NOT IN (SELECT id FROM jobs)",
                 (cut,),
             )
+            # Entries of forgotten jobs, and old entries no result ever confirmed.
+            db.execute(
+                "DELETE FROM undo_entries WHERE job_id NOT IN (SELECT job_id FROM results) "
+                "AND (at < ? OR job_id NOT IN (SELECT id FROM jobs))",
+                (cut,),
+            )
+            db.execute(
+                "DELETE FROM undo_entries WHERE at < ? AND id NOT IN (SELECT value FROM "
+                "results, json_each(results.body, '$.undo_ids') WHERE results.job_id = "
+                "undo_entries.job_id)",
+                (cut,),
+            )
+            db.execute("DELETE FROM undo_blobs WHERE entry_id NOT IN (SELECT id FROM undo_entries)")
             return int(gone)
 
         # A purge may touch many rows: always in the thread.
         removed: int = await self._run(self._txn, work, inline=False)
         return removed
+
+    # --- undo entries -----------------------------------------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        now = self._clock()
+        rows = [(e.id, e.job_id, encode(e).decode(), now) for e in entries]
+        blobs = [(e.id, digest) for e in entries for digest in sorted(e.blobs())]
+
+        def work(db: sqlite3.Connection) -> bool:
+            # Fenced like an ack: only the current lease may record.
+            if db.execute(_LEASE_IS_CURRENT, (lease.job.id, lease.token)).fetchone() is None:
+                return False
+            db.executemany(
+                "INSERT OR REPLACE INTO undo_entries (id, job_id, body, at) VALUES (?, ?, ?, ?)",
+                rows,
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO undo_blobs (entry_id, sha256) VALUES (?, ?)", blobs
+            )
+            db.executemany(
+                "UPDATE undo_entries SET undone_by = ? WHERE id = ?",
+                [(lease.job.id, entry_id) for entry_id in undoes],
+            )
+            return True
+
+        ok: bool = await self._run(self._txn, work, inline=len(rows) <= 8)
+        return ok
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        ids = list(entry_ids)
+
+        def work() -> dict[str, UndoRecord]:
+            found: dict[str, UndoRecord] = {}
+            for i in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[i : i + _IN_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                for entry_id, body, at, undone_by in self._db.execute(
+                    f"SELECT id, body, at, undone_by FROM undo_entries WHERE id IN ({marks})",
+                    chunk,
+                ):
+                    found[entry_id] = UndoRecord(
+                        entry=decode_undo_entry(body), undone_by=undone_by, recorded_at=at
+                    )
+            return found
+
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return []
+        found: dict[str, UndoRecord] = await self._run(work)
+        return [found[i] for i in ids if i in found]
+
+    async def undo_blobs(self) -> set[str]:
+        rows = await self._run(
+            lambda: self._db.execute("SELECT DISTINCT sha256 FROM undo_blobs").fetchall(),
+            inline=False,
+        )
+        return {digest for (digest,) in rows}
 
     async def close(self) -> None:
         if self._closed:

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from metnos_exec.brokers import Broker, SubmitReceipt, open_broker
-from metnos_exec.brokers.sqlite import SCHEMA_SQL, BrokerUnavailable, SQLiteBroker
+from metnos_exec.brokers.sqlite import SCHEMA_SQL, SCHEMA_VERSION, BrokerUnavailable, SQLiteBroker
 from metnos_exec.messages import Job, Result, decode_result
 
 from .conformance import BrokerConformance, VirtualClock
@@ -301,8 +301,8 @@ async def test_jobs_survive_reopening_the_file(tmp_path: Path) -> None:
 def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("PRAGMA user_version = 2")
-    with pytest.raises(BrokerUnavailable, match="schema version 2"):
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(BrokerUnavailable, match=f"schema version {SCHEMA_VERSION + 1}"):
         SQLiteBroker(db)
 
 
