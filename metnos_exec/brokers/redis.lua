@@ -38,6 +38,29 @@ local function qkey(dev, prio) return P .. '$stream' .. dev .. ':' .. prio end
 local function prios_key(dev) return P .. '$priorities' .. dev end
 local function leases_key(dev) return P .. '$leases' .. dev end
 local function idem_key(k) return P .. '$idempotency' .. k end
+local function undo_key(e) return P .. '$undo' .. e end
+local function job_undos_key(id) return P .. '$job_undos' .. id end
+local UNDO_AT = P .. '$undo_at'
+local BLOBS = P .. '$blobs'
+
+-- Count (or uncount, n = -1) the blobs an undo entry needs: `blobs` is the entry's
+-- space-separated digests; a digest no entry needs any more leaves the table.
+local function count_blobs(blobs, n)
+  for digest in string.gmatch(blobs or '', '%S+') do
+    if redis.call('HINCRBY', BLOBS, digest, n) <= 0 then redis.call('HDEL', BLOBS, digest) end
+  end
+end
+
+-- Forget one undo entry (its blobs uncounted).
+local function drop_undo(e)
+  local h = redis.call('HMGET', undo_key(e), 'blobs', 'job_id')
+  if h[2] then
+    count_blobs(h[1], -1)
+    redis.call('SREM', job_undos_key(h[2]), e)
+  end
+  redis.call('DEL', undo_key(e))
+  redis.call('ZREM', UNDO_AT, e)
+end
 
 -- Append the job to its device's stream for its priority (created with its consumer
 -- group on first use, and listed in the device's priorities).
@@ -395,8 +418,57 @@ for _, id in ipairs(gone) do
     redis.call('DEL', idem_key(h[2]))
   end
   if h[1] == 'done' or h[1] == 'dead' then redis.call('HINCRBY', COUNTS, h[1], -1) end
+  for _, e in ipairs(redis.call('SMEMBERS', job_undos_key(id))) do drop_undo(e) end
   redis.call('DEL', jk)
   redis.call('ZREM', FINISHED, id)
   redis.call('ZREM', DEAD, id)
 end
+-- Undo entries recorded before the cut-off that no result lists (their worker died
+-- between recording and acking; the commit journal rolled the change back).
+local old = redis.call('ZRANGEBYSCORE', UNDO_AT, '-inf', '(' .. cut, 'LIMIT', 0,
+  tonumber(ARGV[4]))
+for _, e in ipairs(old) do
+  local job_id = redis.call('HGET', undo_key(e), 'job_id')
+  local result = job_id and redis.call('HGET', jkey(job_id), 'result')
+  local listed = false
+  if result then
+    for _, u in ipairs(cjson.decode(result).undo_ids or {}) do
+      if u == e then listed = true end
+    end
+  end
+  if not listed then drop_undo(e) end
+end
 return #gone
+
+-- == record_undo ==
+-- ARGV[3] job id, [4] token, [5] number of entries n, then n groups of (entry id, body,
+-- space-separated blob digests), then the ids of the entries this (undo) job undid.
+-- Fenced like an ack: nothing is written once the lease is gone. Returns 1 or 0.
+local id, tok = ARGV[3], ARGV[4]
+if not holds(jkey(id), tok) then return 0 end
+local n = tonumber(ARGV[5])
+for i = 6, 5 + 3 * n, 3 do
+  local e = ARGV[i]
+  local uk = undo_key(e)
+  -- Recorded again (a redelivered job): the new body and blobs replace the old.
+  count_blobs(redis.call('HGET', uk, 'blobs'), -1)
+  redis.call('HSET', uk, 'body', ARGV[i + 1], 'job_id', id, 'at', num(NOW), 'blobs', ARGV[i + 2])
+  count_blobs(ARGV[i + 2], 1)
+  redis.call('ZADD', UNDO_AT, num(NOW), e)
+  redis.call('SADD', job_undos_key(id), e)
+end
+for i = 6 + 3 * n, #ARGV do
+  if redis.call('EXISTS', undo_key(ARGV[i])) == 1 then
+    redis.call('HSET', undo_key(ARGV[i]), 'undone_by', id)
+  end
+end
+return 1
+
+-- == get_undo ==
+-- ARGV[3..] entry ids. Returns {id, body, undone_by or '', recorded at} for each known one.
+local out = {}
+for i = 3, #ARGV do
+  local h = redis.call('HMGET', undo_key(ARGV[i]), 'body', 'undone_by', 'at')
+  if h[1] then out[#out + 1] = {ARGV[i], h[1], h[2] or '', h[3]} end
+end
+return out

@@ -27,6 +27,10 @@ both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
   join their stream inside `lease`.
 - ``idem:<key>``: idempotency key → job id. ``finished`` / ``dead`` (sorted sets, score =
   when): for `purge` and `dead_letters`. ``counts`` (hash): jobs per state, for `stats`.
+- ``undo:<entry id>`` (hash: the entry, its job, when, ``undone_by``, its blobs),
+  ``undos:<job id>`` (set), ``undo-at`` (sorted set), ``undo-blobs`` (hash: digest →
+  how many stored entries need it): undo entries stored with the results, fenced by the
+  lease like an ack, forgotten with their job by `purge`.
 - ``executors`` (hash): name → the executor as a server worker published it (the
   catalog `submit` checks device jobs against, `metnos_exec.catalog`).
 - ``inbox`` (stream): the door for producers in other languages (``XADD`` a ``job`` field;
@@ -91,9 +95,11 @@ from ..messages import (
     ErrorInfo,
     Job,
     Result,
+    UndoEntry,
     decode_dead_letter,
     decode_job,
     decode_result,
+    decode_undo_entry,
     encode,
     new_job_id,
 )
@@ -106,6 +112,7 @@ from .base import (
     Lease,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
     check_idempotent_reuse,
 )
 
@@ -149,6 +156,10 @@ KEY_NAMES: Final = {
     "counts": "counts",
     "inbox": "inbox",
     "executors": "executors",
+    "undo": "undo:",  # undo:<entry id> hash
+    "job_undos": "undos:",  # undos:<job id> set
+    "undo_at": "undo-at",
+    "blobs": "undo-blobs",
     "group": GROUP,  # not a key: the consumer group of every stream
 }
 
@@ -184,6 +195,7 @@ class Keys:
         self.dead = self.base + KEY_NAMES["dead"]
         self.inbox = self.base + KEY_NAMES["inbox"]
         self.executors = self.base + KEY_NAMES["executors"]
+        self.blobs = self.base + KEY_NAMES["blobs"]
 
     def job(self, job_id: str) -> str:
         return self.base + KEY_NAMES["job"] + job_id
@@ -817,6 +829,36 @@ class RedisBroker(Broker):
     async def stats(self) -> BrokerStats:
         queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
         return BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
+
+    # --- undo entries (see `metnos_exec.brokers.base`) ----------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        args: list[str | bytes] = [lease.job.id, lease.token, str(len(entries))]
+        for entry in entries:
+            args += [entry.id, encode(entry), " ".join(sorted(entry.blobs()))]
+        return bool(await self._script("record_undo", *args, *undoes))
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        ids = list(entry_ids)
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return []
+        found: dict[str, UndoRecord] = {}
+        for start in range(0, len(ids), _BATCH):
+            for entry_id, body, undone_by, at in await self._script(
+                "get_undo", *ids[start : start + _BATCH]
+            ):
+                found[_s(entry_id)] = UndoRecord(
+                    entry=decode_undo_entry(body),
+                    undone_by=_s(undone_by) or None,
+                    recorded_at=float(at),
+                )
+        return [found[i] for i in ids if i in found]
+
+    async def undo_blobs(self) -> set[str]:
+        return {_s(d) for d in await self._guard(self._redis.hkeys(self.keys.blobs))}
 
     # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
 

@@ -22,7 +22,7 @@ from metnos_exec.messages import E_LEASE_EXPIRED, ErrorInfo, Job, Result, encode
 from tests.conftest import need
 from tests.helpers.redis_server import RedisServer, redis_server_path
 
-from .conformance import T0, BrokerConformance, VirtualClock
+from .conformance import T0, BrokerConformance, VirtualClock, undo_entry
 
 
 def _prefix() -> str:
@@ -224,9 +224,11 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
         for lease in leases[3:-1]:  # one stays running
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
-        assert len(documented) == 11
+        assert len(documented) == 15
         await b.publish_executors([])  # the catalog is tested in tests/test_catalog.py
         documented.pop("executors")
+        # An undo entry recorded by the job that stays running (never acked).
+        assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])
         seen = set()
         for key in await _keys(raw, b):
             rest = key[len(b.keys.base) :]
