@@ -175,6 +175,11 @@ def _run(fn: Callable[[], Awaitable[int]]) -> int:
         raise _Exit(EXIT["broker"], str(exc)) from None
     except OSError as exc:
         raise _Exit(EXIT["broker"], f"broker unreachable: {exc}") from None
+    except MetnosError as exc:
+        # The store went away mid-command (Redis down or restarting, ...): say so.
+        if exc.code != "E_BROKER_UNAVAILABLE":
+            raise
+        raise _Exit(EXIT["broker"], f"broker unreachable: {exc.message}") from None
 
 
 def _parse_arg(text: str) -> tuple[str, Any]:

@@ -76,6 +76,8 @@ EVENTS: Mapping[str, str] = {
     "job.released": "a running job was handed back un-attempted during drain",
     "job.bad_message": "the broker dead-lettered a malformed message (E_BAD_MESSAGE)",
     "lease.lost": "a heartbeat found the lease gone (expired and re-leased elsewhere)",
+    "broker.error": "the broker's store cannot be reached (broker, error); calls are retried",
+    "broker.recovered": "the broker's store answers again after errors (broker, down_s)",
     "undo.recorded": "a job's file changes were committed and their undo entry stored "
     "(entry_id, method: staged|backup, ops, paths, blobs, reverses)",
     "undo.applied": "an undo job restored a job's files (undone: its id, entries, paths)",

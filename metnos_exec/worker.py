@@ -20,6 +20,7 @@ numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` and an explicit
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import signal
 import socket
@@ -363,6 +364,26 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
             _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
 
 
+#: Allocations between two young-generation collections in a worker (CPython: 700).
+_GC_YOUNG_THRESHOLD: Final = 10_000
+
+
+def _tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for a long-running worker.
+
+    Each job allocates and frees a few hundred short-lived objects (tasks, scopes, log
+    records, messages); at CPython's default a young collection runs every few jobs, and
+    the older generations (every module, the Redis client, the executors) are rescanned
+    again and again. Measured on the echo arm, collection took 12-25 % of a worker's CPU.
+    Objects alive after start-up are frozen (never scanned again), and young collections
+    come every `_GC_YOUNG_THRESHOLD` allocations. Reference counting still frees almost
+    everything at once; only reference cycles wait a little longer.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, 10, 10)
+
+
 def run_worker(
     broker_url: str,
     executors_dir: str | os.PathLike[str],
@@ -412,6 +433,7 @@ def run_worker(
     # bubblewrap's orphaned inits come back to us and are reaped as each job ends, so a
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
+    _tune_gc()
 
     try:
         staging = Staging(state_dir)
@@ -430,28 +452,30 @@ def run_worker(
         except ValueError as exc:  # a malformed URL or an unknown option in its query
             raise BadBrokerURL(f"{broker_url}: {exc}") from None
         try:
-            await serve(
-                broker,
-                registry,
-                grace_s=grace_s,
-                burst=burst,
-                worker_id=wid,
-                device=device,
-                concurrency=concurrency,
-                visibility_s=visibility_s,
-                home=home,
-                policy=policy,
-                prefetch=prefetch,
-                preload=True,
-                staging=staging,
-                dry_run=True,
-                trust=trust,
-                python=python,
-            )
+            # Entered, not just closed at the end: a broker may hold resources that live
+            # in the task that opens it (the Redis client's connection tasks).
+            async with broker:
+                await serve(
+                    broker,
+                    registry,
+                    grace_s=grace_s,
+                    burst=burst,
+                    worker_id=wid,
+                    device=device,
+                    concurrency=concurrency,
+                    visibility_s=visibility_s,
+                    home=home,
+                    policy=policy,
+                    prefetch=prefetch,
+                    preload=True,
+                    staging=staging,
+                    dry_run=True,
+                    trust=trust,
+                    python=python,
+                )
         finally:
             with anyio.CancelScope(shield=True):
                 await staging.aclose()
-                await broker.close()
 
     anyio.run(main, backend=backend)
     return 0

@@ -471,3 +471,25 @@ async def test_a_preload_that_breaks_is_logged_and_never_takes_the_worker_down(
         await worker_mod.preload_wasm(ExecutorRegistry.load(executors))
     [failed] = [e for e in logs if e["event"] == "worker.preload_failed"]
     assert failed["module"] == "python" and "home directory" in failed["error"]
+
+
+def test_a_worker_process_freezes_start_up_objects_and_collects_young_garbage_less_often(
+    tmp_path: Path,
+) -> None:
+    """`run_worker` tunes the collector (it took 12-25 % of an echo worker's CPU): the
+    objects alive at start are frozen and young collections come every 10,000
+    allocations. Checked in a fresh process: the tuning is process-wide."""
+    import json
+
+    probe = (
+        "import gc, json\n"
+        "from metnos_exec import worker\n"
+        "worker._tune_gc()\n"
+        "print(json.dumps([gc.get_threshold()[0], gc.get_freeze_count()]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    threshold, frozen = json.loads(out.stdout)
+    assert threshold == 10_000
+    assert frozen > 10_000  # every module, class and function loaded so far
