@@ -29,6 +29,8 @@ from typing import Any, BinaryIO, TextIO
 import msgspec
 import structlog
 
+from ._terminal import visible
+
 __all__ = (
     "EVENTS",
     "LEVELS",
@@ -341,7 +343,8 @@ def iter_records(
             continue
         try:
             rec = _DECODER.decode(line)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
+            # RecursionError: a line nested past the decoder's depth is unparsed, not fatal.
             rec = {"event": _UNPARSED, "raw": line.decode(errors="replace")}
         if _matches(rec, job, event, min_level):
             yield rec
@@ -350,7 +353,15 @@ def iter_records(
 def render_record(rec: Mapping[str, Any], *, color: bool = False) -> str:
     """One readable line for a person (structlog's console style), without a newline."""
     renderer = structlog.dev.ConsoleRenderer(colors=color, timestamp_key="ts", pad_event_to=22)
-    fields = dict(rec)
+    # Records carry what jobs sent (stderr excerpts, messages quoting arguments, a raw line
+    # that was not JSON): spelled out, so none of it drives the reader's terminal. Other
+    # values are rendered with repr(), which escapes them already.
+    fields = {
+        visible(str(key)): visible(value, newlines=key == "exception")
+        if isinstance(value, str)
+        else value
+        for key, value in rec.items()
+    }
     level = str(fields.get("level", "info"))
     return str(renderer(None, level, fields)).rstrip("\n")
 
