@@ -120,7 +120,7 @@ from .flags import (
 )
 from .hardening import Hardening, annotate, guest_job, host_hardening, seccomp_fd
 from .mount_sources import StagedSources, open_source
-from .staged import StagedPlacement, stager_for
+from .staged import IdmapUnavailable, StagedPlacement, stager_for
 
 __all__ = (
     "BwrapProbe",
@@ -1166,15 +1166,20 @@ async def _placement(
         identity = await slot.identity()
         if identity is None:
             why = slot.identity_error
-    if identity is not None:
+    if identity is not None and stager is None:
         try:
-            if stager is None:
-                idmapped = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
-                return _Placement(idmapped.fds, slot, idmapped=idmapped, uid=identity.uid)
-            placed = await stager.place(identity, sources)
-            return _Placement(placed.sources, slot, staged=placed, uid=identity.uid)
-        except OSError as exc:  # IdmapUnavailable among them
+            idmapped = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
+        except OSError as exc:
             why = f"cannot mount as the slot uid: {exc}"
+        else:
+            return _Placement(idmapped.fds, slot, idmapped=idmapped, uid=identity.uid)
+    elif identity is not None and stager is not None:
+        try:
+            placed = await stager.place(identity, sources)
+        except IdmapUnavailable as exc:
+            why = f"cannot mount as the slot uid: {exc}"
+        else:
+            return _Placement(placed.sources, slot, staged=placed, uid=identity.uid)
     if stager is None:
         return _Placement(sources, slot, root_reason=why)
     placed = await stager.place(None, sources)
