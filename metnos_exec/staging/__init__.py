@@ -361,8 +361,6 @@ class OverlayRun:
     #: The job's tmpfs (``None``: not staged yet).
     tmpfs_fd: int | None = None
     since_ns: int = 0
-    #: The uid and gid the overlays were mounted for (``None``: the worker's).
-    placed_for: tuple[int, int] | None = None
     method: Literal["staged", "backup"] = "staged"
     no_staging: str | None = None
     _handle: JournalHandle | None = None
@@ -458,7 +456,6 @@ class OverlayRun:
             # The helper holds what it attached; a clone not attached unmounts here.
             for fd in (*opened, *lowers, *clones):
                 os.close(fd)
-        self.placed_for = (identity.uid, identity.gid)
         return StagedPlacement(
             self.ns.enter(identity.uid, identity.gid),
             dict(zip(sources, attached, strict=True)),
