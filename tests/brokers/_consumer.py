@@ -49,6 +49,8 @@ async def hold(db: str, ready: str, visibility_s: float) -> None:
     async with SQLiteBroker(db) as broker:
         while not (leases := await broker.lease("doomed", visibility_s=visibility_s)):
             await broker.wait_for_work(0.05)
+        # As a worker does before it launches the executor: this delivery now counts.
+        assert await broker.mark_started(leases[0])
         tmp = Path(ready + ".tmp")
         tmp.write_text(f"{leases[0].job.id} {leases[0].attempt}\n")  # noqa: ASYNC240
         tmp.rename(ready)  # noqa: ASYNC240 (atomic: the test never reads half a line)

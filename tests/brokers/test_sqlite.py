@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 from metnos_exec.brokers import Broker, SubmitReceipt, open_broker
-from metnos_exec.brokers.sqlite import SCHEMA_SQL, BrokerUnavailable, SQLiteBroker
+from metnos_exec.brokers.sqlite import SCHEMA_SQL, SCHEMA_VERSION, BrokerUnavailable, SQLiteBroker
+from metnos_exec.errors import BrokerCorrupt
 from metnos_exec.messages import Job, Result, decode_result
 
 from .conformance import BrokerConformance, VirtualClock
@@ -32,9 +33,22 @@ class TestSQLiteBroker(BrokerConformance):
     @contextlib.asynccontextmanager
     async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
         # A long poll interval: the suite's wait tests must be woken by the in-process
-        # signal, not by a poll that happens to come round.
-        async with SQLiteBroker(self.db_path, clock=clock, poll_interval_s=30.0) as broker:
+        # signal, not by a poll that happens to come round. A short busy timeout, for
+        # `storage_fault` (no other test contends for the lock).
+        async with SQLiteBroker(
+            self.db_path, clock=clock, poll_interval_s=30.0, busy_timeout_s=0.2
+        ) as broker:
             yield broker
+
+    @contextlib.asynccontextmanager
+    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
+        # Another process's write lock, held past the broker's busy timeout.
+        with contextlib.closing(sqlite3.connect(self.db_path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            finally:
+                other.execute("ROLLBACK")
 
 
 def test_schema_file_matches_the_embedded_schema() -> None:
@@ -301,8 +315,8 @@ async def test_jobs_survive_reopening_the_file(tmp_path: Path) -> None:
 def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "queue.db"
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("PRAGMA user_version = 2")
-    with pytest.raises(BrokerUnavailable, match="schema version 2"):
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(BrokerUnavailable, match=f"schema version {SCHEMA_VERSION + 1}"):
         SQLiteBroker(db)
 
 
@@ -337,5 +351,6 @@ def test_an_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
         SQLiteBroker(tmp_path / "missing-dir" / "queue.db")
     assert info.value.code == "E_BROKER_UNAVAILABLE"
     (tmp_path / "garbage.db").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(BrokerUnavailable, match="cannot use the queue database"):
+    with pytest.raises(BrokerCorrupt, match="cannot use the queue database") as bad:
         SQLiteBroker(tmp_path / "garbage.db")
+    assert bad.value.code == "E_BROKER_CORRUPT" and bad.value.fatal
