@@ -12,9 +12,15 @@ SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-
 and the broker redelivers the jobs once their leases expire.
 
 Configuration is checked once, before anything is served (`check_worker_config`): bad
-numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` and an explicit
-``METNOS_BWRAP`` that names no executable make the worker refuse to start with
-`BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases.
+numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE``, ``METNOS_RETENTION_DAYS``
+and an explicit ``METNOS_BWRAP`` that names no executable make the worker refuse to start
+with `BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases. So does
+a store it cannot write (``E_BROKER_READONLY``, from the broker itself).
+
+The store failing while the worker serves never stops it (see `Supervisor`): results are
+kept and stored again, ``broker.error`` is logged. Only a fatal store error does (the
+queue file deleted or replaced, a corrupt file): `serve` raises it after the worker
+stopped, and ``metnos-exec worker`` exits 4 with its message.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import structlog
 
-from .brokers import BadBrokerURL, Broker, open_broker
+from .brokers import DEFAULT_RETENTION_S, BadBrokerURL, Broker, open_broker
 from .errors import BadConfig, HostFault, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
@@ -40,6 +46,7 @@ from .supervisor import Supervisor
 
 __all__ = (
     "ARM_OVERRIDE_ENV",
+    "RETENTION_ENV",
     "check_worker_config",
     "default_worker_id",
     "preload_wasm",
@@ -52,7 +59,43 @@ __all__ = (
 #: the results then say ``sandbox: "echo"``, which is honest but useless.
 ARM_OVERRIDE_ENV: Final = "METNOS_ARM_OVERRIDE"
 
+#: Days a finished job (its result, dead letter, idempotency key) is kept before a worker
+#: purges it; ``never`` keeps everything (the file then only grows). Default 7.
+RETENTION_ENV: Final = "METNOS_RETENTION_DAYS"
+
+_NEVER = ("never", "off", "forever", "none")
+
 _log = structlog.get_logger("metnos_exec")
+
+
+def parse_retention_days(text: str, *, what: str = RETENTION_ENV) -> float | None:
+    """Days as text (``7``, ``0.5``, or ``never``) → seconds, or ``None`` for never.
+
+    Raises:
+        BadConfig: not a positive number nor ``never``.
+    """
+    value = text.strip().lower()
+    if value in _NEVER:
+        return None
+    try:
+        days = float(value)
+    except ValueError:
+        days = float("nan")
+    if not (days > 0 and days != float("inf")):
+        raise BadConfig(f"{what}={text!r}: expected a number of days above 0, or 'never'")
+    return days * 86400.0
+
+
+def retention_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """The retention (seconds; ``None``: never purge) from ``METNOS_RETENTION_DAYS``,
+    else `DEFAULT_RETENTION_S`.
+
+    Raises:
+        BadConfig: a bad value.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(RETENTION_ENV)
+    return DEFAULT_RETENTION_S if text is None or not text.strip() else parse_retention_days(text)
 
 
 def default_worker_id() -> str:
@@ -111,6 +154,7 @@ def check_worker_config(
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
+    retention_from_env(env)
     return policy
 
 
@@ -141,6 +185,8 @@ async def serve(
 
     Raises:
         BadConfig: a bad ``METNOS_REQUIRE_SANDBOX`` or ``METNOS_ARM_OVERRIDE``.
+        BrokerError: a fatal store error stopped the worker (``Supervisor.fatal_error``,
+            e.g. the queue file was deleted under it), raised once it has stopped.
     """
     if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
         supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
@@ -173,6 +219,8 @@ async def serve(
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
+    if sup.fatal_error is not None:
+        raise sup.fatal_error
 
 
 async def preload_wasm(registry: ExecutorRegistry) -> None:
@@ -238,20 +286,28 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    retention_s: float | Literal["env"] | None = "env",
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``retention_s``: finished jobs older than this are purged (``None``: never); the
+    default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
         MetnosError: the broker URL or the executors folder is unusable (before serving).
+        BrokerError: a fatal store error stopped the worker (see `serve`).
     """
     policy = check_worker_config(
         concurrency=concurrency, visibility_s=visibility_s, grace_s=grace_s
     )
     if prefetch < 0:
         raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
+    if retention_s == "env":
+        retention_s = retention_from_env()
+    elif retention_s is not None and not retention_s > 0:
+        raise BadConfig(f"retention must be a positive number of seconds, got {retention_s!r}")
     if configure_logs:
         try:
             configure_logging(file=log_file, level=log_level)
@@ -284,6 +340,7 @@ def run_worker(
                 policy=policy,
                 prefetch=prefetch,
                 preload=True,
+                retention_s=retention_s,
             )
         finally:
             with anyio.CancelScope(shield=True):

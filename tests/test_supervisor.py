@@ -560,15 +560,26 @@ async def test_fault_double_and_broker_hiccup(registry: ExecutorRegistry) -> Non
         return await real_lease(*args, **kw)
 
     broker.lease = flaky_lease  # type: ignore[method-assign]
-    sup = make(broker, registry, arm, clock=clock, retry_delay=lambda attempt: 5.0, idle_poll_s=0)
+    sup = make(
+        broker,
+        registry,
+        arm,
+        clock=clock,
+        retry_delay=lambda attempt: 5.0,
+        idle_poll_s=0,
+        store_backoff=lambda failures: 0.0,
+    )
     job_id = (await broker.submit(Job(executor="echo"))).job_id
     with capture_logs() as logs:
         await sup.run(burst=True)
         clock.now += 5
         await sup.run(burst=True)
-    assert [e["error"] for e in logs if e["event"] == "worker.error"] == [
-        "lease failed: OSError: database is locked"
+    # A client library's own exception (not a BrokerError) is said as it is, as a host
+    # fault of the store; the worker goes on.
+    assert [(e["op"], e["code"], e["error"]) for e in logs if e["event"] == "broker.error"] == [
+        ("lease", "E_HOST_FAULT", "OSError: database is locked")
     ]
+    assert [e["op"] for e in logs if e["event"] == "broker.recovered"] == ["lease"]
     r = await broker.get_result(job_id)
     assert r is not None and r.status == "succeeded" and r.attempt == 2
     assert r.output == {"ok": True}
