@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -210,6 +210,7 @@ def plan_invocation(
     skills_root: str | None = None,
     policy: Policy | None = None,
     timeout_s: float | None = None,
+    text_args: Collection[str] = (),
 ) -> Invocation:
     """Decide everything about one invocation before anything runs.
 
@@ -221,6 +222,8 @@ def plan_invocation(
         skills_root: where provider skills keep their homes (see `default_skills_root`).
         policy: degradation policy (default: `Policy.from_env`).
         timeout_s: the job's own timeout; may only shorten the manifest's.
+        text_args: arguments given as command-line text, converted by their schema
+            (``Job.text_args``, see `final_args`).
 
     Returns:
         The vetted `Invocation`.
@@ -242,7 +245,7 @@ def plan_invocation(
     skills_root = default_skills_root(home) if skills_root is None else skills_root
     policy = Policy.from_env() if policy is None else policy
 
-    final = final_args(manifest, args)
+    final = final_args(manifest, args, text_args=text_args)
     effective = effective_capabilities(manifest, final)
     vetted = vet_arguments(manifest, final, effective, home=home)
     require_hint_folders(manifest.name, vetted.checked, home)

@@ -55,13 +55,15 @@ def cli(
     )
 
 
-def test_parse_arg_json_or_text() -> None:
-    assert _parse_arg("n=3") == ("n", 3)
-    assert _parse_arg("flag=true") == ("flag", True)
-    assert _parse_arg("xs=[1,2]") == ("xs", [1, 2])
+def test_parse_arg_keeps_the_text_for_the_worker_to_convert() -> None:
+    # The CLI cannot know the schema: it sends text, and the worker converts it.
+    assert _parse_arg("n=3") == ("n", "3")
+    assert _parse_arg("flag=true") == ("flag", "true")
+    assert _parse_arg("xs=[1,2]") == ("xs", "[1,2]")
     assert _parse_arg("path=~/notes/a.md") == ("path", "~/notes/a.md")
-    assert _parse_arg('q="3"') == ("q", "3")
+    assert _parse_arg("text=42") == ("text", "42")
     assert _parse_arg("empty=") == ("empty", "")
+    assert _parse_arg("k=null") == ("k", None)  # absent: the default applies
 
 
 def test_help_everywhere() -> None:
@@ -132,8 +134,9 @@ def test_usage_and_broker_errors(env: dict[str, str]) -> None:
     gone = "sqlite:////nonexistent/dir/q.db"
     assert cli(env, "worker", "--executors", ".", "--broker", gone).returncode == EXIT["broker"]
     assert cli(env, "worker", "--executors", "/nonexistent").returncode == EXIT["usage"]
+    # A wrong URL is configuration (2), like every other setting; 4 is a store failing.
     bad = cli(env, "status", "--broker", "nosuch://x")
-    assert bad.returncode == EXIT["broker"] and "E_BAD_BROKER_URL" in bad.stderr
+    assert bad.returncode == EXIT["usage"] and "E_BAD_BROKER_URL" in one_clear_line(bad)
 
 
 def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
@@ -239,7 +242,7 @@ def test_readers_do_not_create_a_missing_queue(env: dict[str, str], tmp_path: Pa
         out = cli(env, *args, "--broker", f"sqlite:///{missing}")
         assert out.returncode == EXIT["broker"], (args, out.stderr)
         line = one_clear_line(out)
-        assert "broker unreachable" in line and f"no queue file at {missing}" in line
+        assert "E_BROKER_UNAVAILABLE" in line and f"no queue file at {missing}" in line
         assert not missing.exists()
     # Three slashes are relative: the message shows the folder it looked in.
     rel = cli(env, "status", "--broker", "sqlite:///work/x.db", cwd=tmp_path)
