@@ -309,6 +309,7 @@ class Supervisor:
         self.fatal_error: BrokerError | None = None
         #: Consecutive failed broker calls, and since when (monotonic) the store failed.
         self._store_failures = 0
+        self._failing_op = ""
         self._store_down_since: float | None = None
         #: Settlements waiting for the store; leasing waits while there are any.
         self._unstored = 0
@@ -495,6 +496,7 @@ class Supervisor:
     def _broker_failed(self, op: str, exc: Exception, **fields: Any) -> None:
         """Log a failed broker call; a fatal store error stops the worker."""
         self._store_failures += 1
+        self._failing_op = op
         self.stats["broker_errors"] += 1
         if self._store_down_since is None:
             self._store_down_since = time.monotonic()
@@ -521,7 +523,10 @@ class Supervisor:
                 self._tg.start_soon(self.drain, 0.0, name="fatal stop")
 
     def _broker_ok(self, op: str) -> None:
-        if self._store_failures:
+        # Only the operation that failed proves it works again: a lease that succeeds
+        # while every start mark fails must not reset the backoff (a hot loop of lease,
+        # fail, hand back, lease).
+        if self._store_failures and op == self._failing_op:
             down = time.monotonic() - (self._store_down_since or time.monotonic())
             _log.info(
                 "broker.recovered", op=op, failures=self._store_failures, down_s=round(down, 3)

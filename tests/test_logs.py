@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -254,3 +257,34 @@ def test_timestamps_are_utc_milliseconds_across_a_second_boundary(
         "2023-11-14T22:13:21.250Z",
         "2023-11-14T22:13:19.500Z",
     ]
+
+
+class _FullDisk(io.BytesIO):
+    """A log file on a disk that is full until `full` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def write(self, data: Any) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def test_a_log_record_that_cannot_be_written_never_raises() -> None:
+    """Issue 9: the log on a full disk (often the queue's disk) must not take the worker
+    down; what was lost is said once the disk has room again."""
+    stream = _FullDisk()
+    configure_logging(file=stream)
+    log = structlog.get_logger("metnos_exec")
+    for _ in range(3):
+        log.error("broker.error", op="ack", code="E_BROKER_FULL")
+    stream.full = False
+    log.info("broker.recovered", op="ack")
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [(r["event"], r.get("count")) for r in lines] == [
+        ("log.dropped", 3),
+        ("broker.recovered", None),
+    ]
+    assert TS_RE.match(lines[0]["ts"])

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -472,6 +473,12 @@ class SQLiteBroker(Broker):
         try:
             self._busy_ms = int(busy_timeout_s * 1000)
             self._db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+            if self._db.execute("PRAGMA page_count").fetchone() == (0,):
+                # A new file: only now, before anything is written (the switch to WAL
+                # writes the header), can it get incremental vacuum, so that purges give
+                # space back (`_reclaim`). A file made by version 1 gets it at its first
+                # full `vacuum`.
+                self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
             (mode,) = self._db.execute("PRAGMA journal_mode = WAL").fetchone()
             if mode != "wal":
                 # Without WAL, readers block writers and the lock fallback turns into a
@@ -538,13 +545,9 @@ class SQLiteBroker(Broker):
                 f"understands {SCHEMA_VERSION}. Upgrade metnos-exec."
             )
         migrate = ""
-        if version == 0:
-            # Only takes effect on a file without tables, and only outside a transaction:
-            # set it on a new file so purges can give space back (`_reclaim`). A file
-            # made by version 1 gets it at its first full `vacuum`.
-            self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        elif version == 1:
+        if version == 1:
             migrate = _MIGRATE_FROM_1
+            # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
             self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
         # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
@@ -1256,7 +1259,7 @@ class SQLiteBroker(Broker):
         return int(pages), int(page_size)
 
     @classmethod
-    def _reclaim(cls, db: sqlite3.Connection) -> int | None:
+    def _reclaim(cls, db: sqlite3.Connection, stop: threading.Event | None = None) -> int | None:
         """Give free pages back to the file system: incremental vacuum, in steps.
 
         ``None`` when the file was made without ``auto_vacuum = INCREMENTAL`` (created by
@@ -1267,7 +1270,7 @@ class SQLiteBroker(Broker):
         if mode != 2:
             return None
         before, page_size = cls._pages(db)
-        while True:
+        while stop is None or not stop.is_set():
             (free,) = db.execute("PRAGMA freelist_count").fetchone()
             if not free:
                 break
@@ -1297,6 +1300,7 @@ class SQLiteBroker(Broker):
         if self._closed:
             raise BrokerUnavailable(f"the broker on {self.path} is closed")
         self._check_file()
+        stop = threading.Event()
 
         def work() -> PurgeReport:
             db = self._aux_connection()
@@ -1304,23 +1308,29 @@ class SQLiteBroker(Broker):
                 jobs = 0
                 # Many short transactions, each waiting its turn for the lock: producers
                 # and workers go on between them.
-                while n := self._txn(lambda d, now: self._purge_batch(d, now, older_than_s), db):
+                while not stop.is_set() and (
+                    n := self._txn(lambda d, now: self._purge_batch(d, now, older_than_s), db)
+                ):
                     jobs += n
                 collected = 0
-                if self.purge_hooks:
+                if self.purge_hooks and not stop.is_set():
                     collected = self._txn(
                         lambda d, _now: sum(int(h.collect(d)) for h in self.purge_hooks), db
                     )
-                return PurgeReport(
-                    jobs=jobs, collected=collected, reclaimed_bytes=self._reclaim(db)
-                )
+                reclaimed = None if stop.is_set() else self._reclaim(db, stop)
+                return PurgeReport(jobs=jobs, collected=collected, reclaimed_bytes=reclaimed)
             finally:
                 db.close()
 
         try:
-            report: PurgeReport = await anyio.to_thread.run_sync(work)
+            # Abandoned on cancel (a worker stopping must not wait for a long purge): the
+            # thread sees `stop` at its next batch and ends; every batch is one
+            # transaction, so what it leaves is consistent.
+            report: PurgeReport = await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
         except sqlite3.Error as exc:
             raise self._error(exc) from None
+        finally:
+            stop.set()
         return report
 
     async def vacuum(self) -> int:
