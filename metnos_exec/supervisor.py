@@ -70,7 +70,7 @@ import sniffio
 import structlog
 from anyio.abc import TaskStatus
 
-from .backoff import retry_delay
+from .backoff import retry_delay, store_backoff
 from .brokers.base import DEFAULT_RETENTION_S, Broker, Lease, RetryOutcome
 from .errors import BadMessage, BrokerError, HostFault, MetnosError
 from .logs import finished_level
@@ -129,11 +129,6 @@ _log = structlog.get_logger("metnos_exec")
 _T = TypeVar("_T")
 _I = TypeVar("_I")
 _O = TypeVar("_O")
-
-
-def _store_backoff(failures: int) -> float:
-    """Seconds before trying the store again after `failures` failures in a row."""
-    return retry_delay(failures, base=0.25, factor=2.0, cap=5.0, jitter=0.2)
 
 
 class _ArmChoice(Protocol):
@@ -263,7 +258,7 @@ class Supervisor:
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
         retention_s: float | None = DEFAULT_RETENTION_S,
         purge_every_s: float = _PURGE_EVERY_S,
-        store_backoff: Callable[[int], float] = _store_backoff,
+        store_backoff: Callable[[int], float] = store_backoff,
         settle_grace_s: float = _SETTLE_GRACE_S,
     ) -> None:
         if concurrency < 1:

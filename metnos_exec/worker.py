@@ -6,7 +6,10 @@ Signals (installed with `anyio.open_signal_receiver`, so both backends behave al
   running jobs get ``grace_s`` seconds to finish; those still running are then cancelled
   (their sandboxes killed and reaped) and their leases *released* — handed back without
   using an attempt — and the worker logs ``worker.stopped`` and exits 0;
-- a second signal while draining cuts the grace short (same release path).
+- a second signal while draining cuts the grace short (same release path);
+- a signal that arrives while the worker is still starting (loading executors, opening
+  the broker, waiting for a lock held elsewhere) is remembered and drains it as soon as it
+  serves, or stops it before it serves: exit 0 either way, never death by the signal.
 
 SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-parent)
 and the broker redelivers the jobs once their leases expire.
@@ -29,14 +32,16 @@ import functools
 import os
 import signal
 import socket
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import anyio
 import structlog
 
-from .brokers import DEFAULT_RETENTION_S, BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, HostFault, MetnosError
+from .backoff import store_backoff
+from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
+from .errors import BadConfig, BrokerBusy, HostFault, MetnosError
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .policy import Policy
@@ -166,6 +171,7 @@ async def serve(
     burst: bool = False,
     handle_signals: bool = True,
     preload: bool = False,
+    early_signals: Sequence[int] = (),
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -174,6 +180,8 @@ async def serve(
     Args:
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        early_signals: signals that arrived before this call (see `run_worker`): the
+            first drains at once, as if it had come now.
         preload: compile the wasm modules the executors need (python.wasm for
             ``wasm-python``) in the background from the start (`preload_wasm`), so the
             first such job does not wait for a cold compile (4-8 s); the worker process
@@ -204,6 +212,10 @@ async def serve(
             task_status.started()
             async with anyio.create_task_group() as drains:
                 first = True
+                if early_signals:
+                    _log.info("worker.signal", signal=signal.Signals(early_signals[0]).name)
+                    drains.start_soon(sup.drain, grace_s)
+                    first = False
                 async for signum in signals:
                     _log.info("worker.signal", signal=signal.Signals(signum).name)
                     # The second signal cuts the grace short: drain() again with 0.
@@ -270,6 +282,38 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
             _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
 
 
+async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) -> Broker | None:
+    """Open the broker for a worker; while another process holds the store's lock
+    (`BrokerBusy`), wait and try again (``broker.error`` each time) rather than exit.
+
+    A worker started (or restarted by its supervisor) in the moment a long transaction
+    runs elsewhere must come up once it ends. Every other failure to open is said at once.
+    ``None`` when `stop` says so while waiting (a signal arrived).
+
+    Raises:
+        BadBrokerURL: the URL is malformed or names no broker here.
+        BrokerError: any store failure but a held lock (missing folder, read-only, ...).
+    """
+    failures = 0
+    while not stop():
+        try:
+            return open_broker(url)
+        except BrokerBusy as exc:
+            failures += 1
+            delay = store_backoff(failures)
+            _log.error(
+                "broker.error",
+                op="open",
+                code=exc.code,
+                error=exc.message,
+                failures=failures,
+                fatal=False,
+                retry_in_s=round(delay, 3),
+            )
+            await anyio.sleep(delay)
+    return None
+
+
 def run_worker(
     broker_url: str,
     executors_dir: str | os.PathLike[str],
@@ -299,6 +343,57 @@ def run_worker(
         MetnosError: the broker URL or the executors folder is unusable (before serving).
         BrokerError: a fatal store error stopped the worker (see `serve`).
     """
+    # A SIGTERM while starting must not kill the worker (exit by the signal): it is
+    # remembered from here on and honoured once serving (see the module docstring).
+    early: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda n, _frame: early.append(n))
+    try:
+        return _start(
+            early,
+            broker_url,
+            executors_dir,
+            concurrency=concurrency,
+            worker_id=worker_id,
+            device=device,
+            log_file=log_file,
+            log_level=log_level,
+            grace_s=grace_s,
+            burst=burst,
+            visibility_s=visibility_s,
+            backend=backend,
+            home=home,
+            configure_logs=configure_logs,
+            prefetch=prefetch,
+            retention_s=retention_s,
+        )
+    finally:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+
+
+def _start(
+    early: list[int],
+    broker_url: str,
+    executors_dir: str | os.PathLike[str],
+    *,
+    concurrency: int,
+    worker_id: str | None,
+    device: str,
+    log_file: str | os.PathLike[str] | None,
+    log_level: str,
+    grace_s: float,
+    burst: bool,
+    visibility_s: float,
+    backend: str,
+    home: str | os.PathLike[str] | None,
+    configure_logs: bool,
+    prefetch: int,
+    retention_s: float | Literal["env"] | None,
+) -> int:
+    """`run_worker` once its early signal handler is in place."""
     policy = check_worker_config(
         concurrency=concurrency, visibility_s=visibility_s, grace_s=grace_s
     )
@@ -322,10 +417,9 @@ def run_worker(
     become_subreaper()
 
     async def main() -> None:
-        try:
-            broker = open_broker(broker_url)
-        except ValueError as exc:  # a malformed URL or an unknown option in its query
-            raise BadBrokerURL(f"{broker_url}: {exc}") from None
+        broker = await open_when_free(broker_url, stop=lambda: bool(early))
+        if broker is None:
+            return  # told to stop while waiting to open: nothing was served
         try:
             await serve(
                 broker,
@@ -341,6 +435,7 @@ def run_worker(
                 prefetch=prefetch,
                 preload=True,
                 retention_s=retention_s,
+                early_signals=early,
             )
         finally:
             with anyio.CancelScope(shield=True):

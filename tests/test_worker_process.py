@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -615,3 +616,27 @@ def test_a_worker_refuses_a_read_only_queue(workers: Workers, tmp_path: Path) ->
     assert not has_event(log, "worker.started")
     state = with_broker(workers.url, lambda b: b.get_job_state(job_id))
     assert state is not None and (state.state, state.attempt) == ("queued", 0)
+
+
+def test_a_worker_started_under_a_held_lock_waits_and_a_sigterm_stops_it_cleanly(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """Restarted while another process holds the queue's lock (past its busy timeout), a
+    worker waits for it rather than exit 4; a SIGTERM meanwhile stops it with exit 0."""
+    import sqlite3
+
+    with_broker(workers.url, lambda b: b.stats())  # the file exists
+    workers.url += "?busy_timeout_s=0.1"
+    with contextlib.closing(sqlite3.connect(tmp_path / "q.db", isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        log = workers.start("W")
+        wait_until(
+            lambda: [e for e in events(log, event="broker.error") if e["op"] == "open"],
+            20,
+            "the worker to meet the lock",
+        )
+        assert workers.procs[0].poll() is None
+        workers.procs[0].send_signal(signal.SIGTERM)
+        assert workers.procs[0].wait(20) == 0
+        other.execute("ROLLBACK")
+    assert not has_event(log, "worker.started")
