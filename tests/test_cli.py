@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from metnos_exec.cli import EXIT, _parse_arg, build_parser
+from tests.conftest import need
 
 SLEEPY = """\
 name = "sleepy"
@@ -164,7 +169,52 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
         assert "unexpected:" not in out.stdout, out.stdout  # every case ended as expected
         assert "E_CAPABILITY_DENIED" in out.stdout and "timed_out" in out.stdout
         assert "next (in another terminal" in out.stdout
+        # The walls column is explained, and no detail is cut short.
+        assert "walls: the five containment axes" in out.stdout
+        assert "checked against fs hints ~/notes/**" in out.stdout
+        assert not [ln for ln in out.stdout.splitlines() if ln.endswith("...")]
     assert (tmp_path / "demo" / "worker.jsonl").exists()
+    # Re-run while the README's background worker serves the demo's queue: refused, with
+    # what to do, and the queue file left alone (deleting it would strand that worker).
+    db = tmp_path / "demo" / "metnos.db"
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "metnos_exec",
+            "worker",
+            "--broker",
+            "sqlite:///demo/metnos.db",
+            "--executors",
+            "demo/executors",
+            "--log-file",
+            "demo/bg.jsonl",
+        ],
+        cwd=tmp_path,
+        env={**env, "METNOS_ARM_OVERRIDE": "echo"},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        log = tmp_path / "demo" / "bg.jsonl"
+        deadline = time.monotonic() + 20
+        while not (log.exists() and "worker.started" in log.read_text()):
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)  # polling a log file, with a deadline
+        inode = db.stat().st_ino
+        again = subprocess.run(
+            [sys.executable, "-m", "metnos_exec.demo"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode != 0
+        assert f"pid {worker.pid}" in again.stderr and "another folder" in again.stderr
+        assert db.stat().st_ino == inode
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
 
 
 def test_bench_lists_and_refuses_unknown(env: dict[str, str]) -> None:
@@ -370,3 +420,162 @@ def test_worker_passes_prefetch_through(monkeypatch: pytest.MonkeyPatch, tmp_pat
     )
     assert code == 0
     assert seen["prefetch"] == 0
+
+
+# --- issue 9: a CLI a newcomer can trust ----------------------------------------------
+
+
+def test_version() -> None:
+    from metnos_exec import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "metnos_exec", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"metnos-exec {__version__}"
+
+
+def test_help_examples_quote_the_tilde(env: dict[str, str]) -> None:
+    # An unquoted ~ is expanded by the shell to the submitter's home, not the worker's.
+    for cmd in ("submit", "worker", "result"):
+        text = cli(env, cmd, "--help").stdout
+        assert not re.search(r"(?<!')\b\w+=~", text), (cmd, text)
+    assert "--arg 'path=~/notes/today.md'" in cli(env, "submit", "--help").stdout
+
+
+def test_a_broker_whose_module_or_extra_is_missing_is_a_clear_configuration_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`redis://` before its broker exists (or without its extra): exit 2 and a sentence
+    saying what is missing and how to get it, never a raw "No module named"."""
+    import metnos_exec.brokers as brokers
+    from metnos_exec.cli import main
+
+    fake = tmp_path / "needs_missing_dep.py"
+    fake.write_text("import no_such_client_library_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(brokers._REGISTRY, "absent", "metnos_exec.brokers.absent_xyz:B")
+    monkeypatch.setitem(brokers._REGISTRY, "needy", "needs_missing_dep:B")
+    monkeypatch.setitem(brokers._EXTRAS, "needy", "needy")
+    for url, expected in (
+        ("absent://h/0", "not part of this installation of metnos-exec"),
+        ("needy://h/0", "pip install 'metnos-exec[needy]'"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["status", "--broker", url])
+        err = capsys.readouterr().err
+        assert info.value.code == EXIT["usage"], err
+        assert "E_BAD_BROKER_URL" in err and expected in err and "No module named" not in err
+        assert len(err.strip().splitlines()) == 1
+    err_text = brokers._missing("redis", "metnos_exec.brokers.redis", ImportError(name="coredis"))
+    assert "needs the Python package 'coredis'" in err_text
+    assert "pip install 'metnos-exec[redis]'" in err_text
+
+
+def test_submit_wait_says_when_no_worker_has_leased_the_job(env: dict[str, str]) -> None:
+    out = cli(env, "submit", "sleepy", "--wait", "0.3")
+    assert out.returncode == EXIT["pending"]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "no worker has leased it" in line and "metnos-exec worker --broker" in line
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    res = cli(env, "result", job, "--wait", "0.2")
+    assert res.returncode == EXIT["pending"] and "no worker has leased it" in res.stderr
+
+
+def test_arg_text_is_converted_by_the_executors_schema(env: dict[str, str], tmp_path: Path) -> None:
+    """`--arg note=42` is the text "42" for a string argument, `--arg s=0.5` the number
+    0.5 for a number one: the worker, which has the schema, converts the text."""
+    ok = cli(env, "submit", "sleepy", "--arg", "note=42", "--arg", "s=0.5").stdout.strip()
+    text = cli(env, "submit", "sleepy", "--arg", "note=true", "--arg", "s=1e-3").stdout.strip()
+    bad = cli(env, "submit", "sleepy", "--arg", "s=soon").stdout.strip()
+    work = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert work.returncode == 0, work.stderr
+    out = json.loads(cli(env, "result", ok, "--json").stdout)
+    assert (out["status"], out["output"]) == ("succeeded", {"s": 0.5, "note": "42"})
+    out = json.loads(cli(env, "result", text, "--json").stdout)
+    assert out["output"] == {"s": 0.001, "note": "true"}
+    rejected = cli(env, "result", bad)
+    assert rejected.returncode == EXIT["rejected"]
+    assert "E_BAD_ARGS" in rejected.stdout and "does not convert" in rejected.stdout
+
+
+def test_purge_forgets_old_finished_jobs_and_says_so(env: dict[str, str], tmp_path: Path) -> None:
+    for _ in range(3):
+        assert cli(env, "submit", "sleepy").returncode == 0
+    assert cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst").returncode == 0
+    kept = cli(env, "submit", "sleepy").stdout.strip()  # queued: never purged
+    out = cli(env, "purge", "--older-than-days", "1e-9", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["jobs"] == 3 and doc["reclaimed_bytes"] is not None
+    human = cli(env, "purge", "--older-than-days", "1e-9")
+    assert human.returncode == 0 and human.stdout.startswith("purged 0 finished job(s)")
+    assert cli(env, "result", kept).returncode == EXIT["pending"]
+    for bad in ("0", "-1", "never", "soon"):
+        assert cli(env, "purge", "--older-than-days", bad).returncode == EXIT["usage"], bad
+    no = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--retention-days", "0")
+    assert no.returncode == EXIT["usage"] and "retention" in one_clear_line(no)
+
+
+def test_a_locked_or_read_only_queue_is_one_clear_line_and_exit_4(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Finding 9: no traceback, and not exit 1 (which means "the job failed")."""
+    import sqlite3
+
+    from tests.helpers.faults import read_only
+
+    assert cli(env, "submit", "sleepy").returncode == 0
+    db = tmp_path / "q.db"
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        locked = cli(env, "submit", "sleepy", "--broker", f"sqlite:///{db}?busy_timeout_s=0.1")
+        other.execute("ROLLBACK")
+    assert locked.returncode == EXIT["broker"]
+    assert "E_BROKER_BUSY" in one_clear_line(locked)
+    with read_only(db):
+        ro = cli(env, "submit", "sleepy")
+    assert ro.returncode == EXIT["broker"] and "E_BROKER_READONLY" in one_clear_line(ro)
+
+
+def test_a_full_disk_is_one_clear_line_and_exit_4(env: dict[str, str], tmp_path: Path) -> None:
+    """A real full disk: the queue on a 1 MiB tmpfs (in a user and mount namespace of
+    its own, so this runs unprivileged too), filled up before the submit."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-rm", "true"], capture_output=True, check=False)
+    need(unshare is not None and probe.returncode == 0, "no unprivileged user+mount namespaces")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs {disk} && "
+        f"{sys.executable} -m metnos_exec submit sleepy >/dev/null && "
+        f"(dd if=/dev/zero of={disk}/filler bs=64k 2>/dev/null; true) && "
+        f"exec {sys.executable} -m metnos_exec submit sleepy --arg note=hello"
+    )
+    out = subprocess.run(
+        [unshare or "unshare", "-rm", "sh", "-c", script],
+        env={**env, "METNOS_BROKER": f"sqlite:///{disk / 'q.db'}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == EXIT["broker"], out.stderr
+    assert "E_BROKER_FULL" in one_clear_line(out)
+
+
+def test_an_internal_error_is_one_line_with_code_70(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import metnos_exec.cli as cli_mod
+
+    def broken(ns: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli_mod, "_cmd_codes", broken)
+    with pytest.raises(SystemExit) as info:
+        cli_mod.main(["codes"])
+    err = capsys.readouterr().err
+    assert info.value.code == EXIT["internal"] == 70
+    assert "E_INTERNAL: RuntimeError: a bug" in err and "METNOS_DEBUG=1" in err
+    monkeypatch.setenv("METNOS_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli_mod.main(["codes"])

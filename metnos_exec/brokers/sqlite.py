@@ -319,6 +319,8 @@ _PURGE_BATCH = 500
 #: Free pages given back per incremental-vacuum transaction (4 MiB at 4 KiB pages), so a
 #: large reclaim never holds the write lock for long.
 _VACUUM_STEP_PAGES = 1024
+#: SQLITE_IOERR_SHMSIZE (extended result code; not in every Python's sqlite3 module).
+_SQLITE_IOERR_SHMSIZE: Final = 4874
 #: How often (seconds) a call checks that the path still names the file it opened.
 _FILE_CHECK_S = 1.0
 
@@ -376,6 +378,10 @@ def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerErro
         )
     if primary == sqlite3.SQLITE_FULL:
         return BrokerFull(f"{text} (the disk or the file system holding it is full)")
+    if code == _SQLITE_IOERR_SHMSIZE:
+        # The -shm file could not grow: what a full file system does to a WAL queue that
+        # no process has open yet (SQLite says "disk I/O error").
+        return BrokerFull(f"{text} (its -shm file cannot grow: the file system is full)")
     if primary == sqlite3.SQLITE_READONLY:
         return BrokerReadOnly(
             f"{text} (the file, its folder or the file system is read-only to this user)"
