@@ -37,11 +37,13 @@ deleted or replaced, a corrupt file) stops the worker: `run` returns and
 (``broker.error`` with ``gave_up``; its lease lapses and the job runs again) and counted
 in ``worker.stopped`` as ``unsettled``.
 
-Attempts. Just before it launches the executor, the supervisor records the delivery as
-started (`Broker.mark_started`, batched across jobs): only from then on does it count
-against ``max_attempts``. A job leased ahead that never launched (drain, a lost worker)
-has used nothing. When the mark finds the lease lost, nothing is launched; when the store
-fails, nothing is launched either and the lease is handed back once the store works.
+Attempts. Jobs leased for free run slots start at once (`Broker.lease`'s ``started``):
+they are launched in the same scheduling round. A job leased ahead (``prefetch``) is
+recorded as started (`Broker.mark_started`, batched across jobs) just before its launch:
+only from then on does it count against ``max_attempts``, so one that never launched
+(drain, a lost worker) has used nothing. When the mark finds the lease lost, nothing is
+launched; when the store fails, nothing is launched either and the lease is handed back
+once the store works.
 
 Retry rule. Retried (with `retry_delay(attempt)`, until ``max_attempts``, then dead-
 lettered with the last error): a `HostFault` from the arm (the harness broke; no verdict
@@ -435,6 +437,9 @@ class Supervisor:
                         visibility_s=self.visibility_s,
                         device=self.device,
                         limit=free,
+                        # Those for free run slots launch now and count at once; the
+                        # rest wait for a slot and count once marked (`_mark_started`).
+                        started=max(0, self.concurrency - self._busy),
                     )
             except Exception as exc:
                 # The store is down or busy: keep the worker (and its running jobs)
@@ -991,7 +996,7 @@ class Supervisor:
             # still waiting for its slot too.
             await self._slots.acquire(running)
             try:
-                if running.stop is None and not self._draining:
+                if running.stop is None and not self._draining and not running.lease.started:
                     await self._mark_started(running)
                 if running.stop is not None or self._draining:
                     # Stopped (drain, cancel, lost lease, a store failure) before its
@@ -1021,13 +1026,12 @@ class Supervisor:
         if started_at is not None:
             # Let the next job launch (it was woken above) before this one's result is
             # stored and logged: a bookkeeping gap between two runs is idle slot time.
-            # Three times: the woken job yields once itself, in the broker call that
-            # marks it started (an inline store call yields after its work), and trio may
-            # run a batch of ready tasks in reverse order, so after fewer yields this task
-            # could still go first; after three, the woken job has run (up to its spawn)
-            # either way. Shielded: the run is over, and its result must not be lost to a
-            # cancel.
-            for _ in range(3):
+            # Twice: trio may run a batch of ready tasks in reverse order, so after one
+            # yield this task could still go first; after two, the woken job has run (up
+            # to its spawn) either way. Three times when that job was leased ahead: it
+            # yields once itself, in the store call that marks it started. Shielded: the
+            # run is over, and its result must not be lost to a cancel.
+            for _ in range(3 if self._slots.head_waits_for_mark() else 2):
                 await anyio.lowlevel.cancel_shielded_checkpoint()
         return outcome, fault, started_at
 
@@ -1063,6 +1067,10 @@ class _Slots:
 
     def _ready(self, running: _Running) -> bool:
         return self._free > 0 and bool(self._line) and self._line[0] is running
+
+    def head_waits_for_mark(self) -> bool:
+        """The next job to launch was leased ahead (it marks itself started first)."""
+        return bool(self._line) and not self._line[0].lease.started
 
     async def acquire(self, running: _Running) -> None:
         """Wait for `running`'s turn and a free slot (pair with `release`)."""

@@ -83,8 +83,6 @@ CREATE TABLE IF NOT EXISTS results (
     status  TEXT NOT NULL,
     at      REAL NOT NULL
 ) WITHOUT ROWID;
--- Retention: purge finds what finished before its cut-off.
-CREATE INDEX IF NOT EXISTS results_at ON results (at);
 
 -- Jobs that will not run again, with the last error (see queue/schemas/dead_letter.json).
 CREATE TABLE IF NOT EXISTS dead_letters (

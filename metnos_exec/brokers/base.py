@@ -4,15 +4,21 @@ Delivery is at-least-once. A worker *leases* a job for a visibility window and h
 while it runs; `ack` stores the result. A lease that is not renewed expires and the job is
 delivered again.
 
-Attempts. ``Job.max_attempts`` bounds the deliveries that *started*: a worker calls
-`mark_started` just before it launches the executor, and only from then on does the
-delivery count. A lease that lapses unstarted (a job leased ahead and its worker killed
-while it waited for a slot) gives its attempt back and is redelivered with the same
-``attempt`` number; a `release` on drain does the same. A lease that lapses after it
-started, a `retry` and a `dead_letter` use the attempt up. So a worker killed twice never
-dead-letters a job that never ran. As a safety net against a job that somehow kills its
-worker before launch, a job whose lease lapses unstarted `MAX_UNSTARTED_LAPSES` times is
-dead-lettered with ``E_LEASE_EXPIRED`` too.
+Attempts. ``Job.max_attempts`` bounds the deliveries that *started*, i.e. that the
+worker committed to launch. A lease taken for a free run slot starts at once (the worker
+launches it in the same scheduling round; `lease`'s ``started``); a job *leased ahead*
+(``Lease.started`` false: it will wait for a slot) starts only when the worker calls
+`mark_started`, just before it launches the executor. A lease that lapses unstarted (a
+job leased ahead and its worker killed while it waited) gives its attempt back and is
+redelivered with the same ``attempt`` number; a `release` on drain does the same. A lease
+that lapses after it started, a `retry` and a `dead_letter` use the attempt up. So a
+worker killed twice never dead-letters a job that was waiting for its turn. As a safety
+net against a job that somehow kills its worker before launch, a job whose lease lapses
+unstarted `MAX_UNSTARTED_LAPSES` times is dead-lettered with ``E_LEASE_EXPIRED`` too.
+
+(Why not mark every launch: one more write transaction per job cost a quarter of the
+echo queue's throughput, measured; a lease for a free slot is followed by its launch
+without any wait in between, so it counts from the lease.)
 
 Every lease carries a random *token*. Only the current token may ack, retry, dead-letter,
 release, heartbeat or mark started; once the job was re-leased (or finished) the old token
@@ -167,6 +173,8 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
         worker: the worker id that took the lease.
         device: the device id the lease was taken for.
         visibility_s: the window `heartbeat` renews by default.
+        started: this delivery counts as an attempt already; ``False`` for a job leased
+            ahead, until `Broker.mark_started`.
     """
 
     job: Job
@@ -176,6 +184,7 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     device: str = SERVER_DEVICE
     visibility_s: float = 30.0
+    started: bool = True
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -306,9 +315,14 @@ class Broker(abc.ABC):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         """Take up to `limit` due jobs for `device` (``None`` = `SERVER_DEVICE`),
         highest priority first, then oldest first. Never blocks waiting for work.
+
+        The first `started` of the returned leases start at once (they count as an
+        attempt: the caller launches them now); the others are leased ahead and start
+        with `mark_started`. ``None``: all start at once.
 
         Jobs whose lease expired are redelivered here: with ``attempt + 1`` when that
         delivery had started (`mark_started`), with the same ``attempt`` when it had
@@ -334,7 +348,8 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def mark_started(self, lease: Lease) -> bool:
-        """Record that this delivery is starting: from now on it counts as an attempt.
+        """Record that this delivery (leased ahead) is starting: from now on it counts as
+        an attempt. Harmless on a lease that started already.
 
         Called just before the executor is launched. ``False`` (nothing written) when
         the lease was lost: do not launch, another worker may hold the job.

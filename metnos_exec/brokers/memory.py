@@ -313,6 +313,7 @@ class MemoryBroker(Broker):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         if not visibility_s > 0:
             raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
@@ -343,7 +344,8 @@ class MemoryBroker(Broker):
                 )
                 continue
             entry.state = "running"
-            entry.started = False
+            # The first `started` handed out start at once (base.py, "Attempts").
+            entry.started = started is None or len(out) < started
             entry.token = os.urandom(8).hex()
             entry.lease_until = now + visibility_s
             self._running[job_id] = entry
@@ -356,6 +358,7 @@ class MemoryBroker(Broker):
                     worker=worker_id,
                     device=dev,
                     visibility_s=visibility_s,
+                    started=entry.started,
                 )
             )
         return out

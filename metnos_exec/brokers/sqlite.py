@@ -189,8 +189,6 @@ CREATE TABLE IF NOT EXISTS results (
     status  TEXT NOT NULL,
     at      REAL NOT NULL
 ) WITHOUT ROWID;
--- Retention: purge finds what finished before its cut-off.
-CREATE INDEX IF NOT EXISTS results_at ON results (at);
 
 -- Jobs that will not run again, with the last error (see queue/schemas/dead_letter.json).
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -275,7 +273,7 @@ _PICK = (
 )
 _TAKE = (
     "UPDATE jobs SET state = 'running', attempt = attempt + 1, token = ?, lease_until = ?, "
-    "worker = ?, started = 0 WHERE seq = ?"
+    "worker = ?, started = ? WHERE seq = ?"
 )
 _SETTLE = (
     "UPDATE jobs SET state = ?, token = NULL, lease_until = NULL "
@@ -304,7 +302,9 @@ _GET_RESULT = "SELECT CAST(body AS BLOB) FROM results WHERE job_id = ?"
 #: Ids per ``IN (...)`` list: well under SQLite's host-parameter cap (999 before 3.32).
 _IN_CHUNK = 500
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
-# Retention: finished jobs whose result is older than the cut, a batch at a time.
+# Retention: finished jobs whose result is older than the cut, a batch at a time. No index
+# on `at` (one more write per ack, for an hourly purge): the scan goes in job id order,
+# which for ULIDs is submission order, so the old rows come first.
 _PURGE_PICK = (
     "SELECT r.job_id FROM results r JOIN jobs j ON j.id = r.job_id "
     "WHERE r.at < ? AND j.state IN ('done', 'dead') LIMIT ?"
@@ -883,7 +883,7 @@ class SQLiteBroker(Broker):
             )
 
     def _lease_sync(
-        self, worker_id: str, visibility_s: float, dev: str, limit: int
+        self, worker_id: str, visibility_s: float, dev: str, limit: int, started: int
     ) -> tuple[list[Lease], _Notes]:
         db = self._db
         notes = _Notes()
@@ -907,8 +907,18 @@ class SQLiteBroker(Broker):
                 if not rows:
                     break
                 tokens = {seq: f"{base}.{seq}" for seq, *_ in rows}
-                db.executemany(_TAKE, [(tokens[seq], until, worker_id, seq) for seq, *_ in rows])
-                for seq, raw_id, body, attempt, device in rows:
+                # The first `started` jobs handed out start at once (base.py, "Attempts").
+                # A row dead-lettered below takes one of those places: the count stays a
+                # bound, never more than the caller can launch now.
+                now_ok = max(0, started - len(out))
+                db.executemany(
+                    _TAKE,
+                    [
+                        (tokens[seq], until, worker_id, int(i < now_ok), seq)
+                        for i, (seq, *_) in enumerate(rows)
+                    ],
+                )
+                for i, (seq, raw_id, body, attempt, device) in enumerate(rows):
                     token = tokens[seq]
                     job_id = _text(raw_id)
                     decoded = self._decode_body(job_id, body)
@@ -943,6 +953,7 @@ class SQLiteBroker(Broker):
                             worker=worker_id,
                             device=device,
                             visibility_s=visibility_s,
+                            started=i < now_ok,
                         )
                     )
         except BaseException:
@@ -959,6 +970,7 @@ class SQLiteBroker(Broker):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         _check_lease_args(visibility_s, limit)
         leases, notes = await self._run(
@@ -967,6 +979,7 @@ class SQLiteBroker(Broker):
             visibility_s,
             device or SERVER_DEVICE,
             limit,
+            limit if started is None else started,
             inline=limit <= 64,
         )
         notes.emit()
@@ -1323,7 +1336,15 @@ class SQLiteBroker(Broker):
                     collected = self._txn(
                         lambda d, _now: sum(int(h.collect(d)) for h in self.purge_hooks), db
                     )
-                reclaimed = None if stop.is_set() else self._reclaim(db, stop)
+                reclaimed: int | None = 0
+                if stop.is_set():
+                    reclaimed = None
+                elif jobs or collected or db.execute("PRAGMA freelist_count").fetchone()[0]:
+                    # Only when there is something to give back: the checkpoint at the end
+                    # waits for readers, which a worker starting up need not do each time.
+                    reclaimed = self._reclaim(db, stop)
+                elif db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                    reclaimed = None  # an older file: only `vacuum` can shrink it
                 return PurgeReport(jobs=jobs, collected=collected, reclaimed_bytes=reclaimed)
             finally:
                 db.close()

@@ -285,7 +285,7 @@ class BrokerConformance:
             j = job()
             await b.submit(j)
             [first] = await b.lease("w1", visibility_s=10)
-            assert await b.mark_started(first)
+            assert first.started  # a plain lease counts at once
             clock.advance(9.9)
             assert await b.lease("w2", visibility_s=10) == []
             clock.advance(0.1)
@@ -300,7 +300,6 @@ class BrokerConformance:
         async with self.broker() as (b, clock):
             await b.submit(job())
             [lease] = await b.lease("w1", visibility_s=10)
-            assert await b.mark_started(lease)
             clock.advance(8)
             beat = await b.heartbeat(lease)
             assert beat.ok and not beat.cancel_requested
@@ -340,8 +339,7 @@ class BrokerConformance:
             j = job(max_attempts=2)
             await b.submit(j)
             for _ in range(2):
-                [lease] = await b.lease("w1", visibility_s=5)
-                assert await b.mark_started(lease)
+                assert len(await b.lease("w1", visibility_s=5)) == 1
                 clock.advance(5)
             assert await b.lease("w1", visibility_s=5) == []
             result = await b.get_result(j.id)
@@ -358,10 +356,10 @@ class BrokerConformance:
             j = job(max_attempts=2)
             await b.submit(j)
             for _ in range(5):
-                [lease] = await b.lease("w1", visibility_s=5)
-                assert lease.attempt == 1
+                [lease] = await b.lease("w1", visibility_s=5, started=0)
+                assert (lease.attempt, lease.started) == (1, False)
                 clock.advance(5)
-            [lease] = await b.lease("w2", visibility_s=5)
+            [lease] = await b.lease("w2", visibility_s=5, started=0)
             assert lease.attempt == 1
             state = await b.get_job_state(j.id)
             assert state is not None and (state.state, state.attempt) == ("running", 1)
@@ -378,7 +376,7 @@ class BrokerConformance:
             j = job(max_attempts=3)
             await b.submit(j)
             for _ in range(MAX_UNSTARTED_LAPSES):
-                [lease] = await b.lease("w1", visibility_s=5)
+                [lease] = await b.lease("w1", visibility_s=5, started=0)
                 assert lease.attempt == 1
                 clock.advance(5)
             assert await b.lease("w1", visibility_s=5) == []
@@ -392,9 +390,9 @@ class BrokerConformance:
     async def test_mark_started_needs_the_current_lease(self) -> None:
         async with self.broker() as (b, clock):
             await b.submit(job())
-            [slow] = await b.lease("w1", visibility_s=10)
+            [slow] = await b.lease("w1", visibility_s=10, started=0)
             clock.advance(10)
-            [fast] = await b.lease("w2", visibility_s=10)
+            [fast] = await b.lease("w2", visibility_s=10, started=0)
             assert fast.attempt == 1  # the slow delivery never started
             assert not await b.mark_started(slow)
             assert await b.mark_started_many([slow, fast]) == [False, True]
@@ -408,15 +406,26 @@ class BrokerConformance:
             j = job(max_attempts=1)
             await b.submit(j)
             [lease] = await b.lease("w1", visibility_s=5)
-            assert await b.mark_started(lease)
             assert await b.release(lease)
             # Released (drain) after it started: handed back un-attempted, and the next
-            # delivery is unstarted until marked.
-            [again] = await b.lease("w2", visibility_s=5)
+            # delivery leased ahead is unstarted until marked.
+            [again] = await b.lease("w2", visibility_s=5, started=0)
             assert again.attempt == 1
             clock.advance(5)
             [third] = await b.lease("w3", visibility_s=5)
             assert third.attempt == 1
+
+    async def test_only_the_first_started_leases_of_a_batch_count_at_once(self) -> None:
+        async with self.broker() as (b, clock):
+            jobs = [job() for _ in range(4)]
+            await b.submit_many(jobs)
+            leases = await b.lease("w1", visibility_s=5, limit=4, started=1)
+            assert [le.started for le in leases] == [True, False, False, False]
+            assert await b.mark_started(leases[1])
+            clock.advance(5)
+            again = await b.lease("w2", visibility_s=5, limit=4)
+            assert [le.attempt for le in again] == [2, 2, 1, 1]
+            assert all(le.started for le in again)
 
     # --- retries and dead letters -----------------------------------------------------
 
