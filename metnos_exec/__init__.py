@@ -35,11 +35,13 @@ from .errors import (
     MissingFolder,
     SandboxDenied,
     SandboxRequired,
+    ServerPinned,
     SignatureError,
     ToolUnavailable,
     UndoConflict,
     UnknownExecutor,
 )
+from .fetch import FetchError, robust_fetch
 from .logs import EVENTS, configure_logging, tail
 from .manifest import (
     ArgSpec,
@@ -78,6 +80,7 @@ from .sandbox.direct import DirectSandbox
 from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
+from .signing import TrustStore, generate_key, sign_folder
 from .supervisor import Supervisor
 from .worker import run_worker
 
@@ -86,6 +89,7 @@ __version__ = "0.1.0"
 __all__ = (
     "ERROR_CODES",
     "EVENTS",
+    "FetchError",
     "PROVIDER_SKILLS",
     "AbsentSandbox",
     "ArgSpec",
@@ -140,6 +144,7 @@ __all__ = (
     "SandboxOutcome",
     "SandboxRequired",
     "SandboxStatus",
+    "ServerPinned",
     "SignatureError",
     "Success",
     "Supervisor",
@@ -147,6 +152,7 @@ __all__ = (
     "Timeout",
     "ToolUnavailable",
     "Trap",
+    "TrustStore",
     "UndoConflict",
     "UnknownExecutor",
     "Usage",
@@ -157,6 +163,7 @@ __all__ = (
     "configure_logging",
     "effective_capabilities",
     "final_args",
+    "generate_key",
     "load_manifest",
     "new_job_id",
     "open_broker",
@@ -164,8 +171,10 @@ __all__ = (
     "profile_for",
     "require_sandbox",
     "retry_delay",
+    "robust_fetch",
     "run_process",
     "run_worker",
+    "sign_folder",
     "status",
     "tail",
     "vet_arguments",

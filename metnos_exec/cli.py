@@ -1,8 +1,9 @@
 """``metnos-exec``: run workers, submit jobs, read results and logs.
 
 Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``purge``, ``tail``,
-``undo``, ``bench``, ``codes``. ``metnos-exec COMMAND --help`` explains each. The broker
-URL comes from ``--broker``, else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
+``undo``, ``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``. ``metnos-exec COMMAND
+--help`` explains each. The broker URL comes from ``--broker``, else ``$METNOS_BROKER``,
+else ``sqlite:///./metnos.db``.
 
 Exit codes (stable; scripts may rely on them):
 
@@ -56,6 +57,8 @@ from .errors import (
     MissingFolder,
     SandboxDenied,
     SandboxRequired,
+    ServerPinned,
+    SignatureError,
     ToolUnavailable,
     UnknownExecutor,
 )
@@ -153,6 +156,8 @@ _REJECTIONS: tuple[type[MetnosError], ...] = (
     SandboxRequired,
     SandboxDenied,
     ToolUnavailable,
+    ServerPinned,
+    SignatureError,
 )
 
 
@@ -381,6 +386,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             backend=ns.backend,
             home=ns.home,
             retention_s=retention,
+            trust_keys=ns.trust_key or (),
         )
     except BrokerError as exc:
         # The store (before serving: cannot open, read-only; while serving: only a fatal
@@ -670,6 +676,71 @@ def _cmd_codes(ns: argparse.Namespace) -> int:
     return 0
 
 
+_MARK = {"ok": "ok  ", "weakened": "WEAK", "missing": "MISS", "info": "info"}
+
+
+def _cmd_doctor(ns: argparse.Namespace) -> int:
+    from .doctor import diagnose
+
+    async def go() -> Any:
+        return await diagnose(
+            broker_url=ns.broker,
+            executors=ns.executors,
+            device=ns.device,
+            trust_keys=ns.trust_key or (),
+        )
+
+    report = anyio.run(go)
+    if ns.json:
+        _dump_json(report, sys.stdout)
+    else:
+        lines = [f"metnos-exec doctor (as {report.user}, uid {report.uid})"]
+        for f in report.findings:
+            need = " [required]" if f.required and f.state != "ok" else ""
+            lines.append(f"{_MARK[f.state]} {f.check}: {f.detail}{need}")
+            if f.state != "ok" and f.meaning:
+                lines.append(f"       means: {f.meaning}")
+            if f.state != "ok" and f.fix:
+                lines.append(f"       fix:   {f.fix}")
+        bad = [f.check for f in report.findings if f.required and f.state != "ok"]
+        lines.append(
+            "healthy: everything this configuration requires is here"
+            if report.healthy
+            else f"NOT healthy: required and missing: {', '.join(bad)}"
+        )
+        sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if report.healthy else 1
+
+
+def _cmd_keygen(ns: argparse.Namespace) -> int:
+    from .signing import generate_key, key_id, load_public_key
+
+    try:
+        priv, pub = generate_key(ns.out)
+    except MetnosError as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+    except OSError as exc:
+        raise _Exit(EXIT["usage"], f"cannot write {ns.out}: {exc.strerror}") from None
+    kid = key_id(load_public_key(str(pub)).raw)
+    sys.stdout.write(
+        f"private key: {priv} (keep it secret; sign with --key {priv})\n"
+        f"public key:  {pub} (key id {kid}; give it to workers: --trust-key {pub})\n"
+    )
+    return 0
+
+
+def _cmd_sign(ns: argparse.Namespace) -> int:
+    from .signing import SignatureFile, sign_folder
+
+    try:
+        out = sign_folder(ns.folder, ns.key)
+    except MetnosError as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+    sig = msgspec.json.decode(out.read_bytes(), type=SignatureFile)
+    sys.stdout.write(f"signed {len(sig.files)} files with key {sig.key_id}: {out}\n")
+    return 0
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -751,6 +822,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DAYS",
         help="purge finished jobs older than DAYS (a number, or 'never'), at start and "
         "hourly (default: $METNOS_RETENTION_DAYS, else 7)",
+    )
+    w.add_argument(
+        "--trust-key",
+        action="append",
+        metavar="PUB",
+        help="verify every executor's signature with this public key (a file, or inline "
+        "ed25519:BASE64) before planning its jobs, and run them from the verified copy; "
+        "repeatable; also $METNOS_TRUST_KEYS (comma-separated). Required with --device",
     )
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
@@ -877,6 +956,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     co.add_argument("--json", action="store_true", help="as one JSON object")
     co.set_defaults(fn=_cmd_codes)
+
+    dr = add(
+        "doctor",
+        "check this machine for what a worker needs, with the fix for each gap",
+        "Check bubblewrap and user namespaces, seccomp, landlock, cgroups and their "
+        "delegation, overlay staging, the wasm engine and runtime (and its hash), the "
+        "broker, the worker's user and its trust keys. Each finding says what it means "
+        "for the containment report and the exact command that fixes it. Exit 0 when "
+        "everything the configuration requires is here, 1 when something required is "
+        "missing (METNOS_REQUIRE_SANDBOX other than never requires the kernel wall; "
+        "--device requires a trust key; --executors requires their runtimes).",
+    )
+    dr.add_argument("--executors", metavar="DIR", help="the worker's executors (their runtimes)")
+    dr.add_argument("--device", default="server", metavar="ID", help="the worker's device id")
+    dr.add_argument("--trust-key", action="append", metavar="PUB", help="as for worker")
+    dr.add_argument("--json", action="store_true", help="the findings as JSON")
+    dr.set_defaults(fn=_cmd_doctor)
+
+    kg = sub.add_parser(
+        "keygen",
+        help="make an Ed25519 key pair for signing executors",
+        description="Write a new Ed25519 private key to OUT (PEM, mode 0600) and its "
+        "public key to OUT.pub (one line, ed25519:BASE64), for `sign` and "
+        "`worker --trust-key`. Needs the device extra (cryptography).",
+        formatter_class=_Formatter,
+    )
+    kg.add_argument("--out", required=True, metavar="OUT", help="private key file to create")
+    kg.set_defaults(fn=_cmd_keygen)
+
+    sg = sub.add_parser(
+        "sign",
+        help="sign an executor folder",
+        description="Hash every file of the executor folder (sorted relative paths, "
+        "SHA-256, no timestamps; symbolic links and special files refused) and write "
+        "the Ed25519 signature to FOLDER/manifest.sig. Re-sign after any change.",
+        formatter_class=_Formatter,
+    )
+    sg.add_argument("folder", metavar="FOLDER", help="the executor folder (with manifest.toml)")
+    sg.add_argument("--key", required=True, metavar="KEY", help="private key (from keygen)")
+    sg.set_defaults(fn=_cmd_sign)
 
     b = add("bench", "run benchmarks from bench/ (all when none named)")
     b.add_argument(

@@ -32,8 +32,9 @@ import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .brokers import Broker, CancelOutcome, open_broker
-from .errors import BadMessage, MetnosError
-from .messages import Job, Result
+from .catalog import device_refusal
+from .errors import BadMessage, MetnosError, ServerPinned
+from .messages import SERVER_DEVICE, Job, Result
 
 __all__ = (
     "DEFAULT_BROKER_URL",
@@ -118,9 +119,20 @@ class Client:
                 job over ``MAX_JOB_BYTES`` encoded or ``MAX_ARGS_DEPTH`` deep.
             IdempotencyConflict: the ``idempotency_key`` already names a job with another
                 executor or other arguments (its id is ``original_job_id``).
+            ServerPinned: the job targets a device, and the executor as published by the
+                server workers must stay on the server (not packable, or provider
+                authority for these arguments); nothing is queued (see `catalog`).
             BrokerError: the store failed; nothing was queued.
         """
         job = _make_job(executor, args or {}, fields)
+        if job.device is not None and job.device != SERVER_DEVICE:
+            info = await self._broker.executor_info(job.executor)
+            why = None if info is None else device_refusal(info.manifest, job.args)
+            if why is not None:
+                raise ServerPinned(
+                    f"{job.executor} may only run on a server worker, not on device "
+                    f"{job.device!r}: {why}; submit it without --device"
+                )
         receipt = await self._broker.submit(job)
         return receipt.job_id
 

@@ -31,6 +31,7 @@ __all__ = (
     "MissingFolder",
     "SandboxDenied",
     "SandboxRequired",
+    "ServerPinned",
     "SignatureError",
     "ToolUnavailable",
     "UnknownExecutor",
@@ -120,7 +121,18 @@ class BadMessage(MetnosError):
     code = "E_BAD_MESSAGE"
 
 
+class ServerPinned(MetnosError):
+    """The executor may only run on a server worker (not packable, or provider authority):
+    refused at submit for a device target when the broker knows the executor, and by a
+    device worker that leases such a job anyway."""
+
+    code = "E_SERVER_PINNED"
+
+
 class SignatureError(MetnosError):
+    """An executor's signature is missing, by an untrusted key, or does not match its files
+    (the message names the file that differs); the job is refused before it is planned."""
+
     code = "E_SIGNATURE"
 
 
@@ -243,7 +255,7 @@ ERROR_CODES: dict[str, str] = {
     "E_TOOL_UNAVAILABLE": "the arm's engine (e.g. wasmtime) is not installed on this worker",
     "E_RUNTIME_MISMATCH": "the module does not match the runtime its manifest declares",
     "E_SERVER_PINNED": "the executor may only run on a server worker, not on this device",
-    "E_SIGNATURE": "a signature check failed",
+    "E_SIGNATURE": "the executor is unsigned, signed by an untrusted key, or changed since signing",
     # the job ran and ended badly
     "E_EXIT": "the executor exited with a non-zero code",
     "E_KILLED": "the executor was killed by a signal (a limit, or from outside)",
@@ -268,6 +280,7 @@ ERROR_CODES: dict[str, str] = {
     "E_BROKER_CORRUPT": "the broker's store holds data that cannot be read (damaged file?)",
     "E_IDEMPOTENCY_CONFLICT": "an idempotency key was reused for a different job",
     "E_NOT_IMPLEMENTED": "the operation is part of the interface but not built yet",
+    "E_FETCH": "a download never matched its pinned SHA-256 (hashes named), or kept failing",
     "E_HOST_FAULT": "the harness itself broke; no verdict about the job could be given",
     "E_INTERNAL": "an unexpected error inside metnos-exec (a bug; please report it)",
 }

@@ -61,6 +61,17 @@ EVENTS: Mapping[str, str] = {
     "reclaimed_bytes, older_than_s)",
     "log.dropped": "records could not be written (count), e.g. on a full disk",
     "executor.load_failed": "a manifest in the executors folder failed to load (error)",
+    "executor.verified": "an executor's signature verified at start (executor, copy: the "
+    "private read-only copy its jobs run from)",
+    "executor.signature_failed": "an executor's signature check failed at start (code, "
+    "error); its jobs are refused with E_SIGNATURE until it is re-signed",
+    "executor.not_packable": "a packable executor failed its dry run in the sandbox at "
+    "start (import, error); its jobs are refused with E_BAD_MANIFEST",
+    "fetch.started": "robust_fetch began a download (url, dest, size when known)",
+    "fetch.progress": "download progress when stderr is not a terminal (url, done, total)",
+    "fetch.retry": "a range or copy is fetched again (url, reason, attempt)",
+    "fetch.finished": "a download matched its pinned SHA-256 (url, dest, bytes, seconds)",
+    "fetch.failed": "a download gave up (url, code, error)",
     "worker.preloaded": "a wasm module made ready before the first job (module, how, seconds)",
     "worker.preload_failed": "a wasm module could not be preloaded (module, code, error)",
     "job.received": "a job was leased (attempt, max_attempts)",

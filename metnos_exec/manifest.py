@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from .errors import BadManifest, UnknownExecutor
+from .packability import check_packable
 from .sandbox.flags import expand_hint
 
 __all__ = (
@@ -99,7 +100,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     args: dict[str, ArgSpec] = msgspec.field(default_factory=dict)
     capabilities: tuple[CapabilitySpec, ...] = ()
     limits: Limits = msgspec.field(default_factory=Limits)
-    #: Whether the executor can be shipped to a remote device (no server-only dependency).
+    #: Whether the executor can be shipped to a remote device: it imports only the standard
+    #: library and its own files (checked at load, see `packability`). ``false`` keeps it
+    #: on server workers.
     packable: bool = True
     #: Whether the executor mutates user files (refused under ``read_only`` autonomy even
     #: when it declares no ``fs:write``). Defaults to "has an fs:write capability".
@@ -193,6 +196,8 @@ def _validate(manifest: Manifest, where: Path) -> None:
             raise bad(f"limits.{fname}", "must be positive")
     if lim.fuel is not None and lim.fuel <= 0:
         raise bad("limits.fuel", "must be positive")
+    # Last: a packable executor must import only the standard library and its own files.
+    check_packable(manifest, where.parent)
 
 
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
@@ -280,9 +285,17 @@ class ExecutorRegistry(Mapping[str, Executor]):
     with the load error instead of "unknown executor". `strict=True` raises the first.
     """
 
-    def __init__(self, executors: Mapping[str, Executor], errors: Mapping[str, BadManifest]):
+    def __init__(
+        self,
+        executors: Mapping[str, Executor],
+        errors: Mapping[str, BadManifest],
+        error_folders: Mapping[str, str] | None = None,
+    ):
         self._executors = dict(executors)
         self.errors: dict[str, BadManifest] = dict(errors)
+        #: name in `errors` → the folder that failed to load (a signature check of a
+        #: worker with trust keys names tampering before a load error; see `Supervisor`).
+        self.error_folders: dict[str, str] = dict(error_folders or {})
 
     @classmethod
     def load(cls, root: str | os.PathLike[str], *, strict: bool = False) -> ExecutorRegistry:
@@ -291,6 +304,7 @@ class ExecutorRegistry(Mapping[str, Executor]):
             raise BadManifest(f"{root_p}: executors folder does not exist")
         found: dict[str, Executor] = {}
         errors: dict[str, BadManifest] = {}
+        folders: dict[str, str] = {}
         for mf in sorted(root_p.glob("*/manifest.toml")):
             try:
                 manifest = load_manifest(mf)
@@ -298,6 +312,7 @@ class ExecutorRegistry(Mapping[str, Executor]):
                 if strict:
                     raise
                 errors[mf.parent.name] = exc
+                folders[mf.parent.name] = str(mf.parent)
                 continue
             if manifest.name in found:
                 dup = BadManifest(
@@ -309,7 +324,15 @@ class ExecutorRegistry(Mapping[str, Executor]):
                 errors[manifest.name] = dup
                 continue
             found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
-        return cls(found, errors)
+        return cls(found, errors, folders)
+
+    def refuse(self, name: str, error: BadManifest) -> None:
+        """Move a loaded executor to `errors` (a check after load failed, e.g. its dry
+        run): its jobs are then refused with `error`."""
+        refused = self._executors.pop(name, None)
+        self.errors[name] = error
+        if refused is not None:
+            self.error_folders[name] = refused.path
 
     def get_executor(self, name: str) -> Executor:
         """Raises `BadManifest` (its load error) or `UnknownExecutor`."""

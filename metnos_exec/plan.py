@@ -210,6 +210,7 @@ def plan_invocation(
     skills_root: str | None = None,
     policy: Policy | None = None,
     timeout_s: float | None = None,
+    python: str | None = None,
     text_args: Collection[str] = (),
 ) -> Invocation:
     """Decide everything about one invocation before anything runs.
@@ -222,6 +223,9 @@ def plan_invocation(
         skills_root: where provider skills keep their homes (see `default_skills_root`).
         policy: degradation policy (default: `Policy.from_env`).
         timeout_s: the job's own timeout; may only shorten the manifest's.
+        python: the interpreter of ``python`` executors (default: the worker's own base
+            interpreter); a standalone build's prefix (two levels above it) is mounted
+            read-only (see `runtimes.obtain_device_python`).
         text_args: arguments given as command-line text, converted by their schema
             (``Job.text_args``, see `final_args`).
 
@@ -272,7 +276,11 @@ def plan_invocation(
         "limits": _limits(manifest, timeout_s),
     }
     if manifest.runtime == "python":
-        job = SandboxJob(argv=(_realpath_fresh(sys.executable), "-I", "-S", entry), **common)
+        interpreter = _realpath_fresh(python or sys.executable)
+        if python is not None:
+            prefix = os.path.dirname(os.path.dirname(interpreter))
+            common["mounts"] = (*mounts, Mount(host=prefix, guest=prefix, writable=False))
+        job = SandboxJob(argv=(interpreter, "-I", "-S", entry), **common)
     elif manifest.runtime == "wasm":
         job = SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
     else:

@@ -527,12 +527,31 @@ def _sweep_stale(parent: Path) -> None:
                 entry.rmdir()
 
 
+def _can_create_child(parent: Path) -> bool:
+    """Whether this process may create (and remove) a cgroup under `parent`.
+
+    ``mkdir(exist_ok=True)`` of the parent proves nothing when another user (root) made
+    it: probed by doing it, so a limit is never claimed on a cgroup we cannot create.
+    Named like a run's cgroup (``<pid>-...``): a probe left by a killed process is swept.
+    """
+    probe = parent / f"{os.getpid()}-probe"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        probe.rmdir()
+    return True
+
+
 def _find_cgroup_parent() -> Path | None:
     try:
         if (_V1_PIDS / "cgroup.procs").exists():
             parent = _V1_PIDS / "metnos"
             parent.mkdir(exist_ok=True)
-            return parent
+            return parent if _can_create_child(parent) else None
         controllers = _V2_ROOT / "cgroup.controllers"
         if controllers.exists() and "pids" in controllers.read_text().split():
             parent = _V2_ROOT / "metnos"
@@ -548,7 +567,7 @@ def _find_cgroup_parent() -> Path | None:
                     for node in (_V2_ROOT, parent):
                         if "memory" not in (node / "cgroup.subtree_control").read_text().split():
                             (node / "cgroup.subtree_control").write_text("+memory")
-            return parent
+            return parent if _can_create_child(parent) else None
     except OSError:
         return None
     return None
@@ -740,7 +759,7 @@ def _memory_parent() -> Path | None:
             candidate = _V1_MEMORY / own.lstrip("/") / "metnos"
             if (candidate.parent / "tasks").exists():
                 candidate.mkdir(exist_ok=True)
-                if (candidate / "memory.limit_in_bytes").exists():
+                if (candidate / "memory.limit_in_bytes").exists() and _can_create_child(candidate):
                     _sweep_stale(candidate)
                     parent = candidate
         _memory_parent_cache.append(parent)

@@ -10,7 +10,9 @@ Per job, in order:
    structlog contextvars, so every record of the job carries them (spec §9): look the
    executor up, and bind the arm its runtime will use here (`predict_arm`, no side
    effects) — ``sandbox=None`` while no executor is known; log ``job.received``;
-2. an unknown executor or a bad manifest → ``rejected`` with the code;
+2. an unknown executor or a bad manifest → ``rejected`` with the code; with a `TrustStore`
+   (``trust``), its signature is checked (cached) and the job is planned and run from the
+   verified private copy (``E_SIGNATURE`` → ``rejected``; see `signing`);
 3. `plan_invocation` (argument vetting, autonomy policy: ``E_CAPABILITY_DENIED``,
    ``E_BAD_ARGS``, ``E_AUTONOMY`` → ``rejected``; nothing runs);
 4. choose the arm (``E_SANDBOX_REQUIRED`` → ``rejected``); wait for a slot (a job leased
@@ -74,7 +76,14 @@ from anyio.abc import TaskStatus
 
 from .backoff import retry_delay, store_backoff
 from .brokers.base import DEFAULT_RETENTION_S, Broker, Lease, RetryOutcome
-from .errors import BadMessage, BrokerError, HostFault, MetnosError
+from .errors import (
+    BadMessage,
+    BrokerError,
+    HostFault,
+    MetnosError,
+    ServerPinned,
+    SignatureError,
+)
 from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
@@ -95,6 +104,7 @@ from .sandbox._types import (
     Trap,
     Usage,
 )
+from .signing import TrustStore
 
 __all__ = (
     "EX_TEMPFAIL",
@@ -122,6 +132,10 @@ _CANCEL_POLL_S: Final = 0.5
 #: How long results still waiting for the store may keep a drained worker (after its
 #: grace) before they are given up to the lease's expiry.
 _SETTLE_GRACE_S: Final = 5.0
+
+#: Broker calls on the path of new work: while one of them fails, the lease loop waits
+#: (`Supervisor._wait_for_store`), and one that works again ends the wait.
+_GATING: Final = frozenset({"lease", "mark_started", "ack", "retry", "release"})
 
 #: How often a worker purges finished jobs past their retention (and once at start).
 _PURGE_EVERY_S: Final = 3600.0
@@ -159,12 +173,6 @@ def _predict_default_arm(runtime: str) -> str | None:
         return decide_arm(runtime).arm
     except (MetnosError, ValueError):
         return None
-
-
-class ServerPinned(MetnosError):
-    """A server-pinned job reached a device worker; it is refused there, never run."""
-
-    code = "E_SERVER_PINNED"
 
 
 _StopReason = Literal["lease_lost", "cancel_requested", "drain", "not_started"]
@@ -226,6 +234,11 @@ class Supervisor:
         idle_poll_s: longest wait for new work before polling the broker again.
         backstop_margin_s: how long past its wall-time budget an arm may run before the
             supervisor cancels it itself (the arms enforce the budget; this is a net).
+        trust: when set, every executor's signature is checked before its job is planned
+            (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
+            the verified private copy. Required on a device worker (`run_worker`).
+        python: the interpreter of native executors (default: the worker's own; see
+            `runtimes.obtain_device_python`).
         retention_s: finished jobs older than this are purged (at start, then every
             ``purge_every_s``); ``None`` never purges.
         purge_every_s: how often to purge.
@@ -258,6 +271,8 @@ class Supervisor:
         retry_delay: Callable[[int], float] = retry_delay,
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
+        trust: TrustStore | None = None,
+        python: str | None = None,
         retention_s: float | None = DEFAULT_RETENTION_S,
         purge_every_s: float = _PURGE_EVERY_S,
         store_backoff: Callable[[int], float] = store_backoff,
@@ -297,6 +312,8 @@ class Supervisor:
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
+        self.trust = trust
+        self.python = python
         if retention_s is not None and not retention_s > 0:
             raise ValueError("retention_s must be positive (or None: keep forever)")
         self.retention_s = retention_s
@@ -306,7 +323,6 @@ class Supervisor:
         self.fatal_error: BrokerError | None = None
         #: Consecutive failed broker calls, and since when (monotonic) the store failed.
         self._store_failures = 0
-        self._failing_op = ""
         self._store_down_since: float | None = None
         #: Settlements waiting for the store; leasing waits while there are any.
         self._unstored = 0
@@ -379,6 +395,8 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        if self.device == SERVER_DEVICE and self.registry:
+            await self._publish_executors()
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -409,8 +427,23 @@ class Supervisor:
                 **self.stats,
             )
 
+    async def _publish_executors(self) -> None:
+        """Tell the broker what this server worker runs (`catalog`): a submit can then
+        refuse a device job whose executor must stay on the server. A failure only delays
+        that refusal to the device's lease; it never stops the worker."""
+        from .catalog import ExecutorInfo
+
+        infos = [
+            ExecutorInfo(name=name, manifest=self.registry[name].manifest, worker=self.worker_id)
+            for name in sorted(self.registry)
+        ]
+        try:
+            await self.broker.publish_executors(infos)
+        except Exception as exc:
+            self._broker_failed("publish_executors", exc)
+
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
-        while not self._draining:
+        while not self._draining and self.fatal_error is None:
             if self._unstored or self._store_failures:
                 # The store failed: lease nothing new until it works again. Results that
                 # cannot be stored must not pile up behind new work; the settlements
@@ -494,12 +527,16 @@ class Supervisor:
     # --- the store --------------------------------------------------------------------
 
     def _broker_failed(self, op: str, exc: Exception, **fields: Any) -> None:
-        """Log a failed broker call; a fatal store error stops the worker."""
-        self._store_failures += 1
-        self._failing_op = op
+        """Log a failed broker call; a fatal store error stops the worker.
+
+        Only the calls on the path of new work (`_GATING`) hold the lease loop back; a
+        failed heartbeat, purge or catalog update is said and left to its own next try.
+        """
         self.stats["broker_errors"] += 1
-        if self._store_down_since is None:
-            self._store_down_since = time.monotonic()
+        if op in _GATING:
+            self._store_failures += 1
+            if self._store_down_since is None:
+                self._store_down_since = time.monotonic()
         if isinstance(exc, MetnosError):
             code, error = exc.code, exc.message
         else:  # a client library's own exception, or a bug: said as it is
@@ -522,11 +559,10 @@ class Supervisor:
             if self._tg is not None:
                 self._tg.start_soon(self.drain, 0.0, name="fatal stop")
 
-    def _broker_ok(self, op: str) -> None:
-        # Only the operation that failed proves it works again: a lease that succeeds
-        # while every start mark fails must not reset the backoff (a hot loop of lease,
-        # fail, hand back, lease).
-        if self._store_failures and op == self._failing_op:
+    def _broker_ok(self, op: str, *, own: int = 0) -> None:
+        """A gating call worked: the store is back, unless results still wait for it
+        (`own`: the caller's own settlement, still counted as waiting)."""
+        if self._store_failures and op in _GATING and self._unstored - own <= 0:
             down = time.monotonic() - (self._store_down_since or time.monotonic())
             _log.info(
                 "broker.recovered", op=op, failures=self._store_failures, down_s=round(down, 3)
@@ -591,7 +627,7 @@ class Supervisor:
                     with anyio.move_on_after(delay):
                         await self._give_up.wait()
                     continue
-                self._broker_ok(op)
+                self._broker_ok(op, own=1 if failures else 0)
                 return out
         finally:
             if failures:
@@ -797,15 +833,32 @@ class Supervisor:
         job = lease.job
         try:
             executor = self.registry.get_executor(job.executor)
-        except MetnosError as exc:
+        except MetnosError as load_error:
             _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
-            await self._reject(lease, exc)
+            refusal: MetnosError = load_error
+            folder = self.registry.error_folders.get(job.executor)
+            if self.trust is not None and folder is not None:
+                # Tampering is the finding, not the load error it caused.
+                try:
+                    await anyio.to_thread.run_sync(self.trust.verify_folder, folder, job.executor)
+                except SignatureError as sig:
+                    refusal = sig
+                except MetnosError:
+                    pass  # signed as it is: the load error stands
+            await self._reject(lease, refusal)
             return
         # Before the choice, which may log (``sandbox.degraded``) or refuse the job.
         running.sandbox = self.predict_arm(executor.manifest.runtime)
         structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
         _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
         try:
+            if self.trust is not None:
+                # Before planning: the plan (and the run) use the verified private copy,
+                # its manifest parsed from the signed bytes. Cached: a stat per file.
+                checked = self.trust.cached(executor)
+                if checked is None:
+                    checked = await anyio.to_thread.run_sync(self.trust.verify, executor)
+                executor = checked
             invocation = plan_invocation(
                 executor,
                 job.args,
@@ -814,6 +867,7 @@ class Supervisor:
                 skills_root=self.skills_root,
                 policy=self.policy,
                 timeout_s=job.timeout_s,
+                python=self.python,
                 text_args=job.text_args,
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:

@@ -41,12 +41,21 @@ import structlog
 
 from .backoff import store_backoff
 from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
-from .errors import BadConfig, BrokerBusy, HostFault, MetnosError
+from .errors import (
+    BadConfig,
+    BadManifest,
+    BrokerBusy,
+    HostFault,
+    MetnosError,
+    SignatureError,
+)
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
+from .messages import SERVER_DEVICE
 from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
+from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
 from .supervisor import Supervisor
 
 __all__ = (
@@ -54,9 +63,12 @@ __all__ = (
     "RETENTION_ENV",
     "check_worker_config",
     "default_worker_id",
+    "dry_run_executors",
     "preload_wasm",
     "run_worker",
     "serve",
+    "trust_store_for",
+    "verify_executors",
 )
 
 #: Test and bench hook: ``METNOS_ARM_OVERRIDE=echo`` runs every job in the echo double
@@ -160,6 +172,9 @@ def check_worker_config(
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
     retention_from_env(env)
+    from .runtimes import device_python_source
+
+    device_python_source(env)  # a URL without its pinned hash is refused here
     return policy
 
 
@@ -172,6 +187,7 @@ async def serve(
     handle_signals: bool = True,
     preload: bool = False,
     early_signals: Sequence[int] = (),
+    dry_run: bool = False,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -182,6 +198,8 @@ async def serve(
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
         early_signals: signals that arrived before this call (see `run_worker`): the
             first drains at once, as if it had come now.
+        dry_run: before leasing, dry-run every packable native executor in the sandbox
+            (`dry_run_executors`); one whose imports the sandbox cannot find is refused.
         preload: compile the wasm modules the executors need (python.wasm for
             ``wasm-python``) in the background from the start (`preload_wasm`), so the
             first such job does not wait for a cold compile (4-8 s); the worker process
@@ -225,6 +243,11 @@ async def serve(
     async with anyio.create_task_group() as tg:
         if handle_signals:
             await tg.start(on_signals)
+        if sup.trust is not None:
+            # Before the first lease: its jobs then find the cache warm.
+            await verify_executors(registry, sup.trust)
+        if dry_run:
+            await dry_run_executors(registry, python=supervisor_kw.get("python"), trust=sup.trust)
         await tg.start(functools.partial(sup.run, burst=burst))
         if preload and "arm_chooser" not in supervisor_kw:
             tg.start_soon(preload_wasm, registry)
@@ -233,6 +256,118 @@ async def serve(
         tg.cancel_scope.cancel()
     if sup.fatal_error is not None:
         raise sup.fatal_error
+
+
+def trust_store_for(
+    device: str,
+    trust_keys: tuple[str, ...] | list[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> TrustStore | None:
+    """The worker's `TrustStore` from ``--trust-key`` values and ``METNOS_TRUST_KEYS``.
+
+    A device worker (any `device` but ``server``) must have one: it runs code sent to it,
+    and unsigned or altered code must never run there (spec section 10). A server worker
+    verifies only when given keys.
+
+    Raises:
+        BadConfig: a device worker without a key, or a key that cannot be loaded
+            (cryptography missing, unreadable, not Ed25519).
+    """
+    keys = load_trust_keys(tuple(trust_keys), environ)
+    if not keys:
+        if device != SERVER_DEVICE:
+            raise BadConfig(
+                f"device worker {device!r} refuses to start without a trust key: it must "
+                "verify the signature of every executor it runs; pass --trust-key PUB "
+                f"(repeatable) or set {TRUST_KEYS_ENV}"
+            )
+        return None
+    return TrustStore(keys)
+
+
+async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int:
+    """Verify every executor once at start (in a thread), so the first jobs find the
+    cache warm and an operator learns at once which executors will be refused.
+
+    Logs ``executor.verified`` or ``executor.signature_failed`` per executor; a failure
+    does not stop the worker (its jobs are refused with the same error, and an executor
+    re-signed later is accepted at its next job).
+
+    Returns:
+        How many failed.
+    """
+    failed = 0
+    for name in sorted(registry):
+        executor = registry[name]
+        try:
+            checked = await anyio.to_thread.run_sync(trust.verify, executor)
+        except MetnosError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+            continue
+        _log.info("executor.verified", executor=name, copy=checked.path)
+    for name, folder in sorted(registry.error_folders.items()):
+        # Did not load: tampering, if that is why, is what the operator must hear.
+        try:
+            await anyio.to_thread.run_sync(trust.verify_folder, folder, name)
+        except SignatureError as exc:
+            failed += 1
+            _log.warning(
+                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
+            )
+        except MetnosError:
+            pass  # signed as it is: its load error stands (executor.load_failed)
+    return failed
+
+
+async def dry_run_executors(
+    registry: ExecutorRegistry, *, python: str | None = None, trust: TrustStore | None = None
+) -> None:
+    """Dry-run every packable native executor in the sandbox (`packability.dry_run`); one
+    that fails is refused from then on (``executor.not_packable``, ``E_BAD_MANIFEST``).
+
+    Runs on the native arm this host has (bubblewrap, else the direct arm: ``-I -S`` keep
+    site-packages out either way), without logging a degradation: no job runs here. With
+    a `trust` store, the verified private copy is what is dry-run (an executor whose
+    signature fails is left to its ``E_SIGNATURE``).
+    """
+    from .packability import dry_run
+    from .sandbox.bwrap import BwrapSandbox, bwrap_probe
+    from .sandbox.direct import DirectSandbox
+
+    targets = [
+        registry[name]
+        for name in sorted(registry)
+        if registry[name].manifest.packable and registry[name].manifest.runtime == "python"
+    ]
+    if not targets:
+        return
+    try:
+        working = bwrap_probe().working
+    except MetnosError:
+        working = False
+    arm = BwrapSandbox() if working else DirectSandbox()
+    for source in targets:
+        executor = source
+        if trust is not None:
+            try:
+                executor = await anyio.to_thread.run_sync(trust.check, source)
+            except MetnosError:
+                continue  # not verified: its jobs are refused with E_SIGNATURE anyway
+        try:
+            await dry_run(executor, arm, python=python)
+        except BadManifest as exc:
+            # Named by the folder the operator knows, not the private copy it ran in.
+            exc = BadManifest(exc.message.replace(executor.path, source.path))
+            registry.refuse(executor.name, exc)
+            _log.warning(
+                "executor.not_packable", executor=executor.name, code=exc.code, error=exc.message
+            )
+        except (MetnosError, HostFault) as exc:
+            # The sandbox itself failed: say so, but do not refuse an executor for it.
+            _log.warning("worker.error", error=f"dry run of {executor.name}: {exc}")
 
 
 async def preload_wasm(registry: ExecutorRegistry) -> None:
@@ -246,6 +381,18 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
     """
     runtimes = {name: registry[name].manifest.runtime for name in registry}
     python = "wasm-python" in runtimes.values()
+    if python:
+        try:
+            # Without the extra or METNOS_PYTHON_WASM: download it, if a URL is configured.
+            from .runtimes import obtain_python_wasm
+
+            fetched = await obtain_python_wasm()
+        except Exception as exc:
+            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
+            _log.warning("worker.preload_failed", module="python", code=code, error=str(exc))
+        else:
+            if fetched is not None:
+                _log.info("worker.preloaded", module=str(fetched), how="fetched", seconds=0.0)
     modules = tuple(
         registry[name].entry_path for name, runtime in sorted(runtimes.items()) if runtime == "wasm"
     )
@@ -331,12 +478,15 @@ def run_worker(
     configure_logs: bool = True,
     prefetch: int = 1,
     retention_s: float | Literal["env"] | None = "env",
+    trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
     ``retention_s``: finished jobs older than this are purged (``None``: never); the
     default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
+    ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
+    worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -368,6 +518,7 @@ def run_worker(
             configure_logs=configure_logs,
             prefetch=prefetch,
             retention_s=retention_s,
+            trust_keys=trust_keys,
         )
     finally:
         for num, handler in previous.items():
@@ -392,6 +543,7 @@ def _start(
     configure_logs: bool,
     prefetch: int,
     retention_s: float | Literal["env"] | None,
+    trust_keys: tuple[str, ...] | list[str],
 ) -> int:
     """`run_worker` once its early signal handler is in place."""
     policy = check_worker_config(
@@ -403,6 +555,7 @@ def _start(
         retention_s = retention_from_env()
     elif retention_s is not None and not retention_s > 0:
         raise BadConfig(f"retention must be a positive number of seconds, got {retention_s!r}")
+    trust = trust_store_for(device, trust_keys)
     if configure_logs:
         try:
             configure_logging(file=log_file, level=log_level)
@@ -417,6 +570,12 @@ def _start(
     become_subreaper()
 
     async def main() -> None:
+        from .runtimes import obtain_device_python
+
+        # A standalone CPython for native executors, when configured (downloaded once,
+        # verified by its pinned hash); before the broker, so a failure leaves nothing open.
+        exe = await obtain_device_python()
+        python = str(exe) if exe is not None else None
         broker = await open_when_free(broker_url, stop=lambda: bool(early))
         if broker is None:
             return  # told to stop while waiting to open: nothing was served
@@ -436,6 +595,9 @@ def _start(
                 preload=True,
                 retention_s=retention_s,
                 early_signals=early,
+                dry_run=True,
+                trust=trust,
+                python=python,
             )
         finally:
             with anyio.CancelScope(shield=True):

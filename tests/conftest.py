@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import time
@@ -107,3 +108,25 @@ def need(available: bool, reason: str) -> None:
     if os.environ.get("METNOS_REQUIRE_ALL") == "1":
         pytest.fail(f"required component missing in CI: {reason}")
     pytest.skip(reason)
+
+
+def need_import(module: str, extra: str) -> None:
+    """`need` for an optional dependency: `module`, from the `extra` of metnos-exec."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        need(False, f"{module} is not installed (pip install 'metnos-exec[{extra}]')")
+
+
+@pytest.fixture(params=["bwrap", "direct"])
+def native_arm(request: pytest.FixtureRequest) -> object:
+    """The bubblewrap arm (where it works: else skipped, a failure in CI) and the direct
+    arm, for tests that must hold on both native arms."""
+    from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
+    from metnos_exec.sandbox.direct import DirectSandbox
+
+    if request.param == "direct":
+        return DirectSandbox()
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    return BwrapSandbox()

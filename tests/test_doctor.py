@@ -1,0 +1,183 @@
+"""``metnos-exec doctor`` on this machine and on one with a mechanism removed.
+
+Each run is a real ``metnos-exec doctor`` process (probes are cached per process), as root
+and as an unprivileged user (uid 65534 through ``setpriv``), with bubblewrap taken off the
+``PATH`` for the "removed" machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from metnos_exec.sandbox.bwrap import bwrap_probe
+
+from .conftest import need
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def world() -> Iterator[Path]:
+    """A world-readable folder (an unprivileged run must reach it): a PATH without
+    bubblewrap, and a HOME."""
+    root = Path(tempfile.mkdtemp(prefix="metnos-doctor-test-"))
+    try:
+        os.chmod(root, 0o755)
+        (root / "bin").mkdir(mode=0o755)
+        for tool in ("unshare", "mount", "sh"):
+            found = shutil.which(tool)
+            if found:
+                (root / "bin" / tool).symlink_to(found)
+        (root / "home").mkdir(mode=0o777)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def doctor(
+    world: Path,
+    *args: str,
+    unprivileged: bool = False,
+    path: str | None = None,
+    broker: str = "memory://",
+    as_json: bool = True,
+    **env: str,
+) -> tuple[int, Any]:
+    argv = [sys.executable, "-m", "metnos_exec", "doctor", "--broker", broker]
+    argv += ["--json"] if as_json else []
+    if not unprivileged and os.geteuid() != 0:
+        pytest.skip("the root half needs root")
+    if unprivileged and os.geteuid() != 0:
+        pass  # already unprivileged: run as we are
+    elif unprivileged:
+        setpriv = shutil.which("setpriv")
+        need(setpriv is not None, "setpriv (util-linux) not installed")
+        assert setpriv is not None
+        argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--", *argv]
+    run = subprocess.run(
+        [*argv, *args],
+        capture_output=True,
+        timeout=120,
+        check=False,
+        cwd="/",
+        env={
+            "PATH": path if path is not None else str(world / "bin"),
+            "HOME": str(world / "home"),
+            "METNOS_CACHE_DIR": str(world / "home" / "cache"),
+            **env,
+        },
+    )
+    assert run.returncode in (0, 1), run.stderr.decode()[-2000:]
+    return run.returncode, msgspec.json.decode(run.stdout) if as_json else run.stdout.decode()
+
+
+def finding(report: dict[str, Any], check: str) -> dict[str, Any]:
+    [found] = [f for f in report["findings"] if f["check"] == check]
+    return found
+
+
+@pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
+def test_bubblewrap_off_the_path_is_reported_with_its_fix(world: Path, unprivileged: bool) -> None:
+    code, report = doctor(world, unprivileged=unprivileged, METNOS_REQUIRE_SANDBOX="always")
+    assert (report["uid"] != 0) == unprivileged
+    bwrap = finding(report, "bwrap")
+    assert bwrap["state"] == "missing" and bwrap["required"] is True
+    assert "not installed" in bwrap["detail"]
+    assert "sandbox: none" in bwrap["meaning"]
+    assert bwrap["fix"].startswith("apt-get install bubblewrap")
+    # The policy requires the kernel wall, and it is missing: non-zero.
+    assert code == 1 and report["healthy"] is False
+    # The same machine under a policy that lets jobs degrade: the gap is reported, and
+    # nothing required is missing.
+    code, report = doctor(world, unprivileged=unprivileged, METNOS_REQUIRE_SANDBOX="never")
+    assert finding(report, "bwrap")["state"] == "missing"
+    assert finding(report, "bwrap")["required"] is False
+    assert code == 0 and report["healthy"] is True
+    user = finding(report, "worker_user")
+    if unprivileged:
+        assert user["state"] == "ok"
+        cgroups = finding(report, "cgroups")
+        # Not root and not delegated here: limits fall back to rlimits, and it says how.
+        assert cgroups["state"] == "weakened" and "partial" in cgroups["meaning"]
+        assert cgroups["fix"]
+    else:
+        assert user["state"] == "weakened" and "partial" in user["meaning"]
+        assert "useradd" in user["fix"]
+
+
+@pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
+def test_this_machine_as_it_is(world: Path, unprivileged: bool) -> None:
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    code, report = doctor(world, unprivileged=unprivileged, path="/usr/bin:/bin")
+    assert finding(report, "bwrap")["state"] == "ok"
+    assert finding(report, "user_namespaces")["state"] == "ok"
+    assert finding(report, "broker")["state"] == "ok"
+    for f in report["findings"]:
+        # Every gap comes with what it means; every real gap with a fix.
+        if f["state"] in ("weakened", "missing"):
+            assert f["meaning"] and f["fix"], f
+    assert code == 0, [f for f in report["findings"] if f["required"] and f["state"] != "ok"]
+
+
+def test_a_device_worker_without_a_trust_key_is_not_healthy(world: Path) -> None:
+    code, report = doctor(world, "--device", "phone", METNOS_REQUIRE_SANDBOX="never")
+    trust = finding(report, "trust")
+    assert trust["state"] == "missing" and trust["required"] is True
+    assert "metnos-exec keygen" in trust["fix"]
+    assert code == 1
+
+
+def test_an_unreachable_broker_is_required(world: Path) -> None:
+    bad = world / "home" / "not-a-db"
+    bad.write_text("this is not SQLite")
+    code, report = doctor(world, broker=f"sqlite:///{bad}", METNOS_REQUIRE_SANDBOX="never")
+    broker = finding(report, "broker")
+    assert broker["state"] == "missing" and broker["required"] and broker["fix"]
+    assert code == 1
+
+
+def test_text_output_names_each_gap_and_its_fix(world: Path) -> None:
+    code, out = doctor(world, as_json=False, METNOS_REQUIRE_SANDBOX="always")
+    assert code == 1
+    assert "MISS bwrap: bubblewrap is not installed" in out and "[required]" in out
+    assert "fix:   apt-get install bubblewrap" in out
+    assert "NOT healthy: required and missing: bwrap" in out
+
+
+def test_the_cgroup_probe_is_honest_for_a_user_who_cannot_create_one() -> None:
+    # Root made the `metnos` parent (a root worker, or this suite, did before): an
+    # unprivileged process saw mkdir(exist_ok=True) succeed and claimed pids limits
+    # ("pids (cgroup)" in the direct arm's report) it could not create.
+    from metnos_exec.process import pids_cgroup_available
+
+    need(os.geteuid() == 0, "the parent cgroup must be made by root first")
+    need(pids_cgroup_available(), "no writable pids cgroup hierarchy here")
+    setpriv = shutil.which("setpriv")
+    need(setpriv is not None, "setpriv (util-linux) not installed")
+    assert setpriv is not None
+    code = (
+        "from metnos_exec.process import memory_cgroup_available, pids_cgroup_available\n"
+        "print(pids_cgroup_available(), memory_cgroup_available())\n"
+    )
+    argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    run = subprocess.run(
+        [*argv, sys.executable, "-c", code],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.split() == [b"False", b"False"]
