@@ -414,8 +414,9 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     if ns.args_json:
         try:
             loaded = msgspec.json.decode(ns.args_json.encode())
-        except msgspec.DecodeError as exc:
-            raise _Exit(EXIT["usage"], f"--args-json: not JSON: {exc}") from None
+        except Exception as exc:  # not JSON, or nested too deeply to decode
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise _Exit(EXIT["usage"], f"--args-json: not JSON: {reason}") from None
         if not isinstance(loaded, dict):
             raise _Exit(EXIT["usage"], "--args-json: expected a JSON object")
         args.update(loaded)

@@ -386,7 +386,7 @@ def iter_records(
             continue
         try:
             rec = _DECODER.decode(line)
-        except msgspec.DecodeError:
+        except Exception:  # not JSON, or JSON a decoder cannot take (nested too deeply)
             rec = {"event": _UNPARSED, "raw": line.decode(errors="replace")}
         if _matches(rec, job, event, min_level):
             yield rec

@@ -579,3 +579,11 @@ def test_an_internal_error_is_one_line_with_code_70(
     monkeypatch.setenv("METNOS_DEBUG", "1")
     with pytest.raises(RuntimeError):
         cli_mod.main(["codes"])
+
+
+def test_args_json_too_deep_for_the_decoder_is_a_usage_error(env: dict[str, str]) -> None:
+    deep = '{"a":' + "[" * 5000 + "]" * 5000 + "}"  # past the decoder's recursion limit
+    out = cli(env, "submit", "sleepy", "--args-json", deep)
+    assert out.returncode == EXIT["usage"] and "nested too deeply" in one_clear_line(out)
+    too = cli(env, "submit", "sleepy", "--args-json", '{"a":' + "[" * 200 + "]" * 200 + "}")
+    assert too.returncode == EXIT["usage"] and "MAX_ARGS_DEPTH" in one_clear_line(too)

@@ -288,3 +288,13 @@ def test_a_log_record_that_cannot_be_written_never_raises() -> None:
         ("broker.recovered", None),
     ]
     assert TS_RE.match(lines[0]["ts"])
+
+
+def test_tail_survives_a_line_no_decoder_can_take(tmp_path: Path) -> None:
+    """Issue 9, finding 1's class: a line nested too deeply for the JSON decoder is shown
+    as an unparsed line, not a crash of `tail`."""
+    log = tmp_path / "w.jsonl"
+    deep = b'{"event":"x","a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    log.write_bytes(b'{"event":"job.received"}\n' + deep + b'\n{"event":"job.finished"}\n')
+    events = [r["event"] for r in iter_records(log)]
+    assert events == ["job.received", "<unparsed>", "job.finished"]

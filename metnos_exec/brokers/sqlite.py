@@ -1299,7 +1299,7 @@ class SQLiteBroker(Broker):
         def work() -> Any:
             try:
                 return self._db.execute(
-                    "SELECT body FROM executors WHERE name = ?", (name,)
+                    "SELECT CAST(body AS BLOB) FROM executors WHERE name = ?", (name,)
                 ).fetchone()
             except sqlite3.OperationalError as exc:
                 if "no such table" in str(exc):
