@@ -235,8 +235,10 @@ class PurgeHook(Protocol):
     def forget_jobs(self, store: Any, job_ids: Sequence[str]) -> None:
         """Forget what belongs to `job_ids` (being purged), in the same transaction."""
 
-    def collect(self, store: Any) -> int:
-        """After the batches: remove what nothing refers to any more; return how many.
+    def collect(self, store: Any, *, before: float) -> int:
+        """After the batches, in a transaction of its own: remove what nothing refers to
+        any more (and, for data with its own time, what is older than `before`, the
+        purge's cut-off in unix seconds); return how many.
 
         Must keep everything still referenced (a blob an unexpired undo entry needs).
         """

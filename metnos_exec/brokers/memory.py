@@ -538,7 +538,7 @@ class MemoryBroker(Broker):
                 self._idem.pop(entry.job.idempotency_key, None)
             del self._results[job_id], self._result_at[job_id]
         self._dead = [d for d in self._dead if d.job_id not in old]
-        collected = sum(int(hook.collect(self)) for hook in self.purge_hooks)
+        collected = sum(int(hook.collect(self, before=cut)) for hook in self.purge_hooks)
         return PurgeReport(jobs=len(old), collected=collected, reclaimed_bytes=None)
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:

@@ -214,13 +214,10 @@ CREATE TABLE IF NOT EXISTS executors (
 PRAGMA user_version = 2;
 """
 
-#: From version 1 (before retention, unstarted leases and the size bound): the new columns
-#: first, then the trigger is replaced; `SCHEMA_SQL` (all IF NOT EXISTS) adds the rest.
-_MIGRATE_FROM_1: Final = """
-ALTER TABLE jobs ADD COLUMN started INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE jobs ADD COLUMN lapses INTEGER NOT NULL DEFAULT 0;
-DROP TRIGGER IF EXISTS job_inbox_insert;
-"""
+#: Migrating from version 1 (before retention, unstarted leases and the size bound): the
+#: missing columns are added (see `_init_schema`), then the inbox trigger is replaced;
+#: `SCHEMA_SQL` (all IF NOT EXISTS) adds the rest.
+_MIGRATE_TRIGGER: Final = "DROP TRIGGER IF EXISTS job_inbox_insert;\n"
 
 #: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
 _CATALOG_SQL: Final = SCHEMA_SQL[
@@ -563,22 +560,37 @@ class SQLiteBroker(Broker):
 
     def _init_schema(self) -> None:
         (version,) = self._db.execute("PRAGMA user_version").fetchone()
-        if version == SCHEMA_VERSION:
-            self._ensure_catalog()
-            return
         if version > SCHEMA_VERSION:
             raise BrokerUnavailable(
                 f"{self.path} has queue schema version {version}; this metnos-exec "
                 f"understands {SCHEMA_VERSION}. Upgrade metnos-exec."
             )
+        missing = self._missing_columns()
+        if version == SCHEMA_VERSION and not missing:
+            self._ensure_catalog()
+            return
         migrate = ""
-        if version == 1:
-            migrate = _MIGRATE_FROM_1
+        if missing:
+            # From version 1 (or a file of this version made without them): by what the
+            # file lacks rather than by its number, so a file is brought up to date
+            # whatever build made it.
+            migrate = (
+                "".join(
+                    f"ALTER TABLE jobs ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0;\n"
+                    for name in sorted(missing)
+                )
+                + _MIGRATE_TRIGGER
+            )
             # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
             self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
         # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
         self._db.executescript("BEGIN IMMEDIATE;\n" + migrate + SCHEMA_SQL + "\nCOMMIT;")
+
+    def _missing_columns(self) -> set[str]:
+        """Columns of version 2's `jobs` an existing file lacks (none for a new file)."""
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        return set() if not have else {"started", "lapses"} - have
 
     def _check_writable(self) -> None:
         """Refuse a store this process cannot write, at open, not at the first lease.
@@ -1392,7 +1404,10 @@ class SQLiteBroker(Broker):
                 collected = 0
                 if self.purge_hooks and not stop.is_set():
                     collected = self._txn(
-                        lambda d, _now: sum(int(h.collect(d)) for h in self.purge_hooks), db
+                        lambda d, now: sum(
+                            int(h.collect(d, before=now - older_than_s)) for h in self.purge_hooks
+                        ),
+                        db,
                     )
                 reclaimed: int | None = 0
                 if stop.is_set():

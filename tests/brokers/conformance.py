@@ -78,7 +78,8 @@ class RecordingHook:
         assert store is not None
         self.forgotten.extend(job_ids)
 
-    def collect(self, store: Any) -> int:
+    def collect(self, store: Any, *, before: float) -> int:
+        assert store is not None and before < T0 + 1000
         self.collected += 1
         return 3
 
