@@ -30,7 +30,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +42,7 @@ from metnos_exec.brokers.sqlite import SQLiteBroker
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import MAX_JOB_BYTES, Job, decode_result
 from tests.helpers.faults import limit_file_size, restore_file_size
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 pytestmark = pytest.mark.slow
 
@@ -133,28 +133,14 @@ class Fleet:
         self.log_of[slot] = len(self.logs)
         self.logs.append(log)
         self.live[slot] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "metnos_exec",
-                "worker",
-                "--broker",
+            worker_argv(
                 self.url,
-                "--executors",
-                str(self.tmp / "executors"),
-                "--worker-id",
-                f"w{slot}-{self.started}",
-                "--concurrency",
-                "2",
-                "--visibility",
-                "2",
-                "--grace",
-                "5",
-                "--log-file",
-                str(log),
-                "--backend",
-                self.rng.choice(["asyncio", "trio"]),
-            ],
+                self.tmp / "executors",
+                log,
+                *("--worker-id", f"w{slot}-{self.started}", "--concurrency", "2"),
+                *("--visibility", "2", "--grace", "5"),
+                *("--backend", self.rng.choice(["asyncio", "trio"])),
+            ),
             env={**os.environ, "HOME": str(self.tmp), "METNOS_SANDBOX": "off"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -169,13 +155,8 @@ class Fleet:
                 raise AssertionError(f"worker w{slot} exited on its own ({code}): {err}")
 
     def wait_serving(self) -> None:
-        deadline = time.monotonic() + 30
-        for slot in self.live:
-            log = self.logs[self.log_of[slot]]
-            while not (log.exists() and any(iter_records(log, event="worker.started"))):
-                self.check_alive()
-                assert time.monotonic() < deadline, f"w{slot} never started"
-                time.sleep(0.02)  # polling a log file, with a deadline
+        for slot, proc in self.live.items():
+            wait_for_event(self.logs[self.log_of[slot]], "worker.started", proc, timeout=30)
 
     def kill_one(self) -> None:
         slot = self.rng.choice(sorted(self.live))

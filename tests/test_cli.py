@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -18,6 +17,7 @@ import pytest
 
 from metnos_exec.cli import EXIT, _parse_arg, build_parser
 from tests.conftest import need
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 SLEEPY = """\
 name = "sleepy"
@@ -152,8 +152,6 @@ def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
 
 
 def test_demo_runs_and_reruns(tmp_path: Path) -> None:
-    from tests.conftest import need
-
     need(shutil.which("bwrap") is not None, "bubblewrap is not installed")
     env = {k: v for k, v in os.environ.items() if k != "METNOS_BROKER"}
     for _ in range(2):
@@ -177,29 +175,15 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
     # Re-run while the README's background worker serves the demo's queue: refused, with
     # what to do, and the queue file left alone (deleting it would strand that worker).
     db = tmp_path / "demo" / "metnos.db"
+    log = tmp_path / "demo" / "bg.jsonl"
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "metnos_exec",
-            "worker",
-            "--broker",
-            "sqlite:///demo/metnos.db",
-            "--executors",
-            "demo/executors",
-            "--log-file",
-            "demo/bg.jsonl",
-        ],
+        worker_argv("sqlite:///demo/metnos.db", "demo/executors", log),
         cwd=tmp_path,
         env={**env, "METNOS_ARM_OVERRIDE": "echo"},
         stdin=subprocess.DEVNULL,
     )
     try:
-        log = tmp_path / "demo" / "bg.jsonl"
-        deadline = time.monotonic() + 20
-        while not (log.exists() and "worker.started" in log.read_text()):
-            assert worker.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)  # polling a log file, with a deadline
+        wait_for_event(log, "worker.started", worker)
         inode = db.stat().st_ino
         again = subprocess.run(
             [sys.executable, "-m", "metnos_exec.demo"],

@@ -7,8 +7,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -36,29 +37,15 @@ def test_the_client_snippet_runs_against_a_worker(tmp_path: Path) -> None:
     env = {**os.environ, "METNOS_ARM_OVERRIDE": "echo", "HOME": str(tmp_path)}
     log = tmp_path / "demo" / "worker.jsonl"
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "metnos_exec",
-            "worker",
-            "--broker",
-            "sqlite:///demo/metnos.db",
-            "--executors",
-            str(ROOT / "examples" / "executors"),
-            "--home",
-            "demo/home",
-            "--log-file",
-            str(log),
-        ],
+        worker_argv(
+            "sqlite:///demo/metnos.db", ROOT / "examples" / "executors", log, "--home", "demo/home"
+        ),
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 20
-        while not (log.exists() and "worker.started" in log.read_text()):
-            assert worker.poll() is None and time.monotonic() < deadline, "no worker"
-            time.sleep(0.02)  # polling a log file, with a deadline
+        wait_for_event(log, "worker.started", worker)
         out = subprocess.run(
             [sys.executable, "snippet.py"],
             cwd=tmp_path,

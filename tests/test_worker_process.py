@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from metnos_exec.brokers import Broker, BrokerStats, open_broker
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import Job, Result
 from tests.conftest import need
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 pytestmark = pytest.mark.slow
 
@@ -92,21 +92,7 @@ class Workers:
         log = self.tmp / f"{wid}.jsonl"
         full_env = {**os.environ, "HOME": str(self.tmp), **(env or {})}
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "metnos_exec",
-                "worker",
-                "--broker",
-                self.url,
-                "--executors",
-                str(self.executors),
-                "--worker-id",
-                wid,
-                "--log-file",
-                str(log),
-                *extra,
-            ],
+            worker_argv(self.url, self.executors, log, "--worker-id", wid, *extra),
             env=full_env,
             stdin=subprocess.DEVNULL,
         )
@@ -550,25 +536,14 @@ def test_a_worker_whose_queue_file_is_deleted_stops_with_a_clear_error(
     with_broker(workers.url, lambda b: b.stats())  # the file exists
     log = tmp_path / "gone.jsonl"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "metnos_exec",
-            "worker",
-            "--broker",
-            workers.url,
-            "--executors",
-            str(workers.executors),
-            "--log-file",
-            str(log),
-        ],
+        worker_argv(workers.url, workers.executors, log),
         env={**os.environ, "HOME": str(tmp_path), "METNOS_ARM_OVERRIDE": "echo"},
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
+        wait_for_event(log, "worker.started", proc)
         db = tmp_path / "q.db"
         for suffix in ("", "-wal", "-shm"):
             Path(f"{db}{suffix}").unlink(missing_ok=True)
@@ -592,19 +567,7 @@ def test_a_worker_refuses_a_read_only_queue(workers: Workers, tmp_path: Path) ->
     log = tmp_path / "ro.jsonl"
     with read_only(db):
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "metnos_exec",
-                "worker",
-                "--broker",
-                workers.url,
-                "--executors",
-                str(workers.executors),
-                "--log-file",
-                str(log),
-                "--burst",
-            ],
+            worker_argv(workers.url, workers.executors, log, "--burst"),
             env={**os.environ, "HOME": str(tmp_path), "METNOS_ARM_OVERRIDE": "echo"},
             capture_output=True,
             text=True,
