@@ -413,6 +413,17 @@ def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerErro
     return BrokerUnavailable(text)
 
 
+def _read_only_files(path: Path) -> str:
+    """Which of the queue's files (and its folder) this user cannot write, said plainly.
+
+    SQLite gives a -wal file the mode of the database file when it creates it: a file
+    made read-only for a while can leave a read-only -wal behind it after it is fixed.
+    """
+    names = [path, Path(f"{path}-wal"), Path(f"{path}-shm"), path.parent]
+    stuck = [str(n) for n in names if n.exists() and not os.access(n, os.W_OK)]
+    return f"; not writable here: {', '.join(stuck)}" if stuck else ""
+
+
 class _Notes:
     """Records to log once a transaction committed (never from inside it: a rolled-back
     transaction, or a worker killed before its commit, would leave a record of something
@@ -519,7 +530,10 @@ class SQLiteBroker(Broker):
             st = os.stat(self.path)
         except sqlite3.Error as exc:
             self._db.close()
-            raise _store_error(exc, f"cannot use {where}", busy_s=busy_timeout_s) from None
+            error = _store_error(exc, f"cannot use {where}", busy_s=busy_timeout_s)
+            if isinstance(error, BrokerReadOnly):
+                error = BrokerReadOnly(error.message + _read_only_files(self.path))
+            raise error from None
         except OSError as exc:
             self._db.close()
             raise BrokerUnavailable(f"cannot use {where}: {exc}") from None

@@ -36,7 +36,11 @@ def read_only(path: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            path.chmod(0o644)
+            # SQLite gives a -wal it creates meanwhile the database file's mode: undo that
+            # too (the broker names such a file when it refuses to open).
+            for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                if name.exists():
+                    name.chmod(0o644)
 
 
 def limit_file_size(pid: int) -> tuple[int, int]:
