@@ -36,6 +36,7 @@ from .errors import (
     BrokerReadOnly,
     BrokerUnavailable,
     CapabilityDenied,
+    CommitConflict,
     HostFault,
     IdempotencyConflict,
     MetnosError,
@@ -46,6 +47,7 @@ from .errors import (
     SignatureError,
     ToolUnavailable,
     UndoConflict,
+    UndoUnavailable,
     UnknownExecutor,
 )
 from .fetch import FetchError, robust_fetch
@@ -59,7 +61,16 @@ from .manifest import (
     Manifest,
     load_manifest,
 )
-from .messages import MAX_ARGS_DEPTH, MAX_JOB_BYTES, DeadLetter, ErrorInfo, Job, Result, new_job_id
+from .messages import (
+    MAX_ARGS_DEPTH,
+    MAX_JOB_BYTES,
+    DeadLetter,
+    ErrorInfo,
+    Job,
+    Result,
+    UndoEntry,
+    new_job_id,
+)
 from .plan import Invocation, plan_invocation
 from .policy import Policy, Profile, profile_for, require_sandbox
 from .process import ProcessResult, ProcessSpec, run_process
@@ -88,6 +99,7 @@ from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
 from .signing import TrustStore, generate_key, sign_folder
+from .staging import Staging
 from .supervisor import Supervisor
 from .worker import run_worker
 
@@ -121,6 +133,7 @@ __all__ = (
     "Capability",
     "CapabilityDenied",
     "CapabilitySpec",
+    "CommitConflict",
     "Client",
     "ContainmentReport",
     "DeadLetter",
@@ -164,6 +177,7 @@ __all__ = (
     "SandboxStatus",
     "ServerPinned",
     "SignatureError",
+    "Staging",
     "Success",
     "Supervisor",
     "SyncClient",
@@ -172,6 +186,8 @@ __all__ = (
     "Trap",
     "TrustStore",
     "UndoConflict",
+    "UndoEntry",
+    "UndoUnavailable",
     "UnknownExecutor",
     "Usage",
     "VettedArgs",

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from .messages import DeadLetter, Job, Result
+from .messages import DeadLetter, Job, Result, UndoEntry
 
 __all__ = ("SCHEMA_DIR", "main", "render")
 
@@ -26,6 +26,7 @@ _MESSAGES: dict[str, type[msgspec.Struct]] = {
     "job.json": Job,
     "result.json": Result,
     "dead_letter.json": DeadLetter,
+    "undo_entry.json": UndoEntry,
 }
 
 

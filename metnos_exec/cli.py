@@ -18,7 +18,7 @@ Exit codes (stable; scripts may rely on them):
       SQLite file for readers, locked, full, read-only, deleted or replaced, corrupt)
 5     not found (unknown job id, missing log file)
 6     still pending: no result within the wait
-7     not implemented yet (``undo``)
+7     not implemented yet (no command answers it today)
 70    internal error (``E_INTERNAL``: a bug in metnos-exec; ``METNOS_DEBUG=1`` shows the
       traceback)
 130   interrupted (Ctrl-C)
@@ -60,6 +60,8 @@ from .errors import (
     ServerPinned,
     SignatureError,
     ToolUnavailable,
+    UndoConflict,
+    UndoUnavailable,
     UnknownExecutor,
 )
 from .messages import Result
@@ -158,6 +160,8 @@ _REJECTIONS: tuple[type[MetnosError], ...] = (
     ToolUnavailable,
     ServerPinned,
     SignatureError,
+    UndoConflict,
+    UndoUnavailable,
 )
 
 
@@ -243,6 +247,13 @@ def _parse_arg(text: str) -> tuple[str, str | None]:
 
 def _dump_json(obj: Any, out: TextIO) -> None:
     out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")
+
+
+def _print_job_id(job_id: str, *, as_json: bool) -> None:
+    if as_json:
+        _dump_json({"job_id": job_id}, sys.stdout)
+    else:
+        sys.stdout.write(job_id + "\n")
 
 
 def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
@@ -386,6 +397,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             backend=ns.backend,
             home=ns.home,
             retention_s=retention,
+            state_dir=ns.state_dir,
             trust_keys=ns.trust_key or (),
         )
     except BrokerError as exc:
@@ -452,10 +464,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
             client = Client(broker)
             job_id = await client.submit(ns.executor, args, **fields)
             if not ns.wait:
-                if ns.json:
-                    _dump_json({"job_id": job_id}, sys.stdout)
-                else:
-                    sys.stdout.write(job_id + "\n")
+                _print_job_id(job_id, as_json=ns.json)
                 return 0
             if not ns.json:
                 sys.stderr.write(f"submitted {job_id}\n")
@@ -657,13 +666,25 @@ def _cmd_purge(ns: argparse.Namespace) -> int:
 def _cmd_undo(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
-            await Client(broker).undo(ns.job_id)
-        return 0
+            client = Client(broker)
+            try:
+                undo_id = await client.submit_undo(ns.job_id)
+            except UndoUnavailable as exc:
+                if await broker.get_job_state(ns.job_id) is None:
+                    raise _Exit(EXIT["not_found"], f"no job {ns.job_id}") from None
+                raise _Exit(EXIT["rejected"], str(exc)) from None
+            if ns.no_wait:
+                _print_job_id(undo_id, as_json=ns.json)
+                return 0
+            if not ns.json:
+                sys.stderr.write(f"undo of {ns.job_id} submitted as job {undo_id}\n")
+            result, state = await _wait_result(client, undo_id, ns.wait)
+            if result is None:
+                raise _Exit(EXIT["pending"], _pending_message(undo_id, ns.wait, state, ns.broker))
+            _print_result(result, as_json=ns.json, out=sys.stdout)
+            return _STATUS_EXIT[result.status]
 
-    try:
-        return _run(go)
-    except NotImplementedYet as exc:
-        raise _Exit(EXIT["not_implemented"], str(exc)) from None
+    return _run(go)
 
 
 def _cmd_codes(ns: argparse.Namespace) -> int:
@@ -825,6 +846,13 @@ def build_parser() -> argparse.ArgumentParser:
         "hourly (default: $METNOS_RETENTION_DAYS, else 7)",
     )
     w.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="blobs (originals kept for undo), commit journals, staging mount points "
+        "(default: $METNOS_STATE_DIR, else $XDG_STATE_HOME/metnos-exec, else "
+        "~/.local/state/metnos-exec); an undo needs the blobs of the worker that committed",
+    )
+    w.add_argument(
         "--trust-key",
         action="append",
         metavar="PUB",
@@ -945,8 +973,20 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--json", action="store_true", help="machine-readable output")
     pu.set_defaults(fn=_cmd_purge)
 
-    u = add("undo", "undo a job's file changes (not available yet)")
+    u = add(
+        "undo",
+        "undo a job's file changes",
+        "Put back exactly what a job changed (content, names, modes, links). The undo is "
+        "a job, run by a worker of the device that made the changes; it is refused "
+        "(E_UNDO_CONFLICT, exit 3, nothing changed) when a file changed since. An undo "
+        "can be undone: `metnos-exec undo <the undo job's id>`.",
+    )
     u.add_argument("job_id")
+    u.add_argument(
+        "--wait", type=_positive_float, default=None, metavar="S", help="wait at most S seconds"
+    )
+    u.add_argument("--no-wait", action="store_true", help="print the undo job's id and exit")
+    u.add_argument("--json", action="store_true", help="the undo's Result as JSON")
     u.set_defaults(fn=_cmd_undo)
 
     co = sub.add_parser(

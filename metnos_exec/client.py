@@ -33,8 +33,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .brokers import Broker, CancelOutcome, open_broker
 from .catalog import device_refusal
-from .errors import BadMessage, MetnosError, ServerPinned
-from .messages import SERVER_DEVICE, Job, Result
+from .errors import BadMessage, MetnosError, ServerPinned, UndoConflict, UndoUnavailable
+from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Result
+from .undo import undo_job_args
 
 __all__ = (
     "DEFAULT_BROKER_URL",
@@ -183,16 +184,58 @@ class Client:
         """Cancel a queued or running job; see `Broker.cancel` for the outcomes."""
         return await self._broker.cancel(job_id)
 
-    async def undo(self, job_id: str) -> None:
-        """Undo the file changes a job made (not built yet).
+    async def submit_undo(self, job_id: str, **fields: Any) -> str:
+        """Queue the undo of `job_id`'s file changes; return the undo job's id.
+
+        The undo is a job (``executor = "metnos:undo"``) routed to the device that made the
+        changes: it runs there and nowhere else. See `metnos_exec.undo`.
+
+        Args:
+            **fields: other `Job` fields (``max_attempts``, ``correlation_id``, ...).
 
         Raises:
-            NotImplementedYet: always, for now (``E_NOT_IMPLEMENTED``).
+            UndoUnavailable: the job has no result yet, or recorded no file change.
         """
-        raise NotImplementedYet(
-            f"undo of job {job_id} is not available yet: reversible mutations are the "
-            "next issue; the job's changes were not recorded for undo"
-        )
+        result = await self._broker.get_result(job_id)
+        if result is None:
+            raise UndoUnavailable(f"job {job_id} has no result (unknown, or not finished yet)")
+        if not result.undo_ids:
+            raise UndoUnavailable(
+                f"job {job_id} recorded no file changes (status {result.status}); nothing to undo"
+            )
+        device = None if result.device == SERVER_DEVICE else result.device
+        fields.setdefault("correlation_id", f"undo:{job_id}")
+        return await self.submit(UNDO_EXECUTOR, undo_job_args(job_id), device=device, **fields)
+
+    async def undo(self, job_id: str, *, wait: float | None = None, **fields: Any) -> Result:
+        """Undo the file changes `job_id` made, and wait for it (`submit_undo`, then the
+        result). An undo can itself be undone: ``undo(<the undo job's id>)``.
+
+        Args:
+            wait: seconds to wait for the undo's result (default: as long as it takes).
+
+        Returns:
+            The undo job's result (``succeeded``; ``undo_ids`` holds the entry that redoes
+            the job; or a ``failed``/``dead`` result when the undo itself broke).
+
+        Raises:
+            UndoConflict: files changed since the job; nothing was changed (the message
+                names them).
+            UndoUnavailable: nothing to undo (no result, no change recorded, purged,
+                already undone, another device's).
+            TimeoutError: no result within `wait` (the undo job stays queued).
+        """
+        undo_id = await self.submit_undo(job_id, **fields)
+        result = await self._broker.wait_result(undo_id, timeout=wait)
+        if result is None:
+            raise TimeoutError(f"no result for undo job {undo_id} within {wait} s")
+        error = result.error
+        if result.status == "rejected" and error is not None:
+            if error.code == UndoConflict.code:
+                raise UndoConflict(error.message)
+            if error.code == UndoUnavailable.code:
+                raise UndoUnavailable(error.message)
+        return result
 
 
 def _make_job(executor: str, args: dict[str, Any], fields: dict[str, Any]) -> Job:
@@ -258,9 +301,15 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         out: CancelOutcome = self._call(self._client.cancel, job_id)
         return out
 
-    def undo(self, job_id: str) -> None:
+    def submit_undo(self, job_id: str, **fields: Any) -> str:
+        """See `Client.submit_undo`."""
+        out: str = self._call(self._client.submit_undo, job_id, **fields)
+        return out
+
+    def undo(self, job_id: str, *, wait: float | None = None, **fields: Any) -> Result:
         """See `Client.undo`."""
-        self._call(self._client.undo, job_id)
+        out: Result = self._call(self._client.undo, job_id, wait=wait, **fields)
+        return out
 
     def close(self) -> None:
         """Close the broker and stop the helper thread. Idempotent."""

@@ -9,7 +9,7 @@ In a few seconds, on a fresh machine, it:
 3. submits a handful of jobs through the Python client: list and read notes, write a
    note, a write *outside* ``~/notes`` (refused before anything runs), a fetch from the
    local server, a fetch from a host the manifest never named (refused), a job that
-   overruns its time budget, and a WebAssembly guest;
+   overruns its time budget, and a WebAssembly guest; then it undoes the note's write;
 4. prints what came back (status, sandbox arm, which walls held), the last log lines, and
    the commands to try next.
 
@@ -39,6 +39,7 @@ from .logs import configure_logging, iter_records, render_record
 from .manifest import ExecutorRegistry
 from .messages import Result
 from .process import become_subreaper
+from .staging import Staging
 from .supervisor import Supervisor
 
 __all__ = ("main",)
@@ -148,6 +149,7 @@ def _prepare(root: Path) -> tuple[Path, Path]:
         (root / name).unlink(missing_ok=True)
     home = root / "home"
     shutil.rmtree(home, ignore_errors=True)
+    shutil.rmtree(root / "state", ignore_errors=True)
     (home / "notes").mkdir(parents=True)
     for name, text in NOTES.items():
         (home / "notes" / name).write_text(text)
@@ -268,9 +270,18 @@ async def _demo(root: Path) -> int:
     out = sys.stdout
     out.write(f"metnos-exec demo: queue {db_url}, log {log_path}, home {home}\n\n")
     rows: list[tuple[Case, Result]] = []
+    # Blobs (originals kept for undo) and commit journals, in the demo folder.
+    staging = Staging(root / "state")
     async with open_broker(db_url) as broker, anyio.create_task_group() as tg:
         port = await tg.start(_http_server)
-        sup = Supervisor(broker, registry, worker_id="demo-worker", concurrency=4, home=str(home))
+        sup = Supervisor(
+            broker,
+            registry,
+            worker_id="demo-worker",
+            concurrency=4,
+            home=str(home),
+            staging=staging,
+        )
         await tg.start(sup.run)
         cases = [
             Case("list notes", "read_notes", {}, "succeeded"),
@@ -327,8 +338,14 @@ async def _demo(root: Path) -> int:
         if first is not None and first.status == "succeeded":
             case = Case("read it back", "read_notes", {"path": "~/notes/today.md"}, "succeeded")
             rows.append((case, await client.run(case.executor, case.args, wait=30)))
+            # Its changes were staged, committed and recorded: undo them, exactly.
+            undo = Case("undo the write", "metnos:undo", {"job_id": ids[1]}, "succeeded")
+            rows.append((undo, await client.undo(ids[1], wait=30)))
+            gone = Case("read it after undo", "read_notes", {"path": "~/notes/today.md"}, "failed")
+            rows.append((gone, await client.run(gone.executor, gone.args, wait=30)))
         await sup.drain(5)
         tg.cancel_scope.cancel()
+    await staging.aclose()
 
     _print_table(rows, out)
     surprises = [(c, r) for c, r in rows if r.status != c.expect]
@@ -353,6 +370,7 @@ next (in another terminal, from this folder):
   metnos-exec worker --executors {rel(executors)} --home {rel(home)} --log-file {rel(log_path)}
   metnos-exec submit write_note --arg 'path=~/notes/mine.md' --arg 'text=hello' --wait
   metnos-exec submit read_notes --arg 'path=~/notes/mine.md' --wait
+  metnos-exec undo <the write_note job's id>
   metnos-exec tail {rel(log_path)} --event job.finished
   metnos-exec status
 (quote '~/...' so your shell leaves the ~ to the worker's --home; `metnos-exec --help`

@@ -25,6 +25,7 @@ __all__ = (
     "BrokerReadOnly",
     "BrokerUnavailable",
     "CapabilityDenied",
+    "CommitConflict",
     "HostFault",
     "IdempotencyConflict",
     "MetnosError",
@@ -36,6 +37,7 @@ __all__ = (
     "ToolUnavailable",
     "UnknownExecutor",
     "UndoConflict",
+    "UndoUnavailable",
 )
 
 
@@ -137,7 +139,24 @@ class SignatureError(MetnosError):
 
 
 class UndoConflict(MetnosError):
+    """An undo would overwrite changes made after the job; nothing was changed. The
+    message names the files."""
+
     code = "E_UNDO_CONFLICT"
+
+
+class UndoUnavailable(MetnosError):
+    """There is nothing to undo for that job here: no result yet, no recorded change, its
+    entries were purged, it was already undone, or it was made on another device."""
+
+    code = "E_UNDO_UNAVAILABLE"
+
+
+class CommitConflict(MetnosError):
+    """A staged job's changes were not committed because the host changed a target while
+    it ran; nothing was applied. The message names the files."""
+
+    code = "E_COMMIT_CONFLICT"
 
 
 class BadConfig(MetnosError):
@@ -268,7 +287,12 @@ ERROR_CODES: dict[str, str] = {
     "E_TEMPFAIL": "a transient failure; the job is retried with backoff",
     "E_CANCELLED": "the job was cancelled on request",
     "E_LEASE_EXPIRED": "the job's worker was lost on its last allowed attempt",
-    "E_UNDO_CONFLICT": "an undo would overwrite changes made after the job",
+    "E_DISK": "the job exceeded its disk budget (limits.disk_mb); nothing was committed",
+    "E_COMMIT_CONFLICT": "a file the job changed was changed on the host while it ran; "
+    "nothing was committed",
+    "E_UNDO_CONFLICT": "an undo would overwrite changes made after the job; nothing changed",
+    "E_UNDO_UNAVAILABLE": "nothing to undo: no result, no recorded change, purged, already "
+    "undone, or another device's",
     # configuration, queue and host
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",

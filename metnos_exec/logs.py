@@ -86,8 +86,19 @@ EVENTS: Mapping[str, str] = {
     "job.released": "a running job was handed back un-attempted during drain",
     "job.bad_message": "the broker dead-lettered a malformed message (E_BAD_MESSAGE)",
     "lease.lost": "a heartbeat found the lease gone (expired and re-leased elsewhere)",
-    "undo.recorded": "an undo entry was stored for a mutation (entry_id, paths, blob)",
-    "undo.applied": "an undo entry was applied (entry_id, paths)",
+    "undo.recorded": "a job's file changes were committed and their undo entry stored "
+    "(entry_id, method: staged|backup, ops, paths, blobs, reverses)",
+    "undo.applied": "an undo job restored a job's files (undone: its id, entries, paths)",
+    "undo.conflict": "files could not be put back (a roll-back or a restore of backed-up "
+    "targets met later changes; paths)",
+    "commit.filtered": "part of a staged change was not committed as is (path, what: a "
+    "stripped setuid/setgid bit, a fifo/socket/device left out)",
+    "journal.recovered": "a commit a dead worker left half-done was settled at start "
+    "(job_id, action: kept|rolled_back, ops, left)",
+    "blobs.collected": "blobs no stored undo entry needs were deleted at worker start "
+    "(removed, removed_bytes, kept)",
+    "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "
+    "jobs fall back to backups of their declared targets",
 }
 
 

@@ -89,6 +89,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     file_size_mb: int = 64
     open_files: int = 256
     output_kb: int = 1024
+    #: Staging budget: what the job may write into its writable folders (see staging).
+    disk_mb: int = 256
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -191,7 +193,7 @@ def _validate(manifest: Manifest, where: Path) -> None:
     lim = manifest.limits
     if lim.timeout_s <= 0:
         raise bad("limits.timeout_s", "must be positive")
-    for fname in ("memory_mb", "pids", "file_size_mb", "open_files", "output_kb"):
+    for fname in ("memory_mb", "pids", "file_size_mb", "open_files", "output_kb", "disk_mb"):
         if getattr(lim, fname) <= 0:
             raise bad(f"limits.{fname}", "must be positive")
     if lim.fuel is not None and lim.fuel <= 0:

@@ -22,6 +22,12 @@ Wire rules (the JSON Schemas in ``queue/schemas/`` are generated from these Stru
 Every decoder here raises only `BadMessage`, whatever went wrong inside it (a recursion
 limit, a bad UTF-8 byte, a number out of range, memory): a broker dead-letters what it
 cannot read and never lets one message stop the ones behind it.
+
+`UndoEntry` is stored by the brokers next to the results (see ``brokers/base.py``) and read
+by the undo job (``executor = "metnos:undo"``, `UNDO_EXECUTOR`); its schema is in
+``queue/schemas/undo_entry.json``. An entry is a list of operations, each taking one path
+from the state the job left (``before``) back to the state it found (``after``): applied in
+order, they undo the job; swapped, they redo it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,18 @@ from .errors import BadMessage
 from .sandbox._types import ContainmentReport, SandboxExit, Usage
 
 __all__ = (
+    "UNDO_EXECUTOR",
+    "Absent",
+    "DirState",
+    "FileState",
+    "LinkState",
+    "Move",
+    "PathState",
+    "Put",
+    "UndoEntry",
+    "UndoOp",
+    "decode_undo_entry",
+    "writes_content",
     "E_CANCELLED",
     "E_LEASE_EXPIRED",
     "MAX_ARGS_DEPTH",
@@ -86,6 +104,10 @@ MAX_ARGS_DEPTH: Final = 100
 E_LEASE_EXPIRED: Final = "E_LEASE_EXPIRED"
 #: The job was cancelled on request.
 E_CANCELLED: Final = "E_CANCELLED"
+
+#: The reserved executor name of undo jobs (manifest names cannot hold ``:``). Its one
+#: argument is ``job_id``: the job whose recorded file changes to undo.
+UNDO_EXECUTOR: Final = "metnos:undo"
 
 Autonomy = Literal["read_only", "supervised", "full"]
 ResultStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "rejected", "dead"]
@@ -246,6 +268,123 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     raw_truncated: bool = False
 
 
+# --- undo entries ---------------------------------------------------------------------
+
+
+class Absent(msgspec.Struct, frozen=True, tag="absent"):
+    """Nothing at the path."""
+
+
+class FileState(msgspec.Struct, frozen=True, tag="file"):
+    """A regular file: its content (by SHA-256, in the blob store when it must be
+    restored), its permission bits, and when known its mtime and owner.
+
+    ``mode`` never carries the setuid or setgid bit (commit strips them). ``uid``/``gid``
+    are restored only by a root worker; ``mtime_ns`` is restored, not compared."""
+
+    sha256: str
+    size: int
+    mode: int
+    mtime_ns: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+
+
+class LinkState(msgspec.Struct, frozen=True, tag="symlink"):
+    """A symbolic link, by its target text (never followed)."""
+
+    target: str
+
+
+class DirState(msgspec.Struct, frozen=True, tag="dir"):
+    """A folder; its entries are separate paths."""
+
+    mode: int
+    uid: int | None = None
+    gid: int | None = None
+
+
+PathState = Absent | FileState | LinkState | DirState
+
+
+class Put(msgspec.Struct, frozen=True, tag="put"):
+    """Take `path` from `before` to `after` (create, delete, replace, change the mode)."""
+
+    path: str
+    before: PathState
+    after: PathState
+
+
+class Move(msgspec.Struct, frozen=True, tag="move"):
+    """Rename `src` (holding `state`) to `dst` (absent): "move back" in an undo."""
+
+    src: str
+    dst: str
+    state: FileState | LinkState
+
+
+UndoOp = Put | Move
+
+
+class UndoEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """How to undo the file changes of one job, deterministically.
+
+    Attributes:
+        v: wire version.
+        id: ULID of the entry.
+        job_id: the job whose changes `ops` undo.
+        device: the device that made the changes (undo runs there and nowhere else).
+        executor: the job's executor (for people reading the entry).
+        recorded_at: unix seconds.
+        method: ``staged`` (the whole change set, from the staging layer) or ``backup``
+            (no staging: only the declared targets, see `lost`).
+        roots: the writable folders the job was given; every path lies below one.
+        ops: apply in this order to undo the job.
+        reverses: when this entry was recorded by an undo job, the entry it undid.
+        lost: what this entry does not cover (``backup`` entries), for people.
+    """
+
+    v: int = WIRE_VERSION
+    id: _ID = msgspec.field(default_factory=new_job_id)
+    job_id: _ID
+    device: _NAME = SERVER_DEVICE
+    executor: str = ""
+    recorded_at: float = msgspec.field(default_factory=time.time)
+    method: Literal["staged", "backup"] = "staged"
+    roots: tuple[str, ...] = ()
+    ops: tuple[UndoOp, ...] = ()
+    reverses: str | None = None
+    lost: str | None = None
+
+    def paths(self) -> list[str]:
+        """Every path the entry touches, in op order, without repeats."""
+        seen: dict[str, None] = {}
+        for op in self.ops:
+            if isinstance(op, Move):
+                seen.setdefault(op.src, None)
+                seen.setdefault(op.dst, None)
+            else:
+                seen.setdefault(op.path, None)
+        return list(seen)
+
+    def blobs(self) -> set[str]:
+        """The SHA-256 of every content undoing restores from the blob store (the blobs
+        this entry needs kept)."""
+        return {
+            op.after.sha256
+            for op in self.ops
+            if isinstance(op, Put) and isinstance(op.after, FileState) and writes_content(op)
+        }
+
+
+def writes_content(op: UndoOp) -> bool:
+    """Whether applying `op` writes a file's content (from a blob or a staged file), as
+    opposed to removing, renaming or changing metadata only."""
+    if not isinstance(op, Put) or not isinstance(op.after, FileState):
+        return False
+    return not (isinstance(op.before, FileState) and op.before.sha256 == op.after.sha256)
+
+
 # --- codecs ---------------------------------------------------------------------------
 
 # Built once: msgspec compiles a decoder per type, and building one per message would cost
@@ -256,9 +395,10 @@ _job_decoder = msgspec.json.Decoder(Job)
 _job_msgpack_decoder = msgspec.msgpack.Decoder(Job)
 _result_decoder = msgspec.json.Decoder(Result)
 _dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
+_undo_entry_decoder = msgspec.json.Decoder(UndoEntry)
 
 
-def encode(msg: Job | Result | DeadLetter | ErrorInfo) -> bytes:
+def encode(msg: Job | Result | DeadLetter | ErrorInfo | UndoEntry) -> bytes:
     """JSON-encode a message."""
     return _json_encoder.encode(msg)
 
@@ -409,6 +549,18 @@ def decode_dead_letter(data: bytes | str) -> DeadLetter:
         return _dead_letter_decoder.decode(data)
     except Exception as exc:
         raise BadMessage(f"dead letter unreadable: {_decode_error(exc)}") from None
+
+
+def decode_undo_entry(data: bytes | str) -> UndoEntry:
+    """Decode a JSON undo entry (written by a broker).
+
+    Raises:
+        BadMessage: the bytes are not an undo entry (see `decode_result`).
+    """
+    try:
+        return _undo_entry_decoder.decode(data)
+    except Exception as exc:
+        raise BadMessage(f"undo entry unreadable: {_decode_error(exc)}") from None
 
 
 def cap_text(data: bytes, cap: int = STDERR_CAP_BYTES) -> tuple[str, bool]:

@@ -121,6 +121,10 @@ class Invocation(msgspec.Struct, frozen=True):
         inactive: what the manifest declared but grants nothing here (for reporting).
         checked: every argument value vetting checked and the hint that admitted it.
         notes: decisions worth a log line (e.g. a hint not mounted because it is missing).
+        write_roots: the writable mounts that hold the user's files (``fs:write`` hints;
+            not a provider skill's home): what staging covers.
+        write_targets: the path arguments admitted by an ``fs:write`` hint (resolved): what
+            is backed up when staging is unavailable.
     """
 
     executor: str
@@ -134,6 +138,8 @@ class Invocation(msgspec.Struct, frozen=True):
     inactive: tuple[InactiveCapability, ...] = ()
     checked: tuple[VettedValue, ...] = ()
     notes: tuple[str, ...] = ()
+    write_roots: tuple[str, ...] = ()
+    write_targets: tuple[str, ...] = ()
 
 
 def default_skills_root(home: str, environ: Mapping[str, str] | None = None) -> str:
@@ -154,6 +160,7 @@ def _limits(manifest: Manifest, timeout_s: float | None) -> ResourceLimits:
         cpu_time_s=lim.cpu_s,
         file_size_bytes=lim.file_size_mb * _MiB,
         open_files=lim.open_files,
+        disk_bytes=lim.disk_mb * _MiB,
     )
 
 
@@ -166,7 +173,8 @@ def _mounts(
     notes: list[str],
     *,
     dirs_only: bool,
-) -> tuple[Mount, ...]:
+) -> tuple[tuple[Mount, ...], tuple[str, ...]]:
+    """The mounts, and the writable ones that hold the user's files (`Invocation.write_roots`)."""
     writable: dict[str, bool] = {}
     for cap in effective.of("fs"):
         if cap.mode not in ("read", "write"):
@@ -186,18 +194,21 @@ def _mounts(
                 continue
             rw = cap.mode == "write" and not profile.force_read_only_mounts
             writable[root] = writable.get(root, False) or rw
+    skill_homes: set[str] = set()
     for skill in effective.provider_bindings:
         skill_home = os.path.realpath(os.path.join(skills_root, skill))
         if not os.path.isdir(skill_home):
             notes.append(f"provider skill {skill!r} home {skill_home} does not exist")
             continue
         writable[skill_home] = True
+        skill_homes.add(skill_home)
     # The executor never modifies itself, whatever a hint above it says.
     writable[folder] = False
-    return tuple(
-        Mount(host=path, guest=path, writable=rw)
+    ordered = sorted(writable.items(), key=lambda kv: kv[0].split("/"))
+    return (
         # Parent-first: bubblewrap applies binds in order, so a deeper mount lands on top.
-        for path, rw in sorted(writable.items(), key=lambda kv: kv[0].split("/"))
+        tuple(Mount(host=path, guest=path, writable=rw) for path, rw in ordered),
+        tuple(path for path, rw in ordered if rw and path not in skill_homes),
     )
 
 
@@ -257,8 +268,18 @@ def plan_invocation(
     folder = _realpath_fresh(str(executor.path))
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
-    mounts = _mounts(
+    mounts, write_roots = _mounts(
         folder, effective, profile, home, skills_root, notes, dirs_only=manifest.runtime != "python"
+    )
+    write_hints = {h for cap in effective.of("fs") if cap.mode == "write" for h in cap.hints}
+    targets = tuple(
+        dict.fromkeys(
+            v.resolved
+            for v in vetted.checked
+            if v.kind == "path"
+            and v.hint in write_hints
+            and any(_under(v.resolved, root) for root in write_roots)
+        )
     )
     env = {
         "PATH": "/usr/bin:/bin",
@@ -300,4 +321,10 @@ def plan_invocation(
         inactive=effective.inactive,
         checked=vetted.checked,
         notes=tuple(notes),
+        write_roots=write_roots,
+        write_targets=targets,
     )
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")

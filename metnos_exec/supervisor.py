@@ -59,6 +59,7 @@ again would only give the same verdict later.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -69,6 +70,7 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 import sniffio
 import structlog
@@ -77,16 +79,20 @@ from anyio.abc import TaskStatus
 from .backoff import retry_delay, store_backoff
 from .brokers.base import DEFAULT_RETENTION_S, Broker, Lease, RetryOutcome
 from .errors import (
+    BadArguments,
     BadMessage,
     BrokerError,
+    CommitConflict,
     HostFault,
     MetnosError,
     ServerPinned,
     SignatureError,
+    UndoUnavailable,
 )
+from .journal import Blocked
 from .logs import finished_level
 from .manifest import ExecutorRegistry
-from .messages import SERVER_DEVICE, ErrorInfo, Result, cap_text
+from .messages import SERVER_DEVICE, UNDO_EXECUTOR, ErrorInfo, Result, UndoEntry, cap_text
 from .plan import plan_invocation
 from .process import reap_orphans
 from .sandbox._types import (
@@ -105,6 +111,8 @@ from .sandbox._types import (
     Usage,
 )
 from .signing import TrustStore
+from .staging import Reversible, Staging, disk_verdict
+from .undo import apply_undo, entries_to_undo
 
 __all__ = (
     "EX_TEMPFAIL",
@@ -139,6 +147,10 @@ _GATING: Final = frozenset({"lease", "mark_started", "ack", "retry", "release"})
 
 #: How often a worker purges finished jobs past their retention (and once at start).
 _PURGE_EVERY_S: Final = 3600.0
+#: ``commit.filtered`` records logged per job at most (the rest are counted, not listed).
+_FILTERED_LOGGED: Final = 100
+#: Paths listed in an ``undo.recorded`` / ``undo.applied`` record at most.
+_PATHS_LOGGED: Final = 50
 
 _log = structlog.get_logger("metnos_exec")
 
@@ -234,6 +246,9 @@ class Supervisor:
         idle_poll_s: longest wait for new work before polling the broker again.
         backstop_margin_s: how long past its wall-time budget an arm may run before the
             supervisor cancels it itself (the arms enforce the budget; this is a net).
+        staging: the blob store, commit journal and staging namespace that make the
+            jobs' file changes reversible (default: a `Staging` in `default_state_dir`,
+            made at first use).
         trust: when set, every executor's signature is checked before its job is planned
             (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
             the verified private copy. Required on a device worker (`run_worker`).
@@ -271,6 +286,7 @@ class Supervisor:
         retry_delay: Callable[[int], float] = retry_delay,
         idle_poll_s: float = 1.0,
         backstop_margin_s: float = _BACKSTOP_MARGIN_S,
+        staging: Staging | None = None,
         trust: TrustStore | None = None,
         python: str | None = None,
         retention_s: float | None = DEFAULT_RETENTION_S,
@@ -312,6 +328,8 @@ class Supervisor:
         self.retry_delay = retry_delay
         self.idle_poll_s = idle_poll_s
         self.backstop_margin_s = backstop_margin_s
+        self._staging = staging
+        self._owns_staging = staging is None
         self.trust = trust
         self.python = python
         if retention_s is not None and not retention_s > 0:
@@ -370,6 +388,23 @@ class Supervisor:
         """Jobs in flight right now."""
         return len(self._running)
 
+    @property
+    def staging(self) -> Staging:
+        """The worker's `Staging` (made at first use when none was given)."""
+        if self._staging is None:
+            self._staging = Staging()
+        return self._staging
+
+    async def recover(self) -> None:
+        """Settle the commit journals of workers that died mid-commit (see
+        `Staging.recover`); a broker that fails now is tried again at the next call."""
+        try:
+            await self.staging.recover(self.broker)
+        except Exception as exc:
+            _log.error(
+                "worker.error", error=f"journal recovery failed: {type(exc).__name__}: {exc}"
+            )
+
     async def run(
         self,
         *,
@@ -395,6 +430,17 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        if self._staging is not None or self._needs_staging():
+            # Before the first lease: a commit a dead worker left half-done is completed or
+            # rolled back before any job can see it; then the blobs nobody needs go.
+            with structlog.contextvars.bound_contextvars(worker=self.worker_id, device=self.device):
+                await self.recover()
+                try:
+                    await self.staging.collect(self.broker)
+                except Exception as exc:  # e.g. a broker without undo storage
+                    _log.warning(
+                        "worker.error", error=f"blob collection: {type(exc).__name__}: {exc}"
+                    )
         if self.device == SERVER_DEVICE and self.registry:
             await self._publish_executors()
         if self._stopped.is_set():
@@ -415,6 +461,9 @@ class Supervisor:
                 tg.cancel_scope.cancel()
         finally:
             self._tg = None
+            if self._owns_staging and self._staging is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._staging.aclose()  # the staging helper process
             self._stopped.set()
             # Whatever happened above: an operator must see that the worker stopped, and
             # why (the logger itself never raises, see `logs`).
@@ -653,6 +702,13 @@ class Supervisor:
                         reclaimed_bytes=report.reclaimed_bytes,
                         older_than_s=retention_s,
                     )
+                if (report.jobs or report.collected) and self._staging is not None:
+                    # The undo entries went with their results: the blobs only they
+                    # needed go now (never one a stored entry still lists).
+                    try:
+                        await self._staging.collect(self.broker)
+                    except Exception as exc:
+                        self._broker_failed("collect_blobs", exc)
             await anyio.sleep(self.purge_every_s)
 
     async def drain(self, grace_s: float) -> None:
@@ -759,7 +815,8 @@ class Supervisor:
         self.stats["rejected"] += 1
         await self._ack(lease, result)
 
-    async def _ack(self, lease: Lease, result: Result) -> None:
+    async def _ack(self, lease: Lease, result: Result) -> bool:
+        """Store `result`; ``False``: the lease was lost and nothing was stored."""
         with anyio.CancelScope(shield=True):
             try:
                 stored = await self._settle("ack", lease, lambda: self._acks((lease, result)))
@@ -777,7 +834,7 @@ class Supervisor:
                 )
                 stored = await self._settle("ack", lease, lambda: self._acks((lease, result)))
         if stored is None:
-            return  # given up (see `_settle`); logged there
+            return False  # given up (see `_settle`; logged there): nothing was stored
         _log.log(
             finished_level(result.status, stored=stored),
             "job.finished",
@@ -789,6 +846,7 @@ class Supervisor:
             **_exit_fields(result.exit),
         )
         self.stats["finished"] += 1
+        return stored
 
     async def _release(self, lease: Lease, reason: str) -> None:
         with anyio.CancelScope(shield=True):
@@ -828,9 +886,19 @@ class Supervisor:
             self.stats["lease_lost"] += 1
             _log.warning("lease.lost", visibility_s=self.visibility_s, during="retry")
 
+    def _needs_staging(self) -> bool:
+        return any(
+            cap.name == "fs:write"
+            for name in self.registry
+            for cap in self.registry[name].manifest.capabilities
+        )
+
     async def _serve(self, running: _Running) -> None:
         lease = running.lease
         job = lease.job
+        if job.executor == UNDO_EXECUTOR:
+            await self._serve_undo(running)
+            return
         try:
             executor = self.registry.get_executor(job.executor)
         except MetnosError as load_error:
@@ -891,9 +959,82 @@ class Supervisor:
         sjob = invocation.job
         for item in invocation.inactive:
             _log.info("capability.inactive", detail=item)
-        outcome, fault, started_at = await self._run_arm(
-            running, arm, sjob, degraded=bool(choice.degraded)
-        )
+        reversible: Reversible | None = None
+        if invocation.write_roots:
+            try:
+                if lease.attempt > 1:
+                    # A redelivery: its last worker may have died mid-commit; settle that
+                    # first, so this run starts from a tree that is whole.
+                    await self.recover()
+                reversible = await self.staging.prepare(
+                    job_id=job.id,
+                    executor=job.executor,
+                    device=self.device,
+                    job=sjob,
+                    write_roots=invocation.write_roots,
+                    write_targets=invocation.write_targets,
+                    arm_stages=getattr(arm, "stages_writes", False),
+                )
+            except (HostFault, OSError) as exc:
+                error = exc if isinstance(exc, HostFault) else HostFault(f"staging failed: {exc}")
+                await self._retry(lease, ErrorInfo(code=error.code, message=error.message))
+                return
+        try:
+            if reversible is not None:
+                sjob = reversible.job
+                if reversible.no_staging is not None:
+                    lost = getattr(reversible, "lost", "")
+                    _log.warning(
+                        "sandbox.degraded",
+                        requested="staging",
+                        used="backup",
+                        reason="no_staging",
+                        axes_lost=["resources"],
+                        detail=f"{lost}",
+                    )
+            outcome, fault, started_at = await self._run_arm(
+                running,
+                arm,
+                sjob,
+                degraded=bool(choice.degraded) or bool(reversible and reversible.no_staging),
+            )
+            await self._settle_run(running, arm, sjob, reversible, outcome, fault, started_at)
+        finally:
+            if reversible is not None:
+                # Whatever happened, nothing staged outlives the job (normally discarded or
+                # settled already; then this is a no-op).
+                with anyio.CancelScope(shield=True):
+                    await reversible.discard(restore=running.stop != "lease_lost")
+
+    async def _settle_run(
+        self,
+        running: _Running,
+        arm: Sandbox,
+        sjob: SandboxJob,
+        reversible: Reversible | None,
+        outcome: SandboxOutcome | None,
+        fault: HostFault | MetnosError | None,
+        started_at: float | None,
+    ) -> None:
+        """Turn how the run ended into a result (and a commit, for a staged success)."""
+        lease = running.lease
+        method = None if reversible is None else reversible.method
+
+        def contained(report: ContainmentReport) -> ContainmentReport:
+            return disk_verdict(report, method=method, disk_bytes=sjob.limits.disk_bytes)
+
+        if reversible is not None and (
+            running.stop is not None
+            or fault is not None
+            or outcome is None
+            or (isinstance(outcome.exit, Failure) and outcome.exit.code == EX_TEMPFAIL)
+        ):
+            # Nothing of this run is kept: drop it *before* the job goes back to the queue
+            # or gets its result (a backup run puts its targets back now, while no other
+            # delivery can be writing them; not after a lost lease, when one may be).
+            with anyio.CancelScope(shield=True):
+                await reversible.discard(restore=running.stop != "lease_lost")
+
         if running.stop == "lease_lost":
             _log.warning("lease.lost", visibility_s=self.visibility_s)
             # The broker may already have handed the job to another worker: acking or
@@ -916,7 +1057,7 @@ class Supervisor:
                     lease,
                     "cancelled",
                     error=ErrorInfo(code="E_CANCELLED", message="the job was cancelled"),
-                    containment=arm.containment(sjob),
+                    containment=contained(arm.containment(sjob)),
                     started_at=started_at,
                 ),
             )
@@ -940,7 +1081,7 @@ class Supervisor:
                         code="E_TIMEOUT",
                         message=f"the job exceeded {sjob.limits.wall_time_s:g} s",
                     ),
-                    containment=arm.containment(sjob),
+                    containment=contained(arm.containment(sjob)),
                     usage=Usage(wall_s=self.clock() - started_at),
                     started_at=started_at,
                 ),
@@ -957,7 +1098,179 @@ class Supervisor:
             )
             return
         assert started_at is not None  # an outcome: the arm ran
-        await self._ack(lease, _outcome_result(self, lease, outcome, started_at))
+        result = _outcome_result(self, lease, outcome, started_at)
+        if reversible is None:
+            await self._ack(lease, result)
+            return
+        if outcome.containment is not None:
+            result = msgspec.structs.replace(result, containment=contained(outcome.containment))
+        if result.status != "succeeded":
+            exceeded = reversible.disk_exceeded()
+            with anyio.CancelScope(shield=True):
+                await reversible.discard()
+            if exceeded:
+                budget = (sjob.limits.disk_bytes or 0) / (1024 * 1024)
+                result = msgspec.structs.replace(
+                    result,
+                    error=ErrorInfo(
+                        code="E_DISK",
+                        message=f"the job filled its {budget:g} MiB disk budget "
+                        "(limits.disk_mb); nothing was committed",
+                    ),
+                )
+            await self._ack(lease, result)
+            return
+        await self._commit(lease, result, reversible)
+
+    async def _commit(self, lease: Lease, result: Result, reversible: Reversible) -> None:
+        """Commit a succeeded job's changes, record their undo entry, ack the result."""
+        with anyio.CancelScope(shield=True):
+            try:
+                # Still ours? A commit for a job the broker gave to another worker would
+                # apply the same changes twice.
+                reply = await self.broker.heartbeat(lease)
+            except Exception:
+                reply = None  # the broker will tell at record_undo
+            if reply is not None and not reply.ok:
+                self.stats["lease_lost"] += 1
+                _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
+                return
+            try:
+                committed = await reversible.commit()
+            except CommitConflict as exc:
+                await self._ack(
+                    lease,
+                    msgspec.structs.replace(
+                        result,
+                        status="failed",
+                        error=ErrorInfo(code=exc.code, message=exc.message),
+                    ),
+                )
+                return
+            except (HostFault, OSError, Blocked) as exc:
+                # Rolled back already (see journal.apply_ops): nothing of it is applied.
+                await self._retry(
+                    lease, ErrorInfo(code=HostFault.code, message=f"commit failed: {exc}")
+                )
+                return
+            for path, what in committed.filtered[:_FILTERED_LOGGED]:
+                _log.warning("commit.filtered", path=path, what=what)
+            entry = committed.entry
+            if entry is None:
+                await self._ack(lease, result)
+                return
+            try:
+                recorded = await self.broker.record_undo(lease, [entry])
+            except Exception as exc:
+                self._broker_failed("record_undo", exc, job_id=lease.job.id)
+                recorded = False
+            if not recorded:
+                # Not ours any more (or the broker failed): the changes go, the job is
+                # delivered again.
+                await reversible.settle(stored=False)
+                self.stats["lease_lost"] += 1
+                _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
+                return
+            try:
+                stored = await self._ack(
+                    lease, msgspec.structs.replace(result, undo_ids=(entry.id,))
+                )
+            except BaseException:
+                # Whether the result was stored is unknown: the journal stays, and
+                # `recover` decides once the broker answers (see Staging.recover).
+                await reversible.abandon()
+                raise
+            await reversible.settle(stored=stored)
+            if stored:
+                _log_recorded(entry)
+
+    async def _serve_undo(self, running: _Running) -> None:
+        """Run an undo job (see `metnos_exec.undo`): no sandbox, no executor."""
+        lease = running.lease
+        job = lease.job
+        _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
+        target = job.args.get("job_id")
+        if not isinstance(target, str) or not target or set(job.args) != {"job_id"}:
+            await self._reject(
+                lease, BadArguments(f"{UNDO_EXECUTOR} takes one argument, job_id (a job id)")
+            )
+            return
+        staging = self.staging
+        if lease.attempt > 1:
+            await self.recover()  # its last worker may have died mid-undo
+        try:
+            entries = await entries_to_undo(self.broker, target, device=self.device)
+        except UndoUnavailable as exc:
+            await self._reject(lease, exc)
+            return
+        _log.info("job.started", undo_of=target, entries=[e.id for e in entries])
+        started_at = self.clock()
+        try:
+            async with staging.commit_lock:
+                applied = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        apply_undo,
+                        entries,
+                        undo_job_id=job.id,
+                        device=self.device,
+                        store=staging.store,
+                        journal=staging.journal,
+                        fsync=staging.fsync,
+                    )
+                )
+        except MetnosError as exc:  # UndoConflict: nothing changed
+            await self._reject(lease, exc)
+            return
+        except (HostFault, OSError, Blocked) as exc:
+            await self._retry(lease, ErrorInfo(code=HostFault.code, message=f"undo failed: {exc}"))
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                recorded = await self.broker.record_undo(
+                    lease, [applied.redo], undoes=[e.id for e in entries]
+                )
+            except Exception as exc:
+                self._broker_failed("record_undo", exc, job_id=lease.job.id)
+                recorded = False
+            if not recorded:
+                await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=False))
+                self.stats["lease_lost"] += 1
+                _log.warning("lease.lost", visibility_s=self.visibility_s, during="undo")
+                return
+            paths = applied.redo.paths()
+            result = self._result(
+                lease,
+                "succeeded",
+                output={
+                    "undone": target,
+                    "entries": [e.id for e in entries],
+                    "paths": len(paths),
+                },
+                undo_ids=(applied.redo.id,),
+                started_at=started_at,
+            )
+            try:
+                stored = await self._ack(lease, result)
+            except BaseException:
+                applied.handle.close(remove=False)  # recover() decides, see _commit
+                applied.tree.close()
+                raise
+            left = await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=stored))
+            if stored:
+                _log.info(
+                    "undo.applied",
+                    undone=target,
+                    entries=[e.id for e in entries],
+                    paths=paths[:_PATHS_LOGGED],
+                    path_count=len(paths),
+                )
+                _log_recorded(applied.redo)
+            elif left:
+                _log.warning(
+                    "undo.conflict",
+                    reason="roll-back left paths",
+                    paths=[str(c) for c in left[:20]],
+                )
 
     async def _cancel_poll_loop(self) -> None:
         while True:
@@ -1216,6 +1529,20 @@ class _Batcher(Generic[_I, _O]):
         if slot.error is not None:
             raise slot.error
         return slot.out  # type: ignore[return-value]
+
+
+def _log_recorded(entry: UndoEntry) -> None:
+    paths = entry.paths()
+    _log.info(
+        "undo.recorded",
+        entry_id=entry.id,
+        method=entry.method,
+        ops=len(entry.ops),
+        paths=paths[:_PATHS_LOGGED],
+        path_count=len(paths),
+        blobs=sorted(entry.blobs())[:_PATHS_LOGGED],
+        reverses=entry.reverses,
+    )
 
 
 def _containment_summary(report: ContainmentReport | None) -> dict[str, Any] | None:

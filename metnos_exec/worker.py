@@ -56,6 +56,7 @@ from .policy import Policy
 from .process import become_subreaper
 from .sandbox.select import check_bwrap_setting
 from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
+from .staging import Staging
 from .supervisor import Supervisor
 
 __all__ = (
@@ -478,6 +479,7 @@ def run_worker(
     configure_logs: bool = True,
     prefetch: int = 1,
     retention_s: float | Literal["env"] | None = "env",
+    state_dir: str | os.PathLike[str] | None = None,
     trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
@@ -485,6 +487,8 @@ def run_worker(
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
     ``retention_s``: finished jobs older than this are purged (``None``: never); the
     default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
+    ``state_dir``: blobs, commit journals and staging mount points (default
+    `metnos_exec.staging.default_state_dir`).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -519,6 +523,7 @@ def run_worker(
             prefetch=prefetch,
             retention_s=retention_s,
             trust_keys=trust_keys,
+            state_dir=state_dir,
         )
     finally:
         for num, handler in previous.items():
@@ -544,6 +549,7 @@ def _start(
     prefetch: int,
     retention_s: float | Literal["env"] | None,
     trust_keys: tuple[str, ...] | list[str],
+    state_dir: str | os.PathLike[str] | None,
 ) -> int:
     """`run_worker` once its early signal handler is in place."""
     policy = check_worker_config(
@@ -569,6 +575,11 @@ def _start(
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
 
+    try:
+        staging = Staging(state_dir)
+    except OSError as exc:
+        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+
     async def main() -> None:
         from .runtimes import obtain_device_python
 
@@ -577,8 +588,10 @@ def _start(
         exe = await obtain_device_python()
         python = str(exe) if exe is not None else None
         broker = await open_when_free(broker_url, stop=lambda: bool(early))
-        if broker is None:
-            return  # told to stop while waiting to open: nothing was served
+        if broker is None:  # told to stop while waiting to open: nothing was served
+            with anyio.CancelScope(shield=True):
+                await staging.aclose()
+            return
         try:
             await serve(
                 broker,
@@ -595,12 +608,14 @@ def _start(
                 preload=True,
                 retention_s=retention_s,
                 early_signals=early,
+                staging=staging,
                 dry_run=True,
                 trust=trust,
                 python=python,
             )
         finally:
             with anyio.CancelScope(shield=True):
+                await staging.aclose()
                 await broker.close()
 
     anyio.run(main, backend=backend)

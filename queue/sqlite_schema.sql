@@ -92,6 +92,26 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     at      REAL NOT NULL
 );
 
+-- Undo entries (see queue/schemas/undo_entry.json), stored with the results. An entry
+-- counts only once its job's result lists its id in undo_ids; undone_by names the undo
+-- job that applied it (it stands only if that job's result is 'succeeded').
+-- Version 2 added these two tables; opening a version 1 file creates them.
+CREATE TABLE IF NOT EXISTS undo_entries (
+    id         TEXT PRIMARY KEY,
+    job_id     TEXT NOT NULL,
+    body       TEXT NOT NULL,
+    at         REAL NOT NULL,
+    undone_by  TEXT
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS undo_entries_job ON undo_entries (job_id);
+
+-- The blobs each entry needs (blob retention: never delete one a stored entry lists).
+CREATE TABLE IF NOT EXISTS undo_blobs (
+    entry_id  TEXT NOT NULL,
+    sha256    TEXT NOT NULL,
+    PRIMARY KEY (entry_id, sha256)
+) WITHOUT ROWID;
+
 -- The executor catalog: each server worker publishes the manifests of the executors it
 -- runs, so a submit can refuse a device job whose executor must stay on the server
 -- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:

@@ -8,11 +8,14 @@ and fail the test, rather than trusting that "we killed the process group".
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -26,6 +29,14 @@ if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:  # pragma: no cover
 
 #: pids of long-lived helpers started on purpose by session fixtures (redis-server, ...).
 ALLOWED_CHILDREN: set[int] = set()
+
+# Blobs, commit journals and staging mount points of the workers tests start (in this
+# process or as subprocesses, which inherit it) go to a private folder, never to the
+# home of whoever runs the suite. A test that needs its own passes a state dir explicitly.
+if "METNOS_STATE_DIR" not in os.environ:
+    _state = tempfile.mkdtemp(prefix="metnos-test-state-")
+    os.environ["METNOS_STATE_DIR"] = _state
+    atexit.register(shutil.rmtree, _state, True)
 
 
 def child_pids() -> set[int]:

@@ -144,11 +144,13 @@ def test_usage_and_broker_errors(env: dict[str, str]) -> None:
     assert bad.returncode == EXIT["usage"] and "E_BAD_BROKER_URL" in one_clear_line(bad)
 
 
-def test_undo_is_clearly_not_implemented(env: dict[str, str]) -> None:
+def test_undo_of_unknown_or_unchanged_jobs(env: dict[str, str]) -> None:
     assert cli(env, "submit", "sleepy").returncode == 0  # the queue exists
     out = cli(env, "undo", "01JOB")
-    assert out.returncode == EXIT["not_implemented"]
-    assert "E_NOT_IMPLEMENTED" in out.stderr
+    assert out.returncode == EXIT["not_found"] and "no job 01JOB" in out.stderr
+    job_id = cli(env, "submit", "sleepy").stdout.strip()
+    pending = cli(env, "undo", job_id)
+    assert pending.returncode == EXIT["rejected"] and "E_UNDO_UNAVAILABLE" in pending.stderr
 
 
 def test_demo_runs_and_reruns(tmp_path: Path) -> None:

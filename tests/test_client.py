@@ -8,8 +8,8 @@ import pytest
 
 from metnos_exec.brokers import open_broker
 from metnos_exec.brokers.memory import MemoryBroker
-from metnos_exec.client import Client, NotImplementedYet, SyncClient, default_broker_url
-from metnos_exec.errors import BadMessage, IdempotencyConflict
+from metnos_exec.client import Client, SyncClient, default_broker_url
+from metnos_exec.errors import BadMessage, IdempotencyConflict, UndoUnavailable
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
@@ -59,9 +59,12 @@ async def test_submit_result_run_cancel(registry: ExecutorRegistry) -> None:
             await sup.drain(1)
         cancelled = await client.result(queued)
         assert cancelled is not None and cancelled.status == "cancelled"
-        with pytest.raises(NotImplementedYet) as info:
+        # An echo job changes no file: there is nothing to undo, said before queueing.
+        with pytest.raises(UndoUnavailable, match="recorded no file changes") as info:
             await client.undo(job_id)
-        assert info.value.code == "E_NOT_IMPLEMENTED"
+        assert info.value.code == "E_UNDO_UNAVAILABLE"
+        with pytest.raises(UndoUnavailable, match="no result"):
+            await client.submit_undo("nope")
         with pytest.raises(BadMessage, match="max_attempts"):
             await client.submit("echo", {}, max_attempts=0)
     # The client did not own the broker: it is still usable.
@@ -97,7 +100,7 @@ def test_sync_client_on_sqlite(tmp_path: Path, registry: ExecutorRegistry) -> No
         assert result is not None and result.status == "succeeded"
         assert result.output == {"text": "sync"}
         assert client.cancel(job_id) == "finished"
-        with pytest.raises(NotImplementedYet):
+        with pytest.raises(UndoUnavailable):
             client.undo(job_id)
     client.close()  # idempotent
 

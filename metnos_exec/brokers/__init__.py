@@ -30,6 +30,7 @@ from .base import (
     PurgeReport,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
 )
 
 __all__ = (
@@ -45,6 +46,7 @@ __all__ = (
     "PurgeReport",
     "RetryOutcome",
     "SubmitReceipt",
+    "UndoRecord",
     "open_broker",
 )
 

@@ -85,6 +85,23 @@ part through `PurgeHook` (`add_purge_hook`): each batch of forgotten job ids is 
 every hook inside the same transaction, then each hook may collect what nothing refers
 to any more (a blob no unexpired undo entry needs) — a hook never loses what is still
 referenced.
+
+Undo entries (`UndoEntry`, see `metnos_exec.messages`) are stored next to the results:
+
+- `record_undo` stores a job's entries *fenced by its lease* (nothing is stored once the
+  lease was lost), before the job's result is acked. An entry counts only once the job's
+  stored result lists its id in ``Result.undo_ids``: entries of a job that never got its
+  result (the worker died between the two calls; its commit journal rolls the changes back)
+  are ignored by readers and forgotten by `purge`.
+- ``undoes``: an undo job records its own entry (the redo) and names the entries it undid;
+  the broker sets their ``undone_by`` to the undo job's id. Whether they *are* undone is
+  decided by that job's result (`metnos_exec.undo` reads it): until it succeeded, the mark
+  means nothing, so an undo job that died half-way and is redelivered is not refused.
+- `get_undo` returns entries by id, with their ``undone_by``; unknown ids are left out.
+- `undo_blobs` is every blob digest a stored entry needs (`UndoEntry.blobs`): the blob
+  store may delete only what is not in it (retention follows the results').
+- `purge` forgets a job's entries with its result, and entries no result lists that are
+  older than the cut.
 """
 
 from __future__ import annotations
@@ -98,7 +115,7 @@ import msgspec
 
 from ..catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
-from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, encode_job
+from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
 
 __all__ = (
     "DEFAULT_RETENTION_S",
@@ -113,6 +130,7 @@ __all__ = (
     "PurgeReport",
     "RetryOutcome",
     "SubmitReceipt",
+    "UndoRecord",
     "check_idempotent_reuse",
 )
 
@@ -252,6 +270,21 @@ class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
     running: int
     done: int
     dead: int
+
+
+class UndoRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored undo entry.
+
+    Attributes:
+        entry: the entry.
+        undone_by: the undo job that applied it, if one did (see the module docstring: it
+            stands only if that job's result is ``succeeded``).
+        recorded_at: unix seconds (broker clock) it was stored.
+    """
+
+    entry: UndoEntry
+    undone_by: str | None = None
+    recorded_at: float = 0.0
 
 
 class Broker(abc.ABC):
@@ -445,6 +478,28 @@ class Broker(abc.ABC):
     async def stats(self) -> BrokerStats:
         """Counts of jobs by state."""
 
+    # --- undo entries -----------------------------------------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        """Store `entries` for the leased job and mark `undoes` as undone by it, in one
+        transaction, only while `lease` is current (see the module docstring).
+
+        Returns:
+            ``False`` (nothing written) when the lease was lost.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not store undo entries")
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        """The stored entries among `entry_ids`, in the order asked; unknown ids are
+        left out."""
+        raise NotImplementedError(f"{type(self).__name__} does not store undo entries")
+
+    async def undo_blobs(self) -> set[str]:
+        """Every blob digest some stored entry needs (`UndoEntry.blobs`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not store undo entries")
+
     # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
@@ -461,8 +516,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def purge(self, *, older_than_s: float) -> PurgeReport:
-        """Forget finished jobs (results, dead letters, and their idempotency keys) whose
-        result is older than `older_than_s` seconds; queued and running jobs are kept.
+        """Forget finished jobs (results, dead letters, undo entries, and their idempotency
+        keys) whose result is older than `older_than_s` seconds, and undo entries no result
+        lists that are that old; queued and running jobs are kept.
 
         Works in bounded batches (one short transaction each), hands every batch to the
         purge hooks, runs their `PurgeHook.collect`, then gives the freed space back.

@@ -28,6 +28,7 @@ from ..messages import (
     ErrorInfo,
     Job,
     Result,
+    UndoEntry,
     check_job_size,
     decode_job,
     encode_job,
@@ -44,6 +45,7 @@ from .base import (
     PurgeReport,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
     check_idempotent_reuse,
 )
 
@@ -104,6 +106,7 @@ class MemoryBroker(Broker):
         self._results: dict[str, Result] = {}
         self._result_at: dict[str, float] = {}
         self._dead: list[DeadLetter] = []
+        self._undo: dict[str, UndoRecord] = {}
         self._heaps = _Heaps()
         self._seq = 0
         self._work_event: anyio.Event | None = None
@@ -538,8 +541,40 @@ class MemoryBroker(Broker):
                 self._idem.pop(entry.job.idempotency_key, None)
             del self._results[job_id], self._result_at[job_id]
         self._dead = [d for d in self._dead if d.job_id not in old]
+        for entry_id, record in list(self._undo.items()):
+            result = self._results.get(record.entry.job_id)
+            listed = result is not None and entry_id in result.undo_ids
+            if record.entry.job_id in old or (not listed and record.recorded_at < cut):
+                del self._undo[entry_id]
         collected = sum(int(hook.collect(self, before=cut)) for hook in self.purge_hooks)
         return PurgeReport(jobs=len(old), collected=collected, reclaimed_bytes=None)
+
+    # --- undo entries -----------------------------------------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        await anyio.lowlevel.checkpoint()
+        if self._live(lease) is None:
+            return False
+        now = self._clock()
+        for entry in entries:
+            self._undo[entry.id] = UndoRecord(entry=entry, recorded_at=now)
+        for entry_id in undoes:
+            record = self._undo.get(entry_id)
+            if record is not None:
+                self._undo[entry_id] = UndoRecord(
+                    entry=record.entry, undone_by=lease.job.id, recorded_at=record.recorded_at
+                )
+        return True
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        await anyio.lowlevel.checkpoint()
+        return [self._undo[i] for i in entry_ids if i in self._undo]
+
+    async def undo_blobs(self) -> set[str]:
+        await anyio.lowlevel.checkpoint()
+        return {digest for record in self._undo.values() for digest in record.entry.blobs()}
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         for info in infos:

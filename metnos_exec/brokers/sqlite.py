@@ -76,10 +76,12 @@ from ..messages import (
     ErrorInfo,
     Job,
     Result,
+    UndoEntry,
     check_job_size,
     decode_dead_letter,
     decode_job,
     decode_result,
+    decode_undo_entry,
     encode,
     encode_job,
     new_job_id,
@@ -95,6 +97,7 @@ from .base import (
     PurgeReport,
     RetryOutcome,
     SubmitReceipt,
+    UndoRecord,
     check_idempotent_reuse,
 )
 
@@ -199,6 +202,26 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     body    TEXT NOT NULL,
     at      REAL NOT NULL
 );
+
+-- Undo entries (see queue/schemas/undo_entry.json), stored with the results. An entry
+-- counts only once its job's result lists its id in undo_ids; undone_by names the undo
+-- job that applied it (it stands only if that job's result is 'succeeded').
+-- Version 2 added these two tables; opening a version 1 file creates them.
+CREATE TABLE IF NOT EXISTS undo_entries (
+    id         TEXT PRIMARY KEY,
+    job_id     TEXT NOT NULL,
+    body       TEXT NOT NULL,
+    at         REAL NOT NULL,
+    undone_by  TEXT
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS undo_entries_job ON undo_entries (job_id);
+
+-- The blobs each entry needs (blob retention: never delete one a stored entry lists).
+CREATE TABLE IF NOT EXISTS undo_blobs (
+    entry_id  TEXT NOT NULL,
+    sha256    TEXT NOT NULL,
+    PRIMARY KEY (entry_id, sha256)
+) WITHOUT ROWID;
 
 -- The executor catalog: each server worker publishes the manifests of the executors it
 -- runs, so a submit can refuse a device job whose executor must stay on the server
@@ -316,6 +339,7 @@ _REQUEUE = (
     "due_at = ?, attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
 )
 _GET_RESULT = "SELECT CAST(body AS BLOB) FROM results WHERE job_id = ?"
+_LEASE_IS_CURRENT = "SELECT 1 FROM jobs WHERE id = ? AND token = ? AND state = 'running'"
 #: Ids per ``IN (...)`` list: well under SQLite's host-parameter cap (999 before 3.32).
 _IN_CHUNK = 500
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
@@ -1353,7 +1377,28 @@ class SQLiteBroker(Broker):
             db.execute(f"DELETE FROM jobs WHERE id IN ({marks})", group)
             db.execute(f"DELETE FROM results WHERE job_id IN ({marks})", group)
             db.execute(f"DELETE FROM dead_letters WHERE job_id IN ({marks})", group)
+            # A job's undo entries go with its result (retention follows the results').
+            db.execute(f"DELETE FROM undo_entries WHERE job_id IN ({marks})", group)
         return len(ids) + len(orphans)
+
+    @staticmethod
+    def _purge_undo(db: sqlite3.Connection, cut: float) -> int:
+        """Undo entries no stored result confirms that are older than `cut` (their job
+        never got its result, or is gone), and the blob rows of entries no longer stored:
+        after this, `undo_blobs` is what the blob store must keep."""
+        gone = db.execute(
+            "DELETE FROM undo_entries WHERE job_id NOT IN (SELECT job_id FROM results) "
+            "AND (at < ? OR job_id NOT IN (SELECT id FROM jobs))",
+            (cut,),
+        ).rowcount
+        gone += db.execute(
+            "DELETE FROM undo_entries WHERE at < ? AND id NOT IN (SELECT value FROM "
+            "results, json_each(results.body, '$.undo_ids') WHERE results.job_id = "
+            "undo_entries.job_id)",
+            (cut,),
+        ).rowcount
+        db.execute("DELETE FROM undo_blobs WHERE entry_id NOT IN (SELECT id FROM undo_entries)")
+        return int(gone)
 
     @staticmethod
     def _pages(db: sqlite3.Connection) -> tuple[int, int]:
@@ -1416,10 +1461,14 @@ class SQLiteBroker(Broker):
                 ):
                     jobs += n
                 collected = 0
-                if self.purge_hooks and not stop.is_set():
+                if not stop.is_set():
                     collected = self._txn(
-                        lambda d, now: sum(
-                            int(h.collect(d, before=now - older_than_s)) for h in self.purge_hooks
+                        lambda d, now: (
+                            self._purge_undo(d, now - older_than_s)
+                            + sum(
+                                int(h.collect(d, before=now - older_than_s))
+                                for h in self.purge_hooks
+                            )
                         ),
                         db,
                     )
@@ -1466,6 +1515,70 @@ class SQLiteBroker(Broker):
 
         reclaimed: int = await self._run(work, inline=False)
         return reclaimed
+
+    # --- undo entries -----------------------------------------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        bodies = [(e.id, e.job_id, encode(e).decode()) for e in entries]
+        blobs = [(e.id, digest) for e in entries for digest in sorted(e.blobs())]
+
+        def work(db: sqlite3.Connection, now: float) -> bool:
+            # Fenced like an ack: only the current lease may record.
+            if db.execute(_LEASE_IS_CURRENT, (lease.job.id, lease.token)).fetchone() is None:
+                return False
+            db.executemany(
+                "INSERT OR REPLACE INTO undo_entries (id, job_id, body, at) VALUES (?, ?, ?, ?)",
+                [(*row, now) for row in bodies],
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO undo_blobs (entry_id, sha256) VALUES (?, ?)", blobs
+            )
+            db.executemany(
+                "UPDATE undo_entries SET undone_by = ? WHERE id = ?",
+                [(lease.job.id, entry_id) for entry_id in undoes],
+            )
+            return True
+
+        ok: bool = await self._run(self._txn, work, inline=len(bodies) <= 8)
+        return ok
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        ids = list(entry_ids)
+
+        def work() -> dict[str, UndoRecord]:
+            found: dict[str, UndoRecord] = {}
+            for i in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[i : i + _IN_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                for entry_id, body, at, undone_by in self._db.execute(
+                    "SELECT id, CAST(body AS BLOB), at, undone_by FROM undo_entries "
+                    f"WHERE id IN ({marks})",
+                    chunk,
+                ):
+                    try:
+                        entry = decode_undo_entry(body)
+                    except BadMessage as exc:
+                        raise BrokerCorrupt(
+                            f"the stored undo entry {entry_id} in {self.path} cannot be read: "
+                            f"{exc.message}"
+                        ) from None
+                    found[entry_id] = UndoRecord(entry=entry, undone_by=undone_by, recorded_at=at)
+            return found
+
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return []
+        found: dict[str, UndoRecord] = await self._run(work)
+        return [found[i] for i in ids if i in found]
+
+    async def undo_blobs(self) -> set[str]:
+        rows = await self._run(
+            lambda: self._db.execute("SELECT DISTINCT sha256 FROM undo_blobs").fetchall(),
+            inline=False,
+        )
+        return {digest for (digest,) in rows}
 
     async def close(self) -> None:
         if self._closed:

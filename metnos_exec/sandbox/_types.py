@@ -42,11 +42,17 @@ AXES: tuple[str, ...] = ("files", "network", "process_tree", "user", "resources"
 
 
 class Mount(msgspec.Struct, frozen=True):
-    """A host path made visible to the guest at `guest`; read-only unless `writable`."""
+    """A host path made visible to the guest at `guest`; read-only unless `writable`.
+
+    ``staged``: `host` is a staging overlay below the staging namespace's base (see
+    `metnos_exec.staging`), visible only inside that namespace (`SandboxJob.enter`): the
+    arm binds it by path, without checking it on the worker's side.
+    """
 
     host: str
     guest: str
     writable: bool = False
+    staged: bool = False
 
 
 class ResourceLimits(msgspec.Struct, frozen=True):
@@ -60,6 +66,8 @@ class ResourceLimits(msgspec.Struct, frozen=True):
     cpu_time_s: int | None = None
     file_size_bytes: int | None = 64 * 1024 * 1024
     open_files: int | None = 256
+    #: Bytes a staged job may write into its writable folders (the staging tmpfs size).
+    disk_bytes: int | None = 256 * 1024 * 1024
 
 
 #: `WasmProgram.module` sentinel for CPython-on-WASI: the wasm arm resolves it to the
@@ -86,6 +94,8 @@ class SandboxJob(msgspec.Struct, frozen=True):
         network: whether the guest may use the host network.
         cwd: working directory inside the guest.
         limits: budgets.
+        enter: a command prefix the bwrap arm runs bubblewrap under, to start it inside
+            the staging namespace (``nsenter ...``); ``()`` outside staging.
     """
 
     argv: tuple[str, ...] = ()
@@ -96,6 +106,7 @@ class SandboxJob(msgspec.Struct, frozen=True):
     network: bool = False
     cwd: str | None = None
     limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
+    enter: tuple[str, ...] = ()
 
 
 # --- exits ----------------------------------------------------------------------------

@@ -693,6 +693,9 @@ class BwrapSandbox:
     """
 
     name = "bwrap"
+    #: A job's writes can be staged: bubblewrap is started in the staging namespace
+    #: (`SandboxJob.enter`) and binds the overlays marked `Mount.staged`.
+    stages_writes = True
 
     def __init__(self, bwrap: str | None = None, *, features: BwrapFeatures | None = None) -> None:
         if bwrap is None or features is None:
@@ -755,6 +758,10 @@ class BwrapSandbox:
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
+            if job.enter:
+                # Staging: bubblewrap starts inside the staging namespace (an exec'd
+                # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`).
+                argv = [*job.enter, *argv]
             in_guest = gate is not None or bool(prefix)
             spec = ProcessSpec(
                 argv=tuple(argv),

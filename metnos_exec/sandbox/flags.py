@@ -357,7 +357,9 @@ def derive_bwrap_argv(
             # A host /proc over ours would show (and let the guest signal) host processes;
             # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
             raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
-        if not exists(mount.host):
+        # A staged mount lives in the staging namespace bubblewrap is started in, not on
+        # the worker's side: it is checked there (by bubblewrap) instead.
+        if not mount.staged and not exists(mount.host):
             continue
         prev = chosen.get(mount.guest)
         if prev is None or (prev.writable and not mount.writable):

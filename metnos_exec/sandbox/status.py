@@ -48,7 +48,9 @@ class SandboxStatus(msgspec.Struct, frozen=True):
         landlock_error: why it is ``None``.
         seccomp: seccomp filters are available.
         seccomp_actions: the filter actions the kernel supports.
-        overlay_staging: copy-on-write staging of writes (a later issue: ``untested``).
+        overlay_staging: copy-on-write staging of jobs' writes: ``available`` (a probe
+            overlay was mounted and written through), with the unprivileged caveat, or
+            ``unavailable: <reason>`` (writing jobs then back up their declared targets).
         sandbox_off: ``METNOS_SANDBOX`` switches the kernel wall off.
         arms: runtime → arm it would use now (``bwrap``, ``none``, ``wasm``, ``absent``).
         degraded: runtime → degradation reason, for the runtimes that would degrade.
@@ -124,6 +126,16 @@ def _wasm_report(env: Mapping[str, str]) -> dict[str, Any]:
     return report if isinstance(report, dict) else msgspec.to_builtins(report)
 
 
+def _overlay_staging() -> str:
+    # Imported here: staging sits above the sandbox package (it uses its types).
+    from ..staging.overlay import probe_staging
+
+    try:
+        return probe_staging()
+    except Exception as exc:  # a probe must never break `status`
+        return f"unavailable: probe failed: {type(exc).__name__}: {exc}"
+
+
 def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
     """Report what each arm can do here; runs no job (only the cached bubblewrap probe).
 
@@ -148,7 +160,7 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
         landlock_error=abi_error,
         seccomp=seccomp,
         seccomp_actions=actions,
-        overlay_staging="untested",
+        overlay_staging=_overlay_staging(),
         sandbox_off=env.get("METNOS_SANDBOX", "").strip().lower() in SANDBOX_OFF_VALUES,
         arms={rt: d.arm for rt, d in decisions.items()},
         degraded={rt: d.degraded.reason for rt, d in decisions.items() if d.degraded},

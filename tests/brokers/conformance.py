@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+from msgspec.structs import replace as msgspec_replace
 from structlog.testing import capture_logs
 
 from metnos_exec.brokers import Broker, Lease, SubmitReceipt
@@ -30,8 +31,11 @@ from metnos_exec.messages import (
     MAX_ARGS_DEPTH,
     MAX_JOB_BYTES,
     ErrorInfo,
+    FileState,
     Job,
+    Put,
     Result,
+    UndoEntry,
     encode,
 )
 
@@ -60,6 +64,22 @@ def ok_result(lease: Lease, output: object = None, *, worker: str = "w1") -> Res
         worker=worker,
         attempt=lease.attempt,
         finished_at=T0,
+    )
+
+
+def undo_entry(job_id: str, blob: str) -> UndoEntry:
+    """An entry whose undo restores one file from blob `blob`."""
+    return UndoEntry(
+        job_id=job_id,
+        recorded_at=T0,
+        roots=("/r",),
+        ops=(
+            Put(
+                path="/r/f",
+                before=FileState(sha256="0" * 64, size=1, mode=0o644),
+                after=FileState(sha256=blob, size=1, mode=0o644),
+            ),
+        ),
     )
 
 
@@ -715,6 +735,73 @@ class BrokerConformance:
             result = await b.get_result(j.id)
             assert result is not None and result.output == "kept"
             assert (await b.stats()).queued == 0
+
+    # --- undo entries -----------------------------------------------------------------
+
+    async def test_undo_entries_are_stored_fenced_and_read_back(self) -> None:
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [lease] = await b.lease("w", visibility_s=VIS)
+            e1, e2 = undo_entry(lease.job.id, "a" * 64), undo_entry(lease.job.id, "b" * 64)
+            assert await b.record_undo(lease, [e1, e2])
+            assert await b.ack(lease, msgspec_replace(ok_result(lease), undo_ids=(e1.id, e2.id)))
+            records = await b.get_undo([e2.id, "unknown", e1.id])
+            assert [r.entry for r in records] == [e2, e1]
+            assert all(r.undone_by is None and r.recorded_at == T0 for r in records)
+            assert await b.undo_blobs() == {"a" * 64, "b" * 64}
+            assert await b.get_undo([]) == []
+            # A lease no longer current records nothing.
+            await b.submit(job())
+            [other] = await b.lease("w", visibility_s=VIS)
+            clock.advance(VIS + 1)
+            [again] = await b.lease("w2", visibility_s=VIS)
+            assert again.job.id == other.job.id
+            late = undo_entry(other.job.id, "c" * 64)
+            assert not await b.record_undo(other, [late])
+            assert await b.get_undo([late.id]) == []
+            assert not await b.record_undo(lease, [late])  # settled: no more entries
+
+    async def test_an_undo_job_marks_the_entries_it_undid(self) -> None:
+        async with self.broker() as (b, _clock):
+            await b.submit(job())
+            [lease] = await b.lease("w", visibility_s=VIS)
+            entry = undo_entry(lease.job.id, "a" * 64)
+            assert await b.record_undo(lease, [entry])
+            await b.ack(lease, msgspec_replace(ok_result(lease), undo_ids=(entry.id,)))
+            undo = job("metnos:undo")
+            await b.submit(undo)
+            [ulease] = await b.lease("w", visibility_s=VIS)
+            redo = undo_entry(undo.id, "d" * 64)
+            assert await b.record_undo(ulease, [redo], undoes=[entry.id])
+            [record] = await b.get_undo([entry.id])
+            assert record.undone_by == undo.id
+            [redone] = await b.get_undo([redo.id])
+            assert redone.entry == redo and redone.undone_by is None
+
+    async def test_purge_forgets_entries_with_their_results(self) -> None:
+        async with self.broker() as (b, clock):
+            kept, gone, orphaned = job(), job(), job()
+            for j in (gone, orphaned):
+                await b.submit(j)
+            l_gone, l_orphan = await b.lease("w", visibility_s=VIS, limit=2)
+            e_gone = undo_entry(gone.id, "a" * 64)
+            e_orphan = undo_entry(orphaned.id, "b" * 64)  # its result never lists it
+            assert await b.record_undo(l_gone, [e_gone])
+            assert await b.record_undo(l_orphan, [e_orphan])
+            await b.ack(l_gone, msgspec_replace(ok_result(l_gone), undo_ids=(e_gone.id,)))
+            await b.ack(l_orphan, ok_result(l_orphan))
+            clock.advance(100)
+            await b.submit(kept)
+            [l_kept] = await b.lease("w", visibility_s=VIS)
+            e_kept = undo_entry(kept.id, "c" * 64)
+            assert await b.record_undo(l_kept, [e_kept])
+            await b.ack(l_kept, msgspec_replace(ok_result(l_kept), undo_ids=(e_kept.id,)))
+            assert (await b.purge(older_than_s=50)).jobs == 2
+            assert [r.entry.id for r in await b.get_undo([e_gone.id, e_orphan.id, e_kept.id])] == [
+                e_kept.id
+            ]
+            # Retention follows: only the kept entry's blob is still needed.
+            assert await b.undo_blobs() == {"c" * 64}
 
     # --- waiting ----------------------------------------------------------------------
 

@@ -1,0 +1,519 @@
+"""Reversible runs: a job's writes are staged and committed (or backed up), never lost.
+
+`Staging` is the worker's piece of it (one per worker: the blob store, the commit journal,
+the staging namespace); `Staging.prepare` gives each job that may write a `Reversible`:
+
+- **staged** (`OverlayRun`, the bwrap arm with the staging namespace available): the job
+  writes into a copy-on-write overlay over each writable folder, on a tmpfs as large as
+  its disk budget. On success `commit` computes the change set (`changes.plan_commit`),
+  stores the originals as blobs, writes the journal and applies the changes to the real
+  folders; the undo entry is the reverse. On failure, timeout or cancel `discard` drops
+  the overlay: the real folders never saw a byte.
+- **backup** (`BackupRun`: the direct or wasm arm, a worker without the staging namespace,
+  or folders an unprivileged worker does not own): the job writes straight into the real
+  folders. Before it runs, its *declared targets* (path arguments under an ``fs:write``
+  hint) are backed up; after success the undo entry records how to restore them; after a
+  failure they are restored at once. What is lost is said once per job
+  (``sandbox.degraded``, reason ``no_staging``) and in the entry (`UndoEntry.lost`).
+
+After the result is acked, `settle` keeps (stored) or rolls back (lease lost) a commit. A
+worker killed in the middle is settled by the next start (`Staging.recover`, see
+`metnos_exec.journal`): changes whose result was stored stand, the others are rolled back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import anyio
+import anyio.to_thread
+import msgspec
+import structlog
+
+from ..blobs import BlobStore
+from ..brokers.base import Broker
+from ..errors import CommitConflict, HostFault
+from ..journal import (
+    Blocked,
+    Conflict,
+    HostTree,
+    Journal,
+    JournalHandle,
+    JournalRecord,
+    OpConflict,
+    apply_ops,
+    conflict_message,
+    reverse_ops,
+    rollback,
+)
+from ..messages import UndoEntry, UndoOp
+from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
+from ._types import Committed, Reversible
+from .backup import BackupRun
+from .changes import CommitPlan, change_stamp, plan_commit, store_originals
+from .overlay import HelperGone, OverlayNamespace, StagingUnavailable
+
+__all__ = (
+    "STATE_DIR_ENV",
+    "BackupRun",
+    "Committed",
+    "OverlayRun",
+    "Reversible",
+    "Staging",
+    "default_state_dir",
+    "disk_verdict",
+)
+
+#: Where a worker keeps its blobs, journals and staging mount points.
+STATE_DIR_ENV: Final = "METNOS_STATE_DIR"
+#: A blob younger than this is never collected, needed or not: it may belong to a backup
+#: taken before a long job ran, or to a commit whose entry is not stored yet.
+BLOB_MIN_AGE_S: Final = 24 * 3600.0
+#: How long a staging helper that failed to start is trusted before it is tried again.
+RETRY_UNAVAILABLE_S: Final = 30.0
+#: The disk budget of a job whose limits set none (the manifest's default, 256 MiB).
+DEFAULT_DISK_BYTES: Final = 256 * 1024 * 1024
+#: Inodes a staging tmpfs allows per byte of budget (a 256 MiB budget: 65,536 files).
+_BYTES_PER_INODE: Final = 4096
+#: A full staging tmpfs: fewer bytes than this left (a write that did not fit failed).
+_FULL_SLACK_BYTES: Final = 64 * 1024
+
+_log = structlog.get_logger("metnos_exec")
+
+
+def default_state_dir() -> Path:
+    """``$METNOS_STATE_DIR``, else ``$XDG_STATE_HOME/metnos-exec``, else
+    ``~/.local/state/metnos-exec``."""
+    explicit = os.environ.get(STATE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(xdg) / "metnos-exec"
+
+
+def disk_verdict(
+    report: ContainmentReport, *, method: str | None, disk_bytes: int | None
+) -> ContainmentReport:
+    """The resources axis with the disk wall added: a staged job's writes are bounded by
+    its staging tmpfs; a job writing straight into host folders is not bounded at all."""
+    axis = report.resources
+    if method == "staged" and disk_bytes is not None:
+        mib = disk_bytes / (1024 * 1024)
+        verdict = AxisVerdict(
+            axis.state, f"{axis.reason}; disk writes bounded ({mib:g} MiB staged)"
+        )
+    elif method == "backup":
+        state: Any = "partial" if axis.state == "kept" else axis.state
+        verdict = AxisVerdict(state, f"{axis.reason}; disk writes unbounded (no staging)")
+    else:
+        return report
+    return msgspec.structs.replace(report, resources=verdict)
+
+
+# --- the worker's side ----------------------------------------------------------------
+
+
+class Staging:
+    """A worker's blob store, commit journal and staging namespace.
+
+    Args:
+        state_dir: default `default_state_dir`; holds ``blobs/``, ``journal/`` and the
+            (empty on the host) ``stage/`` mount base.
+        blob_dir: the blob store (default ``<state_dir>/blobs``). An undo reads its blobs
+            here: workers of one device on several machines need a shared one.
+        overlay: use overlay staging when the arm can (``False``: always back up).
+        fsync: flush blobs, journals and committed files (power-loss safety; slower).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str] | None = None,
+        *,
+        blob_dir: str | os.PathLike[str] | None = None,
+        overlay: bool = True,
+        fsync: bool = False,
+    ) -> None:
+        # Absolute: bubblewrap (started under nsenter, at the namespace's root) binds the
+        # overlays below it by path.
+        self.state_dir = (
+            Path(state_dir) if state_dir is not None else default_state_dir()
+        ).absolute()
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.store = BlobStore(
+            blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync
+        )
+        self.journal = Journal(self.state_dir / "journal", fsync=fsync)
+        self.fsync = fsync
+        self._ns = OverlayNamespace(self.state_dir / "stage") if overlay else None
+        self._unavailable: str | None = None if overlay else "overlay staging switched off"
+        self._failed_at = 0.0
+        self._lock = anyio.Lock()
+        #: One commit (or undo) applied at a time by this worker: two jobs changing the
+        #: same file then conflict at planning, not in between one op's check and write.
+        self.commit_lock = anyio.Lock()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why overlay staging is not available (``None``: it is, or was not tried yet)."""
+        return self._unavailable
+
+    async def start(self) -> str | None:
+        """Start the staging namespace now (else at the first job that needs it).
+
+        Returns:
+            ``None`` when staging works, else why not.
+        """
+        ns = self._ns
+        if ns is None:
+            return self._unavailable
+        async with self._lock:
+            if ns.running:
+                return None
+            if (
+                self._unavailable is not None
+                and time.monotonic() - self._failed_at < RETRY_UNAVAILABLE_S
+            ):
+                return self._unavailable
+            try:
+                await ns.start()
+            except StagingUnavailable as exc:
+                self._unavailable = str(exc)
+                self._failed_at = time.monotonic()
+                _log.warning("staging.unavailable", reason=self._unavailable)
+                return self._unavailable
+            self._unavailable = None
+            return None
+
+    async def aclose(self) -> None:
+        if self._ns is not None:
+            await self._ns.aclose()
+
+    async def prepare(
+        self,
+        *,
+        job_id: str,
+        executor: str,
+        device: str,
+        job: SandboxJob,
+        write_roots: Sequence[str],
+        write_targets: Sequence[str],
+        arm_stages: bool,
+    ) -> Reversible | None:
+        """Set up the reversible run of one job; ``None`` when it writes nowhere.
+
+        Args:
+            job_id: the job.
+            executor: its executor (recorded in the entry).
+            device: the device it runs on (recorded in the entry: the undo runs there).
+            job: what the arm would run.
+            write_roots: `Invocation.write_roots`.
+            write_targets: `Invocation.write_targets`.
+            arm_stages: the arm can run a job in the staging namespace (bwrap).
+
+        Raises:
+            HostFault: staging or the backups could not be set up (a mount failed, a root
+                changed); nothing ran.
+        """
+        roots = [m.host for m in job.mounts if m.writable and m.host in set(write_roots)]
+        if not roots:
+            return None
+        why = "the arm cannot stage (only bubblewrap jobs are staged)"
+        if arm_stages and self._ns is not None:
+            why = await self.start() or _not_owned(roots) or ""
+            if not why:
+                try:
+                    return await OverlayRun.create(
+                        self, self._ns, job_id, executor, device, job, roots
+                    )
+                except HelperGone:
+                    # It died since the last job (killed, OOM): one new one, once.
+                    await self._ns.aclose()
+                    why = await self.start() or ""
+                    if not why:
+                        return await OverlayRun.create(
+                            self, self._ns, job_id, executor, device, job, roots
+                        )
+        elif self._ns is None:
+            why = self._unavailable or why
+        return await BackupRun.create(
+            self.store, job_id, executor, device, job, roots, write_targets, why
+        )
+
+    async def collect(self, broker: Broker, *, min_age_s: float = BLOB_MIN_AGE_S) -> None:
+        """Delete blobs no stored undo entry needs (retention follows the results': an
+        entry goes with its job's result, see `Broker.purge`), older than `min_age_s`.
+        Logged as ``blobs.collected``."""
+        keep = await broker.undo_blobs()
+        stats = await anyio.to_thread.run_sync(
+            functools.partial(self.store.collect, keep, min_age_s=min_age_s)
+        )
+        _log.info(
+            "blobs.collected",
+            removed=stats.removed,
+            removed_bytes=stats.removed_bytes,
+            kept=stats.kept,
+        )
+
+    async def recover(self, broker: Broker) -> list[tuple[str, str]]:
+        """Settle the journals of commits whose worker died (see `metnos_exec.journal`).
+
+        A commit whose job's stored result lists its entry stands (the journal is just
+        removed); any other is rolled back. Each is logged as ``journal.recovered``.
+
+        Returns:
+            ``(job_id, "kept" | "rolled_back")`` for each journal settled.
+        """
+        handles, unreadable = await anyio.to_thread.run_sync(self.journal.orphans)
+        for path, why in unreadable:
+            # Left in place for a person: what it did cannot be known.
+            _log.error("worker.error", error=f"commit journal {path} unreadable: {why}")
+        done: list[tuple[str, str]] = []
+        try:
+            while handles:
+                handle = handles[0]
+                record = handle.record
+                result = await broker.get_result(record.job_id)
+                if result is not None and record.entry_id in result.undo_ids:
+                    action, left = "kept", []
+                else:
+                    action = "rolled_back"
+                    left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
+                handles.pop(0).close()
+                done.append((record.job_id, action))
+                _log.log(
+                    logging.WARNING if action == "rolled_back" else logging.INFO,
+                    "journal.recovered",
+                    job_id=record.job_id,
+                    action=action,
+                    ops=len(record.ops),
+                    left=[str(c) for c in left[:20]],
+                )
+        finally:
+            for handle in handles:
+                handle.close(remove=False)  # the broker failed: the next call tries again
+        return done
+
+
+def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
+    with HostTree(record.roots) as tree:
+        return rollback(tree, record.ops, store=store, tag=record.id)
+
+
+def _not_owned(roots: Sequence[str]) -> str | None:
+    """Why an unprivileged worker cannot stage these roots (``None``: it can)."""
+    if os.geteuid() == 0:
+        return None
+    uid, gid = os.getuid(), os.getgid()
+    for root in roots:
+        st = os.lstat(root)
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            return (
+                f"{root} is owned by {st.st_uid}:{st.st_gid}, not the worker's {uid}:{gid} "
+                "(an unprivileged overlay can only copy up the worker's own files)"
+            )
+    return None
+
+
+# --- staged -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class OverlayRun:
+    """A job staged in overlays (see the module docstring)."""
+
+    staging: Staging
+    ns: OverlayNamespace
+    stage_id: str
+    job_id: str
+    executor: str
+    device: str
+    roots: tuple[str, ...]
+    job: SandboxJob
+    tmpfs_fd: int
+    since_ns: int
+    method: Literal["staged", "backup"] = "staged"
+    no_staging: str | None = None
+    _handle: JournalHandle | None = None
+    _tree: HostTree | None = None
+    _ops: tuple[UndoOp, ...] = ()
+    _closed: bool = False
+
+    @classmethod
+    async def create(
+        cls,
+        staging: Staging,
+        ns: OverlayNamespace,
+        job_id: str,
+        executor: str,
+        device: str,
+        job: SandboxJob,
+        roots: Sequence[str],
+    ) -> OverlayRun:
+        found: list[tuple[str, int, int]] = []
+        for root in roots:
+            st = os.lstat(root)
+            if not stat.S_ISDIR(st.st_mode):
+                raise HostFault(f"writable folder {root} is no longer a plain folder")
+            found.append((root, st.st_dev, st.st_ino))
+        size = job.limits.disk_bytes or DEFAULT_DISK_BYTES
+        stage_id = f"{job_id}.{os.urandom(3).hex()}"
+        fd = await ns.stage(stage_id, found, size=size, inodes=max(1024, size // _BYTES_PER_INODE))
+        try:
+            since_ns = change_stamp(fd)
+        except OSError:
+            os.close(fd)
+            ns.release(stage_id)
+            raise
+        index = {root: i for i, root in enumerate(roots)}
+        mounts = tuple(
+            Mount(
+                host=ns.overlay_path(stage_id, index[m.host]),
+                guest=m.guest,
+                writable=True,
+                staged=True,
+            )
+            if m.writable and m.host in index
+            else m
+            for m in job.mounts
+        )
+        staged = msgspec.structs.replace(job, mounts=mounts, enter=ns.enter)
+        return cls(
+            staging=staging,
+            ns=ns,
+            stage_id=stage_id,
+            job_id=job_id,
+            executor=executor,
+            device=device,
+            roots=tuple(roots),
+            job=staged,
+            tmpfs_fd=fd,
+            since_ns=since_ns,
+        )
+
+    def disk_exceeded(self) -> bool:
+        st = os.statvfs(f"/proc/self/fd/{self.tmpfs_fd}")
+        return st.f_bavail * st.f_frsize < _FULL_SLACK_BYTES or st.f_favail == 0
+
+    async def commit(self) -> Committed:
+        """Apply the staged changes to the host (in a thread); see the module docstring.
+
+        Raises:
+            CommitConflict: the host changed a target while the job ran; nothing applied.
+        """
+        async with self.staging.commit_lock:
+            return await anyio.to_thread.run_sync(self._commit)
+
+    def _commit(self) -> Committed:
+        staging = self.staging
+        tree = HostTree(self.roots)
+        uppers: list[tuple[str, int]] = []
+        plan: CommitPlan | None = None
+        try:
+            for i, root in enumerate(self.roots):
+                uppers.append(
+                    (
+                        root,
+                        os.open(
+                            f"u{i}",
+                            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=self.tmpfs_fd,
+                        ),
+                    )
+                )
+            plan = plan_commit(
+                tree, uppers, since_ns=self.since_ns, xattr_prefix=self.ns.xattr_prefix
+            )
+            if plan.conflicts:
+                raise CommitConflict(
+                    conflict_message("changed on the host while the job ran", plan.conflicts)
+                )
+            if not plan.ops:
+                tree.close()
+                return Committed(None, tuple(plan.filtered))
+            try:
+                store_originals(plan, tree, staging.store)
+            except Blocked as exc:
+                raise CommitConflict(str(exc)) from None
+            entry = UndoEntry(
+                job_id=self.job_id,
+                device=self.device,
+                executor=self.executor,
+                method="staged",
+                roots=self.roots,
+                ops=reverse_ops(plan.ops),
+            )
+            handle = staging.journal.begin(
+                JournalRecord(job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops)
+            )
+            try:
+                apply_ops(
+                    tree,
+                    plan.ops,
+                    source=plan.source,
+                    store=staging.store,
+                    expect=plan.expect,
+                    tag=handle.record.id,
+                    fsync=staging.fsync,
+                )
+            except OpConflict as exc:
+                handle.close()
+                raise CommitConflict(
+                    conflict_message("changed on the host during the commit", exc.conflicts)
+                ) from None
+            except BaseException:
+                handle.close()
+                raise
+            self._handle, self._tree, self._ops = handle, tree, plan.ops
+            return Committed(entry, tuple(plan.filtered))
+        except BaseException:
+            if self._tree is None:
+                tree.close()
+            raise
+        finally:
+            for _, fd in uppers:
+                os.close(fd)
+            if plan is not None:
+                plan.source.close()
+
+    async def settle(self, *, stored: bool) -> None:
+        """Keep the commit (its result is stored) or roll it back (it is not)."""
+        handle, tree, ops = self._handle, self._tree, self._ops
+        self._handle, self._tree = None, None
+        try:
+            if handle is not None and not stored and tree is not None:
+                await anyio.to_thread.run_sync(
+                    lambda: rollback(tree, ops, store=self.staging.store, tag=handle.record.id)
+                )
+        finally:
+            if handle is not None:
+                handle.close()
+            if tree is not None:
+                tree.close()
+            await self.discard()
+
+    async def abandon(self) -> None:
+        handle, tree = self._handle, self._tree
+        self._handle, self._tree = None, None
+        if handle is not None:
+            handle.close(remove=False)
+        if tree is not None:
+            tree.close()
+        await self.discard()
+
+    async def discard(self, *, restore: bool = True) -> None:
+        """Drop the staged writes (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self.tmpfs_fd)
+        self.ns.release(self.stage_id)

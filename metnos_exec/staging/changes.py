@@ -1,0 +1,482 @@
+"""The change set of a staged job, read from its overlays' upper folders.
+
+An overlay records in its upper folder exactly what the job changed: new and modified
+files and links (their whole content: ``metacopy`` is off), folders it created or whose
+mode it changed, *whiteouts* (a character device 0/0, or an empty file carrying the
+``overlay.whiteout`` xattr) for what it deleted, and *opaque* folders (xattr
+``overlay.opaque = "y"``) for a folder it deleted and made again. `plan_commit` turns that
+into ordered `Put` / `Move` operations on the real folders, each with the host state it
+replaces, and checks the host did not change under the job.
+
+Commit rules (the staging half of the table in `metnos_exec.journal`):
+
+================================================  ==========================================
+rule                                              threat
+================================================  ==========================================
+A symlink is committed as a symlink (its target   a link planted to make the *commit* write
+text), never followed, on either side             or read outside the roots
+setuid and setgid bits are stripped from files    a setuid binary (or setgid folder) left
+and folders (noted as ``commit.filtered``)        for the host's users
+Fifos, sockets and device nodes are not           device nodes reaching the host; an
+committed (noted); a whiteout (char 0/0) is a     overlay marker mistaken for a file
+deletion, never a node
+A path the job changes whose host inode changed   clobbering what the host (a person, a sync
+(ctime) since the job started, or appeared or     tool) wrote while the job ran: the whole
+vanished meanwhile, is a conflict: nothing is     commit is refused (``E_COMMIT_CONFLICT``)
+applied
+A deleted file whose content reappears under      a rename costing a copy of the file; undo
+another name is committed as a move               "moves back"
+================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import posixpath
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+from ..blobs import BlobStore
+from ..journal import Blocked, Conflict, Fingerprint, HostTree, hash_fd, order_ops, strip_mode
+from ..messages import Absent, DirState, FileState, LinkState, Move, PathState, Put, UndoOp
+
+__all__ = (
+    "CommitPlan",
+    "UpperSource",
+    "change_stamp",
+    "find_moves",
+    "plan_commit",
+    "store_originals",
+)
+
+#: Files up to this size are read into memory while hashed, and written from there.
+_INLINE_MAX: Final = 64 * 1024
+_CHUNK: Final = 1024 * 1024
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UpperSource:
+    """The content of staged files, for the commit's `ContentSource`."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._where: dict[str, tuple[int, str]] = {}
+        self._fds: list[int] = []
+
+    def add_dir(self, fd: int) -> int:
+        self._fds.append(fd)
+        return fd
+
+    def fetch(self, path: str, state: FileState) -> bytes | int:
+        data = self._data.get(path)
+        if data is not None:
+            return data
+        folder, name = self._where[path]
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+        self._data.clear()
+        self._where.clear()
+
+
+@dataclass
+class CommitPlan:
+    """What committing a staged job would do.
+
+    Attributes:
+        ops: the operations, in apply order.
+        expect: the host fingerprint of every path an op touches (``None``: absent).
+        conflicts: why the commit must be refused (empty: it may go ahead).
+        filtered: ``(path, what)`` for what was not committed as staged (a stripped
+            setuid bit, a fifo left out).
+        destroyed: host files whose content the ops destroy, with the fingerprint and the
+            digest their blob must be taken at (`store_originals`).
+        source: where the new contents come from.
+    """
+
+    ops: tuple[UndoOp, ...] = ()
+    expect: dict[str, Fingerprint | None] = field(default_factory=dict)
+    conflicts: list[Conflict] = field(default_factory=list)
+    filtered: list[tuple[str, str]] = field(default_factory=list)
+    destroyed: dict[str, tuple[Fingerprint, str]] = field(default_factory=dict)
+    source: UpperSource = field(default_factory=UpperSource)
+
+
+@dataclass
+class _Upper:
+    state: PathState
+    opaque: bool = False
+
+
+@dataclass
+class _Item:
+    path: str
+    upper: _Upper | None  # None: deleted by the job
+    host: os.stat_result | None
+
+
+class _Planner:
+    def __init__(self, tree: HostTree, since_ns: int, xattr: str, plan: CommitPlan) -> None:
+        self.tree = tree
+        self.since_ns = since_ns
+        self.whiteout_xattr = f"{xattr}overlay.whiteout"
+        self.opaque_xattr = f"{xattr}overlay.opaque"
+        self.plan = plan
+        self.items: list[_Item] = []
+
+    # --- pass 1: what the upper folders hold, and what the host holds there --------------
+
+    def conflict(self, path: str, reason: str) -> None:
+        self.plan.conflicts.append(Conflict(path, reason))
+
+    def host_stat(
+        self, path: str, *, folder_in_upper: bool = False
+    ) -> tuple[bool, os.stat_result | None]:
+        """``(ok, lstat)``: not ok when the path cannot be walked, or changed on the host
+        while the job ran (a conflict noted).
+
+        `folder_in_upper`: the job's upper layer holds a folder here. A host folder's
+        ctime moves whenever an entry is added or removed in it, which is no conflict
+        with a job that only changed *other* entries: folders are checked by `dir` only
+        when the job changes the folder itself (its mode).
+        """
+        try:
+            st = self.tree.lstat(path)
+        except Blocked as exc:
+            self.conflict(path, str(exc))
+            return False, None
+        both_folders = folder_in_upper and st is not None and stat.S_ISDIR(st.st_mode)
+        if st is not None and not both_folders and self.changed_since(st):
+            self.conflict(path, "changed on the host while the job ran")
+            return False, st
+        return True, st
+
+    def changed_since(self, st: os.stat_result) -> bool:
+        return st.st_ctime_ns >= self.since_ns
+
+    def walk(
+        self, upper_fd: int, host_dir: str, *, host_known: bool, replaced: bool = False
+    ) -> None:
+        """`host_known`: the host folder exists (else every entry below is new).
+        `replaced`: the folder was deleted and made again by the job (opaque, or inside
+        an opaque one): what the host holds below it goes, whatever the upper holds."""
+        for entry in sorted(os.scandir(upper_fd), key=lambda e: e.name):
+            path = posixpath.join(host_dir, entry.name)
+            st = entry.stat(follow_symlinks=False)
+            host: os.stat_result | None = None
+            if host_known:
+                ok, host = self.host_stat(path, folder_in_upper=stat.S_ISDIR(st.st_mode))
+                if not ok:
+                    continue
+            if self.is_whiteout(upper_fd, entry.name, st):
+                if not host_known:
+                    continue  # nothing below a new folder to delete
+                if host is None:
+                    self.conflict(path, "deleted by the job and removed from the host meanwhile")
+                    continue
+                self.remove_host(path, host)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                self.dir(upper_fd, entry.name, path, st, host, replaced=replaced)
+            elif stat.S_ISREG(st.st_mode):
+                self.file(upper_fd, entry.name, path, st, host)
+            elif stat.S_ISLNK(st.st_mode):
+                target = os.readlink(entry.name, dir_fd=upper_fd)
+                self.changed(path, LinkState(target=target), host)
+            else:
+                self.plan.filtered.append(
+                    (path, "special file (fifo, socket or device) not committed")
+                )
+
+    def is_whiteout(self, folder: int, name: str, st: os.stat_result) -> bool:
+        if stat.S_ISCHR(st.st_mode):
+            return st.st_rdev == 0
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            return self.xattr(folder, name, self.whiteout_xattr) is not None
+        return False
+
+    def xattr(self, folder: int, name: str, key: str) -> bytes | None:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        try:
+            return os.getxattr(f"/proc/self/fd/{fd}", key)
+        except OSError as exc:
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    def dir(
+        self,
+        folder: int,
+        name: str,
+        path: str,
+        st: os.stat_result,
+        host: os.stat_result | None,
+        *,
+        replaced: bool = False,
+    ) -> None:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=folder)
+        try:
+            # Inside a folder the job made again, the overlay looks nothing up below:
+            # a sub-folder there replaces the host's whole, marked or not.
+            opaque = replaced or os.getxattr(fd, self.opaque_xattr) == b"y"
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
+                os.close(fd)
+                raise
+            opaque = False
+        try:
+            mode = self.stripped(path, st)
+            host_is_dir = host is not None and stat.S_ISDIR(host.st_mode)
+            if host is None or not host_is_dir:
+                self.changed(path, DirState(mode=mode), host)
+                self.walk(fd, path, host_known=False)
+                return
+            assert host is not None
+            if opaque:
+                # Deleted and made again: every host entry not staged again goes.
+                staged = set(os.listdir(fd))
+                for child, child_st in self.host_children(path):
+                    if child.rsplit("/", 1)[1] not in staged:
+                        ok, _ = self.host_stat(child)
+                        if ok:
+                            self.remove_host(child, child_st)
+            if stat.S_IMODE(host.st_mode) != mode:
+                if self.changed_since(host):
+                    # The job changed its mode; the host changed it (or its entries).
+                    self.conflict(path, "changed on the host while the job ran")
+                self.items.append(_Item(path, _Upper(DirState(mode=mode)), host))
+            self.walk(fd, path, host_known=True, replaced=opaque)
+        finally:
+            os.close(fd)
+
+    def file(
+        self, folder: int, name: str, path: str, st: os.stat_result, host: os.stat_result | None
+    ) -> None:
+        mode = self.stripped(path, st)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        try:
+            if st.st_size <= _INLINE_MAX:
+                data = _read_all(fd)
+                digest, size = hashlib.sha256(data).hexdigest(), len(data)
+                self.plan.source._data[path] = data
+            else:
+                digest, size = hash_fd(fd)
+                self.plan.source._where[path] = (self.plan.source.add_dir(os.dup(folder)), name)
+        finally:
+            os.close(fd)
+        # No mtime: a committed file is stamped when the commit writes it (setting the
+        # job's would cost a write of the inode per file); originals keep theirs on undo.
+        after = FileState(sha256=digest, size=size, mode=mode)
+        self.changed(path, after, host)
+
+    def stripped(self, path: str, st: os.stat_result) -> int:
+        mode = stat.S_IMODE(st.st_mode)
+        kept = strip_mode(mode)
+        if kept != mode:
+            self.plan.filtered.append(
+                (path, f"setuid/setgid bits removed (mode {mode:o} -> {kept:o})")
+            )
+        return kept
+
+    def changed(self, path: str, after: PathState, host: os.stat_result | None) -> None:
+        if host is not None and stat.S_ISDIR(host.st_mode) and not isinstance(after, DirState):
+            # A folder replaced by a file or a link: everything below it goes first.
+            for child, child_st in self.host_children(path):
+                ok, _ = self.host_stat(child)
+                if ok:
+                    self.remove_host(child, child_st)
+        self.items.append(_Item(path, _Upper(after), host))
+
+    def host_children(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
+        fd = self.tree.dir_fd(folder)
+        for entry in sorted(os.scandir(fd), key=lambda e: e.name):
+            yield posixpath.join(folder, entry.name), entry.stat(follow_symlinks=False)
+
+    def remove_host(self, path: str, st: os.stat_result) -> None:
+        if stat.S_ISDIR(st.st_mode):
+            for child, child_st in self.host_children(path):
+                ok, _ = self.host_stat(child)
+                if ok:
+                    self.remove_host(child, child_st)
+        self.items.append(_Item(path, None, st))
+
+    # --- pass 2: operations ----------------------------------------------------------
+
+    def host_state(self, path: str, st: os.stat_result) -> PathState | None:
+        try:
+            return self.tree.state_of(path, st)
+        except (Blocked, FileNotFoundError):
+            self.conflict(path, "changed on the host while the commit read it")
+            return None
+
+    def operations(self) -> None:
+        plan = self.plan
+        ops: list[UndoOp] = []
+        deleted: dict[tuple[str, int], list[str]] = {}
+        befores: dict[str, PathState] = {}
+        for item in self.items:
+            host = item.host
+            before: PathState = Absent()
+            if host is not None:
+                found = self.host_state(item.path, host)
+                if found is None:
+                    if not stat.S_ISREG(host.st_mode) and not stat.S_ISLNK(host.st_mode):
+                        self.conflict(
+                            item.path, "a special file on the host cannot be replaced reversibly"
+                        )
+                    continue
+                before = found
+                plan.expect[item.path] = Fingerprint.of(host)
+            else:
+                plan.expect[item.path] = None
+            befores[item.path] = before
+            after = Absent() if item.upper is None else item.upper.state
+            if (
+                isinstance(before, FileState)
+                and isinstance(after, FileState)
+                and before.sha256 == after.sha256
+                and before.mode == after.mode
+            ):
+                continue  # copied up, not changed
+            if (
+                isinstance(before, DirState)
+                and isinstance(after, DirState)
+                and before.mode == after.mode
+            ):
+                continue
+            op = Put(path=item.path, before=before, after=after)
+            if isinstance(after, Absent) and isinstance(before, FileState | LinkState):
+                deleted.setdefault(_content_key(before), []).append(item.path)
+            ops.append(op)
+        final = find_moves(ops, deleted, befores)
+        for done in final:
+            if isinstance(done, Put) and isinstance(done.before, FileState):
+                new = done.after
+                if not (isinstance(new, FileState) and new.sha256 == done.before.sha256):
+                    fp = plan.expect.get(done.path)
+                    if fp is not None:
+                        plan.destroyed[done.path] = (fp, done.before.sha256)
+        plan.ops = order_ops(final)
+
+
+def _content_key(state: FileState | LinkState) -> tuple[str, int]:
+    if isinstance(state, FileState):
+        return state.sha256, state.mode
+    return "link:" + state.target, -1
+
+
+def find_moves(
+    ops: list[UndoOp], deleted: dict[tuple[str, int], list[str]], befores: dict[str, PathState]
+) -> list[UndoOp]:
+    """Pair a deletion with a creation of the same content (and mode) as a `Move`."""
+    if not deleted:
+        return ops
+    moved_from: dict[str, Move] = {}
+    out: list[UndoOp] = []
+    for op in ops:
+        if (
+            isinstance(op, Put)
+            and isinstance(op.after, FileState | LinkState)
+            and (sources := deleted.get(_content_key(op.after)))
+        ):
+            src = sources.pop()
+            before = befores[src]
+            assert isinstance(before, FileState | LinkState)
+            if not isinstance(op.before, Absent):
+                # The destination held something: it goes first (its blob is kept).
+                out.append(Put(path=op.path, before=op.before, after=Absent()))
+            moved_from[src] = Move(src=src, dst=op.path, state=before)
+            out.append(moved_from[src])
+            continue
+        out.append(op)
+    return [op for op in out if not (isinstance(op, Put) and op.path in moved_from)]
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, _CHUNK):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def change_stamp(folder: int) -> int:
+    """An inode change time taken now, to tell "changed while the job ran" (ctime at or
+    after it) from "changed before" (ctime before it).
+
+    Read from a real inode change, not from a clock: since Linux 6.13, ext4, xfs, btrfs
+    and tmpfs hand out *multigrain* times, fine-grained for an inode whose time was just
+    read, and never earlier than the last fine-grained time handed out anywhere (a global
+    floor). Two query-then-change rounds on a file of the staging tmpfs: the first lifts
+    its ctime to that floor, the second gets a fresh fine-grained time and raises the
+    floor to it. Every earlier change is then strictly before the stamp, every later one
+    at or after it, on any multigrain file system. (On one that is not, a change in the
+    coarse tick, ~1-4 ms, right after the start can go unseen.)
+    """
+    fd = os.open("stamp", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    try:
+        for _ in range(2):
+            os.fstat(fd)
+            os.ftruncate(fd, 0)
+        return os.fstat(fd).st_ctime_ns
+    finally:
+        os.close(fd)
+
+
+def plan_commit(
+    tree: HostTree,
+    uppers: list[tuple[str, int]],
+    *,
+    since_ns: int,
+    xattr_prefix: str,
+) -> CommitPlan:
+    """Read the staged changes and plan their commit.
+
+    Args:
+        tree: the host's writable roots.
+        uppers: ``(root, fd of its overlay's upper folder)`` for every staged root.
+        since_ns: an inode change time taken when the job started (`change_stamp`): a
+            host path with a ctime at or after it changed while the job ran, a conflict.
+        xattr_prefix: ``"user."`` for an overlay made in a user namespace, else
+            ``"trusted."``.
+    """
+    plan = CommitPlan()
+    planner = _Planner(tree, since_ns, xattr_prefix, plan)
+    for root, upper in uppers:
+        upper_st = os.fstat(upper)
+        root_st = tree.lstat(root)
+        if root_st is not None and stat.S_IMODE(upper_st.st_mode) != stat.S_IMODE(root_st.st_mode):
+            mode = planner.stripped(root, upper_st)
+            if mode != stat.S_IMODE(root_st.st_mode):
+                planner.items.append(_Item(root, _Upper(DirState(mode=mode)), root_st))
+        planner.walk(upper, root, host_known=True)
+    if not plan.conflicts:
+        planner.operations()
+    return plan
+
+
+def store_originals(plan: CommitPlan, tree: HostTree, store: BlobStore) -> None:
+    """Copy every host file the plan destroys into the blob store (before the journal).
+
+    Raises:
+        Blocked: a file changed since it was planned (the caller treats it as a conflict).
+    """
+    for path, (fp, sha256) in plan.destroyed.items():
+        fd = tree.open_file(path)
+        try:
+            got = Fingerprint.of(os.fstat(fd))
+            if got != fp:
+                raise Blocked(f"{path} changed on the host while the commit read it")
+            digest, _ = store.put_fd(fd)
+        finally:
+            os.close(fd)
+        if digest != sha256:
+            raise Blocked(f"{path} changed on the host while the commit read it")

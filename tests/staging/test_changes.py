@@ -1,0 +1,211 @@
+"""The change set read from an overlay's upper folder, built here by hand."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from metnos_exec.journal import HostTree
+from metnos_exec.messages import Absent, DirState, FileState, LinkState, Move, Put
+from metnos_exec.staging.changes import CommitPlan, change_stamp, plan_commit
+
+XATTR = "user."
+
+
+def whiteout(path: Path) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+
+def plan(root: Path, upper: Path, since_ns: int) -> CommitPlan:
+    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with HostTree([str(root)]) as tree:
+            result = plan_commit(tree, [(str(root), fd)], since_ns=since_ns, xattr_prefix=XATTR)
+            result.source.close()
+            return result
+    finally:
+        os.close(fd)
+
+
+_stamps: list[Path] = []
+
+
+def stamp_after(*paths: Path) -> int:
+    """A "job start" stamp taken now, as staging takes it (after the changes of `paths`,
+    which the test made just before)."""
+    folder = Path(tempfile.mkdtemp(prefix="stamp-"))
+    _stamps.append(folder)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        stamp = change_stamp(fd)
+    finally:
+        os.close(fd)
+    assert all(p.lstat().st_ctime_ns < stamp for p in paths)
+    return stamp
+
+
+@pytest.fixture
+def trees(tmp_path: Path) -> tuple[Path, Path]:
+    root, upper = tmp_path / "root", tmp_path / "upper"
+    root.mkdir()
+    upper.mkdir()
+    return root, upper
+
+
+def can_whiteout(tmp_path: Path) -> bool:
+    try:
+        whiteout(tmp_path / ".probe")
+    except PermissionError:
+        return False
+    os.unlink(tmp_path / ".probe")
+    return True
+
+
+def test_whiteouts_opaque_folders_and_moves(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    if not can_whiteout(tmp_path):
+        pytest.skip("this kernel refuses whiteouts (char 0/0) to this user")
+    root, upper = trees
+    (root / "gone").write_text("gone")
+    (root / "old").write_text("moved content")
+    (root / "dir").mkdir()
+    (root / "dir" / "a").write_text("a")
+    (root / "dir" / "b").write_text("b")
+    since = stamp_after(root / "gone", root / "old", root / "dir" / "b")
+    whiteout(upper / "gone")
+    whiteout(upper / "old")
+    (upper / "new").write_text("moved content")
+    (upper / "dir").mkdir()
+    os.setxattr(upper / "dir", f"{XATTR}overlay.opaque", b"y")
+    (upper / "dir" / "b").write_text("b again")
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    ops = {
+        (type(op).__name__, op.path if isinstance(op, Put) else (op.src, op.dst))
+        for op in result.ops
+    }
+    assert ("Put", str(root / "gone")) in ops  # a whiteout is a deletion, never a node
+    assert ("Move", (str(root / "old"), str(root / "new"))) in ops  # content reappeared
+    assert ("Put", str(root / "dir" / "a")) in ops  # opaque: what was not staged again goes
+    assert ("Put", str(root / "dir" / "b")) in ops  # and the restaged one replaces
+    removed = [op for op in result.ops if isinstance(op, Put) and op.path == str(root / "gone")]
+    assert isinstance(removed[0].after, Absent) and isinstance(removed[0].before, FileState)
+    assert str(root / "gone") in result.destroyed and str(root / "old") not in result.destroyed
+
+
+def test_setuid_and_special_files_are_filtered(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (upper / "suid").write_text("x")
+    os.chmod(upper / "suid", 0o6755)
+    (upper / "sgid_dir").mkdir()
+    os.chmod(upper / "sgid_dir", 0o2775)
+    os.mkfifo(upper / "fifo")
+    if os.geteuid() == 0:
+        os.mknod(upper / "dev", stat.S_IFCHR | 0o666, os.makedev(1, 3))  # /dev/null's
+    result = plan(root, upper, time.time_ns())
+    after = {op.path: op.after for op in result.ops if isinstance(op, Put)}
+    assert isinstance(after[str(root / "suid")], FileState)
+    assert after[str(root / "suid")].mode == 0o755  # type: ignore[union-attr]
+    assert after[str(root / "sgid_dir")] == DirState(mode=0o775)
+    assert str(root / "fifo") not in after and str(root / "dev") not in after
+    what = dict(result.filtered)
+    assert "setuid/setgid" in what[str(root / "suid")]
+    assert "special file" in what[str(root / "fifo")]
+    if os.geteuid() == 0:
+        assert "special file" in what[str(root / "dev")]
+
+
+def test_links_are_committed_as_links(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    os.symlink("/etc/shadow", upper / "evil")
+    result = plan(root, upper, time.time_ns())
+    [op] = result.ops
+    assert op == Put(
+        path=str(root / "evil"), before=Absent(), after=LinkState(target="/etc/shadow")
+    )
+
+
+def test_a_copy_up_without_change_is_no_change(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (root / "same").write_text("same")
+    (root / "chmodded").write_text("c")
+    since = stamp_after(root / "same", root / "chmodded")
+    (upper / "same").write_text("same")
+    (upper / "chmodded").write_text("c")
+    os.chmod(upper / "chmodded", 0o600)
+    result = plan(root, upper, since)
+    [op] = result.ops
+    assert isinstance(op, Put) and op.path == str(root / "chmodded")
+    assert isinstance(op.before, FileState) and isinstance(op.after, FileState)
+    assert op.before.sha256 == op.after.sha256 and op.after.mode == 0o600
+    assert result.destroyed == {}  # no content lost: no blob needed
+
+
+def test_a_target_changed_on_the_host_since_the_start_is_a_conflict(
+    trees: tuple[Path, Path],
+) -> None:
+    root, upper = trees
+    (root / "edited").write_text("v1")
+    (root / "untouched").write_text("u")
+    since = stamp_after(root / "edited", root / "untouched")
+    (root / "edited").write_text("v2 by a person")  # while the job ran
+    (root / "appeared").write_text("the host made it too")
+    (root / "untouched").write_text("changed, but the job did not touch it")
+    (upper / "edited").write_text("the job's version")
+    (upper / "appeared").write_text("the job's")
+    (upper / "mine").write_text("new")
+    result = plan(root, upper, since)
+    assert sorted(c.path for c in result.conflicts) == [
+        str(root / "appeared"),
+        str(root / "edited"),
+    ]
+    assert result.ops == ()  # refused as a whole
+
+
+def test_a_moved_file_keeps_its_inode(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    if not can_whiteout(tmp_path):
+        pytest.skip("this kernel refuses whiteouts (char 0/0) to this user")
+    root, upper = trees
+    (root / "src").write_text("content")
+    since = stamp_after(root / "src")
+    whiteout(upper / "src")
+    (upper / "dst").write_text("content")
+    result = plan(root, upper, since)
+    assert [type(op) for op in result.ops] == [Move]
+
+
+def test_below_an_opaque_folder_the_host_is_replaced_whole(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (root / "d" / "e").mkdir(parents=True)
+    (root / "d" / "e" / "old.txt").write_text("old")
+    (root / "d" / "e" / "f.txt").write_text("f0")
+    (root / "d" / "x").write_text("x")
+    since = stamp_after(root / "d" / "e" / "old.txt", root / "d" / "e" / "f.txt", root / "d" / "x")
+    # rm -r d; mkdir -p d/e; echo f1 > d/e/f.txt: only d carries the opaque mark.
+    (upper / "d" / "e").mkdir(parents=True)
+    os.setxattr(upper / "d", f"{XATTR}overlay.opaque", b"y")
+    (upper / "d" / "e" / "f.txt").write_text("f1")
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    gone = {op.path for op in result.ops if isinstance(op, Put) and isinstance(op.after, Absent)}
+    assert gone == {str(root / "d" / "x"), str(root / "d" / "e" / "old.txt")}
+    replaced = [op for op in result.ops if isinstance(op, Put) and op.path.endswith("/f.txt")]
+    assert len(replaced) == 1 and isinstance(replaced[0].after, FileState)
+
+
+def test_a_host_entry_next_to_the_jobs_is_no_conflict(trees: tuple[Path, Path]) -> None:
+    root, upper = trees
+    (root / "sub").mkdir()
+    (root / "sub" / "a").write_text("a")
+    since = stamp_after(root / "sub", root / "sub" / "a")
+    (root / "sub" / "theirs.txt").write_text("a person saved a note meanwhile")
+    (upper / "sub").mkdir()  # copied up: the job added an entry in it
+    os.chmod(upper / "sub", stat.S_IMODE((root / "sub").stat().st_mode))
+    (upper / "sub" / "mine.txt").write_text("the job's note")
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    assert [op.path for op in result.ops if isinstance(op, Put)] == [str(root / "sub" / "mine.txt")]

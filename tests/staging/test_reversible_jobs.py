@@ -1,0 +1,453 @@
+"""Reversible mutations end to end: real bubblewrap, real overlays, a supervisor.
+
+Issue 10's acceptance points 1, 2, 4, 5, 6 and 7 (3, the crash in the middle of a commit,
+is in ``test_commit_crash.py``; 8 is the benchmark). Every test runs on both backends.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from metnos_exec.client import Client
+from metnos_exec.errors import UndoConflict, UndoUnavailable
+from metnos_exec.messages import UNDO_EXECUTOR, Job
+from metnos_exec.sandbox._types import AXES
+from metnos_exec.sandbox.direct import DirectSandbox
+from metnos_exec.sandbox.select import ArmChoice, Degradation
+from metnos_exec.staging import Staging
+
+from .helpers import (
+    World,
+    api_undo,
+    bwrap_works,
+    make_world,
+    seed,
+    snapshot,
+    staged_file_seen,
+    staging_works,
+    wait_for,
+)
+
+pytestmark = pytest.mark.anyio
+
+ALL_KINDS = [
+    ["write", "new.txt", "brand new\n"],
+    ["append", "mod.txt", "appended\n"],
+    ["rm", "del.txt"],
+    ["mv", "mv.txt", "moved.txt"],
+    ["chmod", "tool.sh", "755"],
+    ["rmtree", "sub"],
+    ["mkdir", "newdir/inner"],
+    ["write", "newdir/inner/f.txt", "nested\n"],
+    ["symlink", "link2", "keep.txt"],
+    ["rm", "link"],
+]
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> World:
+    w = make_world(tmp_path)
+    try:
+        yield w
+    finally:
+        await w.staging.aclose()
+
+
+# --- 1. create, modify, delete, rename, chmod; undo; undo of the undo -------------------
+
+
+async def test_commit_then_undo_then_redo_are_byte_exact(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    result = await world.run(ALL_KINDS)
+    assert result.status == "succeeded", result
+    assert len(result.undo_ids) == 1
+    after = snapshot(world.notes)
+    # The tree is what the job saw.
+    assert after["new.txt"][2] != before.get("new.txt")
+    assert (world.notes / "mod.txt").read_text() == "old content\nappended\n"
+    assert "del.txt" not in after and "mv.txt" not in after and "sub" not in after
+    assert (world.notes / "moved.txt").read_text() == "move me\n"
+    assert after["tool.sh"][1] == "0o755"
+    assert (world.notes / "newdir" / "inner" / "f.txt").read_text() == "nested\n"
+    assert after["link2"] == ("link", "keep.txt") and "link" not in after
+    assert result.containment is not None
+    assert "disk writes bounded" in result.containment.resources.reason
+
+    client = Client(world.broker)
+    undo_id = await client.submit_undo(result.job_id)
+    await world.burst()
+    undone = await world.broker.get_result(undo_id)
+    assert undone is not None and undone.status == "succeeded", undone
+    assert snapshot(world.notes) == before  # content, names, modes, links
+
+    redo_id = await client.submit_undo(undo_id)
+    await world.burst()
+    redone = await world.broker.get_result(redo_id)
+    assert redone is not None and redone.status == "succeeded", redone
+    assert snapshot(world.notes) == after
+
+    # And the job can be undone again once its undo was undone.
+    again = await client.submit_undo(result.job_id)
+    await world.burst()
+    assert (await world.broker.get_result(again)).status == "succeeded"  # type: ignore[union-attr]
+    assert snapshot(world.notes) == before
+
+
+async def test_undo_is_logged_and_a_second_undo_is_refused(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    result = await world.run([["write", "a.txt", "a"]])
+    client = Client(world.broker)
+    with capture_logs() as logs:
+        undo_id = await client.submit_undo(result.job_id)
+        await world.burst()
+    applied = [r for r in logs if r["event"] == "undo.applied"]
+    assert len(applied) == 1 and applied[0]["undone"] == result.job_id
+    assert any(p.endswith("/a.txt") for p in applied[0]["paths"])
+    recorded = [r for r in logs if r["event"] == "undo.recorded"]
+    assert recorded and recorded[0]["reverses"] == result.undo_ids[0]
+
+    with pytest.raises(UndoUnavailable, match=f"already undone by job {undo_id}"):
+        await api_undo(world, result.job_id)
+
+
+async def test_an_undo_of_a_job_without_changes_is_refused_before_queueing(world: World) -> None:
+    await staging_works(world)
+    result = await world.run([])
+    assert result.status == "succeeded" and result.undo_ids == ()
+    with pytest.raises(UndoUnavailable, match="recorded no file changes"):
+        await Client(world.broker).submit_undo(result.job_id)
+
+
+# --- 2. failure, timeout, cancel leave the tree untouched -------------------------------
+
+
+async def test_a_failed_job_leaves_nothing(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    result = await world.run(ALL_KINDS, fail=True)
+    assert result.status == "failed" and result.error is not None
+    assert result.error.code == "E_EXIT"
+    assert snapshot(world.notes) == before
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+async def test_a_timed_out_job_leaves_nothing(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": ALL_KINDS, "sleep": 30},
+        timeout_s=1.0,
+    )
+    await world.broker.submit(job)
+    await world.burst()
+    result = await world.broker.get_result(job.id)
+    assert result is not None and result.status == "timed_out"
+    assert snapshot(world.notes) == before
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+async def test_a_cancelled_job_leaves_nothing(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": ALL_KINDS, "sleep": 30})
+    await world.broker.submit(job)
+    async with anyio.create_task_group() as tg:
+        sup = world.supervisor(cancel_poll_s=0.05)
+        tg.start_soon(sup.run)
+        await wait_for(lambda: staged_file_seen(world, "new.txt"), 20)
+        assert snapshot(world.notes) == before
+        assert await world.broker.cancel(job.id) == "cancelling"
+        await wait_for(lambda: job.id in world.broker._results, 20)
+        await sup.drain(0)
+    result = await world.broker.get_result(job.id)
+    assert result is not None and result.status == "cancelled"
+    assert snapshot(world.notes) == before
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+# --- 4. undo after a later edit: refused, nothing changes --------------------------------
+
+
+async def test_undo_after_a_later_edit_is_refused_and_changes_nothing(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    result = await world.run([["append", "mod.txt", "job\n"], ["write", "new.txt", "n"]])
+    (world.notes / "mod.txt").write_text("edited by a person afterwards\n")
+    now = snapshot(world.notes)
+    client = Client(world.broker)
+    undo_id = await client.submit_undo(result.job_id)
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.status == "rejected"
+    assert refused.error is not None and refused.error.code == "E_UNDO_CONFLICT"
+    assert "mod.txt" in refused.error.message and "content changed" in refused.error.message
+    assert "new.txt" not in refused.error.message  # only what changed is named
+    assert snapshot(world.notes) == now
+    # The API raises it.
+    with pytest.raises(UndoConflict, match=r"mod\.txt"):
+        await api_undo(world, result.job_id)
+    assert snapshot(world.notes) == now
+
+
+async def test_undo_refuses_when_a_created_folder_got_new_entries(world: World) -> None:
+    await staging_works(world)
+    result = await world.run([["mkdir", "made"], ["write", "made/a", "a"]])
+    (world.notes / "made" / "mine.txt").write_text("a person's file")
+    now = snapshot(world.notes)
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_CONFLICT" and "mine.txt" in refused.error.message
+    assert snapshot(world.notes) == now
+
+
+# --- 5. symlinks, setuid, disk budget ----------------------------------------------------
+
+
+async def test_a_planted_symlink_stays_inert(world: World, tmp_path: Path) -> None:
+    await staging_works(world)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret"
+    secret.write_text("host secret\n")
+    parts = str(secret).strip("/").split("/")
+    result = await world.run(
+        [
+            ["symlink_abs", "evil", *parts],
+            ["symlink_abs", "evildir", *str(outside).strip("/").split("/")],
+        ]
+    )
+    assert result.status == "succeeded", result
+    # Committed as links, never followed: the host file is untouched.
+    assert os.readlink(world.notes / "evil") == str(secret)
+    assert secret.read_text() == "host secret\n" and sorted(os.listdir(outside)) == ["secret"]
+    # A later job handed a path through the link is refused by vetting (links resolved).
+    job = Job(executor="mutate", args={"root": "~/notes", "target": "~/notes/evil"})
+    await world.broker.submit(job)
+    await world.burst()
+    denied = await world.broker.get_result(job.id)
+    assert denied is not None and denied.error is not None
+    assert denied.error.code == "E_CAPABILITY_DENIED"
+    # And writing through it from inside the sandbox reaches nothing on the host.
+    through = await world.run([["write", "evildir/planted", "x"]])
+    assert through.status == "failed"
+    assert sorted(os.listdir(outside)) == ["secret"]
+
+
+async def test_setuid_and_setgid_bits_never_reach_the_host(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    with capture_logs() as logs:
+        result = await world.run(
+            [
+                ["chmod", "tool.sh", "4755"],
+                ["write", "new.sh", "#!/bin/sh\n"],
+                ["chmod", "new.sh", "6755"],
+                ["mkdir", "gdir"],
+                ["chmod", "gdir", "2775"],
+            ]
+        )
+    assert result.status == "succeeded", result
+    for name in ("tool.sh", "new.sh", "gdir"):
+        mode = os.lstat(world.notes / name).st_mode
+        assert not mode & (stat.S_ISUID | stat.S_ISGID), (name, oct(mode))
+    assert stat.S_IMODE(os.lstat(world.notes / "tool.sh").st_mode) == 0o755
+    filtered = [r for r in logs if r["event"] == "commit.filtered"]
+    assert {Path(r["path"]).name for r in filtered} == {"tool.sh", "new.sh", "gdir"}
+
+
+async def test_fifos_are_not_committed(world: World) -> None:
+    await staging_works(world)
+    with capture_logs() as logs:
+        result = await world.run([["mkfifo", "pipe"], ["write", "ok.txt", "ok"]])
+    assert result.status == "succeeded", result
+    assert not (world.notes / "pipe").exists() and (world.notes / "ok.txt").exists()
+    assert any(r["event"] == "commit.filtered" and r["path"].endswith("/pipe") for r in logs)
+
+
+async def test_a_job_over_its_disk_budget_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    world = make_world(tmp_path, disk_mb=1)
+    try:
+        await staging_works(world)
+        seed(world.notes)
+        before = snapshot(world.notes)
+        # 2 MiB into a 1 MiB budget: the kernel refuses while the job runs (ENOSPC).
+        result = await world.run([["write", "small.txt", "fits"], ["fill", "big.bin", "32"]])
+        assert result.status == "failed"
+        assert result.error is not None and result.error.code == "E_DISK", result.error
+        assert snapshot(world.notes) == before
+        assert result.undo_ids == () and await world.entries_count() == 0
+        # Under the budget it commits.
+        ok = await world.run([["fill", "half.bin", "8"]])
+        assert ok.status == "succeeded" and (world.notes / "half.bin").stat().st_size == 8 * 65536
+        # The disk wall holds, and adds nothing "partial" to the resources axis (which may
+        # be partial for other reasons, e.g. no pids cgroup for an unprivileged worker).
+        assert ok.containment is not None
+        assert "disk writes bounded (1 MiB staged)" in ok.containment.resources.reason
+        assert "unbounded" not in ok.containment.resources.reason
+    finally:
+        await world.staging.aclose()
+
+
+async def test_a_host_change_during_the_job_refuses_the_commit(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    (world.notes / "go").write_text("wait")
+    ops = [["append", "mod.txt", "job\n"], ["write", "n", "n"], ["waitfor", "go"]]
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": ops})
+    await world.broker.submit(job)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(world.burst)
+        await wait_for(lambda: staged_file_seen(world, "n"), 20)
+        (world.notes / "mod.txt").write_text("a person edited it meanwhile\n")
+        (world.notes / "go").write_text("go")
+        now = snapshot(world.notes)
+    result = await world.broker.get_result(job.id)
+    assert result is not None and result.status == "failed"
+    assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT"
+    assert "mod.txt" in result.error.message
+    assert snapshot(world.notes) == now  # nothing applied: "n" was not created
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+# --- 6. without staging: the declared targets are backed up and restored ----------------
+
+
+def _direct_chooser(runtime: str, *, require_sandbox: bool) -> ArmChoice:
+    return ArmChoice(
+        DirectSandbox(),
+        Degradation(requested="bwrap", used="none", reason="sandbox_off", axes_lost=AXES),
+    )
+
+
+@pytest.mark.parametrize("how", ["direct_arm", "no_overlay"])
+async def test_without_staging_the_declared_targets_are_backed_up(tmp_path: Path, how: str) -> None:
+    world = make_world(tmp_path, overlay=how != "no_overlay")
+    kw = {"arm_chooser": _direct_chooser} if how == "direct_arm" else {}
+    if how == "no_overlay":
+        bwrap_works()
+    try:
+        target = world.notes / "target.txt"
+        target.write_text("precious\n")
+        os.chmod(target, 0o640)
+        before = snapshot(world.notes)
+        ops = [["write", "target.txt", "overwritten"], ["write", "other.txt", "not declared"]]
+
+        # A failure: the target is put back at once; the undeclared file stays.
+        job = Job(executor="mutate", args={"root": "~/notes", "ops": ops, "fail": True})
+        await world.broker.submit(job)
+        with capture_logs() as logs:
+            await world.burst(**kw)
+        failed = await world.broker.get_result(job.id)
+        assert failed is not None and failed.status == "failed" and failed.undo_ids == ()
+        assert target.read_text() == "precious\n" and stat.S_IMODE(target.stat().st_mode) == 0o640
+        assert (world.notes / "other.txt").exists()  # lost: said in the degradation
+        degraded = [
+            r for r in logs if r["event"] == "sandbox.degraded" and r["reason"] == "no_staging"
+        ]
+        assert len(degraded) == 1, degraded  # once for the job, whatever it touched
+        assert "only the 2 declared target(s)" in degraded[0]["detail"]  # root, target
+        assert failed.containment is not None
+        assert failed.containment.resources.state != "kept"
+        assert "disk writes unbounded" in failed.containment.resources.reason
+        (world.notes / "other.txt").unlink()
+
+        # A success: recorded as a backup entry; undo restores the target exactly.
+        job = Job(executor="mutate", args={"root": "~/notes", "ops": ops})
+        await world.broker.submit(job)
+        await world.burst(**kw)
+        ok = await world.broker.get_result(job.id)
+        assert ok is not None and ok.status == "succeeded" and len(ok.undo_ids) == 1
+        assert target.read_text() == "overwritten"
+        [record] = await world.broker.get_undo(ok.undo_ids)
+        assert record.entry.method == "backup" and record.entry.lost
+        undo_id = await Client(world.broker).submit_undo(job.id)
+        await world.burst(**kw)
+        undone = await world.broker.get_result(undo_id)
+        assert undone is not None and undone.status == "succeeded", undone
+        (world.notes / "other.txt").unlink()
+        assert snapshot(world.notes) == before
+    finally:
+        await world.staging.aclose()
+
+
+# --- 7. an undo runs on the device that made the change, and nowhere else ---------------
+
+
+async def test_an_undo_runs_on_the_device_that_made_the_change(world: World) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": [["write", "from-d.txt", "d"]]},
+        device="phone-d",
+    )
+    await world.broker.submit(job)
+    await world.burst(device="phone-d")
+    done = await world.broker.get_result(job.id)
+    assert done is not None and done.status == "succeeded" and done.device == "phone-d"
+
+    undo_id = await Client(world.broker).submit_undo(job.id)
+    state = await world.broker.get_job_state(undo_id)
+    assert state is not None and state.state == "queued"
+    # Server workers and other devices never see it.
+    await world.burst()
+    await world.burst(device="tablet-e")
+    state = await world.broker.get_job_state(undo_id)
+    assert state is not None and state.state == "queued" and state.attempt == 0
+    assert (world.notes / "from-d.txt").exists()
+    # Device D does.
+    await world.burst(device="phone-d")
+    undone = await world.broker.get_result(undo_id)
+    assert undone is not None and undone.status == "succeeded" and undone.device == "phone-d"
+    assert snapshot(world.notes) == before
+
+
+async def test_an_undo_misrouted_by_hand_is_refused_by_the_wrong_device(world: World) -> None:
+    await staging_works(world)
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": [["write", "x", "x"]]}, device="d")
+    await world.broker.submit(job)
+    await world.burst(device="d")
+    undo = Job(executor=UNDO_EXECUTOR, args={"job_id": job.id}, device="e")
+    await world.broker.submit(undo)
+    await world.burst(device="e")
+    refused = await world.broker.get_result(undo.id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "device 'd'" in refused.error.message
+    assert (world.notes / "x").read_text() == "x"
+
+
+async def test_an_undo_without_the_originals_is_refused_and_changes_nothing(
+    world: World, tmp_path: Path
+) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    result = await world.run([["append", "mod.txt", "job\n"], ["rm", "del.txt"]])
+    now = snapshot(world.notes)
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    # A worker of the same device whose blob folder is another (another machine).
+    elsewhere = Staging(tmp_path / "elsewhere")
+    try:
+        await world.burst(staging=elsewhere)
+    finally:
+        await elsewhere.aclose()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "blob store" in refused.error.message
+    assert "mod.txt" in refused.error.message and "del.txt" in refused.error.message
+    assert snapshot(world.notes) == now
