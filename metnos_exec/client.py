@@ -87,6 +87,10 @@ class Client:
         return self._broker
 
     async def __aenter__(self) -> Client:
+        if self._owns:
+            # A broker may hold resources that live in the task that enters it (the
+            # Redis client's connections): entered here, left in `aclose`.
+            await self._broker.__aenter__()
         return self
 
     async def __aexit__(
@@ -264,6 +268,9 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         )
         try:
             self._client = self._portal.call(Client, broker)
+            # Entered in one task of the portal that lives until `close`: the Redis
+            # client's connections belong to the task that opens them.
+            self._stack.enter_context(self._portal.wrap_async_context_manager(self._client))
         except BaseException:
             self._stack.close()
             raise
@@ -316,10 +323,8 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._portal.call(self._client.aclose)
-        finally:
-            self._stack.close()
+        # Leaving the client's context closes the broker it opened (`Client.aclose`).
+        self._stack.close()
 
     def __exit__(
         self,

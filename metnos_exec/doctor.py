@@ -10,10 +10,10 @@ when a required finding is not ``ok``.
 
 Every probe is read from the host through the modules that use the mechanism
 (`sandbox.status.status` for bubblewrap, user namespaces, seccomp, landlock and the wasm
-runtime; `process` for cgroups; the broker itself), never re-implemented here. Two
-mechanisms are built by parallel work not yet in this tree: whether the bwrap arm applies
-seccomp and landlock, and overlay staging. `_applied` and `_staging_probe` are the one place
-each is decided, to switch to the status fields once those land.
+runtime, and whether the bwrap arm applies its seccomp filter and landlock; `process` for
+cgroups; the broker itself), never re-implemented here. Overlay staging is built by
+parallel work not yet in this tree: `_staging_probe` is the one place it is decided, to
+switch to the staging module's status once that lands.
 """
 
 from __future__ import annotations
@@ -76,14 +76,13 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _applied(status: Any, mechanism: str) -> bool | None:
-    """Whether the bwrap arm applies `mechanism` (``seccomp`` / ``landlock``) to jobs.
-
-    ``None`` until the sandbox reports it: this tree's status has no such field, the walls
-    issue adds it. Switch here (one place) when it lands.
-    """
-    value = getattr(status, f"{mechanism}_applied", None)
-    return None if value is None else bool(value)
+def _applied(status: Any, mechanism: str) -> tuple[bool, str]:
+    """Whether the bwrap arm applies `mechanism` (``seccomp`` / ``landlock``) to every job,
+    and what it is (or why not), from `status` (``bwrap_seccomp`` / ``bwrap_landlock``)."""
+    field = getattr(status, f"bwrap_{mechanism}", None)
+    if field is None:
+        return False, "the sandbox does not report it"
+    return bool(field.active), str(field.detail)
 
 
 def _staging_probe() -> tuple[bool, str]:
@@ -199,14 +198,16 @@ def _bwrap_findings(st: Any, env: Mapping[str, str], required: bool) -> list[Fin
 
 def _filter_findings(st: Any) -> list[Finding]:
     out: list[Finding] = []
-    applied = _applied(st, "seccomp")
+    applied, what = _applied(st, "seccomp")
     if not st.seccomp:
         out.append(
             Finding(
                 check="seccomp",
                 state="missing",
                 detail="the kernel has no seccomp filters",
-                meaning="a job may use every system call its namespaces allow",
+                meaning="a job may use every system call its namespaces allow (a Unix socket "
+                "in a mounted folder is reachable, the worker's keyrings are shared): the "
+                "network and user axes say partial",
                 fix="boot a kernel built with CONFIG_SECCOMP_FILTER=y",
             )
         )
@@ -215,16 +216,21 @@ def _filter_findings(st: Any) -> list[Finding]:
             Finding(
                 check="seccomp",
                 state="ok" if applied else "weakened",
-                detail="the kernel supports seccomp filters"
-                + ("" if applied else "; this version of metnos-exec installs none yet"),
-                meaning="system calls are filtered"
+                detail=what,
+                meaning="system calls are filtered (no Unix sockets, keyrings, setuid bits, "
+                "new namespaces, mounts, io_uring, ...)"
                 if applied
                 else "a job may use every system call its namespaces allow (a Unix socket "
-                "in a mounted folder is reachable)",
-                fix=None if applied else "upgrade metnos-exec (the walls release adds the filter)",
+                "in a mounted folder is reachable, the worker's keyrings are shared): the "
+                "network and user axes say partial",
+                fix=None
+                if applied
+                else "run workers on x86_64 or aarch64 with a kernel offering the seccomp "
+                "actions kill_process and errno (Linux >= 4.14)",
             )
         )
-    abi, applied = st.landlock_abi, _applied(st, "landlock")
+    abi = st.landlock_abi
+    applied, what = _applied(st, "landlock")
     if abi is None:
         out.append(
             Finding(
@@ -241,12 +247,14 @@ def _filter_findings(st: Any) -> list[Finding]:
             Finding(
                 check="landlock",
                 state="ok" if applied else "weakened",
-                detail=f"landlock ABI {abi}"
-                + ("" if applied else "; this version of metnos-exec does not apply it yet"),
+                detail=what,
                 meaning="file access is limited inside the sandbox too"
                 if applied
                 else "no second file wall inside the sandbox (the mounts remain the wall)",
-                fix=None if applied else "upgrade metnos-exec (the walls release applies it)",
+                fix=None
+                if applied
+                else "install a Python the sandbox can run at /usr/bin/python3, or run the "
+                "worker with an interpreter outside a private home",
             )
         )
     return out

@@ -53,10 +53,11 @@ EVENTS: Mapping[str, str] = {
     "worker.stopped": "the worker left its run loop (released: leases handed back)",
     "worker.signal": "a signal arrived (signal); the first drains, the second cuts grace",
     "worker.error": "an unexpected error in the worker's own loop (error); it keeps serving",
-    "broker.error": "a broker call failed (op, code, error, failures, fatal; job_id, "
-    "retry_in_s for a result kept to store again; gave_up when it no longer will be); "
-    "no new job is leased until the store works",
-    "broker.recovered": "the store works again after failures (op, failures, down_s)",
+    "broker.error": "a broker call failed (the worker: op, code, error, failures, fatal; "
+    "job_id, retry_in_s for a result kept to store again; gave_up when it no longer will "
+    "be; the Redis broker: broker, error); no new job is leased until the store works",
+    "broker.recovered": "the store works again after failures (op, failures, down_s; Redis: "
+    "broker, down_s)",
     "queue.purged": "finished jobs past retention were forgotten (jobs, collected, "
     "reclaimed_bytes, older_than_s)",
     "log.dropped": "records could not be written (count), e.g. on a full disk",
@@ -107,16 +108,33 @@ class _SafeStream:
 
     A record that cannot be written (no space, a file size limit, a closed stream) is
     dropped and counted; the next record that can be written is preceded by a
-    ``log.dropped`` record with that count.
+    ``log.dropped`` record with that count. A record cut short (the disk filled up in its
+    middle) is ended with a newline first, so every other line stays a whole record.
     """
 
     def __init__(self, stream: BinaryIO, *, owned: bool) -> None:
         self._stream = stream
         self._owned = owned
         self.dropped = 0
+        self._torn = False
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self._stream.write(view)
+            if n is None:  # a buffered stream took it all (or raised)
+                return
+            if n <= 0:
+                raise OSError("the log stream took nothing")
+            if n < len(view):
+                self._torn = True  # until the rest is written
+            view = view[n:]
+        self._torn = False
 
     def write(self, data: bytes) -> None:
         try:
+            if self._torn:
+                self._write_all(b"\n")
             if self.dropped:
                 note = {
                     "ts": _timestamp(None, "", {})["ts"],
@@ -124,9 +142,9 @@ class _SafeStream:
                     "event": "log.dropped",
                     "count": self.dropped,
                 }
-                self._stream.write(_ENCODER.encode(note) + b"\n")
+                self._write_all(_ENCODER.encode(note) + b"\n")
                 self.dropped = 0
-            self._stream.write(data)
+            self._write_all(data)
             self._stream.flush()
         except (OSError, ValueError):  # ENOSPC, EFBIG, EIO; ValueError: closed file
             self.dropped += 1

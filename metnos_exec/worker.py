@@ -29,6 +29,7 @@ stopped, and ``metnos-exec worker`` exits 4 with its message.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import signal
 import socket
@@ -462,6 +463,26 @@ async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) 
     return None
 
 
+#: Allocations between two young-generation collections in a worker (CPython: 700).
+_GC_YOUNG_THRESHOLD: Final = 10_000
+
+
+def _tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for a long-running worker.
+
+    Each job allocates and frees a few hundred short-lived objects (tasks, scopes, log
+    records, messages); at CPython's default a young collection runs every few jobs, and
+    the older generations (every module, the Redis client, the executors) are rescanned
+    again and again. Measured on the echo arm, collection took 12-25 % of a worker's CPU.
+    Objects alive after start-up are frozen (never scanned again), and young collections
+    come every `_GC_YOUNG_THRESHOLD` allocations. Reference counting still frees almost
+    everything at once; only reference cycles wait a little longer.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, 10, 10)
+
+
 def run_worker(
     broker_url: str,
     executors_dir: str | os.PathLike[str],
@@ -574,6 +595,7 @@ def _start(
     # bubblewrap's orphaned inits come back to us and are reaped as each job ends, so a
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
+    _tune_gc()
 
     try:
         staging = Staging(state_dir)
@@ -593,30 +615,32 @@ def _start(
                 await staging.aclose()
             return
         try:
-            await serve(
-                broker,
-                registry,
-                grace_s=grace_s,
-                burst=burst,
-                worker_id=wid,
-                device=device,
-                concurrency=concurrency,
-                visibility_s=visibility_s,
-                home=home,
-                policy=policy,
-                prefetch=prefetch,
-                preload=True,
-                retention_s=retention_s,
-                early_signals=early,
-                staging=staging,
-                dry_run=True,
-                trust=trust,
-                python=python,
-            )
+            # Entered, not just closed at the end: a broker may hold resources that live
+            # in the task that opens it (the Redis client's connection tasks).
+            async with broker:
+                await serve(
+                    broker,
+                    registry,
+                    grace_s=grace_s,
+                    burst=burst,
+                    worker_id=wid,
+                    device=device,
+                    concurrency=concurrency,
+                    visibility_s=visibility_s,
+                    home=home,
+                    policy=policy,
+                    prefetch=prefetch,
+                    preload=True,
+                    retention_s=retention_s,
+                    early_signals=early,
+                    staging=staging,
+                    dry_run=True,
+                    trust=trust,
+                    python=python,
+                )
         finally:
             with anyio.CancelScope(shield=True):
                 await staging.aclose()
-                await broker.close()
 
     anyio.run(main, backend=backend)
     return 0

@@ -141,3 +141,23 @@ def native_arm(request: pytest.FixtureRequest) -> object:
     probe = bwrap_probe()
     need(probe.working, f"bubblewrap not usable here: {probe.error}")
     return BwrapSandbox()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A private redis-server on a free loopback port for the whole session (never the
+    shared one on 6379). Tests keep apart by key prefix, not by flushing."""
+    from tests.helpers.redis_server import RedisServer, redis_server_path
+
+    need(
+        redis_server_path() is not None, "redis-server is not installed (apt install redis-server)"
+    )
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    assert server.proc is not None
+    ALLOWED_CHILDREN.add(server.proc.pid)
+    try:
+        yield server
+    finally:
+        ALLOWED_CHILDREN.discard(server.proc.pid)
+        server.stop()

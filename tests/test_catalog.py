@@ -44,9 +44,14 @@ def executors(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Broker]:
-    b: Broker = MemoryBroker() if request.param == "memory" else SQLiteBroker(tmp_path / "q.db")
+    b: Broker
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        b = open_broker(f"{server.url}?prefix={tmp_path.name}")
+    else:
+        b = MemoryBroker() if request.param == "memory" else SQLiteBroker(tmp_path / "q.db")
     async with b:
         yield b
 

@@ -326,6 +326,11 @@ def test_status_is_readable(env: dict[str, str]) -> None:
     assert "{'" not in out.stdout and "('" not in out.stdout and "None" not in out.stdout
     assert "queued=1" in out.stdout and "  arms:" in out.stdout
     assert "    python: " in out.stdout  # nested keys on their own indented lines
+    # Whether the bwrap arm's kernel mechanisms are on, in words.
+    assert "  bwrap_seccomp:\n    active: " in out.stdout
+    assert "  bwrap_landlock:\n    active: " in out.stdout
+    doc = json.loads(cli(env, "status", "--json").stdout)["sandbox"]
+    assert set(doc["bwrap_seccomp"]) == set(doc["bwrap_landlock"]) == {"active", "detail"}
 
 
 def test_codes_lists_every_error_code(env: dict[str, str]) -> None:
@@ -573,3 +578,28 @@ def test_args_json_too_deep_for_the_decoder_is_a_usage_error(env: dict[str, str]
     assert out.returncode == EXIT["usage"] and "nested too deeply" in one_clear_line(out)
     too = cli(env, "submit", "sleepy", "--args-json", '{"a":' + "[" * 200 + "]" * 200 + "}")
     assert too.returncode == EXIT["usage"] and "MAX_ARGS_DEPTH" in one_clear_line(too)
+
+
+def test_status_says_when_redis_cannot_be_reached(env: dict[str, str]) -> None:
+    from tests.helpers.redis_server import _free_port
+
+    url = f"redis://127.0.0.1:{_free_port()}/0?connect_timeout_s=1"
+    out = cli({**env, "METNOS_BROKER": url}, "status")
+    assert out.returncode == EXIT["broker"], out
+    # One line, the code first (as every error of the CLI), then what happened.
+    line = one_clear_line(out)
+    assert "E_BROKER_UNAVAILABLE: cannot reach Redis at redis://127.0.0.1:" in line
+
+
+def test_submit_and_status_on_redis(env: dict[str, str], redis_server: object) -> None:
+    url = f"{redis_server.url}?prefix=cli-{os.getpid()}"  # type: ignore[attr-defined]
+    env = {**env, "METNOS_BROKER": url}
+    sub = cli(env, "submit", "sleepy", "--json")
+    assert sub.returncode == 0, sub
+    job_id = json.loads(sub.stdout)["job_id"]
+    status = cli(env, "status", "--json")
+    assert status.returncode == 0, status
+    assert json.loads(status.stdout)["broker"]["queued"] == 1
+    assert cli(env, "cancel", job_id).returncode == 0
+    res = cli(env, "result", job_id, "--json")
+    assert json.loads(res.stdout)["status"] == "cancelled"

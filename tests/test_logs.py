@@ -298,3 +298,37 @@ def test_tail_survives_a_line_no_decoder_can_take(tmp_path: Path) -> None:
     log.write_bytes(b'{"event":"job.received"}\n' + deep + b'\n{"event":"job.finished"}\n')
     events = [r["event"] for r in iter_records(log)]
     assert events == ["job.received", "<unparsed>", "job.finished"]
+
+
+class _FillingDisk(io.BytesIO):
+    """A log file whose disk fills up in the middle of a record: the first write takes
+    only part of what it is given (as write(2) does at the last free block), the next
+    ones fail, until `full` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room: int | None = 7
+        self.full = False
+
+    def write(self, data: Any) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.room is not None:
+            part = bytes(data)[: self.room]
+            self.room, self.full = None, True
+            return super().write(part)
+        return super().write(data)
+
+
+def test_a_record_cut_short_by_a_full_disk_leaves_every_other_line_whole() -> None:
+    stream = _FillingDisk()
+    configure_logging(file=stream)
+    log = structlog.get_logger("metnos_exec")
+    log.info("worker.started")  # 7 bytes of it reach the file
+    log.error("broker.error", op="ack")
+    stream.full = False
+    log.info("broker.recovered", op="ack")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0] == b'{"ts":"'  # the torn record, ended
+    events = [json.loads(x)["event"] for x in lines[1:]]
+    assert events == ["log.dropped", "broker.recovered"]

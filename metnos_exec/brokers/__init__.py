@@ -3,7 +3,8 @@
 ``memory://`` (tests, embedding; in-process only: it is gone when the process ends),
 ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db`` (the embedded default;
 note the fourth slash: ``sqlite:///work/x.db`` is ``work/x.db`` under the current folder),
-``redis://host:port/db`` (needs the ``redis`` extra).
+``redis://[:password@]host:port/db`` or ``rediss://...`` (TLS): Redis Streams, workers on
+many machines (needs the ``redis`` extra: coredis).
 Query parameters become keyword options of the broker, e.g.
 ``sqlite:///./metnos.db?poll_interval_s=0.05&busy_timeout_s=10``.
 
@@ -51,11 +52,12 @@ __all__ = (
 )
 
 #: scheme -> "module:class"; the class has ``from_url(url, **options)``. Imported lazily so
-#: a missing optional client (redis-py) only matters to whoever asks for that scheme.
+#: a missing optional client (coredis) only matters to whoever asks for that scheme.
 _REGISTRY: dict[str, str] = {
     "memory": "metnos_exec.brokers.memory:MemoryBroker",
     "sqlite": "metnos_exec.brokers.sqlite:SQLiteBroker",
     "redis": "metnos_exec.brokers.redis:RedisBroker",
+    "rediss": "metnos_exec.brokers.redis:RedisBroker",
 }
 
 #: scheme -> the package extra that brings its optional client, for the error message.

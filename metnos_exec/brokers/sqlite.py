@@ -1485,16 +1485,31 @@ class SQLiteBroker(Broker):
             finally:
                 db.close()
 
-        try:
-            # Abandoned on cancel (a worker stopping must not wait for a long purge): the
-            # thread sees `stop` at its next batch and ends; every batch is one
-            # transaction, so what it leaves is consistent.
-            report: PurgeReport = await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        finally:
-            stop.set()
-        return report
+        async def watch() -> None:
+            # A cancel of the caller (a worker stopping) reaches the thread through
+            # `stop`: it ends at its next batch (each one transaction, so what it leaves
+            # is consistent), and the caller waits only for that, never for a long purge,
+            # and leaves no thread (nor its connection) behind.
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()
+
+        def guarded() -> PurgeReport | BrokerError:
+            # The error returned, not raised: raised inside the task group below it would
+            # come out wrapped in an exception group.
+            try:
+                return work()
+            except sqlite3.Error as exc:
+                return self._error(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            outcome = await anyio.to_thread.run_sync(guarded)
+            tg.cancel_scope.cancel()
+        if isinstance(outcome, BrokerError):
+            raise outcome
+        return outcome
 
     async def vacuum(self) -> int:
         """Rewrite the whole file (``VACUUM``) and switch it to incremental vacuum, so

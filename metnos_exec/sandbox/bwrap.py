@@ -38,6 +38,11 @@ only glues them and reads back what happened, honestly:
   moved), whatever the guest's exit status; RLIMIT_AS stays, so a single big allocation
   still fails gracefully first. Without the cgroup the resources axis says ``partial``
   (`MEMORY_PER_PROCESS_REASON`).
+* two kernel mechanisms on top of the namespaces (`.hardening`, decided once per worker):
+  the seccomp filter (`.seccomp`), handed to bubblewrap through a pipe (``--seccomp``),
+  and landlock (`.landlock`), which the guest's first process applies to itself before the
+  executor's code (the job's argv is wrapped). The report names what they hold, and says
+  ``partial`` where one is missing.
 * a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
   file permission checks treat the guest as the owner of root's files (it holds no
   capability: only *owner* matches). Root-only files in the read-only system trees are
@@ -91,6 +96,7 @@ from .flags import (
     prlimit_prefix,
     shell_limits_prefix,
 )
+from .hardening import Hardening, annotate, guest_job, host_hardening, seccomp_fd
 
 __all__ = (
     "BwrapProbe",
@@ -690,6 +696,8 @@ class BwrapSandbox:
     Args:
         bwrap: the bubblewrap executable; default: `bwrap_probe()`'s.
         features: what that bubblewrap supports; default: from the probe.
+        hardening: the seccomp filter and landlock to add; default: what this host
+            offers (`host_hardening`).
     """
 
     name = "bwrap"
@@ -697,13 +705,20 @@ class BwrapSandbox:
     #: (`SandboxJob.enter`) and binds the overlays marked `Mount.staged`.
     stages_writes = True
 
-    def __init__(self, bwrap: str | None = None, *, features: BwrapFeatures | None = None) -> None:
+    def __init__(
+        self,
+        bwrap: str | None = None,
+        *,
+        features: BwrapFeatures | None = None,
+        hardening: Hardening | None = None,
+    ) -> None:
         if bwrap is None or features is None:
             probe = bwrap_probe()
             bwrap = bwrap or probe.path or "bwrap"
             features = features or probe.features
         self._bwrap = bwrap
         self._features = features
+        self._hardening = host_hardening() if hardening is None else hardening
 
     def containment(self, job: SandboxJob) -> ContainmentReport:
         """The report before running: resources stay ``partial`` until the run shows
@@ -714,7 +729,7 @@ class BwrapSandbox:
         self, job: SandboxJob, *, pids_enforced: bool | None, memory_enforced: bool | None
     ) -> ContainmentReport:
         as_root = worker_is_root()
-        return ContainmentReport(
+        report = ContainmentReport(
             sandbox="bwrap",
             files=_FILES_AS_ROOT if as_root else _FILES,
             network=_NET_GRANTED if job.network else _NET_KEPT,
@@ -722,6 +737,7 @@ class BwrapSandbox:
             user=_user_verdict(self._features, as_root),
             resources=_resources_verdict(job, pids_enforced, memory_enforced),
         )
+        return annotate(report, job, self._hardening)
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
         """Run `job` in bubblewrap until it exits or its wall time passes.
@@ -738,14 +754,26 @@ class BwrapSandbox:
         prefix = () if gated else _limits_in_guest(rlimits)
         host = _host_facts
         host.refresh()
+        # Landlock is applied by the guest's first process (the in-guest step): the
+        # command bubblewrap execs is the job's, behind it (and behind the limits prefix).
+        guest = guest_job(
+            job,
+            self._hardening,
+            interpreter_roots=host.roots,
+            exists=host.exists,
+            readlink=host.readlink,
+            isdir=host.isdir,
+        )
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
+        seccomp_r: int | None = None
         try:
+            seccomp_r = seccomp_fd(self._hardening)
             if gated:
                 gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s)
             try:
                 argv = derive_bwrap_argv(
-                    msgspec.structs.replace(job, argv=prefix + job.argv) if prefix else job,
+                    msgspec.structs.replace(guest, argv=prefix + guest.argv) if prefix else guest,
                     bwrap=self._bwrap,
                     features=self._features,
                     exists=host.exists,
@@ -755,6 +783,7 @@ class BwrapSandbox:
                     json_status_fd=status_w,
                     masked_paths=host.masked,
                     block_fd=None if gate is None else gate.block_r,
+                    seccomp_fd=seccomp_r,
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
@@ -772,7 +801,11 @@ class BwrapSandbox:
                 # With the gate (or the prefix), nothing runs between fork and exec: no
                 # preexec_fn, so CPython vforks instead of copying the worker (ms a job).
                 rlimits=() if in_guest else rlimits,
-                pass_fds=(status_w,) if gate is None else (status_w, gate.block_r),
+                pass_fds=(
+                    (status_w,)
+                    + (() if gate is None else (gate.block_r,))
+                    + (() if seccomp_r is None else (seccomp_r,))
+                ),
                 # --die-with-parent sets bubblewrap's own parent-death signal before the
                 # guest may start (the monitor sets it, then releases the sandbox), so a
                 # second one from us only costs the preexec_fn. Kept when the rlimits need
@@ -808,6 +841,8 @@ class BwrapSandbox:
             elif status_w >= 0:
                 os.close(status_w)
             os.close(status_r)
+            if seccomp_r is not None:
+                os.close(seccomp_r)
         # The kernel told us: a process of the job was OOM-killed at the job's memory
         # limit (the memory cgroup's oom_kill counter moved). Never inferred from stderr.
         exit_ = MemoryExceeded() if result.oom_killed else map_exit(job, result, status)

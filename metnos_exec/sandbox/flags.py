@@ -8,7 +8,8 @@ expresses it.
 
 Each flag is documented next to the threat it answers (bubblewrap's ``bwrap.xml`` style).
 Read with bubblewrap's own warning in mind: it is "not a complete, ready-made sandbox";
-seccomp and landlock (a later issue) plug in through ``seccomp_fd``.
+the seccomp filter comes in through ``seccomp_fd`` (`metnos_exec.sandbox.seccomp`), and
+landlock through the job's argv (`metnos_exec.sandbox.landlock`).
 """
 
 from __future__ import annotations
@@ -300,8 +301,8 @@ def derive_bwrap_argv(
             caller tell bubblewrap's own set-up failure from the job's failure.
         block_fd: fd (in the bwrap process) the sandbox reads one byte from before it
             starts the guest (``--block-fd``): the caller sets the rlimits meanwhile.
-        seccomp_fd: a compiled seccomp BPF program to load before exec (later issue; the
-            seam exists so adding it touches no caller).
+        seccomp_fd: fd (in the bwrap process) holding a seccomp BPF program, which
+            bubblewrap loads just before it execs the guest (`seccomp.compile_program`).
         masked_paths: host paths hidden behind an empty file or folder; default
             `MASKED_PATHS` (the bwrap arm adds `private_files` for a root worker).
 

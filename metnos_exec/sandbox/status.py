@@ -7,7 +7,6 @@ probe, the wasm arm's own report); a component that cannot be read says ``None``
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,16 +14,21 @@ from typing import Any
 import msgspec
 
 from .bwrap import ROOT_WORKER_REASON, bwrap_probe, worker_is_root
+from .hardening import host_hardening
+from .landlock import landlock_abi
 from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
 
-__all__ = ("RUNTIMES", "BwrapStatus", "SandboxStatus", "landlock_abi", "status")
+__all__ = (
+    "RUNTIMES",
+    "BwrapStatus",
+    "MechanismStatus",
+    "SandboxStatus",
+    "landlock_abi",
+    "status",
+)
 
 #: Runtimes whose arm `status` reports.
 RUNTIMES: tuple[str, ...] = ("python", "wasm", "wasm-python")
-
-# landlock_create_ruleset(2): the same number on every architecture since Linux 5.13.
-_SYS_LANDLOCK_CREATE_RULESET = 444
-_LANDLOCK_CREATE_RULESET_VERSION = 1
 
 
 class BwrapStatus(msgspec.Struct, frozen=True):
@@ -32,6 +36,19 @@ class BwrapStatus(msgspec.Struct, frozen=True):
     version: str | None
     working: bool
     error: str | None = None
+
+
+class MechanismStatus(msgspec.Struct, frozen=True):
+    """A kernel mechanism the bwrap arm adds to every job.
+
+    Attributes:
+        active: the arm applies it to every job on this host.
+        detail: what it is (the filter's architecture and size, the landlock ABI), or why
+            it is not applied.
+    """
+
+    active: bool
+    detail: str
 
 
 class SandboxStatus(msgspec.Struct, frozen=True):
@@ -57,6 +74,9 @@ class SandboxStatus(msgspec.Struct, frozen=True):
         worker_as_root: a warning when the worker runs as root (bwrap jobs are then host
             root for file permissions: the files and user axes are ``partial``); ``None``
             otherwise.
+        bwrap_seccomp: whether the bwrap arm loads its seccomp filter into every job
+            (``seccomp`` above only says the kernel has seccomp).
+        bwrap_landlock: whether the bwrap arm landlocks every job, and the ABI.
     """
 
     bwrap: BwrapStatus
@@ -71,6 +91,8 @@ class SandboxStatus(msgspec.Struct, frozen=True):
     degraded: dict[str, str]
     landlock_error: str | None = None
     worker_as_root: str | None = None
+    bwrap_seccomp: MechanismStatus | None = None
+    bwrap_landlock: MechanismStatus | None = None
 
 
 def _read(path: str) -> str | None:
@@ -87,22 +109,6 @@ def _user_namespaces() -> bool:
         return False
     clone = _read("/proc/sys/kernel/unprivileged_userns_clone")  # Debian/Ubuntu only
     return not (clone == "0" and os.geteuid() != 0)
-
-
-def landlock_abi() -> tuple[int | None, str | None]:
-    """The landlock ABI version (``landlock_create_ruleset(NULL, 0, VERSION)``).
-
-    Returns:
-        ``(abi, None)`` when supported, else ``(None, reason)``.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = libc.syscall(
-        _SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), _LANDLOCK_CREATE_RULESET_VERSION
-    )
-    if abi < 0:
-        err = ctypes.get_errno()
-        return None, f"landlock_create_ruleset: {os.strerror(err)}"
-    return int(abi), None
 
 
 def _seccomp() -> tuple[bool, tuple[str, ...]]:
@@ -147,6 +153,7 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
     abi, abi_error = landlock_abi()
     seccomp, actions = _seccomp()
     decisions: dict[str, Decision] = {rt: decide_arm(rt, env) for rt in RUNTIMES}
+    hardening = host_hardening()
     return SandboxStatus(
         bwrap=BwrapStatus(
             path=probe.path,
@@ -169,4 +176,6 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
             if worker_is_root()
             else None
         ),
+        bwrap_seccomp=MechanismStatus(hardening.seccomp_active, hardening.seccomp),
+        bwrap_landlock=MechanismStatus(hardening.landlock_active, hardening.landlock),
     )

@@ -74,3 +74,37 @@ def test_status_warns_when_the_worker_runs_as_root(monkeypatch: pytest.MonkeyPat
     assert warning is not None and "runs as root" in warning and "readable" in warning
     monkeypatch.setattr(status_mod, "worker_is_root", lambda: False)
     assert status().worker_as_root is None
+
+
+def test_status_says_whether_the_bwrap_arm_filters_and_landlocks() -> None:
+    from metnos_exec.sandbox.hardening import host_hardening
+    from metnos_exec.sandbox.seccomp import native_arch
+
+    st = status()
+    hard = host_hardening()
+    assert st.bwrap_seccomp is not None and st.bwrap_landlock is not None
+    assert st.bwrap_seccomp.active is hard.seccomp_active
+    assert st.bwrap_landlock.active is hard.landlock_active
+    # What the kernel offers decides it: the filter where seccomp filters and our
+    # architecture exist, landlock where the kernel has an ABI.
+    if st.seccomp and "kill_process" in st.seccomp_actions and native_arch() is not None:
+        assert st.bwrap_seccomp.active and native_arch() in st.bwrap_seccomp.detail
+    if st.landlock_abi is not None:
+        assert st.bwrap_landlock.active
+        assert st.bwrap_landlock.detail == f"landlock ABI {st.landlock_abi}"
+
+
+def test_status_says_why_a_mechanism_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metnos_exec.sandbox import status as status_mod
+    from metnos_exec.sandbox.hardening import Hardening
+
+    off = Hardening(
+        seccomp_arch=None,
+        seccomp="no seccomp policy for this architecture (riscv64)",
+        landlock_abi=None,
+        landlock="landlock unavailable (landlock_create_ruleset: Operation not supported)",
+    )
+    monkeypatch.setattr(status_mod, "host_hardening", lambda: off)
+    st = status()
+    assert st.bwrap_seccomp == status_mod.MechanismStatus(False, off.seccomp)
+    assert st.bwrap_landlock == status_mod.MechanismStatus(False, off.landlock)

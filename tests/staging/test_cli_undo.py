@@ -18,12 +18,16 @@ from .helpers import bwrap_works, write_executor
 pytestmark = pytest.mark.slow
 
 
-def test_undo_command(tmp_path: Path) -> None:
+@pytest.mark.parametrize("broker", ["sqlite", "redis"])
+def test_undo_command(tmp_path: Path, broker: str, request: pytest.FixtureRequest) -> None:
     bwrap_works()
     home = tmp_path / "home"
     notes = home / "notes"
     notes.mkdir(parents=True)
     workers = Workers(tmp_path, write_executor(tmp_path))
+    if broker == "redis":
+        server = request.getfixturevalue("redis_server")
+        workers.url = f"{server.url}?prefix={tmp_path.name}"
     env = {"METNOS_BROKER": workers.url, "HOME": str(home)}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:

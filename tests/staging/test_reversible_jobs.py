@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from structlog.testing import capture_logs
 
@@ -248,19 +249,35 @@ async def test_a_planted_symlink_stays_inert(world: World, tmp_path: Path) -> No
     assert sorted(os.listdir(outside)) == ["secret"]
 
 
-async def test_setuid_and_setgid_bits_never_reach_the_host(world: World) -> None:
+SETID_OPS = [
+    ["chmod", "tool.sh", "4755"],
+    ["write", "new.sh", "#!/bin/sh\n"],
+    ["chmod", "new.sh", "6755"],
+    ["mkdir", "gdir"],
+    ["chmod", "gdir", "2775"],
+]
+
+
+async def test_setuid_and_setgid_bits_never_reach_the_host(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await staging_works(world)
     seed(world.notes)
+    # The first wall: the bwrap arm's seccomp filter refuses the chmod (issue 8), the job
+    # fails and nothing is committed.
+    refused = await world.run(SETID_OPS)
+    assert refused.status == "failed", refused
+    assert "Operation not permitted" in refused.stderr, refused
+    assert stat.S_IMODE(os.lstat(world.notes / "tool.sh").st_mode) == 0o644
+    # The second wall, the commit's filter, with the first one off: the bits are set in
+    # the overlay, and stripped on their way to the host.
+    from metnos_exec.sandbox import bwrap
+
+    hard = bwrap.host_hardening()
+    off = msgspec.structs.replace(hard, seccomp_arch=None, seccomp="off for this test")
+    monkeypatch.setattr(bwrap, "host_hardening", lambda: off)
     with capture_logs() as logs:
-        result = await world.run(
-            [
-                ["chmod", "tool.sh", "4755"],
-                ["write", "new.sh", "#!/bin/sh\n"],
-                ["chmod", "new.sh", "6755"],
-                ["mkdir", "gdir"],
-                ["chmod", "gdir", "2775"],
-            ]
-        )
+        result = await world.run(SETID_OPS)
     assert result.status == "succeeded", result
     for name in ("tool.sh", "new.sh", "gdir"):
         mode = os.lstat(world.notes / name).st_mode

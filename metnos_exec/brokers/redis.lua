@@ -1,0 +1,527 @@
+-- The Redis broker's scripts (metnos_exec/brokers/redis.py). Each section below is one
+-- script; redis.py prepends the prelude to every one and loads them with SCRIPT LOAD
+-- (EVALSHA, reloaded after a restart). Every multi-key step is one script, so it is
+-- atomic: no other client sees a job half-leased, half-settled or half-queued.
+--
+-- The key layout is documented in queue/README.md ("Redis"); the names are built in the
+-- prelude from redis.py's `KEY_NAMES` (a test keeps the README's table to the keys Redis
+-- really holds). All keys share the prefix's hash tag, so on a Redis Cluster every
+-- script's keys live in one slot.
+--
+-- Conventions: ARGV[1] is the key prefix (with its hash tag, e.g. "{metnos}:"), ARGV[2]
+-- the broker clock's time in unix seconds ('' = this server's TIME, one clock for every
+-- worker of a fleet). Times go in and out as strings formatted with %.17g: Redis turns a
+-- Lua number into a reply or an argument with 14 significant digits, which would round a
+-- lease deadline by up to 0.1 ms.
+
+-- == prelude ==
+local P = ARGV[1]
+local NOW
+if ARGV[2] ~= '' then
+  NOW = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+-- The names come from redis.py (`KEY_NAMES`), put in for the dollar placeholders when it
+-- loads this file: one table of key names for the code and the scripts.
+local GROUP = '$group'
+local COUNTS = P .. '$counts'
+local DELAYED = P .. '$delayed'
+local FINISHED = P .. '$finished'
+local DEAD = P .. '$dead'
+local INBOX = P .. '$inbox'
+
+local function num(x) return string.format('%.17g', x) end
+local function jkey(id) return P .. '$job' .. id end
+local function qkey(dev, prio) return P .. '$stream' .. dev .. ':' .. prio end
+local function prios_key(dev) return P .. '$priorities' .. dev end
+local function leases_key(dev) return P .. '$leases' .. dev end
+local function idem_key(k) return P .. '$idempotency' .. k end
+local function undo_key(e) return P .. '$undo' .. e end
+local function job_undos_key(id) return P .. '$job_undos' .. id end
+local UNDO_AT = P .. '$undo_at'
+local BLOBS = P .. '$blobs'
+
+-- Count (or uncount, n = -1) the blobs an undo entry needs: `blobs` is the entry's
+-- space-separated digests; a digest no entry needs any more leaves the table.
+local function count_blobs(blobs, n)
+  for digest in string.gmatch(blobs or '', '%S+') do
+    if redis.call('HINCRBY', BLOBS, digest, n) <= 0 then redis.call('HDEL', BLOBS, digest) end
+  end
+end
+
+-- Forget one undo entry (its blobs uncounted).
+local function drop_undo(e)
+  local h = redis.call('HMGET', undo_key(e), 'blobs', 'job_id')
+  if h[2] then
+    count_blobs(h[1], -1)
+    redis.call('SREM', job_undos_key(h[2]), e)
+  end
+  redis.call('DEL', undo_key(e))
+  redis.call('ZREM', UNDO_AT, e)
+end
+
+-- Append the job to its device's stream for its priority (created with its consumer
+-- group on first use, and listed in the device's priorities).
+local function enqueue(id, dev, prio)
+  local q = qkey(dev, prio)
+  if redis.call('EXISTS', q) == 0 then
+    redis.call('XGROUP', 'CREATE', q, GROUP, '0', 'MKSTREAM')
+    redis.call('ZADD', prios_key(dev), prio, prio)
+  end
+  local eid = redis.call('XADD', q, '*', 'id', id)
+  redis.call('HSET', jkey(id), 'entry', eid)
+end
+
+-- Take the job's entry out of its stream: acked (out of the pending-entries list) and
+-- deleted, so a stream holds only queued and running jobs and never grows with history.
+local function unqueue(jk)
+  local h = redis.call('HMGET', jk, 'entry', 'device', 'priority')
+  if h[1] then
+    local q = qkey(h[2], h[3])
+    redis.call('XACK', q, GROUP, h[1])
+    redis.call('XDEL', q, h[1])
+    redis.call('HDEL', jk, 'entry')
+  end
+end
+
+-- The caller's lease is the current one.
+local function holds(jk, token)
+  local h = redis.call('HMGET', jk, 'state', 'token')
+  return h[1] == 'running' and h[2] == token
+end
+
+-- A settle call sent again after a call for the same token failed with the outcome
+-- unknown (replay = '1': the connection dropped, the first try may have been carried
+-- out): that try's outcome, so the resend reports what really happened.
+local function replayed(jk, token, replay)
+  if replay ~= '1' then return nil end
+  local prev = redis.call('HGET', jk, 'prev')
+  if prev and string.sub(prev, 1, #token + 1) == token .. ' ' then
+    return string.sub(prev, #token + 2)
+  end
+  return nil
+end
+
+-- A job reaches its end (done, or dead): out of its stream and the leases, result
+-- stored, counted, listed for retention (and among the dead letters).
+local function finish(id, state, result, letter, from, token, outcome)
+  local jk = jkey(id)
+  unqueue(jk)
+  redis.call('ZREM', leases_key(redis.call('HGET', jk, 'device')), id)
+  redis.call('HSET', jk, 'state', state, 'result', result, 'done_at', num(NOW))
+  redis.call('HDEL', jk, 'token', 'lease_until')
+  if token then redis.call('HSET', jk, 'prev', token .. ' ' .. outcome) end
+  redis.call('ZADD', FINISHED, num(NOW), id)
+  if letter then
+    redis.call('HSET', jk, 'letter', letter)
+    redis.call('ZADD', DEAD, num(NOW), id)
+  end
+  redis.call('HINCRBY', COUNTS, from, -1)
+  redis.call('HINCRBY', COUNTS, state, 1)
+end
+
+-- Queue one job unless its id or idempotency key is known. Returns the status, the id
+-- that stands, and (for a known key) the original's body, for the caller's conflict check.
+local function admit(id, body, dev, prio, maxa, ikey, nb)
+  local jk = jkey(id)
+  if redis.call('EXISTS', jk) == 1 then return {'dup', id, ''} end
+  if ikey ~= '' then
+    local orig = redis.call('GET', idem_key(ikey))
+    if orig then return {'dup', orig, redis.call('HGET', jkey(orig), 'body') or ''} end
+    redis.call('SET', idem_key(ikey), id)
+  end
+  redis.call('HSET', jk, 'body', body, 'state', 'queued', 'device', dev, 'priority', prio,
+    'max_attempts', maxa, 'attempt', 0, 'ikey', ikey)
+  redis.call('HINCRBY', COUNTS, 'queued', 1)
+  local due = tonumber(nb)
+  if due and due > NOW then
+    redis.call('ZADD', DELAYED, nb, id)
+  else
+    enqueue(id, dev, prio)
+  end
+  return {'new', id, ''}
+end
+
+-- == submit ==
+-- ARGV[3..]: groups of (id, body, device, priority, max_attempts, idempotency key or '',
+-- not_before or ''). Returns one {status, id, original body} per job.
+local out = {}
+for i = 3, #ARGV, 7 do
+  out[#out + 1] = admit(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
+    ARGV[i + 5], ARGV[i + 6])
+end
+return out
+
+-- == admit_inbox ==
+-- Entries of the inbox stream, decoded and checked by the worker. ARGV[3..]: groups of 9:
+-- (entry id, 'job', id, body, device, priority, max_attempts, ikey, not_before) or
+-- (entry id, 'bad', id, raw, result, letter, '', '', ''). An entry another worker already
+-- took (XDEL finds nothing) is skipped, so each is admitted once.
+local n = 0
+for i = 3, #ARGV, 9 do
+  if redis.call('XDEL', INBOX, ARGV[i]) == 1 then
+    n = n + 1
+    local id = ARGV[i + 2]
+    if ARGV[i + 1] == 'job' then
+      admit(id, ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8])
+    elseif redis.call('EXISTS', jkey(id)) == 0 then
+      redis.call('HSET', jkey(id), 'body', ARGV[i + 3], 'state', 'queued', 'device', 'server',
+        'attempt', 0, 'max_attempts', 1)
+      redis.call('HINCRBY', COUNTS, 'queued', 1)
+      finish(id, 'dead', ARGV[i + 4], ARGV[i + 5], 'queued', nil, nil)
+    end
+  end
+end
+return n
+
+-- == lease ==
+-- ARGV[3] worker id, [4] visibility seconds, [5] device, [6] limit, [7] token base,
+-- [8] how many of the leases handed out start at once (the rest are leased ahead: they
+-- count as an attempt only once `mark_started`), [9] the unstarted-lapse cap.
+-- Returns {now, inbox length, leases, finals, lease_until}: leases are {id, body, attempt,
+-- token}; finals are lapsed leases with no delivery left (or a cancel pending) that this
+-- worker must now settle, {id, body, attempt, token, last worker, cancel flag, started
+-- flag, lapses}, under a short lease of their own (a worker dying meanwhile leaves them
+-- to the next sweep).
+local worker, dev = ARGV[3], ARGV[5]
+local limit, base = tonumber(ARGV[6]), ARGV[7]
+local start_n, max_lapses = tonumber(ARGV[8]), tonumber(ARGV[9])
+local until_ = num(NOW + tonumber(ARGV[4]))
+local lk = leases_key(dev)
+local out, finals = {}, {}
+local k = 0
+local function token()
+  k = k + 1
+  return base .. '.' .. k
+end
+local function take(id, jk, body, was_queued)
+  local tok = token()
+  local attempt = redis.call('HINCRBY', jk, 'attempt', 1)
+  local started = '0'
+  if #out < start_n then started = '1' end
+  redis.call('HSET', jk, 'state', 'running', 'token', tok, 'lease_until', until_,
+    'worker', worker, 'started', started)
+  redis.call('ZADD', lk, until_, id)
+  if was_queued then
+    redis.call('HINCRBY', COUNTS, 'queued', -1)
+    redis.call('HINCRBY', COUNTS, 'running', 1)
+  end
+  out[#out + 1] = {id, body, tostring(attempt), tok}
+end
+
+-- 1. Delayed jobs (not_before, retry backoff) that fell due join their streams.
+local due = redis.call('ZRANGEBYSCORE', DELAYED, '-inf', num(NOW), 'LIMIT', 0, 1000)
+for _, id in ipairs(due) do
+  redis.call('ZREM', DELAYED, id)
+  local h = redis.call('HMGET', jkey(id), 'device', 'priority', 'state')
+  if h[3] == 'queued' then enqueue(id, h[1], h[2]) end
+end
+
+-- 2. Lapsed leases of this device (their workers stopped heart-beating): taken over
+-- with XCLAIM, which moves the pending entry to this consumer and counts a delivery.
+local lapsed = redis.call('ZRANGEBYSCORE', lk, '-inf', num(NOW), 'LIMIT', 0, limit + 64)
+-- A lease that never started (a job leased ahead, its worker lost before launching it)
+-- gives its attempt back and counts a lapse instead; only started ones use attempts.
+for _, id in ipairs(lapsed) do
+  local jk = jkey(id)
+  local h = redis.call('HMGET', jk, 'state', 'attempt', 'max_attempts', 'cancel', 'entry',
+    'priority', 'body', 'worker', 'started', 'lapses')
+  if h[1] ~= 'running' then
+    redis.call('ZREM', lk, id)
+  else
+    local attempt = tonumber(h[2])
+    local started = h[9] ~= '0'  -- absent (a job leased by an older build): started
+    local lapses = tonumber(h[10] or '0')
+    local final
+    if h[4] == '1' then
+      final = true
+    elseif started then
+      final = attempt >= tonumber(h[3])
+    else
+      final = lapses + 1 >= max_lapses
+    end
+    local function give_back()
+      if not started then
+        attempt = math.max(attempt - 1, 0)
+        lapses = lapses + 1
+        redis.call('HSET', jk, 'attempt', attempt, 'lapses', lapses, 'started', '1')
+      end
+    end
+    if final then
+      give_back()
+      local tok = token()
+      redis.call('HSET', jk, 'token', tok, 'lease_until', until_)
+      redis.call('ZADD', lk, until_, id)
+      local sflag = '0'
+      if started then sflag = '1' end
+      finals[#finals + 1] = {id, h[7], tostring(attempt), tok, h[8] or '', h[4] or '',
+        sflag, tostring(lapses)}
+    elseif #out < limit then
+      give_back()
+      if h[5] then redis.call('XCLAIM', qkey(dev, h[6]), GROUP, worker, 0, h[5]) end
+      take(id, jk, h[7], false)
+    end
+  end
+end
+
+-- 3. New work, highest priority first, oldest first within one priority.
+if #out < limit then
+  local pk = prios_key(dev)
+  for _, prio in ipairs(redis.call('ZREVRANGE', pk, 0, -1)) do
+    local q = qkey(dev, prio)
+    while #out < limit do
+      local res = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', limit - #out,
+        'STREAMS', q, '>')
+      if not res then
+        -- Nothing left to read; a stream with no entry at all (none queued, none
+        -- running) goes, with its group, so idle priorities leave no keys behind.
+        if redis.call('XLEN', q) == 0 then
+          redis.call('DEL', q)
+          redis.call('ZREM', pk, prio)
+        end
+        break
+      end
+      for _, entry in ipairs(res[1][2]) do
+        local eid, id = entry[1], entry[2][2]
+        local jk = jkey(id)
+        local h = redis.call('HMGET', jk, 'state', 'entry', 'body')
+        if h[1] == 'queued' and h[2] == eid then
+          take(id, jk, h[3], true)
+        else
+          -- A stale entry (its job was cancelled, purged or queued again elsewhere).
+          redis.call('XACK', q, GROUP, eid)
+          redis.call('XDEL', q, eid)
+        end
+      end
+    end
+    if #out >= limit then break end
+  end
+end
+return {num(NOW), tostring(redis.call('XLEN', INBOX)), out, finals, until_}
+
+-- == mark_started ==
+-- ARGV[3..]: pairs of (id, token). For each lease still current: its delivery starts
+-- now and counts as an attempt (see base.py, "Attempts"). One 1/0 each.
+local out = {}
+for i = 3, #ARGV, 2 do
+  local jk = jkey(ARGV[i])
+  if holds(jk, ARGV[i + 1]) then
+    redis.call('HSET', jk, 'started', '1')
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+
+-- == heartbeat ==
+-- ARGV[3] id, [4] token, [5] visibility seconds. Returns {lease_until, cancel flag}, or
+-- nil when the lease is gone. The pending entry's idle time is reset too (XCLAIM JUSTID
+-- to the same consumer, no delivery counted): XPENDING then shows live leases as fresh.
+local id, tok = ARGV[3], ARGV[4]
+local jk = jkey(id)
+if not holds(jk, tok) then return false end
+local until_ = num(NOW + tonumber(ARGV[5]))
+local h = redis.call('HMGET', jk, 'device', 'priority', 'entry', 'worker', 'cancel')
+redis.call('HSET', jk, 'lease_until', until_)
+redis.call('ZADD', leases_key(h[1]), until_, id)
+if h[3] then redis.call('XCLAIM', qkey(h[1], h[2]), GROUP, h[4], 0, h[3], 'JUSTID') end
+return {until_, h[5] or ''}
+
+-- == ack ==
+-- ARGV[3] replay flags (one character per job), ARGV[4..]: groups of (id, token, result,
+-- status). One 1/0 each.
+local out = {}
+for i = 4, #ARGV, 4 do
+  local id, tok = ARGV[i], ARGV[i + 1]
+  local jk = jkey(id)
+  local replay = string.sub(ARGV[3], #out + 1, #out + 1)
+  if holds(jk, tok) then
+    local state = 'done'
+    if ARGV[i + 3] == 'dead' then state = 'dead' end
+    finish(id, state, ARGV[i + 2], nil, 'running', tok, 'acked')
+    out[#out + 1] = 1
+  elseif replayed(jk, tok, replay) == 'acked' then
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+
+-- == retry ==
+-- ARGV[3] replay, [4] id, [5] token, [6] delay seconds, [7] dead result, [8] dead letter
+-- (used when this was the last allowed delivery). Returns scheduled, dead or lost.
+local id, tok = ARGV[4], ARGV[5]
+local jk = jkey(id)
+if not holds(jk, tok) then return replayed(jk, tok, ARGV[3]) or 'lost' end
+local h = redis.call('HMGET', jk, 'attempt', 'max_attempts', 'device', 'priority')
+if tonumber(h[1]) >= tonumber(h[2]) then
+  finish(id, 'dead', ARGV[7], ARGV[8], 'running', tok, 'dead')
+  return 'dead'
+end
+unqueue(jk)
+redis.call('ZREM', leases_key(h[3]), id)
+redis.call('HSET', jk, 'state', 'queued', 'prev', tok .. ' scheduled')
+redis.call('HDEL', jk, 'token', 'lease_until')
+redis.call('HINCRBY', COUNTS, 'running', -1)
+redis.call('HINCRBY', COUNTS, 'queued', 1)
+local delay = tonumber(ARGV[6])
+if delay > 0 then
+  redis.call('ZADD', DELAYED, num(NOW + delay), id)
+else
+  enqueue(id, h[3], h[4])
+end
+return 'scheduled'
+
+-- == dead_letter ==
+-- ARGV[3] replay, [4] id, [5] token, [6] result, [7] letter. Returns 1, or 0 when lost.
+local id, tok = ARGV[4], ARGV[5]
+local jk = jkey(id)
+if not holds(jk, tok) then
+  if replayed(jk, tok, ARGV[3]) == 'dead' then return 1 end
+  return 0
+end
+finish(id, 'dead', ARGV[6], ARGV[7], 'running', tok, 'dead')
+return 1
+
+-- == release ==
+-- ARGV[3] replay, [4] id, [5] token. Back to the queue at once, this delivery not
+-- counted. Returns 1, or 0 when lost.
+local id, tok = ARGV[4], ARGV[5]
+local jk = jkey(id)
+if not holds(jk, tok) then
+  if replayed(jk, tok, ARGV[3]) == 'released' then return 1 end
+  return 0
+end
+local h = redis.call('HMGET', jk, 'device', 'priority')
+unqueue(jk)
+redis.call('ZREM', leases_key(h[1]), id)
+redis.call('HINCRBY', jk, 'attempt', -1)
+redis.call('HSET', jk, 'state', 'queued', 'prev', tok .. ' released')
+redis.call('HDEL', jk, 'token', 'lease_until')
+redis.call('HINCRBY', COUNTS, 'running', -1)
+redis.call('HINCRBY', COUNTS, 'queued', 1)
+enqueue(id, h[1], h[2])
+return 1
+
+-- == cancel ==
+-- ARGV[3] id. Returns cancelled (was queued: a cancelled result is stored), cancelling
+-- (running: the flag reaches its worker), finished or unknown.
+local id = ARGV[3]
+local jk = jkey(id)
+local h = redis.call('HMGET', jk, 'state', 'device', 'attempt')
+if not h[1] then return 'unknown' end
+if h[1] == 'queued' then
+  redis.call('ZREM', DELAYED, id)
+  local result = cjson.encode({
+    v = 1, job_id = id, status = 'cancelled', device = h[2], attempt = tonumber(h[3]),
+    finished_at = NOW,
+    error = {code = 'E_CANCELLED', message = 'cancelled before it started'},
+  })
+  finish(id, 'done', result, nil, 'queued', nil, nil)
+  return 'cancelled'
+elseif h[1] == 'running' then
+  redis.call('HSET', jk, 'cancel', '1')
+  return 'cancelling'
+end
+return 'finished'
+
+-- == cancel_requested ==
+-- ARGV[3..] job ids. Returns those running with a cancel pending.
+local out = {}
+for i = 3, #ARGV do
+  local h = redis.call('HMGET', jkey(ARGV[i]), 'state', 'cancel')
+  if h[1] == 'running' and h[2] == '1' then out[#out + 1] = ARGV[i] end
+end
+return out
+
+-- == stats ==
+-- Returns {queued, delayed, running, done, dead}; delayed counts queued jobs not yet due.
+local c = redis.call('HMGET', COUNTS, 'queued', 'running', 'done', 'dead')
+local delayed = redis.call('ZCOUNT', DELAYED, '(' .. num(NOW), '+inf')
+return {c[1] or '0', tostring(delayed), c[2] or '0', c[3] or '0', c[4] or '0'}
+
+-- == dead_letters ==
+-- ARGV[3] limit. The most recent dead letters, newest first.
+local out = {}
+for _, id in ipairs(redis.call('ZREVRANGE', DEAD, 0, tonumber(ARGV[3]) - 1)) do
+  local letter = redis.call('HGET', jkey(id), 'letter')
+  if letter then out[#out + 1] = letter end
+end
+return out
+
+-- == purge ==
+-- ARGV[3] age in seconds, [4] batch size. Forgets up to a batch of jobs that finished
+-- more than that long ago: job, result, dead letter, idempotency key, undo entries.
+-- Returns {their ids, how many unconfirmed old undo entries went}.
+local cut = num(NOW - tonumber(ARGV[3]))
+local gone = redis.call('ZRANGEBYSCORE', FINISHED, '-inf', '(' .. cut, 'LIMIT', 0,
+  tonumber(ARGV[4]))
+for _, id in ipairs(gone) do
+  local jk = jkey(id)
+  local h = redis.call('HMGET', jk, 'state', 'ikey')
+  if h[2] and h[2] ~= '' and redis.call('GET', idem_key(h[2])) == id then
+    redis.call('DEL', idem_key(h[2]))
+  end
+  if h[1] == 'done' or h[1] == 'dead' then redis.call('HINCRBY', COUNTS, h[1], -1) end
+  for _, e in ipairs(redis.call('SMEMBERS', job_undos_key(id))) do drop_undo(e) end
+  redis.call('DEL', jk)
+  redis.call('ZREM', FINISHED, id)
+  redis.call('ZREM', DEAD, id)
+end
+-- Undo entries recorded before the cut-off that no result lists (their worker died
+-- between recording and acking; the commit journal rolled the change back).
+local old = redis.call('ZRANGEBYSCORE', UNDO_AT, '-inf', '(' .. cut, 'LIMIT', 0,
+  tonumber(ARGV[4]))
+local dropped = 0
+for _, e in ipairs(old) do
+  local job_id = redis.call('HGET', undo_key(e), 'job_id')
+  local result = job_id and redis.call('HGET', jkey(job_id), 'result')
+  local listed = false
+  if result then
+    for _, u in ipairs(cjson.decode(result).undo_ids or {}) do
+      if u == e then listed = true end
+    end
+  end
+  if not listed then
+    drop_undo(e)
+    dropped = dropped + 1
+  end
+end
+return {gone, dropped}
+
+-- == record_undo ==
+-- ARGV[3] job id, [4] token, [5] number of entries n, then n groups of (entry id, body,
+-- space-separated blob digests), then the ids of the entries this (undo) job undid.
+-- Fenced like an ack: nothing is written once the lease is gone. Returns 1 or 0.
+local id, tok = ARGV[3], ARGV[4]
+if not holds(jkey(id), tok) then return 0 end
+local n = tonumber(ARGV[5])
+for i = 6, 5 + 3 * n, 3 do
+  local e = ARGV[i]
+  local uk = undo_key(e)
+  -- Recorded again (a redelivered job): the new body and blobs replace the old.
+  count_blobs(redis.call('HGET', uk, 'blobs'), -1)
+  redis.call('HSET', uk, 'body', ARGV[i + 1], 'job_id', id, 'at', num(NOW), 'blobs', ARGV[i + 2])
+  count_blobs(ARGV[i + 2], 1)
+  redis.call('ZADD', UNDO_AT, num(NOW), e)
+  redis.call('SADD', job_undos_key(id), e)
+end
+for i = 6 + 3 * n, #ARGV do
+  if redis.call('EXISTS', undo_key(ARGV[i])) == 1 then
+    redis.call('HSET', undo_key(ARGV[i]), 'undone_by', id)
+  end
+end
+return 1
+
+-- == get_undo ==
+-- ARGV[3..] entry ids. Returns {id, body, undone_by or '', recorded at} for each known one.
+local out = {}
+for i = 3, #ARGV do
+  local h = redis.call('HMGET', undo_key(ARGV[i]), 'body', 'undone_by', 'at')
+  if h[1] then out[#out + 1] = {ARGV[i], h[1], h[2] or '', h[3]} end
+end
+return out

@@ -1,0 +1,491 @@
+"""The Redis broker: the conformance suite on a private redis-server, and what a fleet needs."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import coredis
+import pytest
+from structlog.testing import capture_logs
+
+from metnos_exec.brokers import BadBrokerURL, Broker, Lease, open_broker
+from metnos_exec.brokers.redis import GROUP, RedisBroker
+from metnos_exec.brokers.sqlite import BrokerUnavailable
+from metnos_exec.errors import BrokerFull
+from metnos_exec.messages import E_LEASE_EXPIRED, ErrorInfo, Job, Result, encode
+from tests.conftest import need
+from tests.helpers.redis_server import RedisServer, redis_server_path
+
+from .conformance import T0, BrokerConformance, VirtualClock, undo_entry
+
+
+def _prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+class TestRedisBroker(BrokerConformance):
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer) -> None:
+        self.server = redis_server
+
+    @contextlib.asynccontextmanager
+    async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
+        # A long poll interval: the suite's wait tests must be woken in process. A short
+        # settle patience, for `storage_fault` (no other test of the suite fails a call).
+        async with RedisBroker(
+            self.server.url,
+            prefix=_prefix(),
+            clock=clock,
+            poll_interval_s=30.0,
+            settle_patience_s=0.2,
+        ) as broker:
+            yield broker
+
+    @contextlib.asynccontextmanager
+    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
+        # The server turned into a replica (of a master that is not there), as after a
+        # failover: it refuses every write (READONLY) and keeps its data. (A full Redis
+        # is no fault for a settle: its scripts free memory first, and Redis lets a
+        # script that already wrote go on.)
+        async with _raw(self.server.url) as raw:
+            await raw.replicaof("127.0.0.1", 1)
+            try:
+                yield
+            finally:
+                await raw.replicaof()
+
+
+# --- helpers --------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _broker(
+    url: str, clock: VirtualClock | None = None, **kw: Any
+) -> AsyncIterator[RedisBroker]:
+    async with RedisBroker(url, prefix=_prefix(), clock=clock, **kw) as broker:
+        yield broker
+
+
+@contextlib.asynccontextmanager
+async def _raw(url: str) -> AsyncIterator[coredis.Redis[bytes]]:
+    async with coredis.Redis.from_url(url, decode_responses=False) as client:
+        yield client
+
+
+async def _keys(raw: coredis.Redis[bytes], broker: RedisBroker) -> set[str]:
+    return {k.decode() async for k in raw.scan_iter(match=broker.keys.base + "*")}
+
+
+async def _pending(raw: coredis.Redis[bytes], stream: str) -> list[tuple[str, str, int]]:
+    """(entry id, consumer, delivery count) of each pending entry of `stream`."""
+    reply = await raw.xpending(stream, GROUP, "-", "+", 100)
+    assert isinstance(reply, tuple)
+    return [(_s(e.identifier), _s(e.consumer), int(e.delivered)) for e in reply]
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ok(lease: Lease, worker: str = "w1") -> Result:
+    return Result(job_id=lease.job.id, status="succeeded", worker=worker, attempt=lease.attempt)
+
+
+# --- URL and opening ------------------------------------------------------------------
+
+
+def test_open_broker_redis_url() -> None:
+    broker = open_broker("redis://127.0.0.1:1/3?prefix=q7&poll_interval_s=0.2&settle_patience_s=5")
+    assert isinstance(broker, RedisBroker)
+    assert broker.keys.base == "{q7}:" and broker.where == "redis://127.0.0.1:1"
+    assert isinstance(open_broker("rediss://user:secret@example.org:6380/0"), RedisBroker)
+    assert "secret" not in open_broker("redis://:secret@h:1/0").where  # type: ignore[attr-defined]
+    with pytest.raises(BadBrokerURL, match="unknown redis broker options"):
+        open_broker("redis://127.0.0.1:1/0?colour=blue")
+    with pytest.raises(ValueError, match="prefix"):
+        RedisBroker("redis://127.0.0.1:1/0", prefix="a{b}")
+
+
+@pytest.mark.anyio
+async def test_a_broker_not_entered_says_how_to_use_it() -> None:
+    broker = RedisBroker("redis://127.0.0.1:1/0")
+    with pytest.raises(BrokerUnavailable, match="async with") as info:
+        await broker.stats()
+    assert info.value.code == "E_BROKER_UNAVAILABLE"
+    await broker.close()
+
+
+# --- lessons from the peers' trackers, each a test ------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_heartbeating_lease_is_never_taken_over(redis_server: RedisServer) -> None:
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        j = Job(executor="echo")
+        await b.submit(j)
+        [lease] = await b.lease("w1", visibility_s=10)
+        # Fifty windows long, renewed every 8 s: nobody else ever gets it.
+        for _ in range(60):
+            clock.advance(8)
+            assert (await b.heartbeat(lease)).ok
+            assert await b.lease("w2", visibility_s=10, limit=5) == []
+        [(_entry, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0))
+        assert (consumer, deliveries) == ("w1", 1)
+        assert await b.ack(lease, _ok(lease))
+        # Without heartbeats the same window lapses: the renewal is what kept it.
+        await b.submit(k := Job(executor="echo"))
+        [first] = await b.lease("w1", visibility_s=10)
+        clock.advance(10)
+        [taken] = await b.lease("w2", visibility_s=10)
+        assert taken.job.id == k.id and taken.attempt == 2 and first.token != taken.token
+
+
+@pytest.mark.anyio
+async def test_the_delivery_count_dead_letters_a_poison_job(redis_server: RedisServer) -> None:
+    """A job whose workers keep dying is taken over with XCLAIM (the pending entry's
+    delivery count grows) until its attempts are spent, then dead: never a loop."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        j = Job(executor="crasher", max_attempts=3)
+        await b.submit(j)
+        stream = b.keys.stream("server", 0)
+        for n, worker in enumerate(("w1", "w2", "w3"), 1):
+            [lease] = await b.lease(worker, visibility_s=5)
+            assert lease.attempt == n
+            [(_entry, consumer, deliveries)] = await _pending(raw, stream)
+            assert (consumer, deliveries) == (worker, n)
+            clock.advance(5)  # the worker dies: no heartbeat, no ack
+        with capture_logs() as logs:
+            assert await b.lease("w4", visibility_s=5) == []
+        result = await b.get_result(j.id)
+        assert result is not None and result.status == "dead"
+        assert result.error is not None and result.error.code == E_LEASE_EXPIRED
+        [letter] = await b.dead_letters()
+        assert (letter.job_id, letter.attempts, letter.worker) == (j.id, 3, "w3")
+        [record] = [r for r in logs if r["event"] == "job.dead_lettered"]
+        assert (record["job_id"], record["executor"], record["worker"]) == (j.id, "crasher", "w3")
+        assert await _pending(raw, stream) == []
+
+
+@pytest.mark.anyio
+async def test_streams_hold_only_live_jobs(redis_server: RedisServer) -> None:
+    """Every way a job leaves (ack, retry, dead letter, release, cancel, takeover) acks
+    and deletes its stream entry; empty streams go, so nothing grows without bound."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        jobs = [
+            Job(executor="echo", priority=i % 3, device=("phone" if i % 4 == 0 else None))
+            for i in range(40)
+        ]
+        await b.submit_many(jobs)
+        for i in range(3):
+            await b.submit(Job(executor="echo", args={"cancel": i}, priority=7))
+        err = ErrorInfo(code="E_X", message="x")
+        streams = {b.keys.stream(d, p) for d in ("server", "phone") for p in range(3)}
+        assert streams <= await _keys(raw, b)
+        for device in ("server", "phone"):
+            leases = await b.lease("w1", visibility_s=5, device=device, limit=100)
+            for n, lease in enumerate(leases):
+                match n % 5:
+                    case 0:
+                        assert await b.ack(lease, _ok(lease))
+                    case 1:
+                        assert await b.retry(lease, error=err, delay_s=1) == "scheduled"
+                    case 2:
+                        assert await b.dead_letter(lease, error=err)
+                    case 3:
+                        assert await b.release(lease)
+                    case 4:
+                        pass  # its worker dies
+        for cancelled in (await b.stats(),):
+            assert cancelled.queued > 0
+        for key in await _keys(raw, b):
+            if ":q:" in key and key.endswith(":7"):
+                for job in await raw.xrange(key):
+                    await b.cancel(job.field_values[b"id"].decode())
+        clock.advance(5)
+        for _ in range(6):  # retries fall due, lapsed leases are taken over, all acked
+            for device in ("server", "phone"):
+                for lease in await b.lease("w2", visibility_s=5, device=device, limit=100):
+                    assert await b.ack(lease, _ok(lease, "w2"))
+            clock.advance(1)
+        stats = await b.stats()
+        assert (stats.queued, stats.running) == (0, 0)
+        assert stats.done + stats.dead == 43
+        keys = await _keys(raw, b)
+        assert not [k for k in keys if ":q:" in k], "empty streams are deleted"
+        for device in ("server", "phone"):
+            assert await raw.zcard(b.keys.leases(device)) == 0
+
+
+@pytest.mark.anyio
+async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: RedisServer) -> None:
+    """Recovery takes no lock (each step is one atomic script), so a killed worker can
+    leave nothing that blocks the others: after takeovers, retries and purges every key
+    is one of the documented families, and no plain string but an idempotency key."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        await b.submit_many([Job(executor="echo", idempotency_key=f"k{i}") for i in range(6)])
+        await b.submit(Job(executor="echo", not_before=T0 + 100))
+        await b.submit_raw(b"not json")
+        await raw.xadd(b.keys.inbox, {"job": b'{"executor": "echo"}'})
+        leases = await b.lease("w1", visibility_s=5, limit=3)
+        clock.advance(6)
+        leases += await b.lease("w2", visibility_s=5, limit=10)
+        for lease in leases[3:-1]:  # one stays running
+            await b.ack(lease, _ok(lease, "w2"))
+        documented = _documented_keys()
+        assert len(documented) == 15
+        await b.publish_executors([])  # the catalog is tested in tests/test_catalog.py
+        documented.pop("executors")
+        # An undo entry recorded by the job that stays running (never acked).
+        assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])
+        seen = set()
+        for key in await _keys(raw, b):
+            rest = key[len(b.keys.base) :]
+            matches = [name for name, pattern in documented.items() if pattern.fullmatch(rest)]
+            assert matches, f"{key} is not in queue/README.md's key layout"
+            seen.update(matches)
+            if (await raw.type(key)) == b"string":
+                assert rest.startswith("idem:"), key
+        # This run made every kind of key (the inbox stays, empty, once admitted).
+        assert seen == set(documented), set(documented) - seen
+        assert await raw.xlen(b.keys.inbox) == 0
+
+
+def _documented_keys() -> dict[str, re.Pattern[str]]:
+    """The key names in queue/README.md's layout table, as patterns (``<x>`` = a part)."""
+    text = (Path(__file__).parents[2] / "queue" / "README.md").read_text()
+    names = re.findall(r"`\{P\}:([^`]+)`", text.split("### Key layout", 1)[1].split("###")[0])
+    return {n: re.compile(re.sub(r"<[^>]+>", ".+", n)) for n in dict.fromkeys(names)}
+
+
+# --- fencing across takeovers ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_late_ack_after_an_xclaim_takeover_changes_nothing(
+    redis_server: RedisServer,
+) -> None:
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        j = Job(executor="echo")
+        await b.submit(j)
+        [slow] = await b.lease("w1", visibility_s=5)
+        clock.advance(5)
+        [mine_again] = await b.lease("w1", visibility_s=5)  # the same worker retakes it
+        assert mine_again.token != slow.token
+        clock.advance(5)
+        [fast] = await b.lease("w2", visibility_s=5)
+        [(_e, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0))
+        assert (consumer, deliveries) == ("w2", 3)
+        for stale in (slow, mine_again):
+            assert not (await b.heartbeat(stale)).ok
+            assert not await b.ack(stale, _ok(stale))
+            assert not await b.release(stale)
+            assert await b.retry(stale, error=ErrorInfo(code="E", message="m"), delay_s=0) == "lost"
+            assert not await b.dead_letter(stale, error=ErrorInfo(code="E", message="m"))
+        state = await b.get_job_state(j.id)
+        assert state is not None and (state.state, state.worker, state.attempt) == (
+            "running",
+            "w2",
+            3,
+        )
+        assert await b.ack(fast, _ok(fast, "w2"))
+        result = await b.get_result(j.id)
+        assert result is not None and result.worker == "w2"
+
+
+@pytest.mark.anyio
+async def test_a_resent_settle_reports_what_its_first_try_did(redis_server: RedisServer) -> None:
+    """After a dropped connection a settle is resent with the replay flag: if the first
+    try was carried out, the resend says so instead of "lease lost"; without the flag (a
+    second ack by mistake) it is refused as before."""
+    async with _broker(redis_server.url) as b:
+        await b.submit_many([Job(executor="echo"), Job(executor="echo")])
+        one, two = await b.lease("w1", visibility_s=30, limit=2)
+        assert await b.ack(one, _ok(one))
+        args = (one.job.id, one.token, encode(_ok(one)), "succeeded")
+        assert await b._script("ack", "1", *args) == [1]
+        assert await b._script("ack", "0", *args) == [0]
+        assert await b.release(two)
+        assert await b._script("release", "1", two.job.id, two.token) == 1
+        assert await b._script("release", "0", two.job.id, two.token) == 0
+        assert await b._script("ack", "1", two.job.id, two.token, b"{}", "succeeded") == [0]
+
+
+# --- the server's clock ---------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_without_a_clock_leases_use_the_servers_time(redis_server: RedisServer) -> None:
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        await b.submit(Job(executor="echo"))
+        [lease] = await b.lease("w1", visibility_s=30)
+        server_now = (await raw.time()).timestamp()
+        assert abs(lease.lease_until - 30 - server_now) < 5
+        beat = await b.heartbeat(lease, visibility_s=60)
+        assert beat.lease_until is not None and beat.lease_until > lease.lease_until + 25
+
+
+# --- the inbox for producers in other languages ---------------------------------------
+
+
+@pytest.mark.anyio
+async def test_inbox_entries_are_queued_or_dead_lettered_once(redis_server: RedisServer) -> None:
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        given = Job(executor="echo", args={"a": 1}, idempotency_key="k", priority=3)
+        await raw.xadd(b.keys.inbox, {"job": encode(given)})
+        await raw.xadd(b.keys.inbox, {"job": encode(Job(executor="echo", idempotency_key="k"))})
+        await raw.xadd(b.keys.inbox, {"job": b'{"executor": "echo", "args": {"b": 2}}'})
+        await raw.xadd(b.keys.inbox, {"job": b'{"executor": 7}', "id": "bad-1"})
+        await raw.xadd(b.keys.inbox, {"job": encode(Job(executor="echo")), "id": "other"})
+        await raw.xadd(b.keys.inbox, {"id": "no-job"})
+        # A device worker leaves the inbox alone.
+        assert await b.lease("p", visibility_s=30, device="phone", limit=10) == []
+        assert await raw.xlen(b.keys.inbox) == 6
+        with capture_logs() as logs:
+            leases = await b.lease("s", visibility_s=30, limit=10)
+        assert await raw.xlen(b.keys.inbox) == 0
+        assert leases[0].job == given  # priority 3 first; the duplicate key dropped
+        assert [le.job.args for le in leases] == [{"a": 1}, {"b": 2}]
+        bad = {r["job_id"] for r in logs if r["event"] == "job.bad_message"}
+        assert "bad-1" in bad and "no-job" in bad and len(bad) == 3
+        letters = {d.job_id: d for d in await b.dead_letters()}
+        assert set(letters) == bad
+        assert letters["bad-1"].raw == b'{"executor": 7}'
+        assert "$.executor" in letters["bad-1"].error.message
+        result = await b.get_result("bad-1")
+        assert result is not None and result.status == "dead"
+        assert (await b.stats()).dead == 3
+
+
+# --- Redis unreachable or restarting --------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_redis_is_broker_unavailable_and_logged() -> None:
+    from tests.helpers.redis_server import _free_port
+
+    url = f"redis://127.0.0.1:{_free_port()}/0"
+    async with _broker(url, connect_timeout_s=1.0) as b:
+        with capture_logs() as logs:
+            for call in (b.stats(), b.lease("w", visibility_s=5), b.submit(Job(executor="e"))):
+                with pytest.raises(BrokerUnavailable, match="cannot reach Redis") as info:
+                    await call
+                assert info.value.code == "E_BROKER_UNAVAILABLE"
+        assert [r["event"] for r in logs] == ["broker.error"] * 3
+        assert all(r["broker"] == url.rsplit("/", 1)[0] for r in logs)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_result_is_kept_while_redis_restarts_and_stored_after(tmp_path: Path) -> None:
+    need(redis_server_path() is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    server.start()
+    try:
+        async with _broker(server.url, settle_patience_s=60) as b:
+            j = Job(executor="echo")
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=60)
+            await anyio.to_thread.run_sync(server.stop)
+            with pytest.raises(BrokerUnavailable):
+                await b.heartbeat(lease)
+            stored: list[bool] = []
+            with capture_logs() as logs:
+                async with anyio.create_task_group() as tg:
+
+                    async def ack() -> None:
+                        stored.append(await b.ack(lease, _ok(lease)))
+
+                    tg.start_soon(ack)
+                    with anyio.fail_after(30):
+                        while not any(r["event"] == "broker.error" for r in logs):  # noqa: ASYNC110
+                            await anyio.sleep(0.01)
+                    assert not stored  # still holding the result, retrying
+                    await anyio.to_thread.run_sync(server.start)
+            assert stored == [True]
+            assert "broker.recovered" in [r["event"] for r in logs]
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "succeeded"
+    finally:
+        server.stop()
+
+
+@pytest.mark.anyio
+async def test_a_full_redis_is_broker_full_and_nothing_is_evicted(tmp_path: Path) -> None:
+    """maxmemory reached under noeviction (queue/redis.conf): writes are refused with
+    ``E_BROKER_FULL`` (the worker retries), and nothing already queued is lost."""
+    need(redis_server_path() is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        async with _broker(server.url) as b, _raw(server.url) as raw:
+            kept = Job(executor="echo")
+            await b.submit(kept)
+            used = int((await raw.info("memory"))["used_memory"])
+            await raw.config_set({"maxmemory": used})
+            with (
+                capture_logs() as logs,
+                pytest.raises(BrokerFull, match="refuses writes: OOM") as info,
+            ):
+                await b.submit(Job(executor="echo", args={"pad": "x" * 100_000}))
+            assert info.value.code == "E_BROKER_FULL" and info.value.retry
+            assert [r["event"] for r in logs] == ["broker.error"]
+            await raw.config_set({"maxmemory": 0})
+            [lease] = await b.lease("w", visibility_s=30)
+            assert lease.job == kept
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_sync_client_on_redis(redis_server: RedisServer, backend: str) -> None:
+    """The blocking client opens the Redis broker in its portal's own task (the client's
+    connections live there) and closes it with the client."""
+    from metnos_exec.client import SyncClient
+
+    with SyncClient(f"{redis_server.url}?prefix={_prefix()}", backend=backend) as client:
+        job_id = client.submit("echo", {"n": 1})
+        assert client.result(job_id) is None
+        assert client.cancel(job_id) == "cancelled"
+        result = client.result(job_id, wait=5)
+        assert result is not None and result.status == "cancelled"
+
+
+@pytest.mark.anyio
+async def test_an_ack_whose_reply_was_lost_is_reported_stored(redis_server: RedisServer) -> None:
+    """The connection drops after Redis ran the ack but before its reply arrived: the
+    broker's resend (and any later ack of the same lease) must say "stored", not "lease
+    lost", or the worker would log a lost lease for a job whose result is in."""
+    async with _broker(redis_server.url, settle_patience_s=30) as b:
+        await b.submit_many([Job(executor="echo"), Job(executor="echo")])
+        one, two = await b.lease("w1", visibility_s=30, limit=2)
+        real = b._script
+        lost: list[str] = []
+
+        async def reply_lost(name: str, *args: str | bytes) -> Any:
+            out = await real(name, *args)
+            if not lost:
+                lost.append(name)
+                raise BrokerUnavailable("cannot reach Redis: reply lost (test)")
+            return out
+
+        b._script = reply_lost  # type: ignore[method-assign]
+        assert await b.ack(one, _ok(one, "w1"))  # carried out, reply lost, resent: stored
+        assert lost == ["ack"]
+        b._script = real  # type: ignore[method-assign]
+        result = await b.get_result(one.job.id)
+        assert result is not None and result.worker == "w1"
+        # Another lease's double ack is still refused: the replay is per token.
+        assert await b.ack(two, _ok(two))
+        assert not await b.ack(two, _ok(two))
