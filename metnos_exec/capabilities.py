@@ -25,10 +25,13 @@ Decisions worth knowing (each tested in ``tests/test_capabilities.py``):
 * **Path vetting** uses glob semantics per path segment: ``*``, ``?`` and ``[...]`` match
   inside one segment, ``**`` matches any number of segments (zero included, so
   ``~/notes/**`` admits ``~/notes`` itself). A hint without glob characters admits exactly
-  that path, nothing below it (write ``dir/**`` for a tree). Both the hint's literal prefix
-  and the argument are resolved with `os.path.realpath` (symlinks followed; for a path that
-  does not exist yet, its existing part is resolved and the rest is normalised), so neither
-  a symlink nor ``..`` can lead out of a hint.
+  that path, nothing below it (write ``dir/**`` for a tree). The argument is resolved with
+  `os.path.realpath` (symlinks followed; for a path that does not exist yet, its existing
+  part is resolved and the rest is normalised), so neither a symlink nor ``..`` can lead
+  out of a hint. The hint's literal prefix (its folder) is taken as written, with ``~`` the
+  job's real home, and refused with ``E_SYMLINKED_FOLDER`` when a symlink stands on the
+  way: a hint's folder is what it names, never what a link (maybe planted by another job)
+  points at (`metnos_exec.sandbox.mount_sources`).
 * **Which arguments are vetted**: arguments declared ``format = "path"`` / ``"url"`` /
   ``"host"``; and, as defence in depth, any *undeclared* string (at any depth inside arrays
   and objects) that looks like a path (starts with ``/``, ``~`` or ``file:``), like a
@@ -69,6 +72,7 @@ import msgspec
 from .errors import BadArguments, CapabilityDenied, MissingFolder
 from .manifest import ArgSpec, Manifest
 from .sandbox.flags import expand_hint
+from .sandbox.mount_sources import check_folder
 
 __all__ = (
     "PROVIDER_SKILLS",
@@ -423,15 +427,25 @@ def resolve_path(value: str, home: str) -> str:
 
 
 def _resolve_hint(hint: str, home: str) -> str:
-    """A hint with its literal prefix resolved like arguments are (glob tail kept)."""
+    """A hint as the pattern arguments are matched against (glob tail kept).
+
+    Its literal prefix (the folder the kernel wall mounts) is taken as written, ``~``
+    being the job's real home: a symlink on the way to it is refused, never followed
+    (`sandbox.mount_sources`), so vetting admits exactly what the mount will show.
+
+    Raises:
+        ValueError: not absolute after ``~`` expansion.
+        SymlinkedFolder: a component of the literal prefix is a symlink.
+    """
     path = _expand_user(hint, home)
     if not posixpath.isabs(path):
         raise ValueError("not absolute after ~ expansion")
-    segments = [s for s in path.split("/") if s]
+    segments = [s for s in posixpath.normpath(path).split("/") if s]
     cut = next((i for i, s in enumerate(segments) if _GLOB_CHARS.intersection(s)), None)
     literal = segments if cut is None else segments[:cut]
     tail = [] if cut is None else segments[cut:]
-    root = os.path.realpath("/" + "/".join(literal))
+    root = "/" + "/".join(literal)
+    check_folder(root)
     return posixpath.join(root, *tail) if tail else root
 
 
@@ -726,7 +740,7 @@ def require_hint_folders(executor: str, checked: Iterable[VettedValue], home: st
             root = expand_hint(item.hint, home)
         except ValueError:
             continue  # `load_manifest` refuses such hints; a hand-built manifest mounts nothing
-        if not os.path.exists(root):
+        if not check_folder(root):
             raise MissingFolder(
                 f"{executor}: argument `{item.arg}` = {item.value!r:.200} is under hint "
                 f"{item.hint!r}, but {root} does not exist, so it cannot be mounted; "

@@ -41,6 +41,7 @@ from typing import Any, Final, NoReturn, TextIO
 import anyio
 import msgspec
 
+from ._terminal import visible
 from .brokers import DEFAULT_RETENTION_S, BadBrokerURL, Broker, JobState, open_broker
 from .client import Client, NotImplementedYet, default_broker_url
 from .errors import (
@@ -260,15 +261,19 @@ def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
     if as_json:
         _dump_json(result, out)
         return
+    # Everything a job could have written (its output, stderr, a trap message, an error
+    # quoting it) goes through `visible`: none of it may drive the operator's terminal.
     arm = result.containment.sandbox if result.containment else "-"
-    lines = [f"{result.status}  job {result.job_id}  (attempt {result.attempt}, sandbox {arm})"]
+    lines = [
+        visible(f"{result.status}  job {result.job_id}  (attempt {result.attempt}, sandbox {arm})")
+    ]
     if result.error is not None:
-        lines.append(f"  error: {result.error.code}: {result.error.message}")
+        lines.append(visible(f"  error: {result.error.code}: {result.error.message}"))
     if result.exit is not None:
         exit_name = type(result.exit).__name__
         detail = msgspec.to_builtins(result.exit)
         extra = {k: v for k, v in detail.items() if k != "type"} if isinstance(detail, dict) else {}
-        lines.append(f"  exit: {exit_name}{' ' + str(extra) if extra else ''}")
+        lines.append(visible(f"  exit: {exit_name}{' ' + str(extra) if extra else ''}"))
     if result.containment is not None:
         axes = result.containment.axes()
         partial = [name for name, v in axes.items() if v.state == "partial"]
@@ -285,9 +290,10 @@ def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
         text = msgspec.json.format(msgspec.json.encode(result.output), indent=2).decode()
         if len(text) > 4000:
             text = text[:4000] + "\n  … (truncated; use --json for everything)"
-        lines.append("  output: " + text.replace("\n", "\n  "))
+        # JSON strings hold no raw line breaks: every newline here is the formatter's.
+        lines.append("  output: " + visible(text, newlines=True).replace("\n", "\n  "))
     if result.stderr.strip():
-        tail_ = result.stderr.strip()[-1000:]
+        tail_ = visible(result.stderr.strip()[-1000:], newlines=True)
         lines.append("  stderr: " + tail_.replace("\n", "\n          "))
     out.write("\n".join(lines) + "\n")
 
@@ -551,7 +557,7 @@ def _readable(doc: dict[str, Any], *, indent: str) -> list[str]:
             lines.append(f"{indent}{key}:")
             lines.extend(_readable(value, indent=indent + "  "))
         else:
-            lines.append(f"{indent}{key}: {_scalar(value)}")
+            lines.append(visible(f"{indent}{key}: {_scalar(value)}"))
     return lines
 
 
@@ -578,7 +584,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         if dead:
             out.append("recent dead letters")
             for d in dead:
-                out.append(f"  {d.job_id} {d.error.code}: {d.error.message}")
+                out.append(visible(f"  {d.job_id} {d.error.code}: {d.error.message}"))
         sys.stdout.write("\n".join(out) + "\n")
         return 0
 
@@ -1062,7 +1068,7 @@ def _version() -> str:
 
 def _fail(code: int, message: str) -> NoReturn:
     if message:
-        sys.stderr.write(f"metnos-exec: {message}\n")
+        sys.stderr.write(f"metnos-exec: {visible(message, newlines=True)}\n")
     raise SystemExit(code)
 
 

@@ -34,6 +34,7 @@ __all__ = (
     "SandboxRequired",
     "ServerPinned",
     "SignatureError",
+    "SymlinkedFolder",
     "ToolUnavailable",
     "UnknownExecutor",
     "UndoConflict",
@@ -95,6 +96,17 @@ class MissingFolder(MetnosError):
     """
 
     code = "E_MISSING_FOLDER"
+
+
+class SymlinkedFolder(MetnosError):
+    """A folder the job would mount (an ``fs:*`` hint's, a skill's home, the executor's)
+    is reached through a symlink, so it is not the folder it claims to be.
+
+    Mounting it would hand the job whatever the link points at (another job may have
+    planted it). Refused before anything runs; the message names the link.
+    """
+
+    code = "E_SYMLINKED_FOLDER"
 
 
 class SandboxRequired(MetnosError):
@@ -269,6 +281,7 @@ ERROR_CODES: dict[str, str] = {
     "E_AUTONOMY": "the autonomy level refuses this executor (or is unknown)",
     "E_CAPABILITY_DENIED": "argument vetting refused the job (a path or URL outside its hints)",
     "E_MISSING_FOLDER": "a path argument's fs hint folder does not exist, so it cannot be mounted",
+    "E_SYMLINKED_FOLDER": "a folder the job would mount is reached through a symlink",
     "E_SANDBOX_REQUIRED": "policy forbids running without the kernel sandbox, which is down",
     "E_SANDBOX_DENIED": "the sandbox refused what the guest asked for at set-up",
     "E_TOOL_UNAVAILABLE": "the arm's engine (e.g. wasmtime) is not installed on this worker",
@@ -281,7 +294,7 @@ ERROR_CODES: dict[str, str] = {
     "E_TIMEOUT": "the executor exceeded its wall-time budget",
     "E_MEMORY": "the executor exceeded its memory budget",
     "E_FUEL": "the wasm guest ran out of fuel (its CPU budget)",
-    "E_TRAP": "the wasm guest trapped",
+    "E_TRAP": "the guest trapped (a wasm trap, or a native guest that tampered with its sandbox)",
     "E_FAILED": "the executor ended in an unexpected way",
     "E_BAD_OUTPUT": "the executor's stdout is not the JSON its result must be",
     "E_TEMPFAIL": "a transient failure; the job is retried with backoff",

@@ -34,6 +34,8 @@ from typing import Any, BinaryIO, TextIO
 import msgspec
 import structlog
 
+from ._terminal import visible
+
 __all__ = (
     "EVENTS",
     "LEVELS",
@@ -424,7 +426,15 @@ def iter_records(
 def render_record(rec: Mapping[str, Any], *, color: bool = False) -> str:
     """One readable line for a person (structlog's console style), without a newline."""
     renderer = structlog.dev.ConsoleRenderer(colors=color, timestamp_key="ts", pad_event_to=22)
-    fields = dict(rec)
+    # Records carry what jobs sent (stderr excerpts, messages quoting arguments, a raw line
+    # that was not JSON): spelled out, so none of it drives the reader's terminal. Other
+    # values are rendered with repr(), which escapes them already.
+    fields = {
+        visible(str(key)): visible(value, newlines=key == "exception")
+        if isinstance(value, str)
+        else value
+        for key, value in rec.items()
+    }
     level = str(fields.get("level", "info"))
     return str(renderer(None, level, fields)).rstrip("\n")
 

@@ -12,10 +12,12 @@ Construction rules (each tested in ``tests/test_plan.py``):
   working directory: it can import its siblings, never modify itself, even when a
   ``fs:write`` hint covers it.
 * ``fs:read`` hints → read-only mounts, ``fs:write`` hints → writable mounts, each hint cut
-  at its first glob segment (`sandbox.flags.expand_hint`) and resolved through symlinks
-  (vetting hands resolved paths to the executor, so the guest must see the same paths).
-  Only existing paths are mounted; a hint naming a missing folder is skipped and noted
-  (so is a hint naming a single file for the wasm runtimes: WASI preopens folders only).
+  at its first glob segment (`sandbox.flags.expand_hint`). A hint's folder is never reached
+  through a symlink: one on the way refuses the job (``E_SYMLINKED_FOLDER``,
+  `sandbox.mount_sources`), since another job may have planted it to have its target
+  mounted instead. Only existing paths are mounted; a hint naming a missing folder is
+  skipped and noted (so is a hint naming a single file for the wasm runtimes: WASI
+  preopens folders only).
   A path declared both read and write is writable once; a path below another mount stays
   a separate mount (mounts are sorted parent-first, so the deeper, more specific one wins).
   Under ``read_only`` autonomy every mount is read-only.
@@ -72,6 +74,7 @@ from .sandbox._types import (
     WasmProgram,
 )
 from .sandbox.flags import expand_hint
+from .sandbox.mount_sources import check_folder
 
 __all__ = ("Invocation", "default_skills_root", "plan_invocation")
 
@@ -181,11 +184,12 @@ def _mounts(
             continue
         for hint in cap.hints:
             try:
-                root = os.path.realpath(expand_hint(hint, home))
+                root = expand_hint(hint, home)
             except ValueError as exc:
                 notes.append(f"{cap.name} hint {hint!r} not mounted: {exc}")
                 continue
-            if not os.path.exists(root):
+            # Never through a symlink: the folder mounted is the one the hint names.
+            if not check_folder(root):
                 notes.append(f"{cap.name} hint {hint!r} not mounted: {root} does not exist")
                 continue
             if dirs_only and not os.path.isdir(root):
@@ -196,8 +200,8 @@ def _mounts(
             writable[root] = writable.get(root, False) or rw
     skill_homes: set[str] = set()
     for skill in effective.provider_bindings:
-        skill_home = os.path.realpath(os.path.join(skills_root, skill))
-        if not os.path.isdir(skill_home):
+        skill_home = os.path.join(skills_root, skill)
+        if not check_folder(skill_home) or not os.path.isdir(skill_home):
             notes.append(f"provider skill {skill!r} home {skill_home} does not exist")
             continue
         writable[skill_home] = True
@@ -256,8 +260,11 @@ def plan_invocation(
             f"{manifest.name} mutates files and autonomy is {profile.level}; "
             "run it under supervised or full autonomy"
         )
-    home = os.path.expanduser("~") if home is None else home
-    skills_root = default_skills_root(home) if skills_root is None else skills_root
+    # `home` is trusted as given (the supervisor resolves its own once, at start): a hint's
+    # folder below it must be reached without a symlink, so resolving the home again here
+    # would follow a link planted in its place since.
+    home = os.path.realpath(os.path.expanduser("~")) if home is None else home
+    skills_root = _realpath_fresh(default_skills_root(home) if skills_root is None else skills_root)
     policy = Policy.from_env() if policy is None else policy
 
     final = final_args(manifest, args, text_args=text_args)

@@ -122,7 +122,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -131,13 +131,17 @@ import anyio.lowlevel
 import msgspec
 
 from metnos_exec import _reaper
-from metnos_exec.errors import HostFault
+from metnos_exec.errors import BadConfig, HostFault
+from metnos_exec.identities import SlotIdentity, allocate, slot_uids_unavailable, switched
 
 __all__ = (
     "ProcessResult",
     "ProcessSpec",
+    "Slot",
     "become_subreaper",
     "pids_cgroup_available",
+    "pooled_slot",
+    "slots_available",
     "reap_orphans",
     "run_process",
 )
@@ -188,6 +192,10 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             spawner thread: a hook that waits on its child (the bwrap gate waits ~1.5 ms
             for bubblewrap's set-up) would otherwise hold the spawner, and the loop that
             waits for it, for that long on every job.
+        as_slot_user: fork the child as the slot's own host uid (a root worker's slot with
+            an `Slot.identity`; `metnos_exec.identities`): the slot's thread switches to
+            it around the fork. Without an identity the child runs as the worker's uid;
+            `ProcessResult.uid` says which.
     """
 
     argv: tuple[str, ...]
@@ -203,6 +211,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     cgroup_pool: bool = False
     memory_max: int | None = None
     on_spawn: Callable[[int, Callable[[], list[int]] | None], Awaitable[None]] | None = None
+    as_slot_user: bool = False
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -226,6 +235,7 @@ class ProcessResult(msgspec.Struct, frozen=True):
             (its processes, the tmpfs pages they wrote, the page cache they touched);
             ``None`` without a memory cgroup.
         oom_killed: the kernel OOM-killed a process of the tree at the memory limit.
+        uid: the host uid the child ran as (a slot's own, or the worker's).
     """
 
     returncode: int
@@ -242,6 +252,7 @@ class ProcessResult(msgspec.Struct, frozen=True):
     memory_limited: bool = False
     memory_peak_bytes: int | None = None
     oom_killed: bool = False
+    uid: int | None = None
 
 
 # --- the spawner thread -----------------------------------------------------------------
@@ -502,6 +513,13 @@ def _cgroup_parent() -> Path | None:
 def pids_cgroup_available() -> bool:
     """Whether `run_process` can enforce ``pids_max`` with a cgroup here (probed once)."""
     return _cgroup_parent() is not None
+
+
+def slots_available() -> bool:
+    """Whether pooled slots (`pooled_slot`) can work here: a writable cgroup v1 pids
+    hierarchy, where one thread can sit in a cgroup of its own."""
+    parent = _cgroup_parent()
+    return parent is not None and (parent / "tasks").exists()
 
 
 def _sweep_stale(parent: Path) -> None:
@@ -853,14 +871,59 @@ class _SlotMemory:
         return int(self._read("memory.max_usage_in_bytes"))
 
 
-class _Slot:
+class Slot:
     """One spawner thread, moved once into its own pids cgroup (and memory cgroup, when
-    there is one), borrowed by one run at a time."""
+    there is one), borrowed by one run at a time (`pooled_slot`, or `run_process` for a
+    ``cgroup_pool`` run). For a root worker, also the slot's own host uid (`identity`).
+    """
 
     def __init__(self, index: int, cgroup: _SlotCgroup, memory: _SlotMemory | None = None) -> None:
+        self.index = index
         self.spawner = _Spawner(f"metnos-spawner-{index}")
         self.cgroup = cgroup
         self.memory = memory
+        #: A drain failed: never lent again (see `_run_in_slot`).
+        self.retired = False
+        self._identity: SlotIdentity | None = None
+        #: Why this slot has no identity, once `identity` was asked and could not give one.
+        self.identity_error: str | None = None
+
+    async def identity(self) -> SlotIdentity | None:
+        """This slot's dedicated host uid (`metnos_exec.identities`), taken on first use;
+        ``None`` when the worker is not root, slot uids are off or unavailable (the
+        reason is then in `identity_error`)."""
+        if self._identity is not None or self.identity_error is not None:
+            return self._identity
+        try:
+            reason = slot_uids_unavailable()
+        except BadConfig as exc:
+            reason = str(exc)
+        if reason is None:
+            try:
+                # On the slot's own thread: a one-off helper process and a lock, once.
+                self._identity = await _on_spawner(allocate, self.spawner)
+            except OSError as exc:
+                reason = f"no slot uid: {exc}"
+        self.identity_error = reason
+        return self._identity
+
+    async def run_as(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on this slot's thread switched to its identity: for what the kernel
+        allows only to the same uid (prlimit(2) of the slot's processes by a root worker
+        without CAP_SYS_RESOURCE).
+
+        Raises:
+            RuntimeError: the slot has no identity.
+        """
+        identity = self._identity
+        if identity is None:
+            raise RuntimeError("this slot has no identity")
+
+        def call() -> None:
+            with switched(identity):
+                fn()
+
+        await _on_spawner(call, self.spawner)
 
 
 class _SlotPool:
@@ -872,11 +935,11 @@ class _SlotPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: list[_Slot] = []
+        self._free: list[Slot] = []
         self._made = 0
         self._usable: bool | None = None
 
-    async def acquire(self) -> _Slot | None:
+    async def acquire(self) -> Slot | None:
         """A free slot, a new one, or ``None`` when slots cannot work here."""
         with self._lock:
             if self._free:
@@ -899,7 +962,7 @@ class _SlotPool:
         except OSError:
             self._usable = False
             return None
-        slot = _Slot(index, _SlotCgroup(path), _slot_memory(index))
+        slot = Slot(index, _SlotCgroup(path), _slot_memory(index))
         try:
             # The one migration this thread ever makes (the costly part of cgroup joins).
             await _on_spawner(slot.cgroup.join_current_thread, slot.spawner)
@@ -919,7 +982,9 @@ class _SlotPool:
         self._usable = True
         return slot
 
-    def release(self, slot: _Slot) -> None:
+    def release(self, slot: Slot) -> None:
+        if slot.retired:
+            return
         with self._lock:
             self._free.append(slot)
 
@@ -941,6 +1006,19 @@ def _slot_memory(index: int) -> _SlotMemory | None:
 
 _slots = _SlotPool()
 os.register_at_fork(after_in_child=lambda: _slots.__init__())  # type: ignore[misc]
+
+
+@contextlib.asynccontextmanager
+async def pooled_slot() -> AsyncIterator[Slot | None]:
+    """Borrow a slot for one run (``None`` when slots cannot work here), to learn its
+    `Slot.identity` before the run; pass it to `run_process` (``slot=``), which drains it.
+    Lent again on exit."""
+    slot = await _slots.acquire()
+    try:
+        yield slot
+    finally:
+        if slot is not None:
+            _slots.release(slot)
 
 
 def _remove_slot_memory() -> None:
@@ -1322,6 +1400,7 @@ async def run_process(
     *,
     timeout: float,  # noqa: ASYNC109
     grace: float = 0.5,
+    slot: Slot | None = None,
 ) -> ProcessResult:
     """Run `spec` to completion, or kill its whole tree at `timeout` seconds.
 
@@ -1329,6 +1408,8 @@ async def run_process(
         spec: what to run.
         timeout: wall-clock budget in seconds, from spawn.
         grace: seconds between SIGTERM and SIGKILL when the tree is killed.
+        slot: a slot borrowed with `pooled_slot` (its borrower lends it again); else a
+            ``cgroup_pool`` run borrows one itself.
 
     Returns:
         The result; ``timed_out`` tells a deadline kill from an ordinary exit.
@@ -1338,14 +1419,17 @@ async def run_process(
         ValueError: `spec` is malformed.
     """
     _validate(spec, timeout, grace)
-    slot = await _slots.acquire() if spec.cgroup_pool else None
     if slot is not None:
         return await _run_in_slot(spec, slot, timeout, grace)
+    if spec.cgroup_pool:
+        async with pooled_slot() as borrowed:
+            if borrowed is not None:
+                return await _run_in_slot(spec, borrowed, timeout, grace)
     return await _run(spec, timeout, grace)
 
 
 async def _run_in_slot(
-    spec: ProcessSpec, slot: _Slot, budget_s: float, grace: float
+    spec: ProcessSpec, slot: Slot, budget_s: float, grace: float
 ) -> ProcessResult:
     """`run_process` forking from `slot`'s thread: the child starts in the slot's cgroup."""
     budget = spec.pids_max + (1 if spec.reaper else 0) if spec.pids_max else None
@@ -1379,15 +1463,17 @@ async def _run_in_slot(
             oom_killed=oom_before is not None and oom_after is not None and oom_after > oom_before,
         )
     finally:
+        # Lent again (by its borrower) only once empty: a slot that could not be emptied
+        # (drain raised) is retired, its thread idles and its cgroup is swept after the
+        # worker is gone.
+        slot.retired = True
         with anyio.CancelScope(shield=True):
             await slot.cgroup.drain()
-        # Lent again only once empty: a slot that could not be emptied (drain raised) is
-        # retired, its thread idles and its cgroup is swept after the worker is gone.
-        _slots.release(slot)
+        slot.retired = False
 
 
 async def _run(
-    spec: ProcessSpec, budget_s: float, grace: float, *, slot: _Slot | None = None
+    spec: ProcessSpec, budget_s: float, grace: float, *, slot: Slot | None = None
 ) -> ProcessResult:
     rlimits = spec.rlimits
     cgroup: _Cgroup | None
@@ -1405,15 +1491,22 @@ async def _run(
         join is not None and spec.memory_max is not None and join.limit_memory(spec.memory_max)
     )
     members = cgroup.pids if cgroup is not None else None
+    identity = await slot.identity() if slot is not None and spec.as_slot_user else None
+    uid = os.geteuid() if identity is None else identity.uid
     if spec.pids_max is not None and cgroup is None:
-        nproc = _threads_of_uid(os.getuid()) + spec.pids_max
+        nproc = _threads_of_uid(uid) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
+
+    def spawn() -> _Child:
+        if identity is None:
+            return _spawn(spec, rlimits, join, grace)
+        # This thread alone becomes the slot's uid for the fork: the child keeps it.
+        with switched(identity):
+            return _spawn(spec, rlimits, join, grace)
+
     try:
         try:
-            child: _Child = await _on_spawner(
-                lambda: _spawn(spec, rlimits, join, grace),
-                slot.spawner if slot else None,
-            )
+            child: _Child = await _on_spawner(spawn, slot.spawner if slot else None)
         except _ExecFailed as failed:
             code = 127 if failed.exc.errno == errno.ENOENT else 126
             return ProcessResult(
@@ -1428,6 +1521,7 @@ async def _run(
                 peak_rss_bytes=0,
                 pids_limited=pids_limited,
                 exec_error=f"cannot execute {failed.exc.filename}: {failed.exc.strerror}",
+                uid=uid,
             )
         if spec.on_spawn is not None:
             try:
@@ -1451,6 +1545,7 @@ async def _run(
             result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
         finally:
             child.close()
+        result = msgspec.structs.replace(result, uid=uid)
         if memory_limited and join is not None:
             peak, kills = join.memory_report()
             result = msgspec.structs.replace(

@@ -116,6 +116,7 @@ from .undo import apply_undo, entries_to_undo
 
 __all__ = (
     "EX_TEMPFAIL",
+    "MAX_OUTPUT_DEPTH",
     "RAW_OUTPUT_CAP_BYTES",
     "ArmChooser",
     "ServerPinned",
@@ -127,6 +128,14 @@ EX_TEMPFAIL: Final = 75
 
 #: How much of a non-JSON stdout is kept (as text in ``Result.output``) for diagnosis.
 RAW_OUTPUT_CAP_BYTES: Final = 4096
+
+#: Deepest nesting of arrays and objects an executor's output may have (serde_json's
+#: default). Deeper is ``E_BAD_OUTPUT``. Why a bound at all: the JSON decoder, the broker's
+#: encoder and every reader of the result recurse once per level, so a job printing
+#: 400,000 ``[`` exhausted the worker's stack (a ``RecursionError`` that came back as a
+#: host fault); and a depth that decodes here could still fail when a reader with less
+#: stack left encodes it again.
+MAX_OUTPUT_DEPTH: Final = 128
 
 #: Extra wall time the supervisor's own backstop gives an arm past the job's budget: the
 #: arms enforce ``wall_time_s`` themselves (TERM, grace, KILL, reap); this scope only
@@ -322,7 +331,9 @@ class Supervisor:
         self.arm_chooser = arm_chooser
         self.predict_arm: Callable[[str], str | None] = predict_arm or (lambda runtime: None)
         self.policy = policy
-        self.home = os.path.abspath(os.fspath(home)) if home is not None else None
+        # Resolved once, now: ``~`` is this real folder for the worker's whole life, so a
+        # link planted in its place later is refused (`sandbox.mount_sources`), not followed.
+        self.home = os.path.realpath(os.fspath(home)) if home is not None else None
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
         self.clock = clock
         self.retry_delay = retry_delay
@@ -1598,17 +1609,46 @@ def _exit_error(exit_: SandboxExit) -> ErrorInfo:
 _ANY_JSON = msgspec.json.Decoder()
 
 
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays/objects more than `limit` levels (iterative: a
+    recursive walk would fail exactly where this check is needed)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _parse_output(stdout: bytes) -> tuple[Any, ErrorInfo | None]:
-    """One JSON document, or the raw text (capped) and an ``E_BAD_OUTPUT`` error."""
+    """One JSON document, or the raw text (capped) and an ``E_BAD_OUTPUT`` error.
+
+    Whatever the bytes are, the answer is one of those two: no input from a job may
+    surface as an internal error or a host fault.
+    """
     if not stdout.strip():
         return None, ErrorInfo(
             code="E_BAD_OUTPUT", message="the executor wrote nothing to stdout (expected JSON)"
         )
     try:
-        return _ANY_JSON.decode(stdout), None
+        value = _ANY_JSON.decode(stdout)
     except msgspec.DecodeError as exc:
-        raw, _ = cap_text(stdout, RAW_OUTPUT_CAP_BYTES)
-        return raw, ErrorInfo(
-            code="E_BAD_OUTPUT",
-            message=f"stdout is not one JSON document ({exc}); the raw text is in output",
-        )
+        why = f"stdout is not one JSON document ({exc})"
+    except RecursionError:
+        why = f"stdout nests arrays or objects deeper than {MAX_OUTPUT_DEPTH} levels"
+    else:
+        # Only a document with more brackets than the limit can be deeper than it: the
+        # common case costs two counts in C, not a walk.
+        brackets = stdout.count(b"[") + stdout.count(b"{")
+        if brackets <= MAX_OUTPUT_DEPTH or not _deeper_than(value, MAX_OUTPUT_DEPTH):
+            return value, None
+        why = f"stdout nests arrays or objects deeper than {MAX_OUTPUT_DEPTH} levels"
+    raw, _ = cap_text(stdout, RAW_OUTPUT_CAP_BYTES)
+    return raw, ErrorInfo(code="E_BAD_OUTPUT", message=f"{why}; the raw text is in output")

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from metnos_exec import identities
+
 PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -88,7 +90,9 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         pytest.fail(f"test left child processes behind: {cmdlines}")
-    leaked = open_fds() - fds_before
+    # A root worker's job slots hold their uid's lock and user namespace for the process's
+    # life (metnos_exec.identities), taken by whichever test first used the slot.
+    leaked = open_fds() - fds_before - identities.held_fds()
     # An fd can be transiently open (e.g. the /proc listing above); check twice.
     if leaked:
         leaked = {fd for fd in leaked if fd in open_fds()}
@@ -119,6 +123,21 @@ def need(available: bool, reason: str) -> None:
     if os.environ.get("METNOS_REQUIRE_ALL") == "1":
         pytest.fail(f"required component missing in CI: {reason}")
     pytest.skip(reason)
+
+
+def need_privileged(available: bool, reason: str) -> None:
+    """Skip the calling test when what it needs is root's (cgroups it may create, a root
+    worker's slot uids, a root-owned file to plant), with the reason.
+
+    Run as an unprivileged user that is the expected answer, even in CI (`.ci/run` runs
+    those tests as root too); run as root, a missing piece is a missing component, and
+    `need` makes it a failure under ``METNOS_REQUIRE_ALL=1``.
+    """
+    if available:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"{reason} (needs root)")
+    need(False, reason)
 
 
 def need_import(module: str, extra: str) -> None:

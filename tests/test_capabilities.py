@@ -386,14 +386,20 @@ def test_symlink_inside_hint_is_fine(home: Path) -> None:
     )
 
 
-def test_symlinked_hint_root_resolves_like_arguments(tmp_path: Path) -> None:
+def test_symlinked_hint_root_is_refused_like_the_mount_would_be(tmp_path: Path) -> None:
+    # The hint names ~/notes; a link there would have its target mounted (issue 8): vetting
+    # refuses it too, with the same code, whatever the argument.
+    from metnos_exec.errors import SymlinkedFolder
+
     real = tmp_path / "data" / "notes"
     real.mkdir(parents=True)
     h = tmp_path / "h"
     h.mkdir()
     (h / "notes").symlink_to(real)
     m = mk({"path": {"format": "path"}}, NOTES_READ)
-    assert _vet(m, {"path": "~/notes/x.md"}, h)["path"] == str(real / "x.md")
+    for value in ("~/notes/x.md", str(real / "x.md")):
+        with pytest.raises(SymlinkedFolder, match="notes"):
+            _vet(m, {"path": value}, h)
 
 
 def test_inactive_fs_capability_admits_nothing(home: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from metnos_exec.sandbox.bwrap import bwrap_probe
 
-from .conftest import need
+from .conftest import need, need_privileged
 
 pytestmark = pytest.mark.slow
 
@@ -161,8 +161,8 @@ def test_the_cgroup_probe_is_honest_for_a_user_who_cannot_create_one() -> None:
     # ("pids (cgroup)" in the direct arm's report) it could not create.
     from metnos_exec.process import pids_cgroup_available
 
-    need(os.geteuid() == 0, "the parent cgroup must be made by root first")
-    need(pids_cgroup_available(), "no writable pids cgroup hierarchy here")
+    need_privileged(os.geteuid() == 0, "the parent cgroup must be made by root first")
+    need_privileged(pids_cgroup_available(), "no writable pids cgroup hierarchy here")
     setpriv = shutil.which("setpriv")
     need(setpriv is not None, "setpriv (util-linux) not installed")
     assert setpriv is not None

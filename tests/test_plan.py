@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from metnos_exec.errors import AutonomyDenied, BadArguments, CapabilityDenied
+from metnos_exec.errors import AutonomyDenied, BadArguments, CapabilityDenied, SymlinkedFolder
 from metnos_exec.manifest import CapabilitySpec, Executor, load_manifest
 from metnos_exec.plan import default_skills_root, plan_invocation
 from metnos_exec.policy import Policy
@@ -173,7 +173,9 @@ def test_root_hint_is_not_mounted(tmp_path: Path, home: Path) -> None:
     assert any("host root" in n for n in inv.notes)
 
 
-def test_symlinked_hint_is_mounted_at_its_resolved_path(tmp_path: Path, home: Path) -> None:
+def test_symlinked_hint_folder_is_refused_not_followed(tmp_path: Path, home: Path) -> None:
+    # Until issue 8 a symlinked hint folder was mounted at its target: the very move a job
+    # with write access next to it used to have another executor's job mount the home.
     real = tmp_path / "real-notes"
     real.mkdir()
     (home / "linked").symlink_to(real)
@@ -181,9 +183,31 @@ def test_symlinked_hint_is_mounted_at_its_resolved_path(tmp_path: Path, home: Pa
         tmp_path,
         '[args.p]\nformat = "path"\n[[capabilities]]\nname = "fs:read"\nhints = ["~/linked/**"]\n',
     )
-    inv = plan_invocation(ex, {"p": "~/linked/x"}, home=str(home))
+    for args in ({"p": "~/linked/x"}, {"p": str(real / "x")}):
+        with pytest.raises(SymlinkedFolder, match="linked") as ei:
+            plan_invocation(ex, args, home=str(home))
+        assert ei.value.code == "E_SYMLINKED_FOLDER"
+    # Declaring the real path works.
+    ex = make_executor(
+        tmp_path,
+        f'[args.p]\nformat = "path"\n[[capabilities]]\nname = "fs:read"\nhints = ["{real}/**"]\n',
+        name="t2",
+    )
+    inv = plan_invocation(ex, {"p": str(real / "x")}, home=str(home))
     assert Mount(str(real), str(real), False) in inv.job.mounts
-    assert inv.args["p"] == str(real / "x")
+
+
+def test_a_symlink_above_a_hint_folder_is_refused_too(tmp_path: Path, home: Path) -> None:
+    # The swap of issue 8: executor A may write ~/X/**; a job of A replaced ~/X/inner, the
+    # folder of B's hint, by a link to the home.
+    (home / "X").mkdir()
+    (home / "X" / "inner").symlink_to(home)
+    ex = make_executor(
+        tmp_path,
+        '[[capabilities]]\nname = "fs:write"\nhints = ["~/X/inner/deeper/**"]\n',
+    )
+    with pytest.raises(SymlinkedFolder, match="X/inner"):
+        plan_invocation(ex, {}, home=str(home))
 
 
 def test_read_only_autonomy_refuses_mutating(tmp_path: Path, home: Path) -> None:
@@ -241,6 +265,16 @@ def test_provider_binding_mounts_skill_home_and_pins(tmp_path: Path, home: Path)
     # Under read_only the skill's own state stays writable (token refresh).
     ro = plan_invocation(ex, {}, home=str(home), skills_root=str(skills), autonomy="read_only")
     assert Mount(skill_home, skill_home, True) in ro.job.mounts
+
+
+def test_a_skill_home_swapped_for_a_symlink_is_refused(tmp_path: Path, home: Path) -> None:
+    # A skill's home is mounted read-write: a link in its place (planted by a job that may
+    # write the skills root) would hand the job its target instead.
+    (home / "skills").mkdir(exist_ok=True)
+    (home / "skills" / "github").symlink_to(home)
+    ex = make_executor(tmp_path, '[[capabilities]]\nname = "provider:access"\nhints = ["github"]\n')
+    with pytest.raises(SymlinkedFolder, match="github"):
+        plan_invocation(ex, {}, home=str(home), skills_root=str(home / "skills"))
 
 
 def test_provider_skill_home_missing_is_noted(tmp_path: Path, home: Path) -> None:

@@ -26,7 +26,7 @@ import pytest
 from metnos_exec import process
 from metnos_exec.errors import HostFault
 from metnos_exec.process import ProcessResult, ProcessSpec, run_process
-from tests.conftest import need
+from tests.conftest import need_privileged
 
 ENV = {"PATH": "/usr/bin:/bin"}
 PY = sys.executable
@@ -314,7 +314,7 @@ async def test_timeout_kills_a_double_forked_setsid_grandchild(tmp_path: Path) -
 async def test_without_the_shim_a_pids_cgroup_still_kills_escaped_descendants(
     tmp_path: Path,
 ) -> None:
-    need(cgroups_available(), "no writable pids cgroup")
+    need_privileged(cgroups_available(), "no writable pids cgroup")
     result = await run_process(
         spec(PY, TREE, str(tmp_path), reaper=False, pids_max=64), timeout=1.0, grace=0.5
     )
@@ -432,7 +432,7 @@ print(ok, failed)
 async def test_pids_max_makes_forks_fail_and_leaves_nothing(
     reaper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    need(cgroups_available(), "no writable pids cgroup")
+    need_privileged(cgroups_available(), "no writable pids cgroup")
     made: list[Path] = []
     create = process._Cgroup.create
 

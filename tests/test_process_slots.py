@@ -31,11 +31,17 @@ from metnos_exec.sandbox.flags import (
     prlimit_prefix,
     shell_limits_prefix,
 )
-from tests.conftest import need
+from tests.conftest import need, need_privileged
 from tests.test_process import forker
 
 PY = sys.executable
 ENV = {"PATH": "/usr/bin:/bin"}
+
+
+def need_slots() -> None:
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
 
 
 def slots_available() -> bool:
@@ -51,7 +57,9 @@ def pooled(*argv: str, **kw: Any) -> ProcessSpec:
 
 @pytest.mark.anyio
 async def test_pooled_run_enforces_pids_and_kills_the_tree() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     result = await run_process(pooled(PY, "-c", forker(64), pids_max=8), timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.pids_limited
@@ -71,7 +79,9 @@ CGROUP_OF_SELF = "print(open('/proc/self/cgroup').read())"
 
 @pytest.mark.anyio
 async def test_slots_are_reused_once_empty_and_keep_only_their_thread() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     first = await run_process(pooled(PY, "-c", CGROUP_OF_SELF, pids_max=4), timeout=10)
     made = process._slots._made
     for _ in range(3):
@@ -87,7 +97,9 @@ async def test_slots_are_reused_once_empty_and_keep_only_their_thread() -> None:
 
 @pytest.mark.anyio
 async def test_concurrent_runs_get_distinct_slots() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     code = CGROUP_OF_SELF + "; import time; time.sleep(0.3)"
     results: list[ProcessResult] = []
 
@@ -102,7 +114,9 @@ async def test_concurrent_runs_get_distinct_slots() -> None:
 
 @pytest.mark.anyio
 async def test_the_worker_is_never_signalled_by_the_slot_tree_kill() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     # A job that outlives its budget: TERM then KILL go to everything in the slot's cgroup,
     # which lists the worker's pid too (its spawner thread sits there).
     hits: list[int] = []
@@ -117,7 +131,9 @@ async def test_the_worker_is_never_signalled_by_the_slot_tree_kill() -> None:
 
 @pytest.mark.anyio
 async def test_unreaped_zombies_do_not_eat_the_next_runs_budget(tmp_path: Path) -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     # The job leaves a background child that the tree kill turns into a zombie re-parented
     # to pytest (a subreaper), still charged to the slot's cgroup until pytest reaps it.
     pidfile = tmp_path / "bg.pid"
@@ -262,7 +278,9 @@ async def test_a_subreaper_keeps_every_slots_process_budget_exact() -> None:
     job ends: no zombie stays charged to a slot, so ``pids.max`` is the budget itself,
     not the budget plus zombies that a slow host init may reap in the middle of a run."""
     need(bwrap_mod.bwrap_probe().working, "bubblewrap unusable here")
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     arm = bwrap_mod.BwrapSandbox()
     job = SandboxJob(argv=("/bin/true",), limits=ResourceLimits(pids=16))
 
@@ -421,8 +439,10 @@ MiB = 1 << 20
 
 @pytest.mark.anyio
 async def test_pooled_run_charges_the_tree_not_the_worker() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
-    need(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
+    need_privileged(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
     # The worker holds (and touches) 128 MiB while the job runs: were the worker charged
     # to the slot's cgroup (one of its threads sits there), the peak would show it.
     ballast = b"\x01" * (128 * MiB)
@@ -437,8 +457,10 @@ async def test_pooled_run_charges_the_tree_not_the_worker() -> None:
 
 @pytest.mark.anyio
 async def test_pooled_run_over_its_memory_is_oom_killed_and_the_worker_lives() -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
-    need(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
+    need_privileged(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
     code = "b = b'\\x01' * (200 << 20); print('survived')"
     result = await run_process(pooled(PY, "-c", code, pids_max=4, memory_max=64 * MiB), timeout=30)
     assert result.oom_killed and result.returncode == -signal.SIGKILL
@@ -454,7 +476,9 @@ async def test_pooled_run_over_its_memory_is_oom_killed_and_the_worker_lives() -
 async def test_memory_unbounded_is_said_when_no_memory_cgroup_holds_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    need(slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)")
+    need_privileged(
+        slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
+    )
     monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
     result = await run_process(pooled(PY, "-c", "pass", memory_max=64 * MiB), timeout=30)
     assert result.returncode == 0
@@ -536,3 +560,37 @@ async def test_reap_orphan_takes_nothing_that_is_not_an_orphan_of_ours() -> None
     assert child.wait(timeout=5) == 4
     # Nor is a pid that is nobody's child here.
     assert await process.reap_orphan(1, 0.1) is None
+
+
+# --- a root worker's slot uids (metnos_exec.identities) ------------------------------------
+
+#: The child's uids and gids (real, effective, saved, fs), with tools any uid may run: the
+#: test's interpreter may sit where a slot's uid cannot reach (pyenv under /root).
+UIDS = ("/bin/sh", "-c", "grep -E '^(Uid|Gid):' /proc/self/status | cut -f2-")
+
+
+def thread_uids() -> set[str]:
+    """The ``Uid:`` line of every thread of this process."""
+    lines = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/status") as f:
+            lines.add(next(line for line in f if line.startswith("Uid:")).strip())
+    return lines
+
+
+@pytest.mark.anyio
+async def test_a_slot_switches_to_its_own_uid_for_the_fork_only() -> None:
+    need_slots()
+    need_privileged(os.geteuid() == 0, "slot uids are a root worker's")
+    async with process.pooled_slot() as slot:
+        assert slot is not None
+        identity = await slot.identity()
+        assert identity is not None, slot.identity_error
+        as_slot = await run_process(pooled(*UIDS, as_slot_user=True), timeout=10, slot=slot)
+        as_root = await run_process(pooled(*UIDS), timeout=10, slot=slot)
+    u = identity.uid
+    assert as_slot.uid == u and as_slot.stdout.split() == [str(u).encode()] * 8, as_slot
+    # The same thread forks the next job as root again: the switch held for one fork.
+    assert as_root.uid == 0 and as_root.stdout.split() == [b"0"] * 8, as_root
+    # Every thread of the worker (the slot's included) is root again.
+    assert thread_uids() == {"Uid:\t0\t0\t0\t0"}

@@ -43,18 +43,26 @@ only glues them and reads back what happened, honestly:
   and landlock (`.landlock`), which the guest's first process applies to itself before the
   executor's code (the job's argv is wrapped). The report names what they hold, and says
   ``partial`` where one is missing.
-* a root worker: bubblewrap maps the guest's uid 65534 to the worker's uid, host root, so
-  file permission checks treat the guest as the owner of root's files (it holds no
-  capability: only *owner* matches). Root-only files in the read-only system trees are
-  readable. `MASKED_PATHS` and every private file of ``/etc`` found at the worker's first
-  job (`private_files`) are masked, but not what other system trees or the job's own
-  mounts hold, nor files created later: the files and user axes say ``partial``
-  (`ROOT_WORKER_REASON`). Running the worker as an unprivileged user keeps them.
+* a root worker: bubblewrap maps the guest's uid 65534 to the uid that runs bubblewrap.
+  For root that would be host uid 0, so file permission checks would treat the guest as
+  the owner of root's files (it holds no capability: only *owner* matches): root-only
+  files of the read-only system trees readable, root-owned kernel files writable. So each
+  job runs as its slot's own host uid instead (`metnos_exec.identities`; `_placement`):
+  the slot's thread forks bubblewrap as that uid, and the job's mount sources are
+  idmapped clones showing root as that uid (`mount_sources.StagedSources`), so the job
+  keeps its owner rights on its own folders and nothing else of root's. A job that cannot
+  run so runs as root: `MASKED_PATHS` and every private file of ``/etc`` found at the
+  worker's first job (`private_files`) are masked, but not what other system trees hold,
+  nor files created later, and the files and user axes say ``partial``
+  (`ROOT_WORKER_REASON`, with why).
+* every job mount source is opened without following a symlink and bound from that fd
+  (`mount_sources`): a folder swapped for a link is refused, never mounted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -64,14 +72,23 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, final
 
 import anyio
 import msgspec
 
-from ..errors import HostFault, SandboxDenied
-from ..process import ProcessResult, ProcessSpec, reap_orphan, run_process
+from ..errors import HostFault, MetnosError, SandboxDenied
+from ..identities import SLOT_UIDS_ENV, slot_uids_unavailable
+from ..process import (
+    ProcessResult,
+    ProcessSpec,
+    Slot,
+    pooled_slot,
+    reap_orphan,
+    run_process,
+    slots_available,
+)
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -83,6 +100,7 @@ from ._types import (
     SandboxOutcome,
     Success,
     Timeout,
+    Trap,
     Usage,
 )
 from .flags import (
@@ -97,6 +115,7 @@ from .flags import (
     shell_limits_prefix,
 )
 from .hardening import Hardening, annotate, guest_job, host_hardening, seccomp_fd
+from .mount_sources import StagedSources, open_source
 
 __all__ = (
     "BwrapProbe",
@@ -135,16 +154,18 @@ class BwrapProbe(msgspec.Struct, frozen=True):
         version: parsed ``bwrap --version``; ``()`` when unknown.
         working: a sandbox with our namespace flags could be created and ran ``true``.
         error: why not, in bubblewrap's words (for people; decisions never parse it).
+        bind_fd: ``bwrap --help`` lists ``--bind-fd`` (see `BwrapFeatures.bind_fd`).
     """
 
     path: str | None
     version: tuple[int, ...] = ()
     working: bool = False
     error: str | None = None
+    bind_fd: bool = False
 
     @property
     def features(self) -> BwrapFeatures:
-        return BwrapFeatures(version=self.version)
+        return BwrapFeatures(version=self.version, bind_fd=self.bind_fd)
 
 
 #: How long a successful ``$PATH`` search for bubblewrap is reused (the supervisor probes
@@ -195,6 +216,14 @@ def _probe_uncached(path: str) -> BwrapProbe:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return BwrapProbe(path=path, error=f"bwrap --version: {exc}")
     version = _parse_version(out.stdout.decode(errors="replace"))
+    try:
+        usage = subprocess.run(
+            [path, "--help"], capture_output=True, timeout=10, check=False, env={}
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        usage = b""
+    # Parsed from the usage text: distributions backport it to older versions.
+    bind_fd = b"--bind-fd" in usage and b"--ro-bind-fd" in usage
     true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
     # The very namespace set the arm uses (user, pid, ipc, uts, net, cgroup), so "working"
     # means "our sandbox can be built here", not merely "bwrap starts".
@@ -208,8 +237,8 @@ def _probe_uncached(path: str) -> BwrapProbe:
     if run.returncode != 0:
         err = run.stderr.decode(errors="replace").strip().splitlines()
         reason = err[-1] if err else f"exit status {run.returncode}"
-        return BwrapProbe(path=path, version=version, error=reason)
-    return BwrapProbe(path=path, version=version, working=True)
+        return BwrapProbe(path=path, version=version, error=reason, bind_fd=bind_fd)
+    return BwrapProbe(path=path, version=version, working=True, bind_fd=bind_fd)
 
 
 _cache_lock = threading.Lock()
@@ -386,6 +415,11 @@ class _LimitGate:
     The gate owns the worker's copy of the status pipe's write end (`status_w`) and closes
     it as soon as bubblewrap has its own: end-of-file on the read end then means that
     bubblewrap exited during its set-up.
+
+    A job run as its slot's own uid (a root worker's): prlimit(2) of another uid's process
+    needs CAP_SYS_RESOURCE, which some root workers lack (a container's bounding set); the
+    kernel also allows it to a caller whose *real* ids are the target's, so the calls are
+    made on the slot's thread while it is that uid (`as_user`, `process.Slot.run_as`).
     """
 
     def __init__(
@@ -394,7 +428,9 @@ class _LimitGate:
         status_r: int,
         status_w: int,
         wait_s: float,
+        as_user: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
     ):
+        self._as_user = as_user
         self._rlimits = rlimits
         self._status_r = status_r
         self.status_w = status_w
@@ -434,6 +470,15 @@ class _LimitGate:
                     return child
         raise HostFault("bubblewrap did not reach its block fd in time")
 
+    def _apply(self, child: int, pid: int) -> None:
+        for proc in (child, pid):
+            for res, soft, hard in self._rlimits:
+                resource.prlimit(proc, res, (soft, hard))
+        for proc in (child, pid):
+            for res, soft, hard in self._rlimits:
+                if resource.prlimit(proc, res) != (soft, hard):
+                    raise HostFault(f"rlimit {res} did not hold on pid {proc}")
+
     async def _tree(self, pid: int, members: Callable[[], list[int]] | None) -> set[int]:
         if members is not None:
             return set(members())  # one small cgroup file
@@ -454,13 +499,10 @@ class _LimitGate:
             if tree != {pid, child}:
                 raise HostFault(f"unexpected bubblewrap tree {sorted(tree)} (want {pid}, {child})")
             try:
-                for proc in (child, pid):
-                    for res, soft, hard in self._rlimits:
-                        resource.prlimit(proc, res, (soft, hard))
-                for proc in (child, pid):
-                    for res, soft, hard in self._rlimits:
-                        if resource.prlimit(proc, res) != (soft, hard):
-                            raise HostFault(f"rlimit {res} did not hold on pid {proc}")
+                if self._as_user is None:
+                    self._apply(child, pid)
+                else:
+                    await self._as_user(functools.partial(self._apply, child, pid))
             except OSError as exc:
                 raise HostFault(f"cannot set the job's rlimits on bubblewrap: {exc}") from exc
             if await self._tree(pid, members) != tree:
@@ -588,9 +630,12 @@ def _limit_for(sig: int, job: SandboxJob) -> str | None:
 def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> SandboxExit:
     """Turn what bubblewrap and the process layer saw into a `SandboxExit`.
 
+    Only bubblewrap's own failure before the guest started is a host fault: once the
+    guest runs, whatever bubblewrap reports is a verdict on the job (see the ``Trap``
+    below for the one report a guest can forge).
+
     Raises:
         BwrapSetupFailed: bubblewrap exited without reporting a guest exit.
-        HostFault: an exit code outside what bubblewrap can report.
     """
     if result.timed_out:
         return Timeout()
@@ -607,7 +652,16 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
             f"no guest exit reported): {stderr[-500:] or 'no message'}"
         )
     if not isinstance(code, int) or not 0 <= code <= 255:
-        raise HostFault(f"bubblewrap reported an exit code out of range: {code!r}")
+        # bubblewrap writes "exit-code" only once the guest was exec'd, from a value its
+        # init hands the monitor over an eventfd the init keeps open (bwrap.c,
+        # do_init/monitor_child). A guest can reach that eventfd (pidfd_getfd on pid 1,
+        # its own uid) and write any number: no process exit produces one outside
+        # 0..255, so such a code is the guest's doing, a failure of its own, never a
+        # host fault (which would be retried and blamed on the worker).
+        return Trap(
+            f"bubblewrap reported exit code {code!r}, which no process exit produces: the "
+            "job tampered with bubblewrap's exit-status channel"
+        )
     if code == 0:
         return Success()
     if _SIGNAL_BASE < code <= _SIGNAL_BASE + _MAX_SIGNAL:
@@ -618,20 +672,33 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
 
 # --- containment ----------------------------------------------------------------------
 
-_FILES = AxisVerdict("kept", "only the declared mounts and read-only system trees are visible")
-#: Why a root worker cannot claim the files and user walls. bubblewrap maps the guest's
-#: uid 65534 to the uid that started it; for root that is host uid 0, so discretionary
-#: access checks treat the guest as root (it holds no capability, so it cannot override
-#: a mode: 0600 root files are read by *owner* match). `MASKED_PATHS` hides a fixed list.
+_FILES_REASON = "only the declared mounts and read-only system trees are visible"
+_FILES = AxisVerdict("kept", _FILES_REASON)
+#: Why a job run as root cannot claim the files and user walls. bubblewrap maps the
+#: guest's uid 65534 to the uid that started it; for root that is host uid 0, so
+#: discretionary access checks treat the guest as root (it holds no capability, so it
+#: cannot override a mode: 0600 root files are read by *owner* match). `MASKED_PATHS`
+#: hides a fixed list. A root worker runs its jobs as slot uids instead
+#: (`metnos_exec.identities`); this is the reason when one could not.
 ROOT_WORKER_REASON = (
-    "worker runs as root: the job is host root for file permissions (no capabilities); "
-    "root-only files in read-only system folders are readable"
+    "the job ran as host root for file permissions (no capabilities); root-only files in "
+    "read-only system folders are readable"
 )
-_FILES_AS_ROOT = AxisVerdict("partial", ROOT_WORKER_REASON)
+#: A root worker's job, before it ran: which uid it gets is decided at the run.
+ROOT_UNKNOWN_REASON = (
+    "the worker runs as root: whether the job runs as its slot's own uid or as root is "
+    "known once it runs"
+)
+#: Why the files wall is only ``partial`` with a bubblewrap that cannot bind from an fd.
+NO_BIND_FD_REASON = (
+    "this bubblewrap has no --bind-fd (0.10+): mount sources are checked for symlinks, "
+    "but one swapped between that check and the mount would be mounted"
+)
 
 
 def worker_is_root() -> bool:
-    """Whether the worker runs as root (the guest's uid then maps to host uid 0)."""
+    """Whether the worker runs as root (the guest's uid then maps to host uid 0, unless
+    the job runs as its slot's own uid)."""
     return os.geteuid() == 0
 
 
@@ -643,24 +710,111 @@ _TREE = AxisVerdict(
 _USER_REASON = "uid 65534 without capabilities in its own user namespace"
 
 
-def _user_verdict(features: BwrapFeatures, as_root: bool) -> AxisVerdict:
-    if as_root:
-        return AxisVerdict("partial", ROOT_WORKER_REASON)
+def _identity_verdicts(
+    features: BwrapFeatures, job_uid: int | None, root_reason: str | None
+) -> tuple[AxisVerdict, AxisVerdict]:
+    """The files and user axes, for the host uid the job ran as (`None`: not run yet).
+
+    Args:
+        job_uid: the job's host uid (`ProcessResult.uid`).
+        root_reason: for a root worker's job that ran as root: why not as a slot uid.
+    """
+    if worker_is_root():
+        if job_uid is None:
+            why = _slot_uids_unavailable()
+            reason = ROOT_UNKNOWN_REASON if why is None else f"{ROOT_WORKER_REASON} ({why})"
+            return AxisVerdict("partial", reason), AxisVerdict("partial", reason)
+        if job_uid == 0:
+            reason = f"{ROOT_WORKER_REASON} ({root_reason or 'no slot uid'})"
+            return AxisVerdict("partial", reason), AxisVerdict("partial", reason)
+    whose = (
+        f", host uid {job_uid} (this job slot's own: it owns nothing else on the host)"
+        if worker_is_root()
+        else ""
+    )
+    files = (
+        AxisVerdict("partial", NO_BIND_FD_REASON)
+        if not features.bind_fd
+        else AxisVerdict("kept", _FILES_REASON + (f", to host uid {job_uid}" if whose else ""))
+    )
     if features.disable_userns:
-        return AxisVerdict("kept", _USER_REASON + "; nested user namespaces disabled")
-    return AxisVerdict(
-        "partial", _USER_REASON + "; nested user namespaces allowed (bubblewrap < 0.8)"
+        user = AxisVerdict("kept", _USER_REASON + whose + "; nested user namespaces disabled")
+    else:
+        user = AxisVerdict(
+            "partial", _USER_REASON + whose + "; nested user namespaces allowed (bubblewrap < 0.8)"
+        )
+    return files, user
+
+
+def root_worker_note() -> str | None:
+    """What a root worker's jobs run as, for `metnos-exec status` (``None``: not root)."""
+    if not worker_is_root():
+        return None
+    why = _slot_uids_unavailable()
+    if why is None and not slots_available():
+        why = "no job slots here (they need a writable cgroup v1 pids hierarchy)"
+    if why is None:
+        return (
+            "the worker runs as root: each job slot runs its jobs as a dedicated host uid "
+            f"of its own ({SLOT_UIDS_ENV}); a staged job, or one whose folders cannot be "
+            "idmapped for it, runs as root, and its report says so"
+        )
+    return f"{ROOT_WORKER_REASON} ({why}); run the worker as an unprivileged user"
+
+
+def _slot_uids_unavailable() -> str | None:
+    try:
+        return slot_uids_unavailable()
+    except MetnosError as exc:
+        return str(exc)
+
+
+#: The memory wall without a memory cgroup: RLIMIT_AS binds each process and the size of
+#: each private tmpfs, so N processes (plus /tmp, /dev/shm and SysV shared memory, whose
+#: pages no rlimit counts) reach several times the budget together.
+MEMORY_PER_PROCESS_REASON = (
+    "memory bounded per process (RLIMIT_AS) and per tmpfs (/tmp, /dev/shm: each at the "
+    "budget), not for the job as a whole: no memory cgroup"
+)
+#: Writes to a job's writable folders land on the host's disk as they happen: each file is
+#: capped (RLIMIT_FSIZE), their total is not, until writes go through a size-limited
+#: staging layer (issue 10).
+DISK_REASON = (
+    "disk not bounded in total: writes to the writable folders are capped per file "
+    "(RLIMIT_FSIZE) only, no staging layer limits their sum"
+)
+
+
+def _pids_reason(job_uid: int | None) -> str:
+    """Why the process count is not held per job (no pids cgroup), for whoever the job's
+    processes belong to on the host."""
+    if job_uid == 0:
+        return (
+            "no process limit: no pids cgroup, and RLIMIT_NPROC does not bind root "
+            "(the job ran as root)"
+        )
+    if worker_is_root():
+        return (
+            "process limit held by RLIMIT_NPROC on the slot's own uid, not a pids cgroup: "
+            "earlier jobs' processes of that uid not yet reaped count too"
+        )
+    return (
+        "process limit counted per user, not per job: no pids cgroup, and RLIMIT_NPROC "
+        "counts every process of the worker's uid"
     )
 
 
-#: The memory wall without a memory cgroup: RLIMIT_AS binds each process, so N processes
-#: (and the private /tmp, whose pages no rlimit counts) reach N times the budget.
-MEMORY_PER_PROCESS_REASON = "memory bounded per process (RLIMIT_AS), not per job"
-
-
 def _resources_verdict(
-    job: SandboxJob, pids_enforced: bool | None, memory_enforced: bool | None
+    job: SandboxJob,
+    pids_enforced: bool | None,
+    memory_enforced: bool | None,
+    job_uid: int | None,
 ) -> AxisVerdict:
+    """The resources axis, for what held (`None`: not known before the run).
+
+    Args:
+        job_uid: the host uid the job's processes run as (``None``: not known yet).
+    """
     lim = job.limits
     missing: list[str] = []
     if lim.memory_bytes is None:
@@ -672,11 +826,14 @@ def _resources_verdict(
     if lim.pids is None:
         missing.append("no process limit")
     elif pids_enforced is False:
-        missing.append("process limit not enforced (no pids cgroup; RLIMIT_NPROC is void for root)")
+        missing.append(_pids_reason(job_uid))
     elif pids_enforced is None:
         missing.append("process limit enforcement unknown until run")
     if lim.file_size_bytes is None:
         missing.append("no file size limit")
+    # A staged folder's writes are bounded by its staging tmpfs (the supervisor says so).
+    if any(m.writable and not m.staged for m in job.mounts):
+        missing.append(DISK_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
@@ -726,16 +883,27 @@ class BwrapSandbox:
         return self._report(job, pids_enforced=None, memory_enforced=None)
 
     def _report(
-        self, job: SandboxJob, *, pids_enforced: bool | None, memory_enforced: bool | None
+        self,
+        job: SandboxJob,
+        *,
+        pids_enforced: bool | None,
+        memory_enforced: bool | None,
+        job_uid: int | None = None,
+        root_reason: str | None = None,
     ) -> ContainmentReport:
-        as_root = worker_is_root()
+        files, user = _identity_verdicts(self._features, job_uid, root_reason)
         report = ContainmentReport(
             sandbox="bwrap",
-            files=_FILES_AS_ROOT if as_root else _FILES,
+            files=files,
             network=_NET_GRANTED if job.network else _NET_KEPT,
             process_tree=_TREE,
-            user=_user_verdict(self._features, as_root),
-            resources=_resources_verdict(job, pids_enforced, memory_enforced),
+            user=user,
+            resources=_resources_verdict(
+                job,
+                pids_enforced,
+                memory_enforced,
+                os.geteuid() if job_uid is None else job_uid,
+            ),
         )
         return annotate(report, job, self._hardening)
 
@@ -745,13 +913,11 @@ class BwrapSandbox:
         Raises:
             SandboxDenied: a mount would replace a private tree (``/proc``, ``/dev``, ``/``).
             BwrapSetupFailed: bubblewrap could not build the sandbox.
-            HostFault: the harness broke (status unreadable, exit out of range).
+            HostFault: the harness broke (status unreadable).
         """
         if not job.argv:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         rlimits = derive_rlimits(job.limits)
-        gated = _can_gate(rlimits)
-        prefix = () if gated else _limits_in_guest(rlimits)
         host = _host_facts
         host.refresh()
         # Landlock is applied by the guest's first process (the in-guest step): the
@@ -764,13 +930,47 @@ class BwrapSandbox:
             readlink=host.readlink,
             isdir=host.isdir,
         )
+        # Every job mount and interpreter root opened without following a symlink (a
+        # swapped hint folder refuses the job here), and bound from that fd.
+        sources = _open_sources(job, host.roots)
+        try:
+            async with pooled_slot() as slot:
+                place = await _placement(slot, sources, staging=bool(job.enter))
+                gated = _can_gate(rlimits)
+                prefix = () if gated else _limits_in_guest(rlimits)
+                try:
+                    return await self._run(job, guest, rlimits, gated, prefix, host, place)
+                finally:
+                    if place.staged is not None:
+                        place.staged.close()
+        finally:
+            for fd in sources.values():
+                os.close(fd)
+
+    async def _run(
+        self,
+        job: SandboxJob,
+        guest: SandboxJob,
+        rlimits: tuple[tuple[int, int, int], ...],
+        gated: bool,
+        prefix: tuple[str, ...],
+        host: _HostFacts,
+        place: _Placement,
+    ) -> SandboxOutcome:
+        sources = place.sources
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
         seccomp_r: int | None = None
         try:
             seccomp_r = seccomp_fd(self._hardening)
             if gated:
-                gate = _LimitGate(rlimits, status_r, status_w, job.limits.wall_time_s)
+                gate = _LimitGate(
+                    rlimits,
+                    status_r,
+                    status_w,
+                    job.limits.wall_time_s,
+                    as_user=place.slot.run_as if place.as_slot_user and place.slot else None,
+                )
             try:
                 argv = derive_bwrap_argv(
                     msgspec.structs.replace(guest, argv=prefix + guest.argv) if prefix else guest,
@@ -781,8 +981,11 @@ class BwrapSandbox:
                     readlink=host.readlink,
                     interpreter_roots=host.roots,
                     json_status_fd=status_w,
-                    masked_paths=host.masked,
+                    # As a slot's own uid the guest cannot read root's private files:
+                    # the scan of /etc only matters for a job run as root.
+                    masked_paths=MASKED_PATHS if place.as_slot_user else host.masked,
                     block_fd=None if gate is None else gate.block_r,
+                    source_fds=sources,
                     seccomp_fd=seccomp_r,
                 )
             except ValueError as exc:
@@ -805,6 +1008,7 @@ class BwrapSandbox:
                     (status_w,)
                     + (() if gate is None else (gate.block_r,))
                     + (() if seccomp_r is None else (seccomp_r,))
+                    + _bound_fds(argv, sources)
                 ),
                 # --die-with-parent sets bubblewrap's own parent-death signal before the
                 # guest may start (the monitor sets it, then releases the sandbox), so a
@@ -825,8 +1029,10 @@ class BwrapSandbox:
                 # held by the slot's memory cgroup (RLIMIT_AS only binds each process).
                 memory_max=job.limits.memory_bytes,
                 on_spawn=gate,
+                # A root worker's job runs as its slot's own host uid (`identities`).
+                as_slot_user=place.as_slot_user,
             )
-            result = await run_process(spec, timeout=job.limits.wall_time_s)
+            result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
             if gate is not None:
                 gate.close()  # our copy of status_w, if the gate did not run
             else:
@@ -869,11 +1075,107 @@ class BwrapSandbox:
                 ),
             ),
             containment=self._report(
-                job, pids_enforced=result.pids_limited, memory_enforced=result.memory_limited
+                job,
+                pids_enforced=result.pids_limited,
+                memory_enforced=result.memory_limited,
+                job_uid=result.uid,
+                root_reason=place.root_reason,
             ),
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )
+
+
+@dataclasses.dataclass
+class _Placement:
+    """Where and as whom one job runs: its mount sources (fds to bind from), its slot,
+    and for a root worker whether it runs as the slot's own uid (else why not)."""
+
+    sources: dict[str, int]
+    slot: Slot | None = None
+    staged: StagedSources | None = None
+    root_reason: str | None = None
+
+    @property
+    def as_slot_user(self) -> bool:
+        return self.staged is not None
+
+
+async def _placement(
+    slot: Slot | None, sources: dict[str, int], *, staging: bool = False
+) -> _Placement:
+    """For a root worker: the slot's uid and its idmapped mount sources, or the reason the
+    job runs as root (no slot here, slot uids off or unavailable, a folder whose
+    filesystem refuses idmapped mounts, a staged job). Anyone else: the sources as opened.
+
+    A staged job (`staging`: bubblewrap starts under ``nsenter`` in the staging
+    namespace) runs as root for now: entering that mount namespace needs CAP_SYS_ADMIN,
+    and the slot's idmapped mounts are not attached in it.
+    """
+    if not worker_is_root():
+        return _Placement(sources, slot)
+    if staging:
+        return _Placement(
+            sources,
+            slot,
+            root_reason="its writes are staged, and a slot uid cannot enter the staging "
+            "namespace yet",
+        )
+    off = _slot_uids_unavailable()  # read per job: METNOS_SLOT_UIDS=off takes effect at once
+    if off is not None:
+        return _Placement(sources, slot, root_reason=off)
+    if slot is None:
+        return _Placement(
+            sources,
+            root_reason="no job slot here (slots need a writable cgroup v1 pids hierarchy)",
+        )
+    identity = await slot.identity()
+    if identity is None:
+        return _Placement(sources, slot, root_reason=slot.identity_error)
+    try:
+        staged = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
+    except OSError as exc:
+        return _Placement(sources, slot, root_reason=f"cannot mount as the slot uid: {exc}")
+    return _Placement(staged.fds, slot, staged)
+
+
+def _bound_fds(argv: list[str], sources: dict[str, int]) -> tuple[int, ...]:
+    """The source fds `argv` binds from: only those go to bubblewrap. bubblewrap closes
+    an fd once it has mounted it; one it was handed but never used (a root below a system
+    tree, a mount another one replaced) would reach the guest."""
+    used = {
+        int(argv[i + 1]) for i, arg in enumerate(argv[:-1]) if arg in ("--bind-fd", "--ro-bind-fd")
+    }
+    return tuple(fd for fd in sources.values() if fd in used)
+
+
+def _open_sources(job: SandboxJob, roots: tuple[str, ...]) -> dict[str, int]:
+    """Open each job mount's host folder and each interpreter root (see
+    `mount_sources.open_source`); an absent one is left out (it is not mounted).
+
+    Raises:
+        SymlinkedFolder: one is reached through a symlink (nothing is left open).
+        HostFault: the kernel refused to open one for another reason.
+    """
+    fds: dict[str, int] = {}
+    try:
+        # A staged mount lives in the staging namespace, not here (`Mount.staged`).
+        for path in (*roots, *(m.host for m in job.mounts if not m.staged)):
+            if path in fds:
+                continue
+            try:
+                fds[path] = open_source(path)
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                # Not mounted, as before: a hint naming a missing folder, or a folder the
+                # worker's own uid cannot reach (the guest could not have either).
+                continue
+            except OSError as exc:
+                raise HostFault(f"cannot open mount source {path}: {exc}") from exc
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
 
 
 async def _reap_orphaned_init(pid: object) -> Any | None:

@@ -109,8 +109,14 @@ def _resources_verdict(limits: ResourceLimits) -> AxisVerdict:
         if value is not None
     ]
     if limits.pids is not None:
-        # RLIMIT_NPROC, the fallback, counts the user's threads, not the job's.
-        applied.append("pids (cgroup)" if pids_cgroup_available() else "pids NOT enforced")
+        # RLIMIT_NPROC, the fallback, counts the user's threads, not the job's, and does
+        # not bind root at all.
+        if pids_cgroup_available():
+            applied.append("pids (cgroup)")
+        elif os.geteuid() == 0:
+            applied.append("pids NOT enforced (RLIMIT_NPROC does not bind root)")
+        else:
+            applied.append("pids per user (RLIMIT_NPROC), not per job")
     if not applied:
         return AxisVerdict("not_kept", "no limit set; only the wall-clock timeout applies")
     return AxisVerdict(

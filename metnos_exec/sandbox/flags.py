@@ -19,7 +19,7 @@ import posixpath
 import resource
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -29,6 +29,8 @@ __all__ = (
     "GUEST_GID",
     "GUEST_UID",
     "MASKED_PATHS",
+    "PROC_MASKED_PATHS",
+    "PROC_READ_ONLY_PATHS",
     "RESERVED_GUEST_PATHS",
     "SYSTEM_PATHS",
     "BwrapFeatures",
@@ -149,6 +151,49 @@ MASKED_PATHS: tuple[str, ...] = (
 )
 
 
+#: Host-global kernel interfaces inside the private ``/proc``, made read-only (moby and
+#: runc's ``readonlyPaths``). Why: ``/proc`` shows this pid namespace's processes only, but
+#: these files act on the whole host. ``/proc/sys`` holds the sysctls: a guest whose uid
+#: maps to host root (a root worker) could write ``kernel.core_pattern`` and have the
+#: kernel run a program of its choosing as host root, in the host's namespaces, at the
+#: next crash (issue 8). ``/proc/sysrq-trigger`` reboots or crashes the host; ``/proc/irq``,
+#: ``/proc/bus`` and ``/proc/fs`` reconfigure devices and file servers. bubblewrap covers
+#: some of them itself, but only when it finds the *folder* writable, which misses the
+#: root-owned files of a read-only-looking folder (exactly ``/proc/sys``). Bound from the
+#: host's ``/proc`` (the same kernel tables: sysctl files resolve per the *reader's*
+#: namespaces, whichever proc mount they are reached through).
+PROC_READ_ONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+
+#: Kernel state inside the private ``/proc`` hidden behind ``/dev/null`` (files) or an
+#: empty read-only tmpfs (folders): moby and runc's ``maskedPaths`` (kernel memory, timers,
+#: the scheduler's debug dump, the keys of the reader's keyrings, hardware lists), plus the
+#: kernel's symbol table and allocator maps (addresses that help an exploit). Most need a
+#: capability no guest holds; masked anyway, as the runtimes do, so no kernel
+#: configuration is needed for the guest to learn nothing from them.
+PROC_MASKED_PATHS: tuple[str, ...] = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kallsyms",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/slabinfo",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/vmallocinfo",
+)
+
+
 def private_files(root: str = "/etc", *, skip: Sequence[str] = MASKED_PATHS) -> tuple[str, ...]:
     """Files and folders under `root` that only their owner or group may read.
 
@@ -206,13 +251,17 @@ GUEST_GID = 65534
 
 
 class BwrapFeatures(msgspec.Struct, frozen=True):
-    """What the installed bubblewrap supports (from ``bwrap --version``).
+    """What the installed bubblewrap supports (from ``bwrap --version`` and ``--help``).
 
     Attributes:
         version: parsed version, e.g. ``(0, 8, 0)``; ``()`` when unknown.
+        bind_fd: ``--bind-fd`` / ``--ro-bind-fd`` exist (0.10.0, and distributions'
+            backports to older releases: Debian's 0.8.0-2+deb12u1), with the check that
+            the mounted inode is the fd's. Read from ``--help``, not the version.
     """
 
     version: tuple[int, ...] = ()
+    bind_fd: bool = False
 
     @property
     def disable_userns(self) -> bool:
@@ -266,6 +315,14 @@ class _Op(msgspec.Struct, frozen=True):
     args: tuple[str, ...]
 
 
+def _mask(path: str, is_dir: bool) -> tuple[str, ...]:
+    """Hide `path`: a file behind ``/dev/null``, a folder behind an empty tmpfs made
+    read-only (a writable one would be an unsized tmpfs the job could fill)."""
+    if is_dir:
+        return ("--tmpfs", path, "--remount-ro", path)
+    return ("--ro-bind", "/dev/null", path)
+
+
 def derive_bwrap_argv(
     job: SandboxJob,
     *,
@@ -279,6 +336,7 @@ def derive_bwrap_argv(
     seccomp_fd: int | None = None,
     masked_paths: Sequence[str] = MASKED_PATHS,
     block_fd: int | None = None,
+    source_fds: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
 
@@ -305,6 +363,11 @@ def derive_bwrap_argv(
             bubblewrap loads just before it execs the guest (`seccomp.compile_program`).
         masked_paths: host paths hidden behind an empty file or folder; default
             `MASKED_PATHS` (the bwrap arm adds `private_files` for a root worker).
+        source_fds: host path → an fd (in the bwrap process) opened on it without
+            following symlinks (`sandbox.mount_sources.open_source`), for every job mount
+            and interpreter root that exists; with it, those are mounted from their fd
+            (``--bind-fd`` / ``--ro-bind-fd`` when `features` has them), and a path
+            missing from it counts as absent. ``None``: consult `exists` and bind by path.
 
     Returns:
         The argv, ready for `ProcessSpec`.
@@ -330,21 +393,45 @@ def derive_bwrap_argv(
             ops.append(_Op(path, ("--symlink", target, path)))
         else:
             ops.append(_Op(path, ("--ro-bind", path, path)))
+
+    def present(host: str) -> bool:
+        return exists(host) if source_fds is None else host in source_fds
+
+    def bind(host: str, guest: str, writable: bool) -> tuple[str, ...]:
+        # A staged mount (not opened on the worker's side) is bound by path.
+        fd = None if source_fds is None or not features.bind_fd else source_fds.get(host)
+        if fd is None:
+            return ("--bind" if writable else "--ro-bind", host, guest)
+        # From the fd opened without symlinks: what is mounted is what was checked
+        # (bubblewrap compares the mounted inode with the fd's and dies on a mismatch).
+        return ("--bind-fd" if writable else "--ro-bind-fd", str(fd), guest)
+
     for root in roots:
         if any(_under(root, sys_path) for sys_path in SYSTEM_PATHS if exists(sys_path)):
             continue
-        if exists(root):
-            ops.append(_Op(root, ("--ro-bind", root, root)))
+        if present(root):
+            ops.append(_Op(root, bind(root, root, False)))
 
     # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
-    # zero, random, tty...; no disks), and a private /tmp. The /tmp tmpfs is sized with
-    # the memory budget: tmpfs pages are RAM, and RLIMIT_AS does not count them.
+    # zero, random, tty...; no disks), and a private /tmp. ``/sys`` is never mounted: it
+    # is the host's device tree, and the guest has no use for it.
     ops.append(_Op("/proc", ("--proc", "/proc")))
-    ops.append(_Op("/dev", ("--dev", "/dev")))
-    tmpfs: tuple[str, ...] = ("--tmpfs", "/tmp")
+    for path in PROC_READ_ONLY_PATHS:
+        if exists(path):
+            ops.append(_Op(path, ("--ro-bind", path, path)))
+    for path in PROC_MASKED_PATHS:
+        if exists(path):
+            ops.append(_Op(path, _mask(path, isdir(path))))
+    # bubblewrap's /dev is a writable, unsized tmpfs: read-only, so its only writable
+    # place is /dev/shm (below), sized like /tmp.
+    ops.append(_Op("/dev", ("--dev", "/dev", "--remount-ro", "/dev")))
+    # The tmpfs mounts are sized with the memory budget: tmpfs pages are RAM, and
+    # RLIMIT_AS does not count them (a memory cgroup, when there is one, does).
+    size: tuple[str, ...] = ()
     if features.tmpfs_size and job.limits.memory_bytes is not None:
-        tmpfs = ("--size", str(job.limits.memory_bytes), *tmpfs)
-    ops.append(_Op("/tmp", tmpfs))
+        size = ("--size", str(job.limits.memory_bytes))
+    ops.append(_Op("/tmp", (*size, "--tmpfs", "/tmp")))
+    ops.append(_Op("/dev/shm", (*size, "--tmpfs", "/dev/shm")))
 
     # Rules 3-4: the executor folder (read-only) and the fs hints, as plan.py resolved
     # them. Only existing host paths; on an exact duplicate the read-only one wins
@@ -360,23 +447,18 @@ def derive_bwrap_argv(
             raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
         # A staged mount lives in the staging namespace bubblewrap is started in, not on
         # the worker's side: it is checked there (by bubblewrap) instead.
-        if not mount.staged and not exists(mount.host):
+        if not mount.staged and not present(mount.host):
             continue
         prev = chosen.get(mount.guest)
         if prev is None or (prev.writable and not mount.writable):
             chosen[mount.guest] = mount
     for mount in chosen.values():
-        flag = "--bind" if mount.writable else "--ro-bind"
-        ops.append(_Op(mount.guest, (flag, mount.host, mount.guest)))
+        ops.append(_Op(mount.guest, bind(mount.host, mount.guest, mount.writable)))
 
     # Secrets the system binds would otherwise expose (see MASKED_PATHS).
     for path in dict.fromkeys(masked_paths):
-        if not exists(path):
-            continue
-        if isdir(path):
-            ops.append(_Op(path, ("--tmpfs", path)))
-        else:
-            ops.append(_Op(path, ("--ro-bind", "/dev/null", path)))
+        if exists(path):
+            ops.append(_Op(path, _mask(path, isdir(path))))
 
     # Order: a mount hides whatever an earlier one put below its destination, so parents
     # go first (sort by depth; stable, so at equal depth system < private < job < mask).

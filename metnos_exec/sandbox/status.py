@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .bwrap import ROOT_WORKER_REASON, bwrap_probe, worker_is_root
+from .bwrap import bwrap_probe, root_worker_note
 from .hardening import host_hardening
 from .landlock import landlock_abi
 from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
@@ -71,9 +71,9 @@ class SandboxStatus(msgspec.Struct, frozen=True):
         sandbox_off: ``METNOS_SANDBOX`` switches the kernel wall off.
         arms: runtime → arm it would use now (``bwrap``, ``none``, ``wasm``, ``absent``).
         degraded: runtime → degradation reason, for the runtimes that would degrade.
-        worker_as_root: a warning when the worker runs as root (bwrap jobs are then host
-            root for file permissions: the files and user axes are ``partial``); ``None``
-            otherwise.
+        worker_as_root: for a root worker, what its bwrap jobs run as: dedicated slot
+            uids, or root (host root for file permissions: the files and user axes are
+            ``partial``) and why; ``None`` otherwise.
         bwrap_seccomp: whether the bwrap arm loads its seccomp filter into every job
             (``seccomp`` above only says the kernel has seccomp).
         bwrap_landlock: whether the bwrap arm landlocks every job, and the ABI.
@@ -171,11 +171,7 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
         sandbox_off=env.get("METNOS_SANDBOX", "").strip().lower() in SANDBOX_OFF_VALUES,
         arms={rt: d.arm for rt, d in decisions.items()},
         degraded={rt: d.degraded.reason for rt, d in decisions.items() if d.degraded},
-        worker_as_root=(
-            f"{ROOT_WORKER_REASON}; run the worker as an unprivileged user"
-            if worker_is_root()
-            else None
-        ),
+        worker_as_root=root_worker_note(),
         bwrap_seccomp=MechanismStatus(hardening.seccomp_active, hardening.seccomp),
         bwrap_landlock=MechanismStatus(hardening.landlock_active, hardening.landlock),
     )

@@ -6,6 +6,7 @@ one JSON line describing what it managed to do, so assertions read behaviour, no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ from metnos_exec.sandbox.bwrap import (
     parse_json_status,
 )
 from metnos_exec.sandbox.flags import guest_python
-from tests.conftest import need
+from tests.conftest import need, need_privileged
 from tests.test_process import _reset_peak_rss, _vm_kib
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -63,6 +64,33 @@ def need_bwrap() -> None:
 def arm() -> BwrapSandbox:
     need_bwrap()
     return BwrapSandbox()
+
+
+@pytest.fixture
+def root_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root worker's jobs run as root, as before slot uids (``METNOS_SLOT_UIDS=off``):
+    for the tests of that mode."""
+    from metnos_exec.identities import SLOT_UIDS_ENV
+
+    monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+
+
+@pytest.fixture(params=["default", "slot uids off"])
+def uid_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a root worker runs a job (as its slot's uid, as root); for an
+    unprivileged worker the second is the first again, so it is skipped."""
+    from metnos_exec.identities import SLOT_UIDS_ENV
+
+    if request.param != "default":
+        if not AS_ROOT:
+            pytest.skip("only a root worker runs jobs as root")
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+    return str(request.param)
+
+
+def ran_as_slot_uid(outcome: SandboxOutcome) -> bool:
+    """A root worker's job ran as its slot's own uid (the report names it)."""
+    return AS_ROOT and "host uid" in outcome.containment.user.reason
 
 
 def py_job(tmp_path: Path, code: str, *, mounts: tuple[Mount, ...] = (), **kw: Any) -> SandboxJob:
@@ -501,7 +529,9 @@ async def test_guest_is_unprivileged_without_nested_userns(
     # LC_CTYPE in its own process): nothing of the worker's environment.
     assert set(got["env"]) <= {"METNOS_VISIBLE", "PWD", "LC_CTYPE"}, got["env"]
     assert "METNOS_VISIBLE" in got["env"]
-    assert outcome.containment.user.state == ("partial" if AS_ROOT else "kept")
+    # A root worker's job as root is host root for permissions: only partial.
+    as_root = AS_ROOT and not ran_as_slot_uid(outcome)
+    assert outcome.containment.user.state == ("partial" if as_root else "kept")
 
 
 # --- exits, isolation between runs, set-up faults -----------------------------------------
@@ -680,7 +710,15 @@ async def test_resources_partial_when_pids_not_enforced(
     monkeypatch.setattr(bwrap_mod, "run_process", no_cgroup)
     outcome = await arm.run(py_job(tmp_path, "print('{}')"))
     assert outcome.containment.resources.state == "partial"
-    assert "not enforced" in outcome.containment.resources.reason
+    # The reason fits the job's uid: RLIMIT_NPROC is void for root, per user otherwise
+    # (a slot's own uid for a root worker's job).
+    reason = outcome.containment.resources.reason
+    if ran_as_slot_uid(outcome):
+        assert "slot's own uid" in reason, reason
+    elif AS_ROOT:
+        assert "no process limit" in reason and "does not bind root" in reason, reason
+    else:
+        assert "counted per user, not per job" in reason and "root" not in reason, reason
 
 
 async def test_resources_partial_without_limits(arm: BwrapSandbox, tmp_path: Path) -> None:
@@ -760,7 +798,7 @@ FOUR_CHILDREN = children_filling(4, 200, 2)
 def need_memcg() -> None:
     from metnos_exec.process import memory_cgroup_available
 
-    need(memory_cgroup_available(), "no writable cgroup v1 memory hierarchy (needs root)")
+    need_privileged(memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
 
 
 async def test_a_tree_cannot_exceed_the_jobs_memory_limit(
@@ -891,12 +929,12 @@ async def test_usage_not_measured_is_not_guessed(
 # --- a root worker: the guest is host root for file permissions ---------------------------
 
 
-@pytest.fixture
-def root_only_file() -> Any:
-    """A world-traversable folder (so an unprivileged worker can mount it) holding a
-    root-owned 0600 file, like /etc/wireguard/wg0.conf on a real host."""
-    need(AS_ROOT, "creating a root-owned file needs root")
-    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir="/tmp"))
+def _root_only_file(parent: str) -> Any:
+    """A world-traversable folder under `parent` holding a root-owned 0600 file, like
+    /etc/wireguard/wg0.conf on a real host; removed afterwards."""
+    need_privileged(AS_ROOT, "creating a root-owned file")
+    need(os.path.isdir(parent), f"{parent} absent on this host")
+    base = Path(tempfile.mkdtemp(prefix="metnos-rootonly-", dir=parent))
     try:
         base.chmod(0o755)
         secret = base / "key"
@@ -905,6 +943,12 @@ def root_only_file() -> Any:
         yield secret
     finally:
         shutil.rmtree(base)
+
+
+@pytest.fixture
+def root_only_file() -> Any:
+    """In /tmp: a folder an unprivileged worker can mount too."""
+    yield from _root_only_file("/tmp")
 
 
 def secret_job(secret: Path) -> SandboxJob:
@@ -917,8 +961,8 @@ def secret_job(secret: Path) -> SandboxJob:
     )
 
 
-async def test_root_worker_partial_is_true_root_only_files_are_readable(
-    arm: BwrapSandbox, root_only_file: Path
+async def test_a_root_workers_job_as_root_reads_root_only_files_and_says_partial(
+    arm: BwrapSandbox, root_only_file: Path, root_jobs: None
 ) -> None:
     from metnos_exec.sandbox.bwrap import ROOT_WORKER_REASON
 
@@ -928,6 +972,147 @@ async def test_root_worker_partial_is_true_root_only_files_are_readable(
     assert outcome.containment.files.state == outcome.containment.user.state == "partial"
     assert outcome.containment.files.reason.startswith(ROOT_WORKER_REASON)
     assert outcome.containment.user.reason.startswith(ROOT_WORKER_REASON)
+    assert "METNOS_SLOT_UIDS=off" in outcome.containment.files.reason
+
+
+@pytest.fixture
+def system_secret() -> Any:
+    """In a *system* tree (``/opt``, mounted read-only for every job, with no idmap):
+    what a root worker's job could read as root."""
+    yield from _root_only_file("/opt")
+
+
+def need_slot_uids() -> None:
+    from metnos_exec import process
+    from metnos_exec.identities import slot_uids_unavailable
+
+    need_privileged(AS_ROOT, "slot uids are a root worker's")
+    need_privileged(
+        slot_uids_unavailable() is None, f"slot uids unavailable: {slot_uids_unavailable()}"
+    )
+    parent = process._cgroup_parent()
+    need_privileged(
+        parent is not None and (parent / "tasks").exists(), "no cgroup v1 job slots here"
+    )
+
+
+@pytest.mark.parametrize("mode", ["as root", "as a slot uid"])
+async def test_a_root_workers_job_as_a_slot_uid_cannot_read_root_only_system_files(
+    arm: BwrapSandbox, system_secret: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Issue 8, defect 1: as host root for permissions, the guest read any root-only file
+    # of the read-only system trees (and wrote root-owned kernel files). As its slot's
+    # own uid it is any local user there.
+    need_slot_uids()
+    if mode == "as root":
+        from metnos_exec.identities import SLOT_UIDS_ENV
+
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+    outcome = await arm.run(SandboxJob(argv=("/bin/cat", str(system_secret)), env={"LC_ALL": "C"}))
+    files, user = outcome.containment.files, outcome.containment.user
+    if mode == "as root":
+        assert outcome.stdout == b"root secret", outcome  # why it says partial
+        assert files.state == user.state == "partial"
+        return
+    assert outcome.exit == Failure(code=1) and outcome.stdout == b"", outcome
+    assert b"Permission denied" in outcome.stderr
+    assert files.state == user.state == "kept", (files, user)
+    assert ran_as_slot_uid(outcome)
+
+
+async def test_a_slot_uid_keeps_owner_rights_on_its_own_folders_only(
+    arm: BwrapSandbox, root_only_file: Path, tmp_path: Path
+) -> None:
+    # The job's folders are root's (the root worker's user): through an idmapped mount
+    # the slot's uid is their owner, as the job was before, so a 0600 file of its mounted
+    # folder is readable and what it writes is root's on disk.
+    need_slot_uids()
+    out = tmp_path / "out"
+    out.mkdir()
+    job = SandboxJob(
+        argv=("/bin/sh", "-c", f"cat {root_only_file} && echo made > {out}/new"),
+        mounts=(
+            Mount(str(root_only_file.parent), str(root_only_file.parent)),
+            Mount(str(out), str(out), writable=True),
+        ),
+    )
+    outcome = await arm.run(job)
+    assert outcome.exit == Success() and outcome.stdout == b"root secret", outcome
+    assert ran_as_slot_uid(outcome)
+    made = out / "new"
+    assert made.read_text() == "made\n" and (made.stat().st_uid, made.stat().st_gid) == (0, 0)
+
+
+SLEEPER = "import sys, time; print(sys.argv[1], flush=True); time.sleep(30)"
+
+
+def _uids_of(token: str) -> dict[int, tuple[int, ...]]:
+    """pid → host uids (real, effective, saved, fs) of the processes whose argv holds
+    `token`."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if token.encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/status") as f:
+                uid = next(line for line in f if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        found[int(entry)] = tuple(int(x) for x in uid.split()[1:])
+    return found
+
+
+async def test_each_slot_runs_its_jobs_as_its_own_unprivileged_host_uid(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    # Seen from the host, not from inside: two jobs at once, two slots, two uids, none 0.
+    need_slot_uids()
+    tokens = [f"metnos-slot-probe-{os.getpid()}-{i}" for i in range(2)]
+    seen: dict[str, dict[int, tuple[int, ...]]] = {}
+    outcomes: list[SandboxOutcome] = []
+
+    async def one(token: str) -> None:
+        job = py_job(tmp_path, SLEEPER, limits=ResourceLimits(wall_time_s=30))
+        job = msgspec.structs.replace(job, argv=(*job.argv, token))
+        outcomes.append(await arm.run(job))
+
+    async with anyio.create_task_group() as tg:
+        for token in tokens:
+            tg.start_soon(one, token)
+        deadline = time.monotonic() + 20
+        # Polling with a deadline: the guests take a moment to start.
+        while time.monotonic() < deadline and not all(seen.get(t) for t in tokens):
+            for token in tokens:
+                seen[token] = _uids_of(token)
+            await anyio.sleep(0.05)
+        for pids in seen.values():  # end the sleepers (whatever the assertions say)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert all(seen.get(t) for t in tokens), seen
+    uids = {t: {u for ids in seen[t].values() for u in ids} for t in tokens}
+    assert all(len(u) == 1 and 0 not in u for u in uids.values()), uids
+    assert uids[tokens[0]] != uids[tokens[1]], uids  # one uid per slot
+    assert all(ran_as_slot_uid(o) for o in outcomes)
+
+
+async def test_a_folder_that_cannot_be_idmapped_runs_the_job_as_root_and_says_why(
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need_slot_uids()
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise OSError(95, "idmapped mount: Operation not supported")
+
+    monkeypatch.setattr(bwrap_mod, "StagedSources", refuse)
+    outcome = await arm.run(py_job(tmp_path, "print('{}')"))
+    assert outcome.exit == Success(), outcome  # the job still runs...
+    files = outcome.containment.files  # ... and the report says as whom
+    assert files.state == "partial" and "cannot mount as the slot uid" in files.reason
 
 
 UNPRIVILEGED_WORKER = """
@@ -1003,22 +1188,34 @@ CACERTS = "/etc/default/cacerts"  # 0600 root on this host; not in MASKED_PATHS
 CACERTS_PRIVATE = os.path.isfile(CACERTS) and not os.stat(CACERTS).st_mode & 0o004
 
 
-async def test_root_worker_masks_private_files_of_etc(arm: BwrapSandbox) -> None:
+@pytest.mark.parametrize("mode", ["as root", "as a slot uid"])
+async def test_root_worker_hides_private_files_of_etc(
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     target = CACERTS
-    need(AS_ROOT, "only a root worker masks them")
+    need_privileged(AS_ROOT, "only a root worker's jobs could read them")
     need(CACERTS_PRIVATE, f"{target} absent or world-readable here")
+    if mode == "as root":
+        from metnos_exec.identities import SLOT_UIDS_ENV
+
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
     outcome = await arm.run(SandboxJob(argv=("/bin/cat", target)))
-    # Masked with the host's /dev/null, bound on a nodev mount: opening it fails (EACCES).
-    # Either way, nothing of what it holds reaches the guest.
+    # As root: masked with the host's /dev/null, bound on a nodev mount: opening it fails
+    # (EACCES). As a slot uid: a 0600 root file is simply not its to read. Either way,
+    # nothing of what it holds reaches the guest.
     assert outcome.exit in (Success(), Failure(code=1)) and outcome.stdout == b"", outcome
-    assert outcome.containment.files.state == "partial"  # files created later, other trees
+    if mode == "as root":
+        assert outcome.containment.files.state == "partial"  # files created later...
+    else:
+        need_privileged(ran_as_slot_uid(outcome), "no slot uid here (no cgroup v1 job slots)")
+        assert outcome.containment.files.state == "kept"
 
 
 # --- rlimits applied while bubblewrap waits on --block-fd --------------------------------
 
 
 async def test_limits_hold_from_the_guests_first_instruction(
-    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch
+    arm: BwrapSandbox, monkeypatch: pytest.MonkeyPatch, uid_mode: str
 ) -> None:
     """The guest is ``cat /proc/self/limits`` itself (no shell, no prlimit exec before it):
     what it prints is what held when its first instruction ran."""
@@ -1052,7 +1249,7 @@ async def test_limits_hold_from_the_guests_first_instruction(
 
 
 async def test_gate_failure_kills_the_blocked_sandbox_before_the_guest_runs(
-    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid_mode: str
 ) -> None:
     import resource
 

@@ -30,7 +30,7 @@ from metnos_exec.sandbox._types import (
     Timeout,
 )
 from metnos_exec.sandbox.direct import DirectSandbox, direct_rlimits
-from tests.conftest import need
+from tests.conftest import need_privileged
 
 ENV = {"PATH": "/usr/bin:/bin"}
 PY = sys.executable
@@ -162,7 +162,7 @@ def _gone(pidfile: Path) -> bool:
 async def test_pids_limit_holds_with_a_cgroup() -> None:
     from metnos_exec.process import pids_cgroup_available
 
-    need(pids_cgroup_available(), "no writable pids cgroup")
+    need_privileged(pids_cgroup_available(), "no writable pids cgroup")
     forker = (
         "import os, time\n"
         "n = 0\n"

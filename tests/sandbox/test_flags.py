@@ -141,8 +141,28 @@ def test_rule2_tmpfs_sized_by_memory_budget() -> None:
     job = job_with(limits=ResourceLimits(memory_bytes=123456789))
     argv = derive(job)
     index_of(argv, "--size", "123456789", "--tmpfs", "/tmp")
+    # /dev/shm like /tmp, over a /dev made read-only first (its tmpfs has no size).
+    shm = index_of(argv, "--size", "123456789", "--tmpfs", "/dev/shm")
+    assert index_of(argv, "--dev", "/dev", "--remount-ro", "/dev") < shm
     old = derive(job, features=BwrapFeatures(version=(0, 6, 1)))
     assert "--size" not in old
+
+
+def test_host_global_proc_files_read_only_and_masked_after_proc() -> None:
+    from metnos_exec.sandbox.flags import PROC_MASKED_PATHS, PROC_READ_ONLY_PATHS
+
+    assert {"/proc/sys", "/proc/sysrq-trigger"} <= set(PROC_READ_ONLY_PATHS)
+    assert {"/proc/kcore", "/proc/keys", "/proc/kallsyms"} <= set(PROC_MASKED_PATHS)
+    paths = BASE_FS | {"/proc/sys", "/proc/sysrq-trigger", "/proc/kcore", "/proc/acpi"}
+    fs = fake_fs(paths, dirs={"/proc/sys", "/proc/acpi"})
+    argv = derive_bwrap_argv(job_with(), interpreter_roots=(), **fs)  # type: ignore[arg-type]
+    proc = index_of(argv, "--proc", "/proc")
+    assert proc < index_of(argv, "--ro-bind", "/proc/sys", "/proc/sys")
+    assert proc < index_of(argv, "--ro-bind", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
+    assert proc < index_of(argv, "--ro-bind", "/dev/null", "/proc/kcore")
+    assert proc < index_of(argv, "--tmpfs", "/proc/acpi", "--remount-ro", "/proc/acpi")
+    assert "/proc/keys" not in argv  # absent on this fake kernel: never created
+    assert "/sys" not in argv
 
 
 def test_mounts_nested_after_their_parents() -> None:
@@ -243,7 +263,8 @@ def test_beyond_secrets_masked_after_etc_bind() -> None:
     argv = derive_bwrap_argv(job_with(), interpreter_roots=(), **fs)  # type: ignore[arg-type]
     etc = index_of(argv, "--ro-bind", "/etc", "/etc")
     assert etc < index_of(argv, "--ro-bind", "/dev/null", "/etc/shadow")
-    assert etc < index_of(argv, "--tmpfs", "/etc/ssh")
+    # A masking tmpfs is read-only: a writable one would be an unsized tmpfs to fill.
+    assert etc < index_of(argv, "--tmpfs", "/etc/ssh", "--remount-ro", "/etc/ssh")
     assert "/etc/gshadow" not in argv  # absent on this fake host
 
 

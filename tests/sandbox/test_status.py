@@ -67,12 +67,21 @@ def test_status_wasm_section_present() -> None:
 
 
 def test_status_warns_when_the_worker_runs_as_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metnos_exec.sandbox import status as status_mod
 
-    monkeypatch.setattr(status_mod, "worker_is_root", lambda: True)
+    from metnos_exec.identities import SLOT_UIDS_ENV
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+
+    monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: True)
+    monkeypatch.setenv(SLOT_UIDS_ENV, "off")
     warning = status().worker_as_root
-    assert warning is not None and "runs as root" in warning and "readable" in warning
-    monkeypatch.setattr(status_mod, "worker_is_root", lambda: False)
+    assert warning is not None and "as host root" in warning and "readable" in warning
+    if os.geteuid() == 0:  # the reason names the setting (else: "not root" itself)
+        assert f"{SLOT_UIDS_ENV}=off" in warning
+    if os.geteuid() == 0 and bwrap_mod.slots_available():
+        monkeypatch.delenv(SLOT_UIDS_ENV)
+        note = status().worker_as_root
+        assert note is not None and "dedicated host uid" in note, note
+    monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: False)
     assert status().worker_as_root is None
 
 

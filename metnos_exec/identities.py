@@ -1,0 +1,315 @@
+"""A dedicated, unprivileged host uid for each job slot of a root worker.
+
+Why: bubblewrap maps the guest's uid to the uid that *runs bubblewrap*. Started by a root
+worker, the guest was host uid 0 for every permission check: root-only files in the
+read-only system folders were readable, and root-owned kernel files such as
+``/proc/sys/kernel/core_pattern`` writable (issue 8: host root code execution). isolate
+and nsjail answer this the same way: each box (here, each slot of the process layer, one
+per concurrent job) runs as a uid of its own that owns nothing on the host.
+
+How, in the process layer (`metnos_exec.process`, "Pooled cgroups"): a slot's spawner
+thread is the only thread that forks that slot's jobs. Around each fork of a job that asks
+for it (`ProcessSpec.as_slot_user`), that thread alone switches to the slot's uid and gid
+with *raw* ``setresuid``/``setresgid``/``setgroups`` system calls and back right after:
+Linux credentials belong to a thread, and glibc's wrappers would change every thread of
+the worker (they broadcast with a signal), the raw calls do not. The saved uid stays 0
+during the switch, so the thread can come back; the child keeps the slot's uid and, at
+its ``execve``, the saved uid becomes that uid too (no capability survives: bubblewrap
+has no file capabilities). The first switch makes the worker's memory non-dumpable (the
+kernel does that on any uid change), so no process of a slot's uid can ptrace it.
+
+The uids: ``METNOS_SLOT_UIDS=BASE:COUNT`` (default ``1879048192:65536``, i.e.
+``0x70000000`` up: above the ranges systemd gives to users, dynamic users and
+containers, below 2^31), or ``off``. A slot takes the lowest uid of the range that no
+other worker holds (a lock file under ``/run/metnos-exec/uids``, held for the worker's
+life: two workers never share one), that has no ``passwd`` or ``group`` entry and that
+runs no process; its gid is the same number.
+
+What the guest of a slot may touch on the host is then what that uid may: the read-only
+system folders as any local user, and its own mounts. Those are root's files (the root
+worker's user); to keep the owner rights the job had before, each one is mounted through
+an *idmapped* mount that shows the worker's uid 0 as the slot's uid
+(`metnos_exec.sandbox.mount_sources.StagedSources`), which needs the user namespace
+`SlotIdentity.userns_fd` (uid 0 → the slot's uid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import grp
+import os
+import platform
+import pwd
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Final
+
+from .errors import BadConfig
+
+__all__ = (
+    "DEFAULT_SLOT_UIDS",
+    "RUN_DIR",
+    "SLOT_UIDS_ENV",
+    "SlotIdentity",
+    "allocate",
+    "held_fds",
+    "slot_uid_range",
+    "slot_uids_unavailable",
+    "switched",
+)
+
+SLOT_UIDS_ENV: Final = "METNOS_SLOT_UIDS"
+DEFAULT_SLOT_UIDS: Final = (0x70000000, 65536)
+#: Root-owned state of root workers: uid locks, staged mount points.
+RUN_DIR: Final = "/run/metnos-exec"
+
+# setgroups, setresuid, setresgid: numbered per architecture (not the new unified table).
+_SYSCALLS: Final[dict[str, tuple[int, int, int]]] = {
+    "x86_64": (116, 117, 119),
+    "aarch64": (159, 147, 149),
+}
+_CLONE_NEWUSER: Final = 0x10000000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def slot_uid_range(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(base, count)`` from ``METNOS_SLOT_UIDS``, the default, or ``None`` for ``off``.
+
+    Raises:
+        BadConfig: the variable is neither ``off`` nor ``BASE:COUNT`` with both in range.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(SLOT_UIDS_ENV, "").strip().lower()
+    if not raw:
+        return DEFAULT_SLOT_UIDS
+    if raw in ("off", "0", "false", "none"):
+        return None
+    base_s, sep, count_s = raw.partition(":")
+    try:
+        base, count = int(base_s, 0), int(count_s, 0)
+    except ValueError:
+        base = count = -1
+    if not sep or base < 1000 or count < 1 or base + count > 2**32 - 2:
+        raise BadConfig(
+            f"{SLOT_UIDS_ENV}={raw!r}: expected 'off' or BASE:COUNT (uids BASE to "
+            "BASE+COUNT-1, none below 1000, none past 4294967293)"
+        )
+    return base, count
+
+
+def slot_uids_unavailable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why jobs of this worker cannot run as slot uids (``None``: they can).
+
+    Raises:
+        BadConfig: as `slot_uid_range`.
+    """
+    if os.geteuid() != 0:
+        return "the worker is not root (its jobs run as its own uid)"
+    if slot_uid_range(environ) is None:
+        return f"{SLOT_UIDS_ENV}=off"
+    if platform.machine() not in _SYSCALLS:
+        return f"no per-thread credential switch for {platform.machine()} yet"
+    return None
+
+
+class SlotIdentity:
+    """A slot's host uid and gid, held (its lock) until `close`.
+
+    Attributes:
+        uid: the slot's host uid.
+        gid: the slot's host gid (the same number).
+        userns_fd: a user namespace mapping uid and gid 0 to the slot's: what idmapped
+            mounts of root's folders for this slot are made with.
+    """
+
+    def __init__(self, uid: int, lock_fd: int, userns_fd: int) -> None:
+        self.uid = uid
+        self.gid = uid
+        self.userns_fd = userns_fd
+        self._lock_fd = lock_fd
+        self._switch = _SYSCALLS[platform.machine()]
+        _held.update((lock_fd, userns_fd))
+
+    def close(self) -> None:
+        for fd in (self.userns_fd, self._lock_fd):
+            if fd >= 0:
+                _held.discard(fd)
+                os.close(fd)
+        self.userns_fd = self._lock_fd = -1
+
+    def __repr__(self) -> str:
+        return f"SlotIdentity(uid={self.uid})"
+
+
+#: fds the live identities hold (their lock, their user namespace) for the worker's life.
+_held: set[int] = set()
+
+
+def held_fds() -> frozenset[int]:
+    """The fds slot identities keep open for as long as the worker lives (a test harness
+    checking for leaked fds leaves these out)."""
+    return frozenset(_held)
+
+
+def _raw(number: int, *args: int | None) -> None:
+    if _libc.syscall(number, *args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@contextlib.contextmanager
+def switched(identity: SlotIdentity) -> Iterator[None]:
+    """The calling *thread* runs as `identity` inside the block (see the module doc).
+
+    Raises:
+        OSError: a switch failed; if coming back failed, the thread is left unusable
+            (`RuntimeError`), never silently running as the slot's uid.
+    """
+    setgroups, setresuid, setresgid = identity._switch
+    groups = os.getgroups()
+    _raw(setgroups, 0, None)
+    try:
+        _raw(setresgid, identity.gid, identity.gid, 0)
+        try:
+            _raw(setresuid, identity.uid, identity.uid, 0)
+        except BaseException:
+            _raw(setresgid, 0, 0, 0)
+            raise
+    except BaseException:
+        _restore_groups(setgroups, groups)
+        raise
+    try:
+        yield
+    finally:
+        try:
+            # uid first: back to euid 0 restores the effective capabilities the rest needs.
+            _raw(setresuid, 0, 0, 0)
+            _raw(setresgid, 0, 0, 0)
+            _restore_groups(setgroups, groups)
+        except OSError as exc:  # pragma: no cover - the kernel refusing root its own ids
+            raise RuntimeError(f"cannot switch thread back to root: {exc}") from exc
+
+
+def _restore_groups(setgroups: int, groups: list[int]) -> None:
+    arr = (ctypes.c_uint * len(groups))(*groups)
+    _raw(setgroups, len(groups), ctypes.addressof(arr) if groups else None)
+
+
+# --- allocation ---------------------------------------------------------------------------
+
+_alloc_lock = threading.Lock()
+
+
+def _runs_processes(uid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    return True
+    return False
+
+
+def _known(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        pass
+    else:
+        return True
+    try:
+        grp.getgrgid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def _private_dir(path: str, mode: int) -> None:
+    """`path` as a root-owned real folder with `mode` (never through a symlink)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, mode)
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != 0:
+        raise OSError(f"{path} is not a root-owned folder")
+    os.chmod(path, mode)
+
+
+def _userns(uid: int) -> int:
+    """A user namespace whose uid and gid 0 are `uid` on the host; its fd.
+
+    A short-lived child unshares it and waits; we write its maps (as root we may map any
+    id) and keep the namespace by fd after the child is gone.
+    """
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            "import ctypes, sys\n"
+            f"if ctypes.CDLL(None).unshare({_CLONE_NEWUSER}) != 0: sys.exit(1)\n"
+            "sys.stdout.write('u'); sys.stdout.flush(); sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={},
+        close_fds=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        if child.stdout.read(1) != b"u":
+            raise OSError("the helper could not create a user namespace")
+        for name, value in (("uid_map", f"0 {uid} 1\n"), ("setgroups", "deny"),
+                            ("gid_map", f"0 {uid} 1\n")):  # fmt: skip
+            with open(f"/proc/{child.pid}/{name}", "w") as f:
+                f.write(value)
+        return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        if child.stdout is not None:
+            child.stdout.close()
+        child.kill()
+        child.wait()
+
+
+def allocate(environ: Mapping[str, str] | None = None) -> SlotIdentity:
+    """Take the lowest free uid of the range for a slot of this worker.
+
+    Raises:
+        OSError: no free uid, or the host refused the lock folder or the namespace.
+        BadConfig: as `slot_uid_range`.
+    """
+    reason = slot_uids_unavailable(environ)
+    if reason is not None:
+        raise OSError(reason)
+    uid_range = slot_uid_range(environ)
+    assert uid_range is not None
+    base, count = uid_range
+    with _alloc_lock:
+        _private_dir(RUN_DIR, 0o711)
+        _private_dir(os.path.join(RUN_DIR, "uids"), 0o700)
+        for uid in range(base, base + count):
+            lock = os.open(
+                os.path.join(RUN_DIR, "uids", f"{uid}.lock"),
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+            )
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock)
+                continue  # another slot, of this worker or another, holds it
+            if _known(uid) or _runs_processes(uid):
+                os.close(lock)
+                continue
+            try:
+                return SlotIdentity(uid, lock, _userns(uid))
+            except BaseException:
+                os.close(lock)
+                raise
+    raise OSError(f"no free slot uid in {base}..{base + count - 1} ({SLOT_UIDS_ENV})")
