@@ -8,7 +8,7 @@ stood. The public names are re-exported here; each lives in the module of its co
 from __future__ import annotations
 
 from .backoff import retry_delay
-from .brokers import Broker, open_broker
+from .brokers import Broker, PurgeHook, PurgeReport, open_broker
 from .capabilities import (
     PROVIDER_SKILLS,
     Capability,
@@ -28,6 +28,13 @@ from .errors import (
     BadManifest,
     BadMessage,
     BadOutput,
+    BrokerBusy,
+    BrokerCorrupt,
+    BrokerError,
+    BrokerFull,
+    BrokerGone,
+    BrokerReadOnly,
+    BrokerUnavailable,
     CapabilityDenied,
     CommitConflict,
     HostFault,
@@ -55,7 +62,16 @@ from .manifest import (
     Manifest,
     load_manifest,
 )
-from .messages import DeadLetter, ErrorInfo, Job, Result, UndoEntry, new_job_id
+from .messages import (
+    MAX_ARGS_DEPTH,
+    MAX_JOB_BYTES,
+    DeadLetter,
+    ErrorInfo,
+    Job,
+    Result,
+    UndoEntry,
+    new_job_id,
+)
 from .plan import Invocation, plan_invocation
 from .policy import Policy, Profile, profile_for, require_sandbox
 from .process import ProcessResult, ProcessSpec, run_process
@@ -93,6 +109,8 @@ __version__ = "0.1.0"
 __all__ = (
     "ERROR_CODES",
     "EVENTS",
+    "MAX_ARGS_DEPTH",
+    "MAX_JOB_BYTES",
     "FetchError",
     "PROVIDER_SKILLS",
     "AbsentSandbox",
@@ -105,6 +123,13 @@ __all__ = (
     "BadMessage",
     "BadOutput",
     "Broker",
+    "BrokerBusy",
+    "BrokerCorrupt",
+    "BrokerError",
+    "BrokerFull",
+    "BrokerGone",
+    "BrokerReadOnly",
+    "BrokerUnavailable",
     "BwrapSandbox",
     "Capability",
     "CapabilityDenied",
@@ -140,6 +165,8 @@ __all__ = (
     "ProcessResult",
     "ProcessSpec",
     "Profile",
+    "PurgeHook",
+    "PurgeReport",
     "ResourceLimits",
     "Result",
     "Sandbox",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ("retry_delay",)
+__all__ = ("retry_delay", "store_backoff")
 
 _default_rng = random.Random()
 
@@ -56,3 +56,10 @@ def retry_delay(
         nominal = cap
     spread = (rng or _default_rng).uniform(-jitter, jitter) if jitter else 0.0
     return max(0.0, min(cap, nominal * (1.0 + spread)))
+
+
+def store_backoff(failures: int) -> float:
+    """Seconds before a worker tries its failing store again, after `failures` failures
+    in a row: from 0.25 s, doubling, at most 5 s (±20 %), so a store that comes back is
+    used again within seconds, and one that stays down is not hammered."""
+    return retry_delay(failures, base=0.25, factor=2.0, cap=5.0, jitter=0.2)

@@ -58,10 +58,11 @@ Decisions worth knowing (each tested in ``tests/test_capabilities.py``):
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -174,7 +175,37 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def final_args(manifest: Manifest, args: Mapping[str, Any]) -> dict[str, Any]:
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+_BOOLEAN_TEXT = {"true": True, "false": False}
+_ANY_JSON = msgspec.json.Decoder()
+
+
+def _from_text(manifest: Manifest, name: str, spec: ArgSpec, text: str) -> Any:
+    """Convert command-line text to the type `spec` declares (see ``Job.text_args``)."""
+    stripped = text.strip()
+    value: Any = text
+    if spec.type == "integer" and _INTEGER_TEXT.fullmatch(stripped):
+        value = int(stripped)
+    elif spec.type == "boolean" and stripped.lower() in _BOOLEAN_TEXT:
+        value = _BOOLEAN_TEXT[stripped.lower()]
+    elif spec.type in ("number", "array", "object"):
+        try:
+            value = _ANY_JSON.decode(stripped)
+        except Exception:  # not JSON (or too deep to decode): said below
+            value = text
+        if spec.type == "number" and isinstance(value, float) and not math.isfinite(value):
+            value = text
+    if spec.type != "string" and not _type_ok(spec, value):
+        raise BadArguments(
+            f"{manifest.name}: argument `{name}` must be of type {spec.type}; the text "
+            f"{text!r:.80} does not convert to it"
+        )
+    return value
+
+
+def final_args(
+    manifest: Manifest, args: Mapping[str, Any], *, text_args: Collection[str] = ()
+) -> dict[str, Any]:
     """Check `args` against the manifest's schema and apply defaults.
 
     An explicit JSON ``null`` counts as absent (the default applies), because agent loops
@@ -183,13 +214,18 @@ def final_args(manifest: Manifest, args: Mapping[str, Any]) -> dict[str, Any]:
     Args:
         manifest: the executor's manifest.
         args: the caller's arguments.
+        text_args: names of arguments given as command-line text (``Job.text_args``):
+            a string value of one is converted to the type its schema declares first
+            (``"3"`` to 3 for an ``integer``, ``"true"`` to True for a ``boolean``, JSON
+            text for ``number``, ``array`` and ``object``; a ``string`` stays as it is).
 
     Returns:
         A new dict: every given argument, plus every absent one that has a default.
 
     Raises:
-        BadArguments: an unknown argument, a missing required one, a wrong type, or a value
-            outside the enum. The message names the argument.
+        BadArguments: an unknown argument, a missing required one, a wrong type (or text
+            that does not convert to it), or a value outside the enum. The message names
+            the argument.
     """
     if not isinstance(args, Mapping):
         raise BadArguments(f"{manifest.name}: arguments must be an object, got {type(args)}")
@@ -208,6 +244,8 @@ def final_args(manifest: Manifest, args: Mapping[str, Any]) -> dict[str, Any]:
             if spec.default is None:
                 continue
             value = spec.default
+        elif name in text_args and isinstance(value, str):
+            value = _from_text(manifest, name, spec, value)
         if not _type_ok(spec, value):
             raise BadArguments(
                 f"{manifest.name}: argument `{name}` must be of type {spec.type}, "

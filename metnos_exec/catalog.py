@@ -62,7 +62,7 @@ def decode_info(data: bytes | str) -> ExecutorInfo | None:
     """The entry, or ``None`` for one this reader cannot decode (another version's)."""
     try:
         return _decoder.decode(data)
-    except msgspec.DecodeError:
+    except Exception:  # DecodeError, and whatever else bytes in a store can make it raise
         return None
 
 

@@ -1,22 +1,31 @@
 """``metnos-exec``: run workers, submit jobs, read results and logs.
 
-Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``tail``, ``undo``,
-``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``. ``metnos-exec COMMAND --help``
-explains each. The broker URL comes from ``--broker``, else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
+Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``purge``, ``tail``,
+``undo``, ``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``. ``metnos-exec COMMAND
+--help`` explains each. The broker URL comes from ``--broker``, else ``$METNOS_BROKER``,
+else ``sqlite:///./metnos.db``.
 
 Exit codes (stable; scripts may rely on them):
 
 ====  =====================================================================
 0     success (the job succeeded, the command did what was asked)
 1     the job ended badly: failed, timed_out, cancelled or dead
-2     usage or configuration error (bad option, bad ``--arg``, bad ``METNOS_*`` setting)
+2     usage or configuration error (bad option, bad ``--arg``, bad ``METNOS_*`` setting,
+      a malformed or unknown broker URL, a broker whose extra is not installed, a job
+      message over the size limit)
 3     the job was rejected (capability, manifest, policy; an idempotency key conflict)
-4     the broker is unreachable or its URL is wrong (a missing SQLite file for readers)
+4     the broker's store is unavailable or failing (``E_BROKER_*``: cannot open, a missing
+      SQLite file for readers, locked, full, read-only, deleted or replaced, corrupt)
 5     not found (unknown job id, missing log file)
 6     still pending: no result within the wait
 7     not implemented yet (no command answers it today)
+70    internal error (``E_INTERNAL``: a bug in metnos-exec; ``METNOS_DEBUG=1`` shows the
+      traceback)
 130   interrupted (Ctrl-C)
 ====  =====================================================================
+
+Every error is printed as one line, ``metnos-exec: E_CODE: sentence``; a traceback is
+shown only with ``METNOS_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -33,15 +42,28 @@ import anyio
 import msgspec
 
 from ._terminal import visible
-from .brokers import BadBrokerURL, Broker, open_broker
-from .client import Client, default_broker_url
+from .brokers import DEFAULT_RETENTION_S, BadBrokerURL, Broker, JobState, open_broker
+from .client import Client, NotImplementedYet, default_broker_url
 from .errors import (
     ERROR_CODES,
+    AutonomyDenied,
+    BadArguments,
+    BadConfig,
+    BadManifest,
     BadMessage,
+    BrokerError,
+    CapabilityDenied,
     IdempotencyConflict,
     MetnosError,
+    MissingFolder,
+    SandboxDenied,
+    SandboxRequired,
     ServerPinned,
+    SignatureError,
+    ToolUnavailable,
+    UndoConflict,
     UndoUnavailable,
+    UnknownExecutor,
 )
 from .messages import Result
 
@@ -57,13 +79,15 @@ EXIT: Final = {
     "not_found": 5,
     "pending": 6,
     "not_implemented": 7,
+    "internal": 70,
     "interrupted": 130,
 }
 
 _EPILOG = """\
 exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage or configuration
-error · 3 rejected (capability/manifest/policy/idempotency conflict) · 4 broker
-unreachable · 5 not found · 6 still pending · 7 not implemented yet · 130 interrupted
+error (also a bad broker URL) · 3 rejected (capability/manifest/policy/idempotency
+conflict) · 4 broker store unavailable or failing (E_BROKER_*) · 5 not found · 6 still
+pending · 7 not implemented yet · 70 internal error · 130 interrupted
 
 broker URL: --broker, else $METNOS_BROKER, else sqlite:///./metnos.db
   sqlite:///rel/q.db is relative to the current folder; an absolute path takes four
@@ -115,12 +139,44 @@ def _open(url: str, *, create: bool = False) -> Broker:
         )
     try:
         return open_broker(url, create=create)
-    except BadBrokerURL as exc:
-        raise _Exit(EXIT["broker"], str(exc)) from None
     except MetnosError as exc:
-        raise _Exit(EXIT["broker"], f"broker unreachable: {exc.message}") from None
-    except (OSError, ValueError) as exc:
-        raise _Exit(EXIT["broker"], f"cannot open broker {url}: {exc}") from None
+        raise _Exit(_exit_for(exc), str(exc)) from None
+    except OSError as exc:
+        raise _Exit(
+            EXIT["broker"], f"{BrokerError.code}: cannot open broker {url}: {exc}"
+        ) from None
+
+
+#: Errors that refuse a job (or a request) as asked: exit 3.
+_REJECTIONS: tuple[type[MetnosError], ...] = (
+    IdempotencyConflict,
+    BadArguments,
+    CapabilityDenied,
+    AutonomyDenied,
+    UnknownExecutor,
+    BadManifest,
+    MissingFolder,
+    SandboxRequired,
+    SandboxDenied,
+    ToolUnavailable,
+    ServerPinned,
+    SignatureError,
+    UndoConflict,
+    UndoUnavailable,
+)
+
+
+def _exit_for(exc: MetnosError) -> int:
+    """The exit code an error means (see the module docstring)."""
+    if isinstance(exc, BrokerError):
+        return EXIT["broker"]
+    if isinstance(exc, BadBrokerURL | BadConfig | BadMessage):
+        return EXIT["usage"]
+    if isinstance(exc, NotImplementedYet):
+        return EXIT["not_implemented"]
+    if isinstance(exc, _REJECTIONS):
+        return EXIT["rejected"]
+    return EXIT["internal"]
 
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -171,27 +227,23 @@ def _run(fn: Callable[[], Awaitable[int]]) -> int:
         return anyio.run(fn)
     except _Exit:
         raise
-    except BadBrokerURL as exc:
-        raise _Exit(EXIT["broker"], str(exc)) from None
-    except OSError as exc:
-        raise _Exit(EXIT["broker"], f"broker unreachable: {exc}") from None
     except MetnosError as exc:
-        # The store went away mid-command (Redis down or restarting, ...): say so.
-        if exc.code != "E_BROKER_UNAVAILABLE":
-            raise
-        raise _Exit(EXIT["broker"], f"broker unreachable: {exc.message}") from None
+        raise _Exit(_exit_for(exc), str(exc)) from None
+    except OSError as exc:
+        raise _Exit(EXIT["broker"], f"{BrokerError.code}: the broker failed: {exc}") from None
 
 
-def _parse_arg(text: str) -> tuple[str, Any]:
+def _parse_arg(text: str) -> tuple[str, str | None]:
+    """``KEY=VALUE`` → the key and the value *as text*; ``KEY=null`` → ``None``.
+
+    The text is sent as it is, named in the job's ``text_args``: the worker converts it
+    to the type the executor's schema declares (``n=3`` an integer, ``text=42`` the
+    string "42"), which only it knows. ``null`` means "absent, use the default".
+    """
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise _Exit(EXIT["usage"], f"--arg {text!r}: expected KEY=VALUE")
-    try:
-        # JSON when it parses (numbers, true, lists, quoted strings), else the text itself:
-        # `--arg n=3` is the integer 3, `--arg path=~/x.md` the string.
-        return key, msgspec.json.decode(value.encode())
-    except msgspec.DecodeError:
-        return key, value
+    return key, None if value == "null" else value
 
 
 def _dump_json(obj: Any, out: TextIO) -> None:
@@ -280,22 +332,48 @@ class _Progress:
             self.stream.flush()
 
 
-async def _wait_result(client: Client, job_id: str, wait: float | None) -> Result | None:
+def _never_leased(state: JobState | None) -> bool:
+    return state is not None and state.state == "queued" and state.worker is None
+
+
+_NO_WORKER = (
+    "no worker has leased it: is a worker running on this queue? (metnos-exec worker "
+    "--broker {url} --executors DIR)"
+)
+
+
+async def _wait_result(
+    client: Client, job_id: str, wait: float | None
+) -> tuple[Result | None, JobState | None]:
+    """The result, or ``None`` at the deadline, with the job's last seen state."""
     progress = _Progress(f"waiting for {job_id}")
     deadline = None if wait is None else time.monotonic() + wait
     step = 0.1 if progress.tty else 1.0
+    state: JobState | None = None
     try:
         while True:
             chunk = step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))
             result = await client.broker.wait_result(job_id, timeout=chunk)
             if result is not None:
-                return result
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+                return result, state
             state = await client.broker.get_job_state(job_id)
-            progress.tick(state.state if state else "")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None, state
+            what: str = state.state if state else ""
+            if _never_leased(state):
+                what = "queued (no worker has taken it yet)"
+            progress.tick(what)
     finally:
         progress.done()
+
+
+def _pending_message(job_id: str, wait: float | None, state: JobState | None, url: str) -> str:
+    base = f"no result for {job_id} within {wait:g} s" if wait is not None else f"{job_id}"
+    if _never_leased(state):
+        return f"{base}: {_NO_WORKER.format(url=url)}"
+    if state is not None:
+        return f"{base}: it is {state.state} (attempt {state.attempt})"
+    return base
 
 
 # --- commands -------------------------------------------------------------------------
@@ -306,6 +384,9 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
 
     if ns.arm:
         os.environ[ARM_OVERRIDE_ENV] = ns.arm
+    retention: Any = "env"
+    if ns.retention_days is not None:
+        retention = _retention(ns.retention_days, "--retention-days")
     try:
         return run_worker(
             ns.broker,
@@ -321,18 +402,29 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             prefetch=ns.prefetch,
             backend=ns.backend,
             home=ns.home,
+            retention_s=retention,
             state_dir=ns.state_dir,
             trust_keys=ns.trust_key or (),
         )
+    except BrokerError as exc:
+        # The store (before serving: cannot open, read-only; while serving: only a fatal
+        # error, the queue file deleted or replaced) stopped the worker.
+        raise _Exit(EXIT["broker"], str(exc)) from None
     except MetnosError as exc:
-        # Everything raised before serving is configuration: the broker's (exit 4) or
-        # the worker's own (options, METNOS_* variables, executors folder: exit 2).
-        from .brokers.sqlite import BrokerUnavailable
-
-        broker_fault = exc.code in (BadBrokerURL.code, BrokerUnavailable.code)
-        raise _Exit(EXIT["broker"] if broker_fault else EXIT["usage"], str(exc)) from None
+        # Everything else raised before serving is configuration: options, METNOS_*
+        # variables, the broker URL, the executors folder.
+        raise _Exit(EXIT["usage"], str(exc)) from None
     except OSError as exc:
-        raise _Exit(EXIT["broker"], f"broker unreachable: {exc}") from None
+        raise _Exit(EXIT["broker"], f"{BrokerError.code}: the broker failed: {exc}") from None
+
+
+def _retention(text: str, what: str) -> float | None:
+    from .worker import parse_retention_days
+
+    try:
+        return parse_retention_days(text, what=what)
+    except BadConfig as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
@@ -340,15 +432,24 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     if ns.args_json:
         try:
             loaded = msgspec.json.decode(ns.args_json.encode())
-        except msgspec.DecodeError as exc:
-            raise _Exit(EXIT["usage"], f"--args-json: not JSON: {exc}") from None
+        except Exception as exc:  # not JSON, or nested too deeply to decode
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise _Exit(EXIT["usage"], f"--args-json: not JSON: {reason}") from None
         if not isinstance(loaded, dict):
             raise _Exit(EXIT["usage"], "--args-json: expected a JSON object")
         args.update(loaded)
+    text_args: list[str] = []
     for item in ns.arg or ():
         key, value = _parse_arg(item)
         args[key] = value
+        if value is None:
+            if key in text_args:
+                text_args.remove(key)
+        elif key not in text_args:
+            text_args.append(key)
     fields: dict[str, Any] = {}
+    if text_args:
+        fields["text_args"] = tuple(text_args)
     for name, attr in (
         ("timeout_s", "timeout"),
         ("autonomy", "autonomy"),
@@ -367,21 +468,16 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker, create=True) as broker:
             client = Client(broker)
-            try:
-                job_id = await client.submit(ns.executor, args, **fields)
-            except BadMessage as exc:
-                raise _Exit(EXIT["usage"], str(exc)) from None
-            except (IdempotencyConflict, ServerPinned) as exc:
-                raise _Exit(EXIT["rejected"], str(exc)) from None
+            job_id = await client.submit(ns.executor, args, **fields)
             if not ns.wait:
                 _print_job_id(job_id, as_json=ns.json)
                 return 0
             if not ns.json:
                 sys.stderr.write(f"submitted {job_id}\n")
             wait = None if ns.wait is True else float(ns.wait)
-            result = await _wait_result(client, job_id, wait)
+            result, state = await _wait_result(client, job_id, wait)
             if result is None:
-                raise _Exit(EXIT["pending"], f"no result for {job_id} within {wait} s")
+                raise _Exit(EXIT["pending"], _pending_message(job_id, wait, state, ns.broker))
             _print_result(result, as_json=ns.json, out=sys.stdout)
             return _STATUS_EXIT[result.status]
 
@@ -394,14 +490,17 @@ def _cmd_result(ns: argparse.Namespace) -> int:
         async with broker:
             client = Client(broker)
             if ns.wait:
-                result = await _wait_result(client, ns.job_id, ns.wait)
+                result, _ = await _wait_result(client, ns.job_id, ns.wait)
             else:
                 result = await client.result(ns.job_id)
             if result is None:
                 state = await broker.get_job_state(ns.job_id)
                 if state is None:
                     raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
-                raise _Exit(EXIT["pending"], f"job {ns.job_id} is {state.state}, no result yet")
+                message = f"job {ns.job_id} is {state.state}, no result yet"
+                if _never_leased(state):
+                    message += "; " + _NO_WORKER.format(url=ns.broker)
+                raise _Exit(EXIT["pending"], message)
             _print_result(result, as_json=ns.json, out=sys.stdout)
             return _STATUS_EXIT[result.status]
 
@@ -515,6 +614,61 @@ def _cmd_tail(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_purge(ns: argparse.Namespace) -> int:
+    older_than = DEFAULT_RETENTION_S
+    if ns.older_than_days is not None:
+        older_than = _retention(ns.older_than_days, "--older-than-days") or 0.0
+        if not older_than:
+            raise _Exit(EXIT["usage"], "--older-than-days: 'never' purges nothing; give days")
+    else:
+        from .worker import retention_from_env
+
+        try:
+            env_retention = retention_from_env()
+        except BadConfig as exc:
+            raise _Exit(EXIT["usage"], str(exc)) from None
+        if env_retention is None:
+            raise _Exit(
+                EXIT["usage"],
+                "METNOS_RETENTION_DAYS=never: nothing to purge; pass --older-than-days",
+            )
+        older_than = env_retention
+
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            report = await broker.purge(older_than_s=older_than)
+            vacuumed = None
+            vacuum = getattr(broker, "vacuum", None)
+            if ns.vacuum and vacuum is not None:
+                vacuumed = await vacuum()
+        doc: dict[str, Any] = {
+            "older_than_days": round(older_than / 86400, 6),
+            **msgspec.to_builtins(report),
+        }
+        if vacuumed is not None:
+            doc["vacuum_reclaimed_bytes"] = vacuumed
+        if ns.json:
+            _dump_json(doc, sys.stdout)
+            return 0
+        days = f"{older_than / 86400:g}"
+        line = f"purged {report.jobs} finished job(s) older than {days} day(s)"
+        if report.collected:
+            line += f", collected {report.collected} item(s)"
+        reclaimed = (report.reclaimed_bytes or 0) + (vacuumed or 0)
+        if report.reclaimed_bytes is not None or vacuumed is not None:
+            line += f"; {reclaimed:,} bytes given back to the file system"
+        sys.stdout.write(line + "\n")
+        if report.reclaimed_bytes is None and vacuumed is None and vacuum is not None:
+            sys.stdout.write(
+                "this queue file was made without incremental vacuum: run "
+                "`metnos-exec purge --vacuum` once (it rewrites the file; stop heavy work "
+                "first) and later purges shrink it by themselves\n"
+            )
+        return 0
+
+    return _run(go)
+
+
 def _cmd_undo(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
@@ -530,9 +684,9 @@ def _cmd_undo(ns: argparse.Namespace) -> int:
                 return 0
             if not ns.json:
                 sys.stderr.write(f"undo of {ns.job_id} submitted as job {undo_id}\n")
-            result = await _wait_result(client, undo_id, ns.wait)
+            result, state = await _wait_result(client, undo_id, ns.wait)
             if result is None:
-                raise _Exit(EXIT["pending"], f"no result for undo job {undo_id} within {ns.wait} s")
+                raise _Exit(EXIT["pending"], _pending_message(undo_id, ns.wait, state, ns.broker))
             _print_result(result, as_json=ns.json, out=sys.stdout)
             return _STATUS_EXIT[result.status]
 
@@ -642,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=_Formatter,
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
@@ -691,6 +846,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--home", metavar="DIR", help="what ~ means in hints and arguments (default: $HOME)"
     )
     w.add_argument(
+        "--retention-days",
+        metavar="DAYS",
+        help="purge finished jobs older than DAYS (a number, or 'never'), at start and "
+        "hourly (default: $METNOS_RETENTION_DAYS, else 7)",
+    )
+    w.add_argument(
         "--state-dir",
         metavar="DIR",
         help="blobs (originals kept for undo), commit journals, staging mount points "
@@ -715,17 +876,19 @@ def build_parser() -> argparse.ArgumentParser:
         "submit",
         "queue a job",
         "Queue a job and print its id (or, with --wait, its result).\n\n"
-        "  metnos-exec submit write_note --arg path=~/notes/today.md --arg text='buy milk' "
-        "--wait",
+        "  metnos-exec submit write_note --arg 'path=~/notes/today.md' --arg 'text=buy milk' "
+        "--wait\n\n"
+        "Quote '~/...' so your shell leaves the ~ to the worker (its --home).",
     )
     s.add_argument("executor", help="executor name")
     s.add_argument(
         "--arg",
         action="append",
         metavar="KEY=VALUE",
-        help="an argument; VALUE is parsed as JSON when it parses, else taken as text "
-        "(repeatable). k=null sends null, which means 'use the default' for an argument "
-        "that has one; quote it as k='\"null\"' for the text null",
+        help="an argument, as text: the worker converts it to the type the executor "
+        "declares (n=3 is the integer 3 for an integer argument, text=42 the text 42 for a "
+        "string one; arrays and objects as JSON) and refuses it if it does not convert "
+        "(repeatable). k=null means 'use the default'; use --args-json for the text null",
     )
     s.add_argument("--args-json", metavar="JSON", help="all arguments as one JSON object")
     s.add_argument("--timeout", type=_positive_float, metavar="S", help="wall-time budget")
@@ -794,6 +957,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-color", dest="color", action="store_false")
     t.add_argument("--json", action="store_true", help="print the matching raw JSON lines")
     t.set_defaults(fn=_cmd_tail)
+
+    pu = add(
+        "purge",
+        "forget finished jobs past retention, and give the space back",
+        "Forget finished jobs (results, dead letters, idempotency keys) older than the "
+        "retention, and give the freed space back to the file system. Workers do this "
+        "by themselves at start and hourly; queued and running jobs are never touched.",
+    )
+    pu.add_argument(
+        "--older-than-days",
+        metavar="DAYS",
+        help="the retention (default: $METNOS_RETENTION_DAYS, else 7)",
+    )
+    pu.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="SQLite: also rewrite the whole file (needed once for a file made by an older "
+        "version, so later purges shrink it; holds the queue for the rewrite)",
+    )
+    pu.add_argument("--json", action="store_true", help="machine-readable output")
+    pu.set_defaults(fn=_cmd_purge)
 
     u = add(
         "undo",
@@ -871,6 +1055,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("metnos-exec")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        from . import __version__
+
+        return __version__
+
+
 def _fail(code: int, message: str) -> NoReturn:
     if message:
         sys.stderr.write(f"metnos-exec: {visible(message, newlines=True)}\n")
@@ -895,7 +1090,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _fail(EXIT["interrupted"], "interrupted")
     except MetnosError as exc:
-        _fail(EXIT["rejected"] if exc.code == "E_CAPABILITY_DENIED" else 1, str(exc))
+        _fail(_exit_for(exc), str(exc))
+    except Exception as exc:
+        # A bug: one line and a way to see more, not a traceback in a user's face.
+        if os.environ.get("METNOS_DEBUG") == "1":
+            raise
+        _fail(
+            EXIT["internal"],
+            f"E_INTERNAL: {type(exc).__name__}: {exc} (a bug in metnos-exec; run again with "
+            "METNOS_DEBUG=1 for the traceback, and please report it)",
+        )
     return code
 
 

@@ -7,6 +7,12 @@ Async (anyio: asyncio or trio)::
         if result.status == "succeeded":
             print(result.output)
 
+Every failure is a `MetnosError` with a code: the queue's store failing is a `BrokerError`
+(``E_BROKER_UNAVAILABLE``, ``E_BROKER_BUSY``, ``E_BROKER_FULL``, ``E_BROKER_READONLY``,
+...), never a database library's own exception; a bad job is `BadMessage`. The one
+exception that is not is `TimeoutError` from `Client.run`: no result yet is not an error
+of the queue.
+
 Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
 
     with SyncClient("sqlite:///./metnos.db") as client:
@@ -62,6 +68,10 @@ class Client:
     Args:
         broker: a broker URL (``sqlite:///...``, ``memory://``, ``redis://...``), an open
             `Broker` (not closed by the client), or ``None`` for `default_broker_url`.
+
+    Raises:
+        BadBrokerURL: the URL names no broker this installation can open.
+        BrokerError: the store cannot be opened (missing file for readers, read-only...).
     """
 
     def __init__(self, broker: str | Broker | None = None) -> None:
@@ -110,12 +120,14 @@ class Client:
             The job id; for a repeated idempotency key, the first submission's id.
 
         Raises:
-            BadMessage: a field of the wrong type or range (the message names it).
+            BadMessage: a field of the wrong type or range (the message names it), or a
+                job over ``MAX_JOB_BYTES`` encoded or ``MAX_ARGS_DEPTH`` deep.
             IdempotencyConflict: the ``idempotency_key`` already names a job with another
                 executor or other arguments (its id is ``original_job_id``).
             ServerPinned: the job targets a device, and the executor as published by the
                 server workers must stay on the server (not packable, or provider
                 authority for these arguments); nothing is queued (see `catalog`).
+            BrokerError: the store failed; nothing was queued.
         """
         job = _make_job(executor, args or {}, fields)
         if job.device is not None and job.device != SERVER_DEVICE:
@@ -237,6 +249,8 @@ def _make_job(executor: str, args: dict[str, Any], fields: dict[str, Any]) -> Jo
         return msgspec.convert({"executor": executor, "args": args, **fields}, Job)
     except msgspec.ValidationError as exc:
         raise BadMessage(f"job rejected: {exc}") from None
+    except Exception as exc:  # a value msgspec cannot take at all (nesting, a type, ...)
+        raise BadMessage(f"job rejected: {type(exc).__name__}: {exc}") from None
 
 
 class SyncClient(AbstractContextManager["SyncClient"]):

@@ -13,7 +13,10 @@ In a few seconds, on a fresh machine, it:
 4. prints what came back (status, sandbox arm, which walls held), the last log lines, and
    the commands to try next.
 
-Re-runnable: each run starts from a fresh queue, log and notes folder.
+Re-runnable: each run starts from a fresh queue, log and notes folder. It refuses to
+start afresh while another process (the worker the "next" steps start, say) still has the
+queue file open: deleting the file under it would leave that worker serving a file nobody
+else sees. Stop that process first, or give the demo another folder.
 """
 
 from __future__ import annotations
@@ -94,9 +97,54 @@ def _examples_dir() -> Path:
     raise SystemExit("demo: examples/executors not found; run it from the repository root")
 
 
+def _holders(paths: list[Path]) -> dict[int, str]:
+    """Other processes that have any of `paths` open: pid -> command line.
+
+    Read from /proc (Linux); processes of other users are invisible to an unprivileged
+    user, which is fine for a demo folder of one's own.
+    """
+    wanted = {str(p.resolve()) for p in paths}
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if target in wanted:
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                except OSError:
+                    cmd = "?"
+                found[int(entry)] = cmd
+                break
+    return found
+
+
 def _prepare(root: Path) -> tuple[Path, Path]:
-    """Fresh demo home, executors folder, queue and log. Returns (home, executors)."""
+    """Fresh demo home, executors folder, queue and log. Returns (home, executors).
+
+    Raises:
+        SystemExit: another process has the demo's queue open (see the module docstring).
+    """
     root.mkdir(exist_ok=True)
+    queue = [root / name for name in ("metnos.db", "metnos.db-wal", "metnos.db-shm")]
+    busy = _holders([q for q in queue if q.exists()])
+    if busy:
+        who = "; ".join(f"pid {pid}: {cmd[:120]}" for pid, cmd in sorted(busy.items()))
+        raise SystemExit(
+            f"demo: {root / 'metnos.db'} is in use by another process ({who}).\n"
+            "Starting afresh would delete the queue under it. Stop it first (Ctrl-C in its "
+            f"terminal, or kill -TERM {min(busy)}), or run the demo in another folder: "
+            "./dev demo OTHER_FOLDER"
+        )
     for name in ("metnos.db", "metnos.db-wal", "metnos.db-shm", "worker.jsonl"):
         (root / name).unlink(missing_ok=True)
     home = root / "home"
@@ -167,6 +215,27 @@ def _detail(result: Result) -> str:
     return msgspec.json.encode(result.output).decode()
 
 
+#: What the walls column means, printed under the table.
+WALLS_LEGEND = (
+    "walls: the five containment axes of each result (files, network, process_tree, "
+    "user, resources): 'all 5 kept' when every wall held, else the axes that were only "
+    "partly kept or not kept (why, below; the whole report: metnos-exec result JOB_ID "
+    "--json)."
+)
+
+
+def _wall_reasons(rows: list[tuple[Case, Result]]) -> list[str]:
+    """One line per axis not fully kept (as reported by the arm), without repeats."""
+    seen: dict[tuple[str, str, str], None] = {}
+    for _case, r in rows:
+        if r.containment is None:
+            continue
+        for name, verdict in r.containment.axes().items():
+            if verdict.state != "kept":
+                seen[(name, verdict.state.replace("_", " "), verdict.reason)] = None
+    return [f"  {name} {state}: {reason}" for name, state, reason in seen]
+
+
 def _print_table(rows: list[tuple[Case, Result]], out: Any) -> None:
     headers = ("job", "status", "sandbox", "walls", "detail")
     table = [
@@ -184,8 +253,12 @@ def _print_table(rows: list[tuple[Case, Result]], out: Any) -> None:
     out.write(f"{line}  {headers[4]}\n")
     for row in table:
         cells = "  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True))
-        detail = row[4] if len(row[4]) <= 90 else row[4][:87] + "..."
-        out.write(f"{cells}  {detail}\n")
+        # In full: a cut error message hides the part that says what to do.
+        out.write(f"{cells}  {row[4]}\n")
+    out.write("\n" + WALLS_LEGEND + "\n")
+    reasons = _wall_reasons(rows)
+    if reasons:
+        out.write("\n".join(reasons) + "\n")
 
 
 async def _demo(root: Path) -> int:

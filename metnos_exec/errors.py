@@ -17,6 +17,13 @@ __all__ = (
     "BadManifest",
     "BadMessage",
     "BadOutput",
+    "BrokerBusy",
+    "BrokerCorrupt",
+    "BrokerError",
+    "BrokerFull",
+    "BrokerGone",
+    "BrokerReadOnly",
+    "BrokerUnavailable",
     "CapabilityDenied",
     "CommitConflict",
     "HostFault",
@@ -184,6 +191,67 @@ class IdempotencyConflict(MetnosError):
         self.original_job_id = original_job_id
 
 
+class BrokerError(MetnosError):
+    """The broker's store failed; no job verdict is implied (root of the ``E_BROKER_*``).
+
+    Every broker raises only these for a store failure, never its client library's own
+    exceptions (``sqlite3.OperationalError``, a Redis connection error, ...).
+
+    Attributes:
+        retry: worth trying the same operation again later (a lock, a full disk, a
+            restarting server); a worker then keeps its results and backs off.
+        fatal: the store this broker was opened on is no longer there or no longer
+            readable; a worker stops rather than serve it.
+    """
+
+    code = "E_BROKER_UNAVAILABLE"
+    retry: ClassVar[bool] = True
+    fatal: ClassVar[bool] = False
+
+
+class BrokerUnavailable(BrokerError):
+    """The store cannot be reached or used (cannot open, I/O error, closed, too old)."""
+
+    code = "E_BROKER_UNAVAILABLE"
+
+
+class BrokerBusy(BrokerError):
+    """Another process held the store's write lock longer than the broker waits."""
+
+    code = "E_BROKER_BUSY"
+
+
+class BrokerFull(BrokerError):
+    """The store is out of space (disk, quota, file size limit, Redis maxmemory)."""
+
+    code = "E_BROKER_FULL"
+
+
+class BrokerReadOnly(BrokerError):
+    """The store refuses writes (read-only file or file system, a read-only replica)."""
+
+    code = "E_BROKER_READONLY"
+
+
+class BrokerGone(BrokerError):
+    """The store was deleted or replaced under the broker (the path names another file).
+
+    Serving on would write to a file nobody else sees (split brain): fatal.
+    """
+
+    code = "E_BROKER_GONE"
+    retry = False
+    fatal = True
+
+
+class BrokerCorrupt(BrokerError):
+    """The store holds data that cannot be read (a damaged file, a foreign write)."""
+
+    code = "E_BROKER_CORRUPT"
+    retry = False
+    fatal = True
+
+
 class HostFault(Exception):
     """The harness itself broke (a pipe it cannot read, a counter it cannot read, ...).
 
@@ -241,7 +309,12 @@ ERROR_CODES: dict[str, str] = {
     # configuration, queue and host
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",
-    "E_BROKER_UNAVAILABLE": "the broker's store cannot be used (missing, too old, closed)",
+    "E_BROKER_UNAVAILABLE": "the broker's store cannot be reached or used (missing, I/O error)",
+    "E_BROKER_BUSY": "another process held the queue's write lock longer than the broker waits",
+    "E_BROKER_FULL": "the broker's store is out of space (disk full, quota, file size limit)",
+    "E_BROKER_READONLY": "the broker's store refuses writes (read-only file or file system)",
+    "E_BROKER_GONE": "the queue file was deleted or replaced while in use; the worker stopped",
+    "E_BROKER_CORRUPT": "the broker's store holds data that cannot be read (damaged file?)",
     "E_IDEMPOTENCY_CONFLICT": "an idempotency key was reused for a different job",
     "E_NOT_IMPLEMENTED": "the operation is part of the interface but not built yet",
     "E_FETCH": "a download never matched its pinned SHA-256 (hashes named), or kept failing",

@@ -14,6 +14,11 @@ A line looks like::
 
 Event names are a fixed, documented vocabulary (`EVENTS`): operators grep and alert on
 them, so a new event is added here first, never invented at a call site.
+
+Writing a record never raises: a log file on a full disk (the same disk as the queue,
+often) must not take the worker down with it. A record that cannot be written is dropped
+and counted, and the first record written again is preceded by one ``log.dropped``
+record saying how many were lost.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ EVENTS: Mapping[str, str] = {
     "worker.stopped": "the worker left its run loop (released: leases handed back)",
     "worker.signal": "a signal arrived (signal); the first drains, the second cuts grace",
     "worker.error": "an unexpected error in the worker's own loop (error); it keeps serving",
+    "broker.error": "a broker call failed (the worker: op, code, error, failures, fatal; "
+    "job_id, retry_in_s for a result kept to store again; gave_up when it no longer will "
+    "be; the Redis broker: broker, error); no new job is leased until the store works",
+    "broker.recovered": "the store works again after failures (op, failures, down_s; Redis: "
+    "broker, down_s)",
+    "queue.purged": "finished jobs past retention were forgotten (jobs, collected, "
+    "reclaimed_bytes, older_than_s)",
+    "log.dropped": "records could not be written (count), e.g. on a full disk",
     "executor.load_failed": "a manifest in the executors folder failed to load (error)",
     "executor.verified": "an executor's signature verified at start (executor, copy: the "
     "private read-only copy its jobs run from)",
@@ -76,8 +89,6 @@ EVENTS: Mapping[str, str] = {
     "job.released": "a running job was handed back un-attempted during drain",
     "job.bad_message": "the broker dead-lettered a malformed message (E_BAD_MESSAGE)",
     "lease.lost": "a heartbeat found the lease gone (expired and re-leased elsewhere)",
-    "broker.error": "the broker's store cannot be reached (broker, error); calls are retried",
-    "broker.recovered": "the broker's store answers again after errors (broker, down_s)",
     "undo.recorded": "a job's file changes were committed and their undo entry stored "
     "(entry_id, method: staged|backup, ops, paths, blobs, reverses)",
     "undo.applied": "an undo job restored a job's files (undone: its id, entries, paths)",
@@ -92,6 +103,64 @@ EVENTS: Mapping[str, str] = {
     "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "
     "jobs fall back to backups of their declared targets",
 }
+
+
+class _SafeStream:
+    """The log's output: one ``write`` per record, and never an exception.
+
+    A record that cannot be written (no space, a file size limit, a closed stream) is
+    dropped and counted; the next record that can be written is preceded by a
+    ``log.dropped`` record with that count. A record cut short (the disk filled up in its
+    middle) is ended with a newline first, so every other line stays a whole record.
+    """
+
+    def __init__(self, stream: BinaryIO, *, owned: bool) -> None:
+        self._stream = stream
+        self._owned = owned
+        self.dropped = 0
+        self._torn = False
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self._stream.write(view)
+            if n is None:  # a buffered stream took it all (or raised)
+                return
+            if n <= 0:
+                raise OSError("the log stream took nothing")
+            if n < len(view):
+                self._torn = True  # until the rest is written
+            view = view[n:]
+        self._torn = False
+
+    def write(self, data: bytes) -> None:
+        try:
+            if self._torn:
+                self._write_all(b"\n")
+            if self.dropped:
+                note = {
+                    "ts": _timestamp(None, "", {})["ts"],
+                    "level": "warning",
+                    "event": "log.dropped",
+                    "count": self.dropped,
+                }
+                self._write_all(_ENCODER.encode(note) + b"\n")
+                self.dropped = 0
+            self._write_all(data)
+            self._stream.flush()
+        except (OSError, ValueError):  # ENOSPC, EFBIG, EIO; ValueError: closed file
+            self.dropped += 1
+
+    def flush(self) -> None:
+        # Flushed in `write`: BytesLogger flushes after each record, and a failure there
+        # has already been counted.
+        pass
+
+    def close(self) -> None:
+        """Close the file if `configure_logging` opened it (never stderr)."""
+        if self._owned:
+            self._stream.close()
+
 
 #: Levels in increasing severity, as written in the ``level`` field.
 LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
@@ -195,16 +264,21 @@ def configure_logging(
     if level not in _LEVEL_NUMS:
         raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
     stream: BinaryIO
+    owned = False
     if file is None:
         stream = sys.stderr.buffer
     elif isinstance(file, str | os.PathLike):
         path = Path(file)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Kept open for the process lifetime on purpose: logging is process-wide state,
-        # configured once; the OS closes it at exit.
-        stream = open(path, "ab")  # noqa: SIM115
+        # configured once; the OS closes it at exit. Unbuffered: one write(2) per record,
+        # so a record is written whole or not at all (no half line left in a buffer to
+        # come out later when the disk is full).
+        stream = open(path, "ab", buffering=0)  # noqa: SIM115
+        owned = True
     else:
         stream = file
+    safe: Any = _SafeStream(stream, owned=owned)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -218,13 +292,13 @@ def configure_logging(
             _order_keys,
             structlog.processors.JSONRenderer(serializer=_serialize),
         ]
-        factory: Any = structlog.BytesLoggerFactory(file=stream)
+        factory: Any = structlog.BytesLoggerFactory(file=safe)
     else:
         processors = [
             *shared,
             structlog.dev.ConsoleRenderer(colors=False, timestamp_key="ts"),
         ]
-        factory = structlog.BytesLoggerFactory(file=stream)
+        factory = structlog.BytesLoggerFactory(file=safe)
         processors.append(lambda _l, _m, s: s.encode() if isinstance(s, str) else s)
     structlog.configure(
         processors=processors,
@@ -343,8 +417,7 @@ def iter_records(
             continue
         try:
             rec = _DECODER.decode(line)
-        except (msgspec.DecodeError, RecursionError):
-            # RecursionError: a line nested past the decoder's depth is unparsed, not fatal.
+        except Exception:  # not JSON, or JSON a decoder cannot take (nested too deeply)
             rec = {"event": _UNPARSED, "raw": line.decode(errors="replace")}
         if _matches(rec, job, event, min_level):
             yield rec

@@ -13,6 +13,15 @@ Wire rules (the JSON Schemas in ``queue/schemas/`` are generated from these Stru
   compare in SQL and in Lua, and free of time-zone mistakes. Logs render them as ISO-8601.
 - JSON is the default encoding; MessagePack is available through `encode_msgpack` /
   `decode_job_msgpack` for producers that prefer it.
+- A job message is at most `MAX_JOB_BYTES` (1 MiB) encoded, and its ``args`` nest at most
+  `MAX_ARGS_DEPTH` levels. Submitting a larger or deeper job is refused at once with
+  ``E_BAD_MESSAGE`` naming the limit; one that reaches a worker anyway (written straight
+  into a store) is dead-lettered with that code, like any message a reader cannot decode.
+  Data that large belongs in a file the job is given the path of.
+
+Every decoder here raises only `BadMessage`, whatever went wrong inside it (a recursion
+limit, a bad UTF-8 byte, a number out of range, memory): a broker dead-letters what it
+cannot read and never lets one message stop the ones behind it.
 
 `UndoEntry` is stored by the brokers next to the results (see ``brokers/base.py``) and read
 by the undo job (``executor = "metnos:undo"``, `UNDO_EXECUTOR`); its schema is in
@@ -48,6 +57,8 @@ __all__ = (
     "writes_content",
     "E_CANCELLED",
     "E_LEASE_EXPIRED",
+    "MAX_ARGS_DEPTH",
+    "MAX_JOB_BYTES",
     "SERVER_DEVICE",
     "STDERR_CAP_BYTES",
     "WIRE_VERSION",
@@ -58,11 +69,13 @@ __all__ = (
     "Result",
     "ResultStatus",
     "cap_text",
+    "check_job_size",
     "decode_dead_letter",
     "decode_job",
     "decode_job_msgpack",
     "decode_result",
     "encode",
+    "encode_job",
     "encode_msgpack",
     "new_job_id",
 )
@@ -76,6 +89,16 @@ SERVER_DEVICE: Final = "server"
 
 #: stderr kept in a `Result` (bytes of UTF-8); the rest is dropped and flagged.
 STDERR_CAP_BYTES: Final = 64 * 1024
+
+#: The largest job message, encoded (JSON or MessagePack), in bytes. Part of the wire
+#: contract: producers in other languages are held to it too (the SQLite inbox refuses a
+#: larger body). Large inputs belong in files; the job carries their path.
+MAX_JOB_BYTES: Final = 1024 * 1024
+
+#: How deep a job's ``args`` may nest (objects and arrays). Far beyond what any tool's
+#: arguments need, and far enough below the decoders' recursion limits (which depend on
+#: the caller's own stack depth) that a job decodes the same in every process.
+MAX_ARGS_DEPTH: Final = 100
 
 #: A running job's lease expired `max_attempts` times (its workers kept dying).
 E_LEASE_EXPIRED: Final = "E_LEASE_EXPIRED"
@@ -153,6 +176,11 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
         submitted_at: unix seconds.
         priority: higher runs first; equal priorities run in submission order.
         not_before: unix seconds before which the job is not delivered.
+        text_args: names of arguments given as command-line text (``metnos-exec submit
+            --arg``): the worker converts each such string to the type the executor's
+            schema declares (``integer``, ``number``, ``boolean``, ``array``, ``object``)
+            and refuses the job with ``E_BAD_ARGS`` when it does not convert. Producers
+            with typed values leave it empty.
     """
 
     v: int = WIRE_VERSION
@@ -168,6 +196,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     submitted_at: float = msgspec.field(default_factory=time.time)
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
     not_before: float | None = None
+    text_args: tuple[_NAME, ...] = ()
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,11 +248,13 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
         v: wire version.
         job_id: the job's id (for an undecodable message: the id the broker gave it).
         job: the decoded job, when it could be decoded.
-        raw: the message exactly as received, when it could not be decoded.
+        raw: the message as received, when it could not be decoded (its first
+            `MAX_JOB_BYTES` bytes when it was larger: see ``raw_truncated``).
         error: the last error.
         attempts: deliveries made.
         at: unix seconds the job was dead-lettered.
         worker: the worker that held the last delivery ("" when none).
+        raw_truncated: ``raw`` is only the start of a message over `MAX_JOB_BYTES`.
     """
 
     v: int = WIRE_VERSION
@@ -234,6 +265,7 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int = 0
     at: float
     worker: str = ""
+    raw_truncated: bool = False
 
 
 # --- undo entries ---------------------------------------------------------------------
@@ -376,27 +408,113 @@ def encode_msgpack(msg: Job | Result | DeadLetter | ErrorInfo) -> bytes:
     return _msgpack_encoder.encode(msg)
 
 
+def encode_job(job: Job) -> bytes:
+    """JSON-encode a job for submission, holding it to the wire's bounds.
+
+    Raises:
+        BadMessage: the job's ``args`` nest deeper than `MAX_ARGS_DEPTH`, cannot be
+            encoded (a value JSON has no form for), or the encoding is larger than
+            `MAX_JOB_BYTES`; the message names the limit.
+    """
+    _check_depth(job)
+    try:
+        data = _json_encoder.encode(job)
+    except Exception as exc:  # RecursionError, an unencodable value, memory, ...
+        raise BadMessage(f"job rejected: it cannot be encoded ({_describe(exc)})") from None
+    check_job_size(len(data))
+    return data
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_job_size(size: int) -> None:
+    """Refuse a job message of `size` bytes when it is over `MAX_JOB_BYTES`.
+
+    Raises:
+        BadMessage: naming the size and the limit.
+    """
+    if size > MAX_JOB_BYTES:
+        raise BadMessage(
+            f"job message rejected: it is {size:,} bytes, over the limit of "
+            f"{MAX_JOB_BYTES:,} bytes (MAX_JOB_BYTES); pass large inputs as a file path"
+        )
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    # Iterative: a recursive walk would itself hit the recursion limit it guards against.
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend(
+            (child, depth + 1) for child in children if isinstance(child, dict | list | tuple)
+        )
+    return False
+
+
+def _check_depth(job: Job) -> None:
+    # `args` itself is level 1.
+    if _too_deep(job.args, MAX_ARGS_DEPTH):
+        raise BadMessage(
+            f"job message rejected: its args nest deeper than {MAX_ARGS_DEPTH} levels "
+            "(MAX_ARGS_DEPTH)"
+        )
+
+
+def _input_size(data: bytes | bytearray | memoryview | str) -> int:
+    if isinstance(data, str):
+        # UTF-8 takes one to four bytes per character: only measure when it matters.
+        if len(data) > MAX_JOB_BYTES or len(data) * 4 <= MAX_JOB_BYTES:
+            return len(data)
+        return len(data.encode("utf-8", errors="surrogatepass"))
+    return len(data)
+
+
 def decode_job(data: bytes | str) -> Job:
     """Decode and validate a JSON job.
 
     Raises:
-        BadMessage: not JSON, not an object, a field of the wrong type or range, or a
-            ``v`` newer than this reader understands; the message names the path.
+        BadMessage: larger than `MAX_JOB_BYTES`, not JSON, not an object, a field of the
+            wrong type or range, ``args`` deeper than `MAX_ARGS_DEPTH`, or a ``v`` newer
+            than this reader understands; the message names the path or the limit. Never
+            anything else, whatever the bytes (see the module docstring).
     """
+    check_job_size(_input_size(data))
     try:
         job = _job_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadMessage(f"job message rejected: {exc}") from None
+    except Exception as exc:  # DecodeError, RecursionError, MemoryError, ...
+        raise BadMessage(f"job message rejected: {_decode_error(exc)}") from None
     return _check_version(job)
 
 
 def decode_job_msgpack(data: bytes) -> Job:
     """Decode and validate a MessagePack job (see `decode_job`)."""
+    check_job_size(_input_size(data))
     try:
         job = _job_msgpack_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadMessage(f"job message rejected: {exc}") from None
+    except Exception as exc:
+        raise BadMessage(f"job message rejected: {_decode_error(exc)}") from None
     return _check_version(job)
+
+
+def _decode_error(exc: Exception) -> str:
+    if isinstance(exc, msgspec.DecodeError):
+        return str(exc)  # msgspec's own words name the path
+    if isinstance(exc, RecursionError):
+        return "it nests too deeply to decode"
+    return _describe(exc)
 
 
 def _check_version(job: Job) -> Job:
@@ -404,22 +522,45 @@ def _check_version(job: Job) -> Job:
     # with this reader's understanding would be a guess.
     if job.v < 1 or job.v > WIRE_VERSION:
         raise BadMessage(f"job message rejected: wire version v={job.v} is not supported")
+    _check_depth(job)
     return job
 
 
 def decode_result(data: bytes | str) -> Result:
-    """Decode a JSON result (written by a broker; not an untrusted edge)."""
-    return _result_decoder.decode(data)
+    """Decode a JSON result.
+
+    Raises:
+        BadMessage: the bytes are not a result (a damaged store, a foreign writer);
+            brokers report it as `BrokerCorrupt` naming the job.
+    """
+    try:
+        return _result_decoder.decode(data)
+    except Exception as exc:
+        raise BadMessage(f"result message unreadable: {_decode_error(exc)}") from None
 
 
 def decode_dead_letter(data: bytes | str) -> DeadLetter:
-    """Decode a JSON dead letter."""
-    return _dead_letter_decoder.decode(data)
+    """Decode a JSON dead letter.
+
+    Raises:
+        BadMessage: the bytes are not a dead letter (see `decode_result`).
+    """
+    try:
+        return _dead_letter_decoder.decode(data)
+    except Exception as exc:
+        raise BadMessage(f"dead letter unreadable: {_decode_error(exc)}") from None
 
 
 def decode_undo_entry(data: bytes | str) -> UndoEntry:
-    """Decode a JSON undo entry (written by a broker)."""
-    return _undo_entry_decoder.decode(data)
+    """Decode a JSON undo entry (written by a broker).
+
+    Raises:
+        BadMessage: the bytes are not an undo entry (see `decode_result`).
+    """
+    try:
+        return _undo_entry_decoder.decode(data)
+    except Exception as exc:
+        raise BadMessage(f"undo entry unreadable: {_decode_error(exc)}") from None
 
 
 def cap_text(data: bytes, cap: int = STDERR_CAP_BYTES) -> tuple[str, bool]:

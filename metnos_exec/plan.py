@@ -49,7 +49,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -226,6 +226,7 @@ def plan_invocation(
     policy: Policy | None = None,
     timeout_s: float | None = None,
     python: str | None = None,
+    text_args: Collection[str] = (),
 ) -> Invocation:
     """Decide everything about one invocation before anything runs.
 
@@ -240,6 +241,8 @@ def plan_invocation(
         python: the interpreter of ``python`` executors (default: the worker's own base
             interpreter); a standalone build's prefix (two levels above it) is mounted
             read-only (see `runtimes.obtain_device_python`).
+        text_args: arguments given as command-line text, converted by their schema
+            (``Job.text_args``, see `final_args`).
 
     Returns:
         The vetted `Invocation`.
@@ -264,7 +267,7 @@ def plan_invocation(
     skills_root = _realpath_fresh(default_skills_root(home) if skills_root is None else skills_root)
     policy = Policy.from_env() if policy is None else policy
 
-    final = final_args(manifest, args)
+    final = final_args(manifest, args, text_args=text_args)
     effective = effective_capabilities(manifest, final)
     vetted = vet_arguments(manifest, final, effective, home=home)
     require_hint_folders(manifest.name, vetted.checked, home)

@@ -26,6 +26,27 @@ Per job, in order:
    cancelled is stopped and a ``cancelled`` result is acked;
 6. map the outcome to a result and ack it (``job.finished``), or schedule a retry.
 
+Store failures (spec §7: a worker survives its store failing). Every broker call that
+fails is logged as ``broker.error`` (op, code, error). A settlement (ack, retry, release)
+that fails is kept in memory and tried again with backoff (`store_backoff`) while its
+job's lease is heart-beaten, until it is stored or the lease is found lost; meanwhile no
+new job is leased (results that cannot be stored must not pile up), and the lease loop
+probes the store with backoff when it was the lease that failed. ``broker.recovered``
+says when the store works again. A fatal store error (`BrokerError.fatal`: the queue file
+deleted or replaced, a corrupt file) stops the worker: `run` returns and
+`fatal_error` holds it. On drain, results still waiting for the store get
+``settle_grace_s`` more after the grace; what is still not stored then is given up
+(``broker.error`` with ``gave_up``; its lease lapses and the job runs again) and counted
+in ``worker.stopped`` as ``unsettled``.
+
+Attempts. Jobs leased for free run slots start at once (`Broker.lease`'s ``started``):
+they are launched in the same scheduling round. A job leased ahead (``prefetch``) is
+recorded as started (`Broker.mark_started`, batched across jobs) just before its launch:
+only from then on does it count against ``max_attempts``, so one that never launched
+(drain, a lost worker) has used nothing. When the mark finds the lease lost, nothing is
+launched; when the store fails, nothing is launched either and the lease is handed back
+once the store works.
+
 Retry rule. Retried (with `retry_delay(attempt)`, until ``max_attempts``, then dead-
 lettered with the last error): a `HostFault` from the arm (the harness broke; no verdict
 exists, another try may find it healthy), and an executor that exits with code 75
@@ -39,12 +60,13 @@ again would only give the same verdict later.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -54,10 +76,12 @@ import sniffio
 import structlog
 from anyio.abc import TaskStatus
 
-from .backoff import retry_delay
-from .brokers.base import Broker, Lease
+from .backoff import retry_delay, store_backoff
+from .brokers.base import DEFAULT_RETENTION_S, Broker, Lease, RetryOutcome
 from .errors import (
     BadArguments,
+    BadMessage,
+    BrokerError,
     CommitConflict,
     HostFault,
     MetnosError,
@@ -122,12 +146,26 @@ _BACKSTOP_MARGIN_S: Final = 10.0
 #: expects it to bite within a second; one cheap query per poll for all jobs.
 _CANCEL_POLL_S: Final = 0.5
 
+#: How long results still waiting for the store may keep a drained worker (after its
+#: grace) before they are given up to the lease's expiry.
+_SETTLE_GRACE_S: Final = 5.0
+
+#: Broker calls on the path of new work: while one of them fails, the lease loop waits
+#: (`Supervisor._wait_for_store`), and one that works again ends the wait.
+_GATING: Final = frozenset({"lease", "mark_started", "ack", "retry", "release"})
+
+#: How often a worker purges finished jobs past their retention (and once at start).
+_PURGE_EVERY_S: Final = 3600.0
 #: ``commit.filtered`` records logged per job at most (the rest are counted, not listed).
 _FILTERED_LOGGED: Final = 100
 #: Paths listed in an ``undo.recorded`` / ``undo.applied`` record at most.
 _PATHS_LOGGED: Final = 50
 
 _log = structlog.get_logger("metnos_exec")
+
+_T = TypeVar("_T")
+_I = TypeVar("_I")
+_O = TypeVar("_O")
 
 
 class _ArmChoice(Protocol):
@@ -158,7 +196,7 @@ def _predict_default_arm(runtime: str) -> str | None:
         return None
 
 
-_StopReason = Literal["lease_lost", "cancel_requested", "drain"]
+_StopReason = Literal["lease_lost", "cancel_requested", "drain", "not_started"]
 
 
 @dataclass(eq=False)
@@ -177,6 +215,8 @@ class _Running:
     launched: bool = False
     #: In the line for a run slot (see `_Slots`).
     in_line: bool = False
+    #: Its settlement is waiting for the store: keep its lease alive meanwhile.
+    storing: bool = False
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -223,6 +263,15 @@ class Supervisor:
             the verified private copy. Required on a device worker (`run_worker`).
         python: the interpreter of native executors (default: the worker's own; see
             `runtimes.obtain_device_python`).
+        retention_s: finished jobs older than this are purged (at start, then every
+            ``purge_every_s``); ``None`` never purges.
+        purge_every_s: how often to purge.
+        store_backoff: failures in a row → seconds before trying the store again.
+        settle_grace_s: after a drain's grace, how long results still waiting for the
+            store may keep the worker before they are given up.
+
+    Attributes:
+        fatal_error: the fatal store error that stopped `run`, if one did.
     """
 
     def __init__(
@@ -249,6 +298,10 @@ class Supervisor:
         staging: Staging | None = None,
         trust: TrustStore | None = None,
         python: str | None = None,
+        retention_s: float | None = DEFAULT_RETENTION_S,
+        purge_every_s: float = _PURGE_EVERY_S,
+        store_backoff: Callable[[int], float] = store_backoff,
+        settle_grace_s: float = _SETTLE_GRACE_S,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -290,6 +343,22 @@ class Supervisor:
         self._owns_staging = staging is None
         self.trust = trust
         self.python = python
+        if retention_s is not None and not retention_s > 0:
+            raise ValueError("retention_s must be positive (or None: keep forever)")
+        self.retention_s = retention_s
+        self.purge_every_s = purge_every_s
+        self.store_backoff = store_backoff
+        self.settle_grace_s = settle_grace_s
+        self.fatal_error: BrokerError | None = None
+        #: Consecutive failed broker calls, and since when (monotonic) the store failed.
+        self._store_failures = 0
+        self._store_down_since: float | None = None
+        #: Settlements waiting for the store; leasing waits while there are any.
+        self._unstored = 0
+        self._stored = anyio.Event()
+        #: Set when results waiting for the store are to be given up (drain, fatal).
+        self._give_up = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
         self._running: dict[str, _Running] = {}
         #: Jobs leased and not yet done running (launched or waiting for a slot, up to
         #: ``concurrency + prefetch``); see `_vacate`.
@@ -300,7 +369,12 @@ class Supervisor:
         self._lease_scope: anyio.CancelScope | None = None
         self._slot_freed = anyio.Event()
         self._stopped = anyio.Event()
-        self._acks = _AckBatcher(broker)
+        self._acks: _Batcher[tuple[Lease, Result], bool] = _Batcher(
+            lambda item: broker.ack(*item), broker.ack_many
+        )
+        self._starts: _Batcher[Lease, bool] = _Batcher(
+            broker.mark_started, broker.mark_started_many
+        )
         # With many slots, leasing one job each time one finishes turns every lease into
         # a transaction of one; waiting for a quarter of the slots keeps batches large.
         # With few slots (native jobs) every free slot is filled at once.
@@ -314,6 +388,8 @@ class Supervisor:
             "dead": 0,
             "released": 0,
             "lease_lost": 0,
+            "broker_errors": 0,
+            "unsettled": 0,
         }
 
     # --- the loop ---------------------------------------------------------------------
@@ -383,23 +459,31 @@ class Supervisor:
             self._stopped = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 # One heartbeat task for all running jobs, not one per job: a task per job
                 # would cost more than the echo arm's whole run.
                 tg.start_soon(self._heartbeat_loop, name="heartbeats")
                 tg.start_soon(self._cancel_poll_loop, name="cancel polls")
+                if self.retention_s is not None:
+                    tg.start_soon(self._retention_loop, self.retention_s, name="retention")
                 task_status.started()
                 async with anyio.create_task_group() as jobs:
                     await self._lease_loop(jobs, burst=burst)
                 tg.cancel_scope.cancel()
         finally:
+            self._tg = None
             if self._owns_staging and self._staging is not None:
                 with anyio.CancelScope(shield=True):
                     await self._staging.aclose()  # the staging helper process
             self._stopped.set()
-            _log.info(
+            # Whatever happened above: an operator must see that the worker stopped, and
+            # why (the logger itself never raises, see `logs`).
+            _log.log(
+                logging.ERROR if self.fatal_error is not None else logging.INFO,
                 "worker.stopped",
                 worker=self.worker_id,
                 device=self.device,
+                error=self.fatal_error.code if self.fatal_error is not None else None,
                 **self.stats,
             )
 
@@ -416,12 +500,19 @@ class Supervisor:
         try:
             await self.broker.publish_executors(infos)
         except Exception as exc:
-            _log.warning(
-                "worker.error", error=f"publishing executors failed: {type(exc).__name__}: {exc}"
-            )
+            self._broker_failed("publish_executors", exc)
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
-        while not self._draining:
+        while not self._draining and self.fatal_error is None:
+            if self._unstored or self._store_failures:
+                # The store failed: lease nothing new until it works again. Results that
+                # cannot be stored must not pile up behind new work; the settlements
+                # waiting are the probe, else the next lease is (after a backoff).
+                await self._wait_for_store()
+                if self._draining:
+                    break
+                if self._unstored:
+                    continue
             free = self.concurrency + self.prefetch - self._busy
             if free <= 0 or (self._busy and free < self._lease_min):
                 await self._wait_slot()
@@ -439,18 +530,16 @@ class Supervisor:
                         visibility_s=self.visibility_s,
                         device=self.device,
                         limit=free,
+                        # Those for free run slots launch now and count at once; the
+                        # rest wait for a slot and count once marked (`_mark_started`).
+                        started=max(0, self.concurrency - self._busy),
                     )
             except Exception as exc:
-                # The broker is unreachable or busy: keep the worker (and its running
-                # jobs) alive and try again; a broken broker shows up in the logs.
-                _log.error("worker.error", error=f"lease failed: {type(exc).__name__}: {exc}")
-                with anyio.CancelScope() as scope:
-                    self._lease_scope = scope
-                    if self._draining:
-                        scope.cancel()
-                    await anyio.sleep(self.idle_poll_s)
-                self._lease_scope = None
+                # The store is down or busy: keep the worker (and its running jobs)
+                # alive; the loop above backs off before it tries again.
+                self._broker_failed("lease", exc)
                 continue
+            self._broker_ok("lease")
             if not leases:
                 if burst and not self._running:
                     return
@@ -469,8 +558,11 @@ class Supervisor:
                 if self._draining:
                     # Leased in the instant drain began: hand it back untouched.
                     with anyio.CancelScope(shield=True):
-                        await self.broker.release(lease)
-                    self.stats["released"] += 1
+                        released = await self._settle(
+                            "release", lease, lambda lease=lease: self.broker.release(lease)
+                        )
+                    if released:
+                        self.stats["released"] += 1
                     continue
                 running = _Running(lease)
                 self._running[lease.job.id] = running
@@ -492,11 +584,151 @@ class Supervisor:
         """Return once `run` has returned."""
         await self._stopped.wait()
 
+    # --- the store --------------------------------------------------------------------
+
+    def _broker_failed(self, op: str, exc: Exception, **fields: Any) -> None:
+        """Log a failed broker call; a fatal store error stops the worker.
+
+        Only the calls on the path of new work (`_GATING`) hold the lease loop back; a
+        failed heartbeat, purge or catalog update is said and left to its own next try.
+        """
+        self.stats["broker_errors"] += 1
+        if op in _GATING:
+            self._store_failures += 1
+            if self._store_down_since is None:
+                self._store_down_since = time.monotonic()
+        if isinstance(exc, MetnosError):
+            code, error = exc.code, exc.message
+        else:  # a client library's own exception, or a bug: said as it is
+            code, error = HostFault.code, f"{type(exc).__name__}: {exc}"
+        fatal = isinstance(exc, BrokerError) and exc.fatal
+        _log.error(
+            "broker.error",
+            op=op,
+            code=code,
+            error=error,
+            failures=self._store_failures,
+            fatal=fatal,
+            **fields,
+        )
+        if fatal and self.fatal_error is None:
+            assert isinstance(exc, BrokerError)
+            self.fatal_error = exc
+            # Nothing can be stored any more: stop at once, give up what waits.
+            self._give_up.set()
+            if self._tg is not None:
+                self._tg.start_soon(self.drain, 0.0, name="fatal stop")
+
+    def _broker_ok(self, op: str, *, own: int = 0) -> None:
+        """A gating call worked: the store is back, unless results still wait for it
+        (`own`: the caller's own settlement, still counted as waiting)."""
+        if self._store_failures and op in _GATING and self._unstored - own <= 0:
+            down = time.monotonic() - (self._store_down_since or time.monotonic())
+            _log.info(
+                "broker.recovered", op=op, failures=self._store_failures, down_s=round(down, 3)
+            )
+            self._store_failures = 0
+            self._store_down_since = None
+
+    async def _wait_for_store(self) -> None:
+        """The lease loop's pause while the store fails (drain cuts it short)."""
+        with anyio.CancelScope() as scope:
+            self._lease_scope = scope
+            if self._draining:
+                scope.cancel()
+            if self._unstored:
+                await self._stored.wait()
+            else:
+                await anyio.sleep(self.store_backoff(max(1, self._store_failures)))
+        self._lease_scope = None
+
+    async def _settle(self, op: str, lease: Lease, call: Callable[[], Awaitable[_T]]) -> _T | None:
+        """Store a settlement (`call`: ack, retry, release) until the store takes it.
+
+        A failure keeps it here, in memory, and tries again with backoff; the job's lease
+        is heart-beaten meanwhile (`_Running.storing`). ``None`` when it was given up
+        (drain past its grace, or a fatal store error): the lease then lapses and the
+        broker redelivers the job. Callers shield it: a stored result is never thrown
+        away by a cancel.
+        """
+        failures = 0
+        running = self._running.get(lease.job.id)
+        try:
+            while True:
+                try:
+                    out = await call()
+                except BadMessage:
+                    raise  # the settlement itself is unstorable; the caller decides
+                except Exception as exc:
+                    failures += 1
+                    if failures == 1:
+                        self._unstored += 1
+                        if running is not None:
+                            running.storing = True
+                    delay = self.store_backoff(failures)
+                    self._broker_failed(
+                        op,
+                        exc,
+                        job_id=lease.job.id,
+                        attempt=lease.attempt,
+                        retry_in_s=None if self._give_up.is_set() else round(delay, 3),
+                    )
+                    if self._give_up.is_set():
+                        self.stats["unsettled"] += 1
+                        _log.error(
+                            "broker.error",
+                            op=op,
+                            job_id=lease.job.id,
+                            gave_up=True,
+                            error="not stored: the worker is stopping; the job's lease "
+                            "will lapse and another delivery will run it",
+                        )
+                        return None
+                    with anyio.move_on_after(delay):
+                        await self._give_up.wait()
+                    continue
+                self._broker_ok(op, own=1 if failures else 0)
+                return out
+        finally:
+            if failures:
+                if running is not None:
+                    running.storing = False
+                self._unstored -= 1
+                if not self._unstored:
+                    self._stored.set()
+                    self._stored = anyio.Event()
+
+    async def _retention_loop(self, retention_s: float) -> None:
+        while True:
+            try:
+                report = await self.broker.purge(older_than_s=retention_s)
+            except Exception as exc:
+                self._broker_failed("purge", exc)
+            else:
+                if report.jobs or report.collected:
+                    _log.info(
+                        "queue.purged",
+                        jobs=report.jobs,
+                        collected=report.collected,
+                        reclaimed_bytes=report.reclaimed_bytes,
+                        older_than_s=retention_s,
+                    )
+                if (report.jobs or report.collected) and self._staging is not None:
+                    # The undo entries went with their results: the blobs only they
+                    # needed go now (never one a stored entry still lists).
+                    try:
+                        await self._staging.collect(self.broker)
+                    except Exception as exc:
+                        self._broker_failed("collect_blobs", exc)
+            await anyio.sleep(self.purge_every_s)
+
     async def drain(self, grace_s: float) -> None:
         """Stop leasing; let running jobs finish for `grace_s`, then cancel and release them.
 
         Released jobs go back to the queue without using an attempt (the broker's
-        `release`). Returns once `run` has returned.
+        `release`). Results still waiting for a failing store get ``settle_grace_s``
+        more (none when `grace_s` is 0: a forced stop), then are given up. Returns once
+        `run` has returned.
         """
         if not self._draining:
             self._draining = True
@@ -523,6 +755,9 @@ class Supervisor:
                 continue  # finished; its result is being stored
             running.stop = "drain"
             running.scope.cancel()
+        with anyio.move_on_after(min(grace_s, self.settle_grace_s)):
+            await self._stopped.wait()
+        self._give_up.set()
         await self._stopped.wait()
 
     # --- one job ----------------------------------------------------------------------
@@ -594,7 +829,23 @@ class Supervisor:
     async def _ack(self, lease: Lease, result: Result) -> bool:
         """Store `result`; ``False``: the lease was lost and nothing was stored."""
         with anyio.CancelScope(shield=True):
-            stored = await self._acks.ack(lease, result)
+            try:
+                stored = await self._settle("ack", lease, lambda: self._acks((lease, result)))
+            except BadMessage as exc:
+                # The result itself cannot be stored (its output cannot be encoded): store
+                # a failed result that says so, rather than no result at all.
+                result = self._result(
+                    lease,
+                    "failed",
+                    error=ErrorInfo(code="E_BAD_OUTPUT", message=exc.message),
+                    exit=result.exit,
+                    containment=result.containment,
+                    usage=result.usage,
+                    started_at=result.started_at,
+                )
+                stored = await self._settle("ack", lease, lambda: self._acks((lease, result)))
+        if stored is None:
+            return False  # given up (see `_settle`; logged there): nothing was stored
         _log.log(
             finished_level(result.status, stored=stored),
             "job.finished",
@@ -608,11 +859,22 @@ class Supervisor:
         self.stats["finished"] += 1
         return stored
 
+    async def _release(self, lease: Lease, reason: str) -> None:
+        with anyio.CancelScope(shield=True):
+            released = await self._settle("release", lease, lambda: self.broker.release(lease))
+        if released:
+            self.stats["released"] += 1
+            _log.info("job.released", reason=reason)
+
     async def _retry(self, lease: Lease, error: ErrorInfo) -> None:
         delay = self.retry_delay(lease.attempt)
         with anyio.CancelScope(shield=True):
             # The broker dead-letters instead when this was the last allowed delivery.
-            outcome = await self.broker.retry(lease, error=error, delay_s=delay)
+            outcome: RetryOutcome | None = await self._settle(
+                "retry", lease, lambda: self.broker.retry(lease, error=error, delay_s=delay)
+            )
+        if outcome is None:
+            return  # given up (see `_settle`)
         if outcome == "dead":
             self.stats["dead"] += 1
             _log.error(
@@ -685,6 +947,7 @@ class Supervisor:
                 policy=self.policy,
                 timeout_s=job.timeout_s,
                 python=self.python,
+                text_args=job.text_args,
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:
                 # Provider authority (or a non-packable executor) never leaves the server,
@@ -790,10 +1053,12 @@ class Supervisor:
             self.stats["lease_lost"] += 1
             return
         if running.stop == "drain":
-            with anyio.CancelScope(shield=True):
-                await self.broker.release(lease)
-            self.stats["released"] += 1
-            _log.info("job.released", reason="drain")
+            await self._release(lease, "drain")
+            return
+        if running.stop == "not_started":
+            # The store failed as the job was about to start: nothing was launched, and
+            # the lease goes back (un-attempted) once the store takes it.
+            await self._release(lease, "store_error")
             return
         if running.stop == "cancel_requested":
             _log.info("job.cancelled")
@@ -908,9 +1173,7 @@ class Supervisor:
             try:
                 recorded = await self.broker.record_undo(lease, [entry])
             except Exception as exc:
-                _log.warning(
-                    "worker.error", error=f"record_undo failed: {type(exc).__name__}: {exc}"
-                )
+                self._broker_failed("record_undo", exc, job_id=lease.job.id)
                 recorded = False
             if not recorded:
                 # Not ours any more (or the broker failed): the changes go, the job is
@@ -978,9 +1241,7 @@ class Supervisor:
                     lease, [applied.redo], undoes=[e.id for e in entries]
                 )
             except Exception as exc:
-                _log.warning(
-                    "worker.error", error=f"record_undo failed: {type(exc).__name__}: {exc}"
-                )
+                self._broker_failed("record_undo", exc, job_id=lease.job.id)
                 recorded = False
             if not recorded:
                 await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=False))
@@ -1041,10 +1302,8 @@ class Supervisor:
             try:
                 wanted = await self.broker.cancel_requested(ids)
             except Exception as exc:
-                # As for heartbeats: a hiccup only delays the cancel to the next poll.
-                _log.warning(
-                    "worker.error", error=f"cancel poll failed: {type(exc).__name__}: {exc}"
-                )
+                # As for heartbeats: a failure only delays the cancel to the next poll.
+                self._broker_failed("cancel_poll", exc)
                 continue
             for job_id in wanted:
                 running = self._running.get(job_id)
@@ -1057,32 +1316,51 @@ class Supervisor:
         while True:
             await anyio.sleep(self.heartbeat_s)
             for running in list(self._running.values()):
-                if running.settling or running.stop is not None:
+                if running.stop is not None or (running.settling and not running.storing):
+                    # Stopped, or finished and being stored. A result waiting for the
+                    # store keeps its lease alive, so it is still ours when the store
+                    # comes back.
                     continue
                 try:
                     reply = await self.broker.heartbeat(running.lease)
                 except Exception as exc:
-                    # A broker hiccup (busy database, dropped connection): keep running;
-                    # the next beat may succeed, and the lease window has room for it.
-                    # Logged from this task, not the job's: its context is spelled out.
-                    _log.warning(
-                        "worker.error",
+                    # The store failed (busy, full, restarting): keep running; the next
+                    # beat may succeed, and the lease window has room for it. Logged from
+                    # this task, not the job's: its context is spelled out.
+                    self._broker_failed(
+                        "heartbeat",
+                        exc,
                         job_id=running.lease.job.id,
                         executor=running.lease.job.executor,
                         worker=self.worker_id,
                         device=self.device,
                         sandbox=running.sandbox,
-                        error=f"heartbeat failed: {type(exc).__name__}: {exc}",
                     )
                     continue
+                self._broker_ok("heartbeat")
                 if running.settling:
-                    continue  # it finished while we waited; its ack decides
+                    continue  # it finished while we waited; its settlement decides
                 if not reply.ok:
                     running.stop = "lease_lost"
                     running.scope.cancel()
                 elif reply.cancel_requested:
                     running.stop = "cancel_requested"
                     running.scope.cancel()
+
+    async def _mark_started(self, running: _Running) -> None:
+        """Record the delivery as started, or set why it must not start."""
+        # Shielded: once asked, the answer must be read (a mark made but not seen would
+        # leave an attempt counted for a job this worker then hands back).
+        with anyio.CancelScope(shield=True):
+            try:
+                ok = await self._starts(running.lease)
+            except Exception as exc:
+                self._broker_failed("mark_started", exc)
+                running.stop = running.stop or "not_started"
+                return
+        self._broker_ok("mark_started")
+        if not ok:
+            running.stop = running.stop or "lease_lost"
 
     async def _run_arm(
         self, running: _Running, arm: Sandbox, sjob: SandboxJob, *, degraded: bool
@@ -1096,9 +1374,12 @@ class Supervisor:
             # still waiting for its slot too.
             await self._slots.acquire(running)
             try:
+                if running.stop is None and not self._draining and not running.lease.started:
+                    await self._mark_started(running)
                 if running.stop is not None or self._draining:
-                    # Stopped (drain, cancel, lost lease) before its launch, e.g. while it
-                    # was being prepared: it never starts, and no job.started is logged.
+                    # Stopped (drain, cancel, lost lease, a store failure) before its
+                    # launch, e.g. while it was being prepared: it never starts, and no
+                    # job.started is logged.
                     running.stop = running.stop or "drain"
                 else:
                     running.launched = True
@@ -1124,11 +1405,12 @@ class Supervisor:
             # Let the next job launch (it was woken above) before this one's result is
             # stored and logged: a bookkeeping gap between two runs is idle slot time.
             # Twice: trio may run a batch of ready tasks in reverse order, so after one
-            # yield this task could still go first; after two, the woken job has run
-            # (up to its spawn) either way. Shielded: the run is over, and its result
-            # must not be lost to a cancel.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            # yield this task could still go first; after two, the woken job has run (up
+            # to its spawn) either way. Three times when that job was leased ahead: it
+            # yields once itself, in the store call that marks it started. Shielded: the
+            # run is over, and its result must not be lost to a cancel.
+            for _ in range(3 if self._slots.head_waits_for_mark() else 2):
+                await anyio.lowlevel.cancel_shielded_checkpoint()
         return outcome, fault, started_at
 
 
@@ -1164,6 +1446,10 @@ class _Slots:
     def _ready(self, running: _Running) -> bool:
         return self._free > 0 and bool(self._line) and self._line[0] is running
 
+    def head_waits_for_mark(self) -> bool:
+        """The next job to launch was leased ahead (it marks itself started first)."""
+        return bool(self._line) and not self._line[0].lease.started
+
     async def acquire(self, running: _Running) -> None:
         """Wait for `running`'s turn and a free slot (pair with `release`)."""
         if not self._ready(running):
@@ -1195,31 +1481,37 @@ class _Slots:
 
 
 @dataclass(eq=False)
-class _AckSlot:
-    lease: Lease
-    result: Result
+class _BatchSlot(Generic[_I, _O]):
+    item: _I
     done: anyio.Event = field(default_factory=anyio.Event)
-    stored: bool = False
+    out: _O | None = None
     error: BaseException | None = None
 
 
-class _AckBatcher:
-    """Group acks that arrive while one is being written into one `ack_many` call.
+class _Batcher(Generic[_I, _O]):
+    """Group calls that arrive while one is being written into one batch call (acks,
+    start marks).
 
-    Leader/follower, no extra task: the first job to ack while none is in flight writes
-    every pending ack (its own and those queued meanwhile) until none is left; the others
-    wait for their slot. Under load a batch grows to what arrived during one transaction,
-    which is what lets one SQLite worker keep up with the echo arm; when idle every ack is
-    written at once, alone.
+    Leader/follower, no extra task: the first caller while none is in flight writes every
+    pending item (its own and those queued meanwhile) until none is left; the others wait
+    for their slot. Under load a batch grows to what arrived during one transaction,
+    which is what lets one SQLite worker keep up with the echo arm; when idle every item
+    is written at once, alone. A failure of a batch call fails every item of the batch
+    (the store wrote none of them: one transaction); each caller decides what to do.
     """
 
-    def __init__(self, broker: Broker) -> None:
-        self._broker = broker
-        self._pending: list[_AckSlot] = []
+    def __init__(
+        self,
+        one: Callable[[_I], Awaitable[_O]],
+        many: Callable[[Sequence[_I]], Awaitable[list[_O]]],
+    ) -> None:
+        self._one = one
+        self._many = many
+        self._pending: list[_BatchSlot[_I, _O]] = []
         self._flushing = False
 
-    async def ack(self, lease: Lease, result: Result) -> bool:
-        slot = _AckSlot(lease, result)
+    async def __call__(self, item: _I) -> _O:
+        slot: _BatchSlot[_I, _O] = _BatchSlot(item)
         self._pending.append(slot)
         if not self._flushing:
             self._flushing = True
@@ -1228,25 +1520,26 @@ class _AckBatcher:
                     batch, self._pending = self._pending, []
                     try:
                         if len(batch) == 1:
-                            stored = [await self._broker.ack(batch[0].lease, batch[0].result)]
+                            outs = [await self._one(batch[0].item)]
                         else:
-                            stored = await self._broker.ack_many(
-                                [(b.lease, b.result) for b in batch]
-                            )
+                            outs = await self._many([b.item for b in batch])
                     except Exception as exc:
                         for b in batch:
                             b.error = exc
                     else:
-                        for b, ok in zip(batch, stored, strict=True):
-                            b.stored = ok
+                        for b, out in zip(batch, outs, strict=True):
+                            b.out = out
                     for b in batch:
                         b.done.set()
             finally:
                 self._flushing = False
-        await slot.done.wait()
+        if not slot.done.is_set():
+            # A follower. (The leader does not wait on its own, already set, event: on
+            # trio that would be one more trip through the scheduler per call.)
+            await slot.done.wait()
         if slot.error is not None:
             raise slot.error
-        return slot.stored
+        return slot.out  # type: ignore[return-value]
 
 
 def _log_recorded(entry: UndoEntry) -> None:

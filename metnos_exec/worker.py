@@ -6,15 +6,24 @@ Signals (installed with `anyio.open_signal_receiver`, so both backends behave al
   running jobs get ``grace_s`` seconds to finish; those still running are then cancelled
   (their sandboxes killed and reaped) and their leases *released* — handed back without
   using an attempt — and the worker logs ``worker.stopped`` and exits 0;
-- a second signal while draining cuts the grace short (same release path).
+- a second signal while draining cuts the grace short (same release path);
+- a signal that arrives while the worker is still starting (loading executors, opening
+  the broker, waiting for a lock held elsewhere) is remembered and drains it as soon as it
+  serves, or stops it before it serves: exit 0 either way, never death by the signal.
 
 SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-parent)
 and the broker redelivers the jobs once their leases expire.
 
 Configuration is checked once, before anything is served (`check_worker_config`): bad
-numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` and an explicit
-``METNOS_BWRAP`` that names no executable make the worker refuse to start with
-`BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases.
+numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE``, ``METNOS_RETENTION_DAYS``
+and an explicit ``METNOS_BWRAP`` that names no executable make the worker refuse to start
+with `BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases. So does
+a store it cannot write (``E_BROKER_READONLY``, from the broker itself).
+
+The store failing while the worker serves never stops it (see `Supervisor`): results are
+kept and stored again, ``broker.error`` is logged. Only a fatal store error does (the
+queue file deleted or replaced, a corrupt file): `serve` raises it after the worker
+stopped, and ``metnos-exec worker`` exits 4 with its message.
 """
 
 from __future__ import annotations
@@ -24,14 +33,23 @@ import gc
 import os
 import signal
 import socket
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal
 
 import anyio
 import structlog
 
-from .brokers import BadBrokerURL, Broker, open_broker
-from .errors import BadConfig, BadManifest, HostFault, MetnosError, SignatureError
+from .backoff import store_backoff
+from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
+from .errors import (
+    BadConfig,
+    BadManifest,
+    BrokerBusy,
+    HostFault,
+    MetnosError,
+    SignatureError,
+)
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
@@ -44,6 +62,7 @@ from .supervisor import Supervisor
 
 __all__ = (
     "ARM_OVERRIDE_ENV",
+    "RETENTION_ENV",
     "check_worker_config",
     "default_worker_id",
     "dry_run_executors",
@@ -59,7 +78,43 @@ __all__ = (
 #: the results then say ``sandbox: "echo"``, which is honest but useless.
 ARM_OVERRIDE_ENV: Final = "METNOS_ARM_OVERRIDE"
 
+#: Days a finished job (its result, dead letter, idempotency key) is kept before a worker
+#: purges it; ``never`` keeps everything (the file then only grows). Default 7.
+RETENTION_ENV: Final = "METNOS_RETENTION_DAYS"
+
+_NEVER = ("never", "off", "forever", "none")
+
 _log = structlog.get_logger("metnos_exec")
+
+
+def parse_retention_days(text: str, *, what: str = RETENTION_ENV) -> float | None:
+    """Days as text (``7``, ``0.5``, or ``never``) → seconds, or ``None`` for never.
+
+    Raises:
+        BadConfig: not a positive number nor ``never``.
+    """
+    value = text.strip().lower()
+    if value in _NEVER:
+        return None
+    try:
+        days = float(value)
+    except ValueError:
+        days = float("nan")
+    if not (days > 0 and days != float("inf")):
+        raise BadConfig(f"{what}={text!r}: expected a number of days above 0, or 'never'")
+    return days * 86400.0
+
+
+def retention_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """The retention (seconds; ``None``: never purge) from ``METNOS_RETENTION_DAYS``,
+    else `DEFAULT_RETENTION_S`.
+
+    Raises:
+        BadConfig: a bad value.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(RETENTION_ENV)
+    return DEFAULT_RETENTION_S if text is None or not text.strip() else parse_retention_days(text)
 
 
 def default_worker_id() -> str:
@@ -118,6 +173,7 @@ def check_worker_config(
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
+    retention_from_env(env)
     from .runtimes import device_python_source
 
     device_python_source(env)  # a URL without its pinned hash is refused here
@@ -132,6 +188,7 @@ async def serve(
     burst: bool = False,
     handle_signals: bool = True,
     preload: bool = False,
+    early_signals: Sequence[int] = (),
     dry_run: bool = False,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
@@ -141,6 +198,8 @@ async def serve(
     Args:
         grace_s: how long running jobs may finish after SIGTERM/SIGINT.
         handle_signals: install the SIGTERM/SIGINT drain (main thread only).
+        early_signals: signals that arrived before this call (see `run_worker`): the
+            first drains at once, as if it had come now.
         dry_run: before leasing, dry-run every packable native executor in the sandbox
             (`dry_run_executors`); one whose imports the sandbox cannot find is refused.
         preload: compile the wasm modules the executors need (python.wasm for
@@ -154,6 +213,8 @@ async def serve(
 
     Raises:
         BadConfig: a bad ``METNOS_REQUIRE_SANDBOX`` or ``METNOS_ARM_OVERRIDE``.
+        BrokerError: a fatal store error stopped the worker (``Supervisor.fatal_error``,
+            e.g. the queue file was deleted under it), raised once it has stopped.
     """
     if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
         supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
@@ -171,6 +232,10 @@ async def serve(
             task_status.started()
             async with anyio.create_task_group() as drains:
                 first = True
+                if early_signals:
+                    _log.info("worker.signal", signal=signal.Signals(early_signals[0]).name)
+                    drains.start_soon(sup.drain, grace_s)
+                    first = False
                 async for signum in signals:
                     _log.info("worker.signal", signal=signal.Signals(signum).name)
                     # The second signal cuts the grace short: drain() again with 0.
@@ -191,6 +256,8 @@ async def serve(
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
+    if sup.fatal_error is not None:
+        raise sup.fatal_error
 
 
 def trust_store_for(
@@ -364,6 +431,38 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
             _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
 
 
+async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) -> Broker | None:
+    """Open the broker for a worker; while another process holds the store's lock
+    (`BrokerBusy`), wait and try again (``broker.error`` each time) rather than exit.
+
+    A worker started (or restarted by its supervisor) in the moment a long transaction
+    runs elsewhere must come up once it ends. Every other failure to open is said at once.
+    ``None`` when `stop` says so while waiting (a signal arrived).
+
+    Raises:
+        BadBrokerURL: the URL is malformed or names no broker here.
+        BrokerError: any store failure but a held lock (missing folder, read-only, ...).
+    """
+    failures = 0
+    while not stop():
+        try:
+            return open_broker(url)
+        except BrokerBusy as exc:
+            failures += 1
+            delay = store_backoff(failures)
+            _log.error(
+                "broker.error",
+                op="open",
+                code=exc.code,
+                error=exc.message,
+                failures=failures,
+                fatal=False,
+                retry_in_s=round(delay, 3),
+            )
+            await anyio.sleep(delay)
+    return None
+
+
 #: Allocations between two young-generation collections in a worker (CPython: 700).
 _GC_YOUNG_THRESHOLD: Final = 10_000
 
@@ -400,12 +499,15 @@ def run_worker(
     home: str | os.PathLike[str] | None = None,
     configure_logs: bool = True,
     prefetch: int = 1,
+    retention_s: float | Literal["env"] | None = "env",
     state_dir: str | os.PathLike[str] | None = None,
     trust_keys: tuple[str, ...] | list[str] = (),
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
     ``prefetch``: jobs leased ahead while every slot is busy (see `Supervisor`).
+    ``retention_s``: finished jobs older than this are purged (``None``: never); the
+    default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
     ``state_dir``: blobs, commit journals and staging mount points (default
     `metnos_exec.staging.default_state_dir`).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
@@ -414,12 +516,72 @@ def run_worker(
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
         MetnosError: the broker URL or the executors folder is unusable (before serving).
+        BrokerError: a fatal store error stopped the worker (see `serve`).
     """
+    # A SIGTERM while starting must not kill the worker (exit by the signal): it is
+    # remembered from here on and honoured once serving (see the module docstring).
+    early: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda n, _frame: early.append(n))
+    try:
+        return _start(
+            early,
+            broker_url,
+            executors_dir,
+            concurrency=concurrency,
+            worker_id=worker_id,
+            device=device,
+            log_file=log_file,
+            log_level=log_level,
+            grace_s=grace_s,
+            burst=burst,
+            visibility_s=visibility_s,
+            backend=backend,
+            home=home,
+            configure_logs=configure_logs,
+            prefetch=prefetch,
+            retention_s=retention_s,
+            trust_keys=trust_keys,
+            state_dir=state_dir,
+        )
+    finally:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+
+
+def _start(
+    early: list[int],
+    broker_url: str,
+    executors_dir: str | os.PathLike[str],
+    *,
+    concurrency: int,
+    worker_id: str | None,
+    device: str,
+    log_file: str | os.PathLike[str] | None,
+    log_level: str,
+    grace_s: float,
+    burst: bool,
+    visibility_s: float,
+    backend: str,
+    home: str | os.PathLike[str] | None,
+    configure_logs: bool,
+    prefetch: int,
+    retention_s: float | Literal["env"] | None,
+    trust_keys: tuple[str, ...] | list[str],
+    state_dir: str | os.PathLike[str] | None,
+) -> int:
+    """`run_worker` once its early signal handler is in place."""
     policy = check_worker_config(
         concurrency=concurrency, visibility_s=visibility_s, grace_s=grace_s
     )
     if prefetch < 0:
         raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
+    if retention_s == "env":
+        retention_s = retention_from_env()
+    elif retention_s is not None and not retention_s > 0:
+        raise BadConfig(f"retention must be a positive number of seconds, got {retention_s!r}")
     trust = trust_store_for(device, trust_keys)
     if configure_logs:
         try:
@@ -447,10 +609,11 @@ def run_worker(
         # verified by its pinned hash); before the broker, so a failure leaves nothing open.
         exe = await obtain_device_python()
         python = str(exe) if exe is not None else None
-        try:
-            broker = open_broker(broker_url)
-        except ValueError as exc:  # a malformed URL or an unknown option in its query
-            raise BadBrokerURL(f"{broker_url}: {exc}") from None
+        broker = await open_when_free(broker_url, stop=lambda: bool(early))
+        if broker is None:  # told to stop while waiting to open: nothing was served
+            with anyio.CancelScope(shield=True):
+                await staging.aclose()
+            return
         try:
             # Entered, not just closed at the end: a broker may hold resources that live
             # in the task that opens it (the Redis client's connection tasks).
@@ -468,6 +631,8 @@ def run_worker(
                     policy=policy,
                     prefetch=prefetch,
                     preload=True,
+                    retention_s=retention_s,
+                    early_signals=early,
                     staging=staging,
                     dry_run=True,
                     trust=trust,

@@ -4,6 +4,8 @@
 --
 -- journal_mode=WAL is persistent in the file; synchronous=NORMAL and busy_timeout are per
 -- connection: the broker sets them, and another-language producer should set busy_timeout.
+-- The broker creates a new file with PRAGMA auto_vacuum = INCREMENTAL (before this
+-- script: it only takes effect on an empty file), so purging old jobs gives space back.
 
 -- One row per job. `body` is the job exactly as submitted (JSON text, see
 -- queue/schemas/job.json); the routing columns copy fields of it. Producers in other
@@ -21,23 +23,28 @@ CREATE TABLE IF NOT EXISTS jobs (
     state            TEXT NOT NULL DEFAULT 'queued'
                      CHECK (state IN ('queued', 'running', 'done', 'dead')),
     due_at           REAL,                        -- NULL: use not_before (NULL: now)
-    attempt          INTEGER NOT NULL DEFAULT 0,  -- deliveries so far
+    attempt          INTEGER NOT NULL DEFAULT 0,  -- attempts so far (the current included)
     token            TEXT,                        -- fencing token of the current lease
-    lease_until      REAL,
+    lease_until      REAL,                        -- NULL while running: a lost lease
     worker           TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    started          INTEGER NOT NULL DEFAULT 0,  -- the current delivery was launched
+    lapses           INTEGER NOT NULL DEFAULT 0   -- leases that lapsed before launch
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
 -- The trigger derives the routing columns from the body. A field of the wrong JSON type
 -- (or a body that is not JSON at all) yields the column's default, so the row is still
 -- leased by a server worker and dead-lettered with E_BAD_MESSAGE rather than stranded.
+-- A body over 1 MiB (MAX_JOB_BYTES) is refused with an error naming the limit.
 -- OR IGNORE: a duplicate id or idempotency key inserts nothing (the first job stands).
 -- (Generated columns would say the same more briefly, but SQLite recomputes stored
 -- generated columns on every UPDATE of the row, which tripled the cost of a lease.)
 CREATE VIEW IF NOT EXISTS job_inbox AS SELECT id, body FROM jobs;
 CREATE TRIGGER IF NOT EXISTS job_inbox_insert INSTEAD OF INSERT ON job_inbox
 BEGIN
+    SELECT RAISE(ABORT, 'E_BAD_MESSAGE: job body over 1048576 bytes (MAX_JOB_BYTES)')
+    WHERE length(CAST(NEW.body AS BLOB)) > 1048576;
     INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
                                 not_before)
     SELECT NEW.id, NEW.body,
@@ -58,7 +65,11 @@ END;
 -- Leasing: the best queued job for one device.
 CREATE INDEX IF NOT EXISTS jobs_ready
     ON jobs (device, priority DESC, seq) WHERE state = 'queued';
--- Expired leases (workers that died).
+-- "Is anything due?", asked by every idle worker at every poll: one index probe, however
+-- many delayed jobs wait (the expression is the one the broker's queries use).
+CREATE INDEX IF NOT EXISTS jobs_due
+    ON jobs (device, coalesce(due_at, not_before, 0)) WHERE state = 'queued';
+-- Expired leases (workers that died), and running rows without a lease at all (NULL).
 CREATE INDEX IF NOT EXISTS jobs_running
     ON jobs (lease_until) WHERE state = 'running';
 -- Idempotency: a second job with the same key is not inserted.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +16,8 @@ import msgspec
 import pytest
 
 from metnos_exec.cli import EXIT, _parse_arg, build_parser
+from tests.conftest import need
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 SLEEPY = """\
 name = "sleepy"
@@ -55,13 +60,15 @@ def cli(
     )
 
 
-def test_parse_arg_json_or_text() -> None:
-    assert _parse_arg("n=3") == ("n", 3)
-    assert _parse_arg("flag=true") == ("flag", True)
-    assert _parse_arg("xs=[1,2]") == ("xs", [1, 2])
+def test_parse_arg_keeps_the_text_for_the_worker_to_convert() -> None:
+    # The CLI cannot know the schema: it sends text, and the worker converts it.
+    assert _parse_arg("n=3") == ("n", "3")
+    assert _parse_arg("flag=true") == ("flag", "true")
+    assert _parse_arg("xs=[1,2]") == ("xs", "[1,2]")
     assert _parse_arg("path=~/notes/a.md") == ("path", "~/notes/a.md")
-    assert _parse_arg('q="3"') == ("q", "3")
+    assert _parse_arg("text=42") == ("text", "42")
     assert _parse_arg("empty=") == ("empty", "")
+    assert _parse_arg("k=null") == ("k", None)  # absent: the default applies
 
 
 def test_help_everywhere() -> None:
@@ -132,8 +139,9 @@ def test_usage_and_broker_errors(env: dict[str, str]) -> None:
     gone = "sqlite:////nonexistent/dir/q.db"
     assert cli(env, "worker", "--executors", ".", "--broker", gone).returncode == EXIT["broker"]
     assert cli(env, "worker", "--executors", "/nonexistent").returncode == EXIT["usage"]
+    # A wrong URL is configuration (2), like every other setting; 4 is a store failing.
     bad = cli(env, "status", "--broker", "nosuch://x")
-    assert bad.returncode == EXIT["broker"] and "E_BAD_BROKER_URL" in bad.stderr
+    assert bad.returncode == EXIT["usage"] and "E_BAD_BROKER_URL" in one_clear_line(bad)
 
 
 def test_undo_of_unknown_or_unchanged_jobs(env: dict[str, str]) -> None:
@@ -146,8 +154,6 @@ def test_undo_of_unknown_or_unchanged_jobs(env: dict[str, str]) -> None:
 
 
 def test_demo_runs_and_reruns(tmp_path: Path) -> None:
-    from tests.conftest import need
-
     need(shutil.which("bwrap") is not None, "bubblewrap is not installed")
     env = {k: v for k, v in os.environ.items() if k != "METNOS_BROKER"}
     for _ in range(2):
@@ -163,7 +169,38 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
         assert "unexpected:" not in out.stdout, out.stdout  # every case ended as expected
         assert "E_CAPABILITY_DENIED" in out.stdout and "timed_out" in out.stdout
         assert "next (in another terminal" in out.stdout
+        # The walls column is explained, and no detail is cut short.
+        assert "walls: the five containment axes" in out.stdout
+        assert "checked against fs hints ~/notes/**" in out.stdout
+        assert not [ln for ln in out.stdout.splitlines() if ln.endswith("...")]
     assert (tmp_path / "demo" / "worker.jsonl").exists()
+    # Re-run while the README's background worker serves the demo's queue: refused, with
+    # what to do, and the queue file left alone (deleting it would strand that worker).
+    db = tmp_path / "demo" / "metnos.db"
+    log = tmp_path / "demo" / "bg.jsonl"
+    worker = subprocess.Popen(
+        worker_argv("sqlite:///demo/metnos.db", "demo/executors", log),
+        cwd=tmp_path,
+        env={**env, "METNOS_ARM_OVERRIDE": "echo"},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_event(log, "worker.started", worker)
+        inode = db.stat().st_ino
+        again = subprocess.run(
+            [sys.executable, "-m", "metnos_exec.demo"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode != 0
+        assert f"pid {worker.pid}" in again.stderr and "another folder" in again.stderr
+        assert db.stat().st_ino == inode
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
 
 
 def test_bench_lists_and_refuses_unknown(env: dict[str, str]) -> None:
@@ -241,7 +278,7 @@ def test_readers_do_not_create_a_missing_queue(env: dict[str, str], tmp_path: Pa
         out = cli(env, *args, "--broker", f"sqlite:///{missing}")
         assert out.returncode == EXIT["broker"], (args, out.stderr)
         line = one_clear_line(out)
-        assert "broker unreachable" in line and f"no queue file at {missing}" in line
+        assert "E_BROKER_UNAVAILABLE" in line and f"no queue file at {missing}" in line
         assert not missing.exists()
     # Three slashes are relative: the message shows the folder it looked in.
     rel = cli(env, "status", "--broker", "sqlite:///work/x.db", cwd=tmp_path)
@@ -376,14 +413,182 @@ def test_worker_passes_prefetch_through(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert seen["prefetch"] == 0
 
 
+# --- issue 9: a CLI a newcomer can trust ----------------------------------------------
+
+
+def test_version() -> None:
+    from metnos_exec import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "metnos_exec", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"metnos-exec {__version__}"
+
+
+def test_help_examples_quote_the_tilde(env: dict[str, str]) -> None:
+    # An unquoted ~ is expanded by the shell to the submitter's home, not the worker's.
+    for cmd in ("submit", "worker", "result"):
+        text = cli(env, cmd, "--help").stdout
+        assert not re.search(r"(?<!')\b\w+=~", text), (cmd, text)
+    assert "--arg 'path=~/notes/today.md'" in cli(env, "submit", "--help").stdout
+
+
+def test_a_broker_whose_module_or_extra_is_missing_is_a_clear_configuration_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`redis://` before its broker exists (or without its extra): exit 2 and a sentence
+    saying what is missing and how to get it, never a raw "No module named"."""
+    import metnos_exec.brokers as brokers
+    from metnos_exec.cli import main
+
+    fake = tmp_path / "needs_missing_dep.py"
+    fake.write_text("import no_such_client_library_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(brokers._REGISTRY, "absent", "metnos_exec.brokers.absent_xyz:B")
+    monkeypatch.setitem(brokers._REGISTRY, "needy", "needs_missing_dep:B")
+    monkeypatch.setitem(brokers._EXTRAS, "needy", "needy")
+    for url, expected in (
+        ("absent://h/0", "not part of this installation of metnos-exec"),
+        ("needy://h/0", "pip install 'metnos-exec[needy]'"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["status", "--broker", url])
+        err = capsys.readouterr().err
+        assert info.value.code == EXIT["usage"], err
+        assert "E_BAD_BROKER_URL" in err and expected in err and "No module named" not in err
+        assert len(err.strip().splitlines()) == 1
+    err_text = brokers._missing("redis", "metnos_exec.brokers.redis", ImportError(name="coredis"))
+    assert "needs the Python package 'coredis'" in err_text
+    assert "pip install 'metnos-exec[redis]'" in err_text
+
+
+def test_submit_wait_says_when_no_worker_has_leased_the_job(env: dict[str, str]) -> None:
+    out = cli(env, "submit", "sleepy", "--wait", "0.3")
+    assert out.returncode == EXIT["pending"]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "no worker has leased it" in line and "metnos-exec worker --broker" in line
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    res = cli(env, "result", job, "--wait", "0.2")
+    assert res.returncode == EXIT["pending"] and "no worker has leased it" in res.stderr
+
+
+def test_arg_text_is_converted_by_the_executors_schema(env: dict[str, str], tmp_path: Path) -> None:
+    """`--arg note=42` is the text "42" for a string argument, `--arg s=0.5` the number
+    0.5 for a number one: the worker, which has the schema, converts the text."""
+    ok = cli(env, "submit", "sleepy", "--arg", "note=42", "--arg", "s=0.5").stdout.strip()
+    text = cli(env, "submit", "sleepy", "--arg", "note=true", "--arg", "s=1e-3").stdout.strip()
+    bad = cli(env, "submit", "sleepy", "--arg", "s=soon").stdout.strip()
+    work = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert work.returncode == 0, work.stderr
+    out = json.loads(cli(env, "result", ok, "--json").stdout)
+    assert (out["status"], out["output"]) == ("succeeded", {"s": 0.5, "note": "42"})
+    out = json.loads(cli(env, "result", text, "--json").stdout)
+    assert out["output"] == {"s": 0.001, "note": "true"}
+    rejected = cli(env, "result", bad)
+    assert rejected.returncode == EXIT["rejected"]
+    assert "E_BAD_ARGS" in rejected.stdout and "does not convert" in rejected.stdout
+
+
+def test_purge_forgets_old_finished_jobs_and_says_so(env: dict[str, str], tmp_path: Path) -> None:
+    for _ in range(3):
+        assert cli(env, "submit", "sleepy").returncode == 0
+    assert cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst").returncode == 0
+    kept = cli(env, "submit", "sleepy").stdout.strip()  # queued: never purged
+    out = cli(env, "purge", "--older-than-days", "1e-9", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["jobs"] == 3 and doc["reclaimed_bytes"] is not None
+    human = cli(env, "purge", "--older-than-days", "1e-9")
+    assert human.returncode == 0 and human.stdout.startswith("purged 0 finished job(s)")
+    assert cli(env, "result", kept).returncode == EXIT["pending"]
+    for bad in ("0", "-1", "never", "soon"):
+        assert cli(env, "purge", "--older-than-days", bad).returncode == EXIT["usage"], bad
+    no = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--retention-days", "0")
+    assert no.returncode == EXIT["usage"] and "retention" in one_clear_line(no)
+
+
+def test_a_locked_or_read_only_queue_is_one_clear_line_and_exit_4(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Finding 9: no traceback, and not exit 1 (which means "the job failed")."""
+    import sqlite3
+
+    from tests.helpers.faults import read_only
+
+    assert cli(env, "submit", "sleepy").returncode == 0
+    db = tmp_path / "q.db"
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        locked = cli(env, "submit", "sleepy", "--broker", f"sqlite:///{db}?busy_timeout_s=0.1")
+        other.execute("ROLLBACK")
+    assert locked.returncode == EXIT["broker"]
+    assert "E_BROKER_BUSY" in one_clear_line(locked)
+    with read_only(db):
+        ro = cli(env, "submit", "sleepy")
+    assert ro.returncode == EXIT["broker"] and "E_BROKER_READONLY" in one_clear_line(ro)
+
+
+def test_a_full_disk_is_one_clear_line_and_exit_4(env: dict[str, str], tmp_path: Path) -> None:
+    """A real full disk: the queue on a 1 MiB tmpfs (in a user and mount namespace of
+    its own, so this runs unprivileged too), filled up before the submit."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-rm", "true"], capture_output=True, check=False)
+    need(unshare is not None and probe.returncode == 0, "no unprivileged user+mount namespaces")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs {disk} && "
+        f"{sys.executable} -m metnos_exec submit sleepy >/dev/null && "
+        f"(dd if=/dev/zero of={disk}/filler bs=64k 2>/dev/null; true) && "
+        f"exec {sys.executable} -m metnos_exec submit sleepy --arg note=hello"
+    )
+    out = subprocess.run(
+        [unshare or "unshare", "-rm", "sh", "-c", script],
+        env={**env, "METNOS_BROKER": f"sqlite:///{disk / 'q.db'}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == EXIT["broker"], out.stderr
+    assert "E_BROKER_FULL" in one_clear_line(out)
+
+
+def test_an_internal_error_is_one_line_with_code_70(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import metnos_exec.cli as cli_mod
+
+    def broken(ns: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli_mod, "_cmd_codes", broken)
+    with pytest.raises(SystemExit) as info:
+        cli_mod.main(["codes"])
+    err = capsys.readouterr().err
+    assert info.value.code == EXIT["internal"] == 70
+    assert "E_INTERNAL: RuntimeError: a bug" in err and "METNOS_DEBUG=1" in err
+    monkeypatch.setenv("METNOS_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli_mod.main(["codes"])
+
+
+def test_args_json_too_deep_for_the_decoder_is_a_usage_error(env: dict[str, str]) -> None:
+    deep = '{"a":' + "[" * 5000 + "]" * 5000 + "}"  # past the decoder's recursion limit
+    out = cli(env, "submit", "sleepy", "--args-json", deep)
+    assert out.returncode == EXIT["usage"] and "nested too deeply" in one_clear_line(out)
+    too = cli(env, "submit", "sleepy", "--args-json", '{"a":' + "[" * 200 + "]" * 200 + "}")
+    assert too.returncode == EXIT["usage"] and "MAX_ARGS_DEPTH" in one_clear_line(too)
+
+
 def test_status_says_when_redis_cannot_be_reached(env: dict[str, str]) -> None:
     from tests.helpers.redis_server import _free_port
 
     url = f"redis://127.0.0.1:{_free_port()}/0?connect_timeout_s=1"
     out = cli({**env, "METNOS_BROKER": url}, "status")
     assert out.returncode == EXIT["broker"], out
-    assert "broker unreachable: cannot reach Redis at redis://127.0.0.1:" in out.stderr
-    assert "Traceback" not in out.stderr
+    # One line, the code first (as every error of the CLI), then what happened.
+    line = one_clear_line(out)
+    assert "E_BROKER_UNAVAILABLE: cannot reach Redis at redis://127.0.0.1:" in line
 
 
 def test_submit_and_status_on_redis(env: dict[str, str], redis_server: object) -> None:

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -254,3 +257,78 @@ def test_timestamps_are_utc_milliseconds_across_a_second_boundary(
         "2023-11-14T22:13:21.250Z",
         "2023-11-14T22:13:19.500Z",
     ]
+
+
+class _FullDisk(io.BytesIO):
+    """A log file on a disk that is full until `full` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def write(self, data: Any) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def test_a_log_record_that_cannot_be_written_never_raises() -> None:
+    """Issue 9: the log on a full disk (often the queue's disk) must not take the worker
+    down; what was lost is said once the disk has room again."""
+    stream = _FullDisk()
+    configure_logging(file=stream)
+    log = structlog.get_logger("metnos_exec")
+    for _ in range(3):
+        log.error("broker.error", op="ack", code="E_BROKER_FULL")
+    stream.full = False
+    log.info("broker.recovered", op="ack")
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [(r["event"], r.get("count")) for r in lines] == [
+        ("log.dropped", 3),
+        ("broker.recovered", None),
+    ]
+    assert TS_RE.match(lines[0]["ts"])
+
+
+def test_tail_survives_a_line_no_decoder_can_take(tmp_path: Path) -> None:
+    """Issue 9, finding 1's class: a line nested too deeply for the JSON decoder is shown
+    as an unparsed line, not a crash of `tail`."""
+    log = tmp_path / "w.jsonl"
+    deep = b'{"event":"x","a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    log.write_bytes(b'{"event":"job.received"}\n' + deep + b'\n{"event":"job.finished"}\n')
+    events = [r["event"] for r in iter_records(log)]
+    assert events == ["job.received", "<unparsed>", "job.finished"]
+
+
+class _FillingDisk(io.BytesIO):
+    """A log file whose disk fills up in the middle of a record: the first write takes
+    only part of what it is given (as write(2) does at the last free block), the next
+    ones fail, until `full` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.room: int | None = 7
+        self.full = False
+
+    def write(self, data: Any) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.room is not None:
+            part = bytes(data)[: self.room]
+            self.room, self.full = None, True
+            return super().write(part)
+        return super().write(data)
+
+
+def test_a_record_cut_short_by_a_full_disk_leaves_every_other_line_whole() -> None:
+    stream = _FillingDisk()
+    configure_logging(file=stream)
+    log = structlog.get_logger("metnos_exec")
+    log.info("worker.started")  # 7 bytes of it reach the file
+    log.error("broker.error", op="ack")
+    stream.full = False
+    log.info("broker.recovered", op="ack")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0] == b'{"ts":"'  # the torn record, ended
+    events = [json.loads(x)["event"] for x in lines[1:]]
+    assert events == ["log.dropped", "broker.recovered"]

@@ -15,7 +15,15 @@ from structlog.testing import capture_logs
 
 from metnos_exec.backoff import retry_delay
 from metnos_exec.brokers.memory import MemoryBroker
-from metnos_exec.errors import HostFault, SandboxRequired
+from metnos_exec.errors import (
+    BrokerBusy,
+    BrokerError,
+    BrokerFull,
+    BrokerGone,
+    BrokerUnavailable,
+    HostFault,
+    SandboxRequired,
+)
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job
 from metnos_exec.sandbox._types import (
@@ -560,15 +568,26 @@ async def test_fault_double_and_broker_hiccup(registry: ExecutorRegistry) -> Non
         return await real_lease(*args, **kw)
 
     broker.lease = flaky_lease  # type: ignore[method-assign]
-    sup = make(broker, registry, arm, clock=clock, retry_delay=lambda attempt: 5.0, idle_poll_s=0)
+    sup = make(
+        broker,
+        registry,
+        arm,
+        clock=clock,
+        retry_delay=lambda attempt: 5.0,
+        idle_poll_s=0,
+        store_backoff=lambda failures: 0.0,
+    )
     job_id = (await broker.submit(Job(executor="echo"))).job_id
     with capture_logs() as logs:
         await sup.run(burst=True)
         clock.now += 5
         await sup.run(burst=True)
-    assert [e["error"] for e in logs if e["event"] == "worker.error"] == [
-        "lease failed: OSError: database is locked"
+    # A client library's own exception (not a BrokerError) is said as it is, as a host
+    # fault of the store; the worker goes on.
+    assert [(e["op"], e["code"], e["error"]) for e in logs if e["event"] == "broker.error"] == [
+        ("lease", "E_HOST_FAULT", "OSError: database is locked")
     ]
+    assert [e["op"] for e in logs if e["event"] == "broker.recovered"] == ["lease"]
     r = await broker.get_result(job_id)
     assert r is not None and r.status == "succeeded" and r.attempt == 2
     assert r.output == {"ok": True}
@@ -723,3 +742,231 @@ async def test_cancel_of_a_prefetched_job_never_launches_it(registry: ExecutorRe
     assert [e["event"] for e in logs].count("job.started") == 1
     done = await broker.get_result(first)
     assert done is not None and done.status == "succeeded"
+
+
+# --- issue 9: the store failing under a worker -----------------------------------------
+
+
+class FaultyStore(MemoryBroker):
+    """A memory broker whose named operations raise `error` while they are in `failing`
+    (a double: the real faults, on real SQLite files and real worker processes, are in
+    tests/brokers/test_sqlite.py, tests/test_worker_process.py and tests/test_chaos.py)."""
+
+    def __init__(self, *, error: BrokerError | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.failing: set[str] = set()
+        self.error = error or BrokerFull("the disk is full (test)")
+        self.failures: dict[str, int] = {}
+        self.failed = anyio.Event()
+
+    def _fault(self, op: str) -> None:
+        if op in self.failing:
+            self.failures[op] = self.failures.get(op, 0) + 1
+            self.failed.set()
+            self.failed = anyio.Event()
+            raise self.error
+
+    async def failed_times(self, op: str, n: int) -> None:
+        """Return once `op` has failed `n` times."""
+        while self.failures.get(op, 0) < n:
+            await self.failed.wait()
+
+    async def lease(self, *a: Any, **kw: Any) -> Any:
+        self._fault("lease")
+        return await super().lease(*a, **kw)
+
+    async def ack(self, *a: Any, **kw: Any) -> Any:
+        self._fault("ack")
+        return await super().ack(*a, **kw)
+
+    async def ack_many(self, *a: Any, **kw: Any) -> Any:
+        self._fault("ack")
+        return await super().ack_many(*a, **kw)
+
+    async def heartbeat(self, *a: Any, **kw: Any) -> Any:
+        self._fault("heartbeat")
+        return await super().heartbeat(*a, **kw)
+
+    async def mark_started(self, *a: Any, **kw: Any) -> Any:
+        self._fault("mark_started")
+        return await super().mark_started(*a, **kw)
+
+    async def release(self, *a: Any, **kw: Any) -> Any:
+        self._fault("release")
+        return await super().release(*a, **kw)
+
+    async def retry(self, *a: Any, **kw: Any) -> Any:
+        self._fault("retry")
+        return await super().retry(*a, **kw)
+
+
+def _events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        BrokerFull("database or disk is full"),
+        BrokerBusy("locked by another process"),
+        BrokerUnavailable("disk I/O error"),
+    ],
+    ids=["full", "busy", "io"],
+)
+async def test_a_result_the_store_refuses_is_kept_and_stored_once_it_works(
+    registry: ExecutorRegistry, error: BrokerError
+) -> None:
+    """Finding 2 (and 3: a lock timeout is never a job's attempt): the worker keeps the
+    settled result, retries the store with backoff, says so (``broker.error``), leases
+    nothing new meanwhile, and never exits; once the store works the result is stored,
+    as the first attempt's."""
+    broker = FaultyStore(error=error)
+    arm, started, gate = held_arm()
+    sup = make(broker, registry, arm, concurrency=1, prefetch=0, store_backoff=lambda n: 0.005)
+    first = (await broker.submit(Job(executor="echo", args={"x": 1}))).job_id
+    with capture_logs() as logs, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await started.wait()
+            broker.failing.add("ack")
+            gate.set()
+            await broker.failed_times("ack", 1)
+            second = (await broker.submit(Job(executor="echo", args={"x": 2}))).job_id
+            await broker.failed_times("ack", 4)  # backing off, trying again
+            # Nothing new is leased while a result waits for the store.
+            state = await broker.get_job_state(second)
+            assert state is not None and (state.state, state.attempt) == ("queued", 0)
+            assert await broker.get_result(first) is None
+            broker.failing.clear()
+            assert await broker.wait_result(second, timeout=5) is not None
+            await sup.drain(1)
+    result = await broker.get_result(first)
+    assert result is not None and (result.status, result.attempt) == ("succeeded", 1)
+    errors = _events(logs, "broker.error")
+    assert len(errors) >= 4 and {e["op"] for e in errors} == {"ack"}
+    assert {(e["code"], e["job_id"]) for e in errors} == {(error.code, first)}
+    assert all(e["retry_in_s"] is not None and not e["fatal"] for e in errors)
+    assert [e["op"] for e in _events(logs, "broker.recovered")] == ["ack"]
+    # (capture_logs leaves out the bound job context: job.finished has no job_id here.)
+    assert [e["stored"] for e in _events(logs, "job.finished")] == [True, True]
+    assert _events(logs, "job.retry_scheduled") == [] and _events(logs, "worker.error") == []
+    [stopped] = _events(logs, "worker.stopped")
+    assert stopped["unsettled"] == 0 and stopped["broker_errors"] == len(errors)
+
+
+async def test_a_drain_while_the_store_is_down_gives_up_and_still_stops(
+    registry: ExecutorRegistry,
+) -> None:
+    broker = FaultyStore()
+    sup = make(
+        broker,
+        registry,
+        ScriptedArm(),
+        concurrency=1,
+        store_backoff=lambda n: 0.01,
+        settle_grace_s=0.2,
+    )
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    broker.failing.add("ack")
+    with capture_logs() as logs, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await broker.failed_times("ack", 1)
+            await sup.drain(0.3)
+    assert await broker.get_result(job_id) is None  # its lease lapses; it runs again
+    gave_up = [e for e in _events(logs, "broker.error") if e.get("gave_up")]
+    assert [e["job_id"] for e in gave_up] == [job_id]
+    [stopped] = _events(logs, "worker.stopped")
+    assert stopped["unsettled"] == 1 and stopped["error"] is None
+
+
+async def test_a_fatal_store_error_stops_the_worker_with_it(
+    registry: ExecutorRegistry, tmp_path: Path
+) -> None:
+    from metnos_exec.worker import serve
+
+    broker = FaultyStore(error=BrokerGone("the queue file was deleted (test)"))
+    broker.failing.add("lease")
+    with capture_logs() as logs, anyio.fail_after(10), pytest.raises(BrokerGone):
+        await serve(
+            broker,
+            registry,
+            handle_signals=False,
+            worker_id="w",
+            arm_chooser=chooser(ScriptedArm()),
+        )
+    [error] = _events(logs, "broker.error")
+    assert (error["op"], error["code"], error["fatal"]) == ("lease", "E_BROKER_GONE", True)
+    [stopped] = _events(logs, "worker.stopped")
+    assert stopped["error"] == "E_BROKER_GONE" and stopped["log_level"] == "error"
+
+
+async def test_a_job_leased_ahead_uses_no_attempt_when_its_worker_dies(
+    registry: ExecutorRegistry,
+) -> None:
+    """Finding 4: a worker killed (no drain) while a job waits for its slot: that job is
+    redelivered with the attempt it had; the one that was running has used one."""
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    arm, started, _gate = held_arm()
+    running = (await broker.submit(Job(executor="echo"))).job_id
+    ahead = (await broker.submit(Job(executor="echo"))).job_id
+    sup = make(broker, registry, arm, concurrency=1, prefetch=1, clock=clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await started.wait()
+        await anyio.wait_all_tasks_blocked()
+        state = await broker.get_job_state(ahead)
+        assert state is not None and (state.state, state.attempt) == ("running", 1)
+        tg.cancel_scope.cancel()  # killed: nothing is handed back
+    clock.now += sup.visibility_s
+    leases = await broker.lease("next", visibility_s=30, limit=2)
+    assert {le.job.id: le.attempt for le in leases} == {running: 2, ahead: 1}
+
+
+async def test_a_store_failure_as_a_job_leased_ahead_starts_launches_nothing(
+    registry: ExecutorRegistry,
+) -> None:
+    """The start mark of a job leased ahead fails: it is not launched (a launch the store
+    has not counted could be repeated without end), and goes back to the queue."""
+    broker = FaultyStore()
+    arm, started, gate = held_arm()
+    sup = make(broker, registry, arm, concurrency=1, prefetch=1, store_backoff=lambda n: 0.005)
+    first = (await broker.submit(Job(executor="echo", args={"x": 1}))).job_id
+    ahead = (await broker.submit(Job(executor="echo", args={"x": 2}))).job_id
+    with capture_logs() as logs, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await started.wait()
+            broker.failing.add("mark_started")
+            gate.set()  # the slot frees: the job leased ahead is next, and its mark fails
+            await broker.failed_times("mark_started", 1)
+            assert len(arm.jobs) == 1  # never launched without the mark
+            broker.failing.clear()
+            assert await broker.wait_result(ahead, timeout=5) is not None
+            await sup.drain(1)
+    for job_id in (first, ahead):
+        result = await broker.get_result(job_id)
+        assert result is not None and (result.status, result.attempt) == ("succeeded", 1)
+    assert len(arm.jobs) == 2
+    assert [e["reason"] for e in _events(logs, "job.released")] == ["store_error"]
+    assert [e["op"] for e in _events(logs, "broker.error")] == ["mark_started"]
+
+
+async def test_finished_jobs_past_retention_are_purged_by_the_worker(
+    registry: ExecutorRegistry,
+) -> None:
+    clock = Clock()
+    broker = MemoryBroker(clock=clock)
+    old = (await broker.submit(Job(executor="echo"))).job_id
+    await make(broker, registry, ScriptedArm(), clock=clock, retention_s=None).run(burst=True)
+    clock.now += 3 * 86400
+    sup = make(broker, registry, ScriptedArm(), clock=clock, retention_s=2 * 86400)
+    with capture_logs() as logs, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            while await broker.get_job_state(old) is not None:
+                await anyio.wait_all_tasks_blocked()
+            await sup.drain(1)
+    [purged] = _events(logs, "queue.purged")
+    assert purged["jobs"] == 1 and purged["older_than_s"] == 2 * 86400

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -27,6 +28,7 @@ from metnos_exec.brokers import Broker, BrokerStats, open_broker
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import Job, Result
 from tests.conftest import need
+from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 pytestmark = pytest.mark.slow
 
@@ -91,21 +93,7 @@ class Workers:
         log = self.tmp / f"{wid}.jsonl"
         full_env = {**os.environ, "HOME": str(self.tmp), **(env or {})}
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "metnos_exec",
-                "worker",
-                "--broker",
-                self.url,
-                "--executors",
-                str(self.executors),
-                "--worker-id",
-                wid,
-                "--log-file",
-                str(log),
-                *extra,
-            ],
+            worker_argv(self.url, self.executors, log, "--worker-id", wid, *extra),
             env=full_env,
             stdin=subprocess.DEVNULL,
         )
@@ -223,9 +211,10 @@ def test_two_workers_drain_1000_jobs_exactly_once(workers: Workers) -> None:
     # No double execution: across both logs, every job was received (run) exactly once.
     received = [rec["job_id"] for log in logs for rec in events(log, event="job.received")]
     assert len(received) == 1000 and set(received) == ids
+    # Which worker ran how many is scheduling, not a promise (on a loaded machine one
+    # may take them all): each job exactly once is what the product promises.
     per_worker = [len(events(log, event="job.received")) for log in logs]
     assert sum(per_worker) == 1000
-    assert min(per_worker) > 0, per_worker  # both processes really competed
     stats = with_broker(workers.url, lambda b: b.stats())
     assert (stats.done, stats.queued, stats.running, stats.dead) == (1000, 0, 0, 0)
 
@@ -471,6 +460,166 @@ async def test_a_preload_that_breaks_is_logged_and_never_takes_the_worker_down(
         await worker_mod.preload_wasm(ExecutorRegistry.load(executors))
     [failed] = [e for e in logs if e["event"] == "worker.preload_failed"]
     assert failed["module"] == "python" and "home directory" in failed["error"]
+
+
+# --- issue 9: the store failing under real worker processes ---------------------------
+
+
+def _runs(pid: int) -> list[int]:
+    """The direct arm's per-job processes (its reaper shim) among `pid`'s children."""
+    found = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"_reaper" in f.read():
+                    found.append(child)
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:  # a thread may end meanwhile
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            continue
+    return kids
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_worker_survives_its_store_failing_and_keeps_its_results(
+    workers: Workers, backend: str
+) -> None:
+    """Finding 2, on a real worker process and a real SQLite file: the worker can no
+    longer write any file (RLIMIT_FSIZE set from outside, as a full disk does to it) while
+    two jobs run. It keeps their results, leases nothing new, does not exit, and stores
+    them once it can write again; its log says what it lost and that the store is back."""
+    from tests.helpers.faults import limit_file_size, restore_file_size
+
+    log = workers.start(
+        "W", "--concurrency", "2", "--backend", backend, env={"METNOS_SANDBOX": "off"}
+    )
+    wait_until(lambda: has_event(log, "worker.started"), 10, "worker up")
+    wpid = workers.procs[0].pid
+
+    async def submit(b: Broker) -> list[str]:
+        jobs = [Job(executor="sleepy", args={"s": 0.8}) for _ in range(2)]
+        return [r.job_id for r in await b.submit_many(jobs)]
+
+    ids = with_broker(workers.url, submit)
+    wait_until(lambda: all(has_event(log, "job.started", i) for i in ids), 20, "jobs started")
+    # Their processes exist (spawned with the worker's limits as they were: the fault is
+    # the worker's alone; a job spawned after it would inherit it and fail as a host fault).
+    wait_until(lambda: len(_runs(wpid)) == 2, 20, "both runs spawned")
+    before = limit_file_size(wpid)
+    try:
+        later = with_broker(workers.url, lambda b: b.submit(Job(executor="sleepy"))).job_id
+        # The runs end (their processes are gone) and their results cannot be written.
+        wait_until(lambda: not _children(wpid), 20, "the runs to end")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # an observation window, not a wait for an event
+            assert workers.procs[0].poll() is None, "the worker exited"
+            assert with_broker(workers.url, lambda b: b.stats()).done == 0
+            state = with_broker(workers.url, lambda b: b.get_job_state(later))
+            assert state is not None and (state.state, state.worker) == ("queued", None)
+            time.sleep(0.05)
+    finally:
+        restore_file_size(wpid, before)
+
+    async def results(b: Broker) -> list[Result | None]:
+        return [await b.wait_result(i, timeout=30) for i in [*ids, later]]
+
+    got = with_broker(workers.url, results)
+    assert [(r.status, r.attempt) if r else None for r in got] == [("succeeded", 1)] * 3
+    wait_until(lambda: has_event(log, "broker.recovered"), 10, "broker.recovered")
+    dropped = events(log, event="log.dropped")
+    assert dropped and dropped[0]["count"] >= 1  # its broker.error records, among others
+    workers.procs[0].send_signal(signal.SIGTERM)
+    assert workers.procs[0].wait(20) == 0
+    [stopped] = events(log, event="worker.stopped")
+    assert stopped["unsettled"] == 0 and stopped["finished"] == 3
+    stats = with_broker(workers.url, lambda b: b.stats())
+    assert (stats.done, stats.queued, stats.running, stats.dead) == (3, 0, 0, 0)
+
+
+def test_a_worker_whose_queue_file_is_deleted_stops_with_a_clear_error(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """Finding 5: serving a deleted file would leave the worker alone with a queue nobody
+    sees; it stops, says why, and exits 4."""
+    with_broker(workers.url, lambda b: b.stats())  # the file exists
+    log = tmp_path / "gone.jsonl"
+    proc = subprocess.Popen(
+        worker_argv(workers.url, workers.executors, log),
+        env={**os.environ, "HOME": str(tmp_path), "METNOS_ARM_OVERRIDE": "echo"},
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_event(log, "worker.started", proc)
+        db = tmp_path / "q.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 4, err
+    assert "Traceback" not in err and "E_BROKER_GONE" in err and str(db) in err
+    [stopped] = events(log, event="worker.stopped")
+    assert stopped["error"] == "E_BROKER_GONE" and stopped["level"] == "error"
+
+
+def test_a_worker_refuses_a_read_only_queue(workers: Workers, tmp_path: Path) -> None:
+    """Finding 5: rather than start and fail every lease."""
+    from tests.helpers.faults import read_only
+
+    job_id = with_broker(workers.url, lambda b: b.submit(Job(executor="sleepy"))).job_id
+    db = tmp_path / "q.db"
+    log = tmp_path / "ro.jsonl"
+    with read_only(db):
+        out = subprocess.run(
+            worker_argv(workers.url, workers.executors, log, "--burst"),
+            env={**os.environ, "HOME": str(tmp_path), "METNOS_ARM_OVERRIDE": "echo"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 4, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "E_BROKER_READONLY" in lines[0] and str(db) in lines[0]
+    assert not has_event(log, "worker.started")
+    state = with_broker(workers.url, lambda b: b.get_job_state(job_id))
+    assert state is not None and (state.state, state.attempt) == ("queued", 0)
+
+
+def test_a_worker_started_under_a_held_lock_waits_and_a_sigterm_stops_it_cleanly(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """Restarted while another process holds the queue's lock (past its busy timeout), a
+    worker waits for it rather than exit 4; a SIGTERM meanwhile stops it with exit 0."""
+    import sqlite3
+
+    with_broker(workers.url, lambda b: b.stats())  # the file exists
+    workers.url += "?busy_timeout_s=0.1"
+    with contextlib.closing(sqlite3.connect(tmp_path / "q.db", isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        log = workers.start("W")
+        wait_until(
+            lambda: [e for e in events(log, event="broker.error") if e["op"] == "open"],
+            20,
+            "the worker to meet the lock",
+        )
+        assert workers.procs[0].poll() is None
+        workers.procs[0].send_signal(signal.SIGTERM)
+        assert workers.procs[0].wait(20) == 0
+        other.execute("ROLLBACK")
+    assert not has_event(log, "worker.started")
 
 
 def test_a_worker_process_freezes_start_up_objects_and_collects_young_garbage_less_often(

@@ -8,7 +8,8 @@ many machines (needs the ``redis`` extra: coredis).
 Query parameters become keyword options of the broker, e.g.
 ``sqlite:///./metnos.db?poll_interval_s=0.05&busy_timeout_s=10``.
 
-Adding a broker is one new module and one line in `_REGISTRY`.
+Adding a broker is one new module and one line in `_REGISTRY` (plus one in `_EXTRAS` when
+it needs an optional dependency).
 """
 
 from __future__ import annotations
@@ -19,18 +20,22 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import MetnosError
 from .base import (
+    DEFAULT_RETENTION_S,
     Broker,
     BrokerStats,
     CancelOutcome,
     HeartbeatReply,
     JobState,
     Lease,
+    PurgeHook,
+    PurgeReport,
     RetryOutcome,
     SubmitReceipt,
     UndoRecord,
 )
 
 __all__ = (
+    "DEFAULT_RETENTION_S",
     "BadBrokerURL",
     "Broker",
     "BrokerStats",
@@ -38,6 +43,8 @@ __all__ = (
     "HeartbeatReply",
     "JobState",
     "Lease",
+    "PurgeHook",
+    "PurgeReport",
     "RetryOutcome",
     "SubmitReceipt",
     "UndoRecord",
@@ -53,9 +60,13 @@ _REGISTRY: dict[str, str] = {
     "rediss": "metnos_exec.brokers.redis:RedisBroker",
 }
 
+#: scheme -> the package extra that brings its optional client, for the error message.
+_EXTRAS: dict[str, str] = {"redis": "redis"}
+
 
 class BadBrokerURL(MetnosError):
-    """The broker URL names no known broker or is malformed."""
+    """The broker URL names no known broker, is malformed, or names a broker this
+    installation cannot open (its optional dependency is missing): configuration."""
 
     code = "E_BAD_BROKER_URL"
 
@@ -65,11 +76,13 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
 
     Args:
         create: create the store when it is missing (workers, producers). ``False`` for
-            readers: a missing store is then `BrokerUnavailable`-style ``E_BROKER_*``
-            error instead of a new, empty queue.
+            readers: a missing store is then `BrokerUnavailable` (``E_BROKER_UNAVAILABLE``)
+            instead of a new, empty queue.
 
     Raises:
-        BadBrokerURL: unknown scheme, or a scheme whose broker is not available.
+        BadBrokerURL: unknown scheme, a malformed URL or option, or a scheme whose broker
+            (or its optional dependency) is not installed.
+        BrokerError: the store itself cannot be opened (`metnos_exec.errors`).
     """
     scheme = urlsplit(url).scheme
     target = _REGISTRY.get(scheme)
@@ -80,12 +93,29 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BadBrokerURL(f"the {scheme}:// broker is not available here: {exc}") from None
+        raise BadBrokerURL(_missing(scheme, module_name, exc)) from None
     cls = getattr(module, class_name)
     merged: dict[str, Any] = dict(parse_qsl(urlsplit(url).query))
     merged.update(options)
     if not create:
         # Only when asked: a broker without a store to find need not know the option.
         merged["create"] = False
-    broker: Broker = cls.from_url(url, **merged)
+    try:
+        broker: Broker = cls.from_url(url, **merged)
+    except (ValueError, TypeError) as exc:  # a malformed URL, an unknown or bad option
+        raise BadBrokerURL(f"{url}: {exc}") from None
     return broker
+
+
+def _missing(scheme: str, module_name: str, exc: ImportError) -> str:
+    """Why `scheme`'s broker cannot be imported, in words a newcomer can act on."""
+    missing = exc.name or ""
+    if missing and (missing == module_name or module_name.startswith(missing + ".")):
+        return (
+            f"the {scheme}:// broker is not part of this installation of metnos-exec "
+            f"(no module {module_name}); upgrade metnos-exec, or use another broker"
+        )
+    extra = _EXTRAS.get(scheme)
+    how = f"pip install 'metnos-exec[{extra}]'" if extra else f"install {missing or 'it'}"
+    needs = f"the Python package {missing!r}" if missing else "an optional dependency"
+    return f"the {scheme}:// broker needs {needs}, which is not installed here: {how}"

@@ -2,13 +2,35 @@
 
 Delivery is at-least-once. A worker *leases* a job for a visibility window and heart-beats
 while it runs; `ack` stores the result. A lease that is not renewed expires and the job is
-delivered again with ``attempt + 1``. Every delivery counts against ``Job.max_attempts``
-(retries and lost leases alike), except a `release` on drain, which gives the delivery back.
+delivered again.
+
+Attempts. ``Job.max_attempts`` bounds the deliveries that *started*, i.e. that the
+worker committed to launch. A lease taken for a free run slot starts at once (the worker
+launches it in the same scheduling round; `lease`'s ``started``); a job *leased ahead*
+(``Lease.started`` false: it will wait for a slot) starts only when the worker calls
+`mark_started`, just before it launches the executor. A lease that lapses unstarted (a
+job leased ahead and its worker killed while it waited) gives its attempt back and is
+redelivered with the same ``attempt`` number; a `release` on drain does the same. A lease
+that lapses after it started, a `retry` and a `dead_letter` use the attempt up. So a
+worker killed twice never dead-letters a job that was waiting for its turn. As a safety
+net against a job that somehow kills its worker before launch, a job whose lease lapses
+unstarted `MAX_UNSTARTED_LAPSES` times is dead-lettered with ``E_LEASE_EXPIRED`` too.
+
+(Why not mark every launch: one more write transaction per job cost a quarter of the
+echo queue's throughput, measured; a lease for a free slot is followed by its launch
+without any wait in between, so it counts from the lease.)
 
 Every lease carries a random *token*. Only the current token may ack, retry, dead-letter,
-release or heartbeat; once the job was re-leased (or finished) the old token is rejected.
-That fencing is what makes "the result is stored once" hold when a slow worker wakes up
-after its lease was taken over.
+release, heartbeat or mark started; once the job was re-leased (or finished) the old token
+is rejected. That fencing is what makes "the result is stored once" hold when a slow
+worker wakes up after its lease was taken over. A job the store says is running but that
+has no lease (no expiry time) is treated as a lapsed lease, never left running forever.
+
+Time. Every deadline a broker writes (``lease_until``, a heartbeat's extension, a retry's
+due time) is computed from the clock read *inside* the store's transaction, after any
+wait for a lock: a lease granted after a 5 s wait for the write lock is valid for its
+full window from the grant, not from the call. Waiting for a lock never costs a job an
+attempt.
 
 Device routing: a worker has a device id (`SERVER_DEVICE` unless told otherwise). A job
 with ``device=None`` or ``device="server"`` goes to server workers only; a job targeting
@@ -16,12 +38,53 @@ device ``D`` goes only to workers whose device id is ``D``. Server workers publi
 executors' manifests (`publish_executors`) so that a submit can refuse a device job whose
 executor must stay on the server (`metnos_exec.catalog`).
 
-A malformed message (not JSON, wrong field types, unsupported ``v``) never reaches a
-worker: `lease` dead-letters it with ``E_BAD_MESSAGE`` (stores a ``dead`` result and a
-`DeadLetter` with the raw bytes), logs ``job.bad_message`` and carries on with the next
-job. A job whose lease lapses on its last allowed delivery is dead-lettered the same way
-with ``E_LEASE_EXPIRED`` (logged as ``job.dead_lettered``). Brokers log nothing else: the
+Messages. A job is at most ``MAX_JOB_BYTES`` encoded with ``args`` at most
+``MAX_ARGS_DEPTH`` deep (`metnos_exec.messages`): `submit` and `submit_raw` refuse a
+larger one at once with `BadMessage` naming the limit, and store nothing. A message that
+cannot be decoded never reaches a worker, whatever is wrong with it (not JSON, wrong field
+types, unsupported ``v``, too large or too deep, bytes that are not UTF-8, anything that
+makes a decoder raise): `lease` dead-letters it with ``E_BAD_MESSAGE`` (stores a ``dead``
+result and a `DeadLetter` with the raw bytes) *once*, logs ``job.bad_message`` once, after
+its transaction committed, and hands out the valid jobs of the same batch as usual. A job
+whose lease lapses on its last allowed delivery is dead-lettered with
+``E_LEASE_EXPIRED`` (logged as ``job.dead_lettered``). Brokers log nothing else: the
 supervisor owns the job's story in the logs.
+
+Store failures. A broker raises only `BrokerError` subclasses (`metnos_exec.errors`) when
+its store fails, never its client library's exceptions, and every method leaves the store
+as it was when it raises (one transaction, or one atomic script). The class says what
+happened and what to do:
+
+============================  ========================  ===================================
+class                          code                       meaning / what a worker does
+============================  ========================  ===================================
+`BrokerUnavailable`            ``E_BROKER_UNAVAILABLE``   cannot reach or open the store, an
+                                                          I/O error: retry with backoff
+`BrokerBusy`                   ``E_BROKER_BUSY``          a lock held elsewhere past the
+                                                          broker's wait: retry
+`BrokerFull`                   ``E_BROKER_FULL``          no space (disk, quota, file size
+                                                          limit, maxmemory): retry
+`BrokerReadOnly`               ``E_BROKER_READONLY``      the store refuses writes: retry
+                                                          (a broker opened to write refuses
+                                                          to open on a read-only store)
+`BrokerGone`                   ``E_BROKER_GONE``          the store was deleted or replaced
+                                                          under the broker: fatal, stop
+`BrokerCorrupt`                ``E_BROKER_CORRUPT``       data that cannot be read: fatal
+============================  ========================  ===================================
+
+``BrokerError.retry`` and ``.fatal`` carry that last column, so a worker needs no table of
+its own: it keeps settled results in memory and retries them with backoff, stops leasing
+until the store works, and stops on a fatal error.
+
+Retention. Finished jobs (with their results, dead letters and idempotency keys) are kept
+until `purge` forgets those finished more than ``older_than_s`` ago (workers do it every
+so often, keeping `DEFAULT_RETENTION_S` unless told otherwise); queued and running jobs
+are never purged. Purging gives the space back to the system (SQLite: an incremental
+vacuum). Data stored beside results and keyed by job (undo entries, their blobs) takes
+part through `PurgeHook` (`add_purge_hook`): each batch of forgotten job ids is handed to
+every hook inside the same transaction, then each hook may collect what nothing refers
+to any more (a blob no unexpired undo entry needs) — a hook never loses what is still
+referenced.
 
 Undo entries (`UndoEntry`, see `metnos_exec.messages`) are stored next to the results:
 
@@ -46,26 +109,38 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Literal
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
 from ..catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
-from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry
+from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
 
 __all__ = (
+    "DEFAULT_RETENTION_S",
+    "MAX_UNSTARTED_LAPSES",
     "Broker",
     "BrokerStats",
     "CancelOutcome",
     "HeartbeatReply",
     "JobState",
     "Lease",
+    "PurgeHook",
+    "PurgeReport",
     "RetryOutcome",
     "SubmitReceipt",
     "UndoRecord",
     "check_idempotent_reuse",
 )
+
+#: How long finished jobs are kept unless an operator says otherwise (7 days): finite, so
+#: a queue that runs for months does not grow without bound.
+DEFAULT_RETENTION_S: Final = 7 * 24 * 3600.0
+
+#: Lapsed leases that never started after which a job is dead-lettered anyway
+#: (``E_LEASE_EXPIRED``): the net under "unstarted deliveries do not count".
+MAX_UNSTARTED_LAPSES: Final = 20
 
 CancelOutcome = Literal["cancelled", "cancelling", "finished", "unknown"]
 #: What `Broker.retry` did: redelivery scheduled, dead (attempts exhausted), or nothing
@@ -119,6 +194,8 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
         worker: the worker id that took the lease.
         device: the device id the lease was taken for.
         visibility_s: the window `heartbeat` renews by default.
+        started: this delivery counts as an attempt already; ``False`` for a job leased
+            ahead, until `Broker.mark_started`.
     """
 
     job: Job
@@ -128,6 +205,7 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     device: str = SERVER_DEVICE
     visibility_s: float = 30.0
+    started: bool = True
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +226,40 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     worker: str | None = None
     lease_until: float | None = None
     cancel_requested: bool = False
+
+
+class PurgeReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What `Broker.purge` did.
+
+    Attributes:
+        jobs: finished jobs forgotten (with their results, dead letters, keys).
+        collected: items the purge hooks collected after (e.g. blobs no longer needed).
+        reclaimed_bytes: store space given back to the system; ``None`` when the store
+            cannot tell.
+    """
+
+    jobs: int
+    collected: int = 0
+    reclaimed_bytes: int | None = None
+
+
+class PurgeHook(Protocol):
+    """Data a component keeps beside the results, keyed by job, that a purge must respect.
+
+    ``store`` is the broker's own handle inside its purge transaction (SQLite: the
+    `sqlite3.Connection` with the transaction open; other brokers say what they pass).
+    """
+
+    def forget_jobs(self, store: Any, job_ids: Sequence[str]) -> None:
+        """Forget what belongs to `job_ids` (being purged), in the same transaction."""
+
+    def collect(self, store: Any, *, before: float) -> int:
+        """After the batches, in a transaction of its own: remove what nothing refers to
+        any more (and, for data with its own time, what is older than `before`, the
+        purge's cut-off in unix seconds); return how many.
+
+        Must keep everything still referenced (a blob an unexpired undo entry needs).
+        """
 
 
 class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,10 +288,25 @@ class UndoRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Broker(abc.ABC):
-    """A job queue backend. Every method is safe to call from asyncio and trio (anyio)."""
+    """A job queue backend. Every method is safe to call from asyncio and trio (anyio).
+
+    Every method may raise a `BrokerError` subclass when the store fails (see the module
+    docstring); the ``Raises`` sections below list only the other errors.
+    """
 
     #: URL scheme this broker is opened by (``memory``, ``sqlite``, ``redis``).
     scheme: str = ""
+
+    def add_purge_hook(self, hook: PurgeHook) -> None:
+        """Make `purge` hand every batch of forgotten job ids to `hook` (see `PurgeHook`)."""
+        # In the instance dict rather than set by an __init__: a subclass need not
+        # remember to call one.
+        self.__dict__.setdefault("_purge_hooks", []).append(hook)
+
+    @property
+    def purge_hooks(self) -> tuple[PurgeHook, ...]:
+        """The hooks `purge` calls, in the order they were added."""
+        return tuple(self.__dict__.get("_purge_hooks", ()))
 
     # --- producing --------------------------------------------------------------------
 
@@ -190,12 +317,18 @@ class Broker(abc.ABC):
         ``duplicate=True``.
 
         Raises:
+            BadMessage: the job is larger than ``MAX_JOB_BYTES`` encoded, or its args
+                nest deeper than ``MAX_ARGS_DEPTH`` (`messages.encode_job`); nothing is
+                queued.
             IdempotencyConflict: the key is known but names a job with another executor
                 or other arguments (see `check_idempotent_reuse`); nothing is queued.
         """
 
     async def submit_many(self, jobs: Sequence[Job]) -> list[SubmitReceipt]:
-        """Queue several jobs; backends override this to use one transaction."""
+        """Queue several jobs, all or none: one refused by `submit`'s checks (size,
+        depth) means none is queued. Backends override this to use one transaction."""
+        for job in jobs:
+            encode_job(job)  # refuses before anything is queued
         return [await self.submit(job) for job in jobs]
 
     @abc.abstractmethod
@@ -205,6 +338,9 @@ class Broker(abc.ABC):
         A message that does not decode is still stored (under a fresh id, which is
         returned) and is dead-lettered with ``E_BAD_MESSAGE`` when a server worker leases
         it. A valid one behaves like `submit` (a duplicate returns the original id).
+
+        Raises:
+            BadMessage: `data` is larger than ``MAX_JOB_BYTES``; nothing is stored.
         """
 
     # --- consuming --------------------------------------------------------------------
@@ -217,13 +353,21 @@ class Broker(abc.ABC):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         """Take up to `limit` due jobs for `device` (``None`` = `SERVER_DEVICE`),
         highest priority first, then oldest first. Never blocks waiting for work.
 
-        Jobs whose lease expired are redelivered here (``attempt + 1``); an expired job
-        with no attempts left becomes dead with ``E_LEASE_EXPIRED``; an expired job with
-        a pending cancel becomes ``cancelled``.
+        The first `started` of the returned leases start at once (they count as an
+        attempt: the caller launches them now); the others are leased ahead and start
+        with `mark_started`. ``None``: all start at once.
+
+        Jobs whose lease expired are redelivered here: with ``attempt + 1`` when that
+        delivery had started (`mark_started`), with the same ``attempt`` when it had
+        not. An expired job with no attempts left (or `MAX_UNSTARTED_LAPSES` unstarted
+        lapses) becomes dead with ``E_LEASE_EXPIRED``; an expired job with a pending
+        cancel becomes ``cancelled``. Undecodable messages met on the way are
+        dead-lettered (see the module docstring) and never returned.
         """
 
     @abc.abstractmethod
@@ -239,6 +383,20 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def heartbeat(self, lease: Lease, *, visibility_s: float | None = None) -> HeartbeatReply:
         """Extend `lease` by `visibility_s` (default: the lease's own window) from now."""
+
+    @abc.abstractmethod
+    async def mark_started(self, lease: Lease) -> bool:
+        """Record that this delivery (leased ahead) is starting: from now on it counts as
+        an attempt. Harmless on a lease that started already.
+
+        Called just before the executor is launched. ``False`` (nothing written) when
+        the lease was lost: do not launch, another worker may hold the job.
+        """
+
+    async def mark_started_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """`mark_started` for several leases; backends override this to use one
+        transaction."""
+        return [await self.mark_started(lease) for lease in leases]
 
     @abc.abstractmethod
     async def ack(self, lease: Lease, result: Result) -> bool:
@@ -356,15 +514,15 @@ class Broker(abc.ABC):
         """The latest published entry for `name`, or ``None`` (unknown, or no catalog)."""
         return None
 
-    async def purge(self, *, older_than_s: float) -> int:
+    @abc.abstractmethod
+    async def purge(self, *, older_than_s: float) -> PurgeReport:
         """Forget finished jobs (results, dead letters, undo entries, and their idempotency
         keys) whose result is older than `older_than_s` seconds, and undo entries no result
         lists that are that old; queued and running jobs are kept.
 
-        Returns:
-            How many jobs were forgotten.
+        Works in bounded batches (one short transaction each), hands every batch to the
+        purge hooks, runs their `PurgeHook.collect`, then gives the freed space back.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not support purge")
 
     @abc.abstractmethod
     async def close(self) -> None:

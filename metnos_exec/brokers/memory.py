@@ -22,22 +22,27 @@ from ..errors import BadMessage
 from ..messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
+    MAX_JOB_BYTES,
     SERVER_DEVICE,
     DeadLetter,
     ErrorInfo,
     Job,
     Result,
     UndoEntry,
+    check_job_size,
     decode_job,
+    encode_job,
     new_job_id,
 )
 from .base import (
+    MAX_UNSTARTED_LAPSES,
     Broker,
     BrokerStats,
     CancelOutcome,
     HeartbeatReply,
     JobState,
     Lease,
+    PurgeReport,
     RetryOutcome,
     SubmitReceipt,
     UndoRecord,
@@ -68,6 +73,10 @@ class _Entry:
     lease_until: float | None = None
     worker: str | None = None
     cancel_requested: bool = False
+    #: The current delivery was launched (`mark_started`): it counts as an attempt.
+    started: bool = False
+    #: Leases that lapsed before they started.
+    lapses: int = 0
     # Bumped whenever the entry is (re)queued, so stale heap items are recognised.
     version: int = 0
 
@@ -155,11 +164,13 @@ class MemoryBroker(Broker):
         """Dead-letter `entry` and store its ``dead`` result."""
         worker = entry.worker or ""
         self._finish(entry, "dead")
+        raw = entry.raw if entry.job is None else None
         self._dead.append(
             DeadLetter(
                 job_id=entry.job_id,
                 job=entry.job,
-                raw=entry.raw if entry.job is None else None,
+                raw=raw[:MAX_JOB_BYTES] if raw is not None else None,
+                raw_truncated=raw is not None and len(raw) > MAX_JOB_BYTES,
                 error=error,
                 attempts=entry.attempt,
                 at=now,
@@ -189,6 +200,10 @@ class MemoryBroker(Broker):
                 self._push(entry)
         expired = [e for e in self._running.values() if (e.lease_until or 0.0) <= now]
         for entry in expired:
+            if not entry.started:
+                # Never launched: the delivery gives its attempt back (base.py, "Attempts").
+                entry.attempt = max(entry.attempt - 1, 0)
+                entry.lapses += 1
             if entry.cancel_requested:
                 self._finish(entry, "done")
                 self._store_result(
@@ -205,14 +220,20 @@ class MemoryBroker(Broker):
                         finished_at=now,
                     )
                 )
-            elif entry.attempt >= entry.max_attempts:
-                error = ErrorInfo(
-                    code=E_LEASE_EXPIRED,
-                    message=(
+            elif (entry.started and entry.attempt >= entry.max_attempts) or (
+                not entry.started and entry.lapses >= MAX_UNSTARTED_LAPSES
+            ):
+                if entry.started:
+                    message = (
                         f"the lease expired on delivery {entry.attempt} of "
                         f"{entry.max_attempts}; its worker stopped heart-beating"
-                    ),
-                )
+                    )
+                else:
+                    message = (
+                        f"the job was leased {entry.lapses} times and never started: each "
+                        "time its worker was lost before launching it"
+                    )
+                error = ErrorInfo(code=E_LEASE_EXPIRED, message=message)
                 self._kill(entry, error, now)
                 _log.warning(
                     "job.dead_lettered",
@@ -225,12 +246,16 @@ class MemoryBroker(Broker):
                     message=error.message,
                 )
             else:
-                self._running.pop(entry.job_id, None)
-                entry.state = "queued"
-                entry.token = None
-                entry.lease_until = None
-                entry.due_at = now
-                self._push(entry)
+                self._requeue(entry, now)
+
+    def _requeue(self, entry: _Entry, due_at: float) -> None:
+        self._running.pop(entry.job_id, None)
+        entry.state = "queued"
+        entry.token = None
+        entry.lease_until = None
+        entry.started = False
+        entry.due_at = due_at
+        self._push(entry)
 
     # --- producing --------------------------------------------------------------------
 
@@ -267,11 +292,15 @@ class MemoryBroker(Broker):
         return SubmitReceipt(job_id)
 
     async def submit(self, job: Job) -> SubmitReceipt:
+        # Encoded although it is kept as an object: the same bounds as every broker (size,
+        # depth, encodable at all), and nothing reaches a worker that a store would refuse.
+        encode_job(job)
         await anyio.lowlevel.checkpoint()
         return self._add(job.id, job, None, None)
 
     async def submit_raw(self, data: bytes) -> str:
         await anyio.lowlevel.checkpoint()
+        check_job_size(len(data))
         try:
             job = decode_job(data)
         except BadMessage as exc:
@@ -289,6 +318,7 @@ class MemoryBroker(Broker):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         if not visibility_s > 0:
             raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
@@ -319,6 +349,8 @@ class MemoryBroker(Broker):
                 )
                 continue
             entry.state = "running"
+            # The first `started` handed out start at once (base.py, "Attempts").
+            entry.started = started is None or len(out) < started
             entry.token = os.urandom(8).hex()
             entry.lease_until = now + visibility_s
             self._running[job_id] = entry
@@ -331,6 +363,7 @@ class MemoryBroker(Broker):
                     worker=worker_id,
                     device=dev,
                     visibility_s=visibility_s,
+                    started=entry.started,
                 )
             )
         return out
@@ -361,6 +394,14 @@ class MemoryBroker(Broker):
             ok=True, cancel_requested=entry.cancel_requested, lease_until=entry.lease_until
         )
 
+    async def mark_started(self, lease: Lease) -> bool:
+        await anyio.lowlevel.checkpoint()
+        entry = self._live(lease)
+        if entry is None:
+            return False
+        entry.started = True
+        return True
+
     async def ack(self, lease: Lease, result: Result) -> bool:
         await anyio.lowlevel.checkpoint()
         entry = self._live(lease)
@@ -378,12 +419,7 @@ class MemoryBroker(Broker):
         if entry.attempt >= entry.max_attempts:
             self._kill(entry, error, now)
             return "dead"
-        self._running.pop(entry.job_id, None)
-        entry.state = "queued"
-        entry.token = None
-        entry.lease_until = None
-        entry.due_at = now + max(0.0, delay_s)
-        self._push(entry)
+        self._requeue(entry, now + max(0.0, delay_s))
         return "scheduled"
 
     async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
@@ -399,13 +435,8 @@ class MemoryBroker(Broker):
         entry = self._live(lease)
         if entry is None:
             return False
-        self._running.pop(entry.job_id, None)
-        entry.state = "queued"
-        entry.token = None
-        entry.lease_until = None
         entry.attempt -= 1
-        entry.due_at = self._clock()
-        self._push(entry)
+        self._requeue(entry, self._clock())
         self._wake_workers()
         return True
 
@@ -495,11 +526,15 @@ class MemoryBroker(Broker):
                 delayed += 1
         return BrokerStats(delayed=delayed, **counts)
 
-    async def purge(self, *, older_than_s: float) -> int:
+    async def purge(self, *, older_than_s: float) -> PurgeReport:
+        """See `Broker.purge`; hooks get this broker as their ``store``."""
         await anyio.lowlevel.checkpoint()
         cut = self._clock() - older_than_s
         old = {job_id for job_id, at in self._result_at.items() if at < cut}
         old = {j for j in old if self._entries[j].state in ("done", "dead")}
+        if old:
+            for hook in self.purge_hooks:
+                hook.forget_jobs(self, sorted(old))
         for job_id in old:
             entry = self._entries.pop(job_id)
             if entry.job is not None and entry.job.idempotency_key is not None:
@@ -511,7 +546,8 @@ class MemoryBroker(Broker):
             listed = result is not None and entry_id in result.undo_ids
             if record.entry.job_id in old or (not listed and record.recorded_at < cut):
                 del self._undo[entry_id]
-        return len(old)
+        collected = sum(int(hook.collect(self, before=cut)) for hook in self.purge_hooks)
+        return PurgeReport(jobs=len(old), collected=collected, reclaimed_bytes=None)
 
     # --- undo entries -----------------------------------------------------------------
 

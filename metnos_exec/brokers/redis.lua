@@ -177,13 +177,17 @@ end
 return n
 
 -- == lease ==
--- ARGV[3] worker id, [4] visibility seconds, [5] device, [6] limit, [7] token base.
+-- ARGV[3] worker id, [4] visibility seconds, [5] device, [6] limit, [7] token base,
+-- [8] how many of the leases handed out start at once (the rest are leased ahead: they
+-- count as an attempt only once `mark_started`), [9] the unstarted-lapse cap.
 -- Returns {now, inbox length, leases, finals, lease_until}: leases are {id, body, attempt,
 -- token}; finals are lapsed leases with no delivery left (or a cancel pending) that this
--- worker must now settle, {id, body, attempt, token, last worker, cancel flag}, under a
--- short lease of their own (a worker dying meanwhile leaves them to the next sweep).
+-- worker must now settle, {id, body, attempt, token, last worker, cancel flag, started
+-- flag, lapses}, under a short lease of their own (a worker dying meanwhile leaves them
+-- to the next sweep).
 local worker, dev = ARGV[3], ARGV[5]
 local limit, base = tonumber(ARGV[6]), ARGV[7]
+local start_n, max_lapses = tonumber(ARGV[8]), tonumber(ARGV[9])
 local until_ = num(NOW + tonumber(ARGV[4]))
 local lk = leases_key(dev)
 local out, finals = {}, {}
@@ -195,8 +199,10 @@ end
 local function take(id, jk, body, was_queued)
   local tok = token()
   local attempt = redis.call('HINCRBY', jk, 'attempt', 1)
+  local started = '0'
+  if #out < start_n then started = '1' end
   redis.call('HSET', jk, 'state', 'running', 'token', tok, 'lease_until', until_,
-    'worker', worker)
+    'worker', worker, 'started', started)
   redis.call('ZADD', lk, until_, id)
   if was_queued then
     redis.call('HINCRBY', COUNTS, 'queued', -1)
@@ -216,20 +222,47 @@ end
 -- 2. Lapsed leases of this device (their workers stopped heart-beating): taken over
 -- with XCLAIM, which moves the pending entry to this consumer and counts a delivery.
 local lapsed = redis.call('ZRANGEBYSCORE', lk, '-inf', num(NOW), 'LIMIT', 0, limit + 64)
+-- A lease that never started (a job leased ahead, its worker lost before launching it)
+-- gives its attempt back and counts a lapse instead; only started ones use attempts.
 for _, id in ipairs(lapsed) do
   local jk = jkey(id)
   local h = redis.call('HMGET', jk, 'state', 'attempt', 'max_attempts', 'cancel', 'entry',
-    'priority', 'body', 'worker')
+    'priority', 'body', 'worker', 'started', 'lapses')
   if h[1] ~= 'running' then
     redis.call('ZREM', lk, id)
-  elseif h[4] == '1' or tonumber(h[2]) >= tonumber(h[3]) then
-    local tok = token()
-    redis.call('HSET', jk, 'token', tok, 'lease_until', until_)
-    redis.call('ZADD', lk, until_, id)
-    finals[#finals + 1] = {id, h[7], h[2], tok, h[8] or '', h[4] or ''}
-  elseif #out < limit then
-    if h[5] then redis.call('XCLAIM', qkey(dev, h[6]), GROUP, worker, 0, h[5]) end
-    take(id, jk, h[7], false)
+  else
+    local attempt = tonumber(h[2])
+    local started = h[9] ~= '0'  -- absent (a job leased by an older build): started
+    local lapses = tonumber(h[10] or '0')
+    local final
+    if h[4] == '1' then
+      final = true
+    elseif started then
+      final = attempt >= tonumber(h[3])
+    else
+      final = lapses + 1 >= max_lapses
+    end
+    local function give_back()
+      if not started then
+        attempt = math.max(attempt - 1, 0)
+        lapses = lapses + 1
+        redis.call('HSET', jk, 'attempt', attempt, 'lapses', lapses, 'started', '1')
+      end
+    end
+    if final then
+      give_back()
+      local tok = token()
+      redis.call('HSET', jk, 'token', tok, 'lease_until', until_)
+      redis.call('ZADD', lk, until_, id)
+      local sflag = '0'
+      if started then sflag = '1' end
+      finals[#finals + 1] = {id, h[7], tostring(attempt), tok, h[8] or '', h[4] or '',
+        sflag, tostring(lapses)}
+    elseif #out < limit then
+      give_back()
+      if h[5] then redis.call('XCLAIM', qkey(dev, h[6]), GROUP, worker, 0, h[5]) end
+      take(id, jk, h[7], false)
+    end
   end
 end
 
@@ -267,6 +300,21 @@ if #out < limit then
   end
 end
 return {num(NOW), tostring(redis.call('XLEN', INBOX)), out, finals, until_}
+
+-- == mark_started ==
+-- ARGV[3..]: pairs of (id, token). For each lease still current: its delivery starts
+-- now and counts as an attempt (see base.py, "Attempts"). One 1/0 each.
+local out = {}
+for i = 3, #ARGV, 2 do
+  local jk = jkey(ARGV[i])
+  if holds(jk, ARGV[i + 1]) then
+    redis.call('HSET', jk, 'started', '1')
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
 
 -- == heartbeat ==
 -- ARGV[3] id, [4] token, [5] visibility seconds. Returns {lease_until, cancel flag}, or
@@ -407,7 +455,8 @@ return out
 
 -- == purge ==
 -- ARGV[3] age in seconds, [4] batch size. Forgets up to a batch of jobs that finished
--- more than that long ago: job, result, dead letter, idempotency key. Returns how many.
+-- more than that long ago: job, result, dead letter, idempotency key, undo entries.
+-- Returns {their ids, how many unconfirmed old undo entries went}.
 local cut = num(NOW - tonumber(ARGV[3]))
 local gone = redis.call('ZRANGEBYSCORE', FINISHED, '-inf', '(' .. cut, 'LIMIT', 0,
   tonumber(ARGV[4]))
@@ -427,6 +476,7 @@ end
 -- between recording and acking; the commit journal rolled the change back).
 local old = redis.call('ZRANGEBYSCORE', UNDO_AT, '-inf', '(' .. cut, 'LIMIT', 0,
   tonumber(ARGV[4]))
+local dropped = 0
 for _, e in ipairs(old) do
   local job_id = redis.call('HGET', undo_key(e), 'job_id')
   local result = job_id and redis.call('HGET', jkey(job_id), 'result')
@@ -436,9 +486,12 @@ for _, e in ipairs(old) do
       if u == e then listed = true end
     end
   end
-  if not listed then drop_undo(e) end
+  if not listed then
+    drop_undo(e)
+    dropped = dropped + 1
+  end
 end
-return #gone
+return {gone, dropped}
 
 -- == record_undo ==
 -- ARGV[3] job id, [4] token, [5] number of entries n, then n groups of (entry id, body,

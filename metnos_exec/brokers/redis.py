@@ -86,30 +86,43 @@ import coredis.retry
 import structlog
 
 from ..catalog import ExecutorInfo, decode_info, encode_info
-from ..errors import BadMessage, IdempotencyConflict
+from ..errors import (
+    BadMessage,
+    BrokerBusy,
+    BrokerCorrupt,
+    BrokerError,
+    BrokerFull,
+    BrokerReadOnly,
+    IdempotencyConflict,
+)
 from ..messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
+    MAX_JOB_BYTES,
     SERVER_DEVICE,
     DeadLetter,
     ErrorInfo,
     Job,
     Result,
     UndoEntry,
+    check_job_size,
     decode_dead_letter,
     decode_job,
     decode_result,
     decode_undo_entry,
     encode,
+    encode_job,
     new_job_id,
 )
 from .base import (
+    MAX_UNSTARTED_LAPSES,
     Broker,
     BrokerStats,
     CancelOutcome,
     HeartbeatReply,
     JobState,
     Lease,
+    PurgeReport,
     RetryOutcome,
     SubmitReceipt,
     UndoRecord,
@@ -137,8 +150,14 @@ _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, TimeoutError, OSError
 #: Replies by which a reachable Redis refuses writes for a while, by their first word:
 #: ``OOM`` (maxmemory reached under ``noeviction``: a queue must not evict), ``READONLY``
 #: (a replica, e.g. just after a failover), ``MASTERDOWN``, ``BUSY`` (a script running too
-#: long elsewhere), ``LOADING``, ``TRYAGAIN``.
+#: long elsewhere), ``LOADING``, ``TRYAGAIN``; and the `BrokerError` each one is (the
+#: rest: `BrokerUnavailable`).
 _REFUSING: Final = ("OOM", "READONLY", "MASTERDOWN", "BUSY", "LOADING", "TRYAGAIN")
+_REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
+    "OOM": BrokerFull,
+    "READONLY": BrokerReadOnly,
+    "BUSY": BrokerBusy,
+}
 
 
 #: Every Redis key name, in one place: what follows the queue's prefix (``{metnos}:``).
@@ -262,7 +281,10 @@ class RedisBroker(Broker):
         stream_timeout_s: how long one reply may take before the call fails (a Redis
             that hangs must not hang the worker).
         settle_patience_s: how long ack / retry / dead-letter / release keep retrying
-            while Redis cannot be reached, before they give up with `BrokerUnavailable`.
+            while Redis cannot be reached, before they give up with the `BrokerError`. A
+            worker keeps the result and tries again itself (with its own backoff, and the
+            replay flags still apply), so this only smooths over a blip: a long wait here
+            would keep a drained worker from stopping.
         create: accepted for the URL contract (readers pass ``False``); Redis needs no
             store to be created, so it changes nothing.
     """
@@ -278,7 +300,7 @@ class RedisBroker(Broker):
         poll_interval_s: float = 0.05,
         connect_timeout_s: float = 5.0,
         stream_timeout_s: float = 10.0,
-        settle_patience_s: float = 300.0,
+        settle_patience_s: float = 5.0,
         create: bool = True,
     ) -> None:
         del create
@@ -379,10 +401,14 @@ class RedisBroker(Broker):
                 f"cannot reach Redis at {self.where}: {type(exc).__name__}: {exc}"
             ) from None
         except coredis.exceptions.ResponseError as exc:
-            if not str(exc).startswith(_REFUSING):
-                raise
+            text = str(exc)
+            if not text.startswith(_REFUSING):
+                # A refused command, or a failed script: a bug of ours or a damaged key,
+                # said as a store error rather than the client library's exception.
+                raise BrokerUnavailable(f"Redis at {self.where} refused a call: {text}") from None
             self._failed(exc)
-            raise BrokerUnavailable(f"Redis at {self.where} refuses writes: {exc}") from None
+            kind = _REFUSAL_ERRORS.get(text.split(" ", 1)[0], BrokerUnavailable)
+            raise kind(f"Redis at {self.where} refuses writes: {text}") from None
         if self._failing_since is not None:
             _log.info(
                 "broker.recovered",
@@ -419,7 +445,9 @@ class RedisBroker(Broker):
             flags = "".join("1" if t in self._unsure else "0" for t in tokens)
             try:
                 out = await self._script(name, flags, *args)
-            except BrokerUnavailable:
+            except BrokerError as exc:
+                if not exc.retry:
+                    raise
                 self._unsure.update(tokens)
                 if self._closed:
                     raise
@@ -457,10 +485,12 @@ class RedisBroker(Broker):
             attempt=attempt,
             finished_at=now,
         )
+        raw = fields.pop("raw", None)
         letter = DeadLetter(
             job_id=job_id,
             job=fields.pop("job", lease.job if lease else None),
-            raw=fields.pop("raw", None),
+            raw=raw[:MAX_JOB_BYTES] if raw is not None else None,
+            raw_truncated=raw is not None and len(raw) > MAX_JOB_BYTES,
             error=error,
             attempts=attempt,
             at=now,
@@ -474,7 +504,7 @@ class RedisBroker(Broker):
     def _submit_args(job: Job) -> list[str | bytes]:
         return [
             job.id,
-            encode(job),
+            encode_job(job),  # held to the size and depth bounds (BadMessage)
             job.device or SERVER_DEVICE,
             str(job.priority),
             str(job.max_attempts),
@@ -505,9 +535,11 @@ class RedisBroker(Broker):
         conflicting job alone is not queued)."""
         receipts: list[SubmitReceipt] = []
         conflict: IdempotencyConflict | None = None
+        # Every job's bounds checked before any is queued (base.py: all or none).
+        encoded = [self._submit_args(job) for job in jobs]
         for start in range(0, len(jobs), _BATCH):
             chunk = jobs[start : start + _BATCH]
-            args = [a for job in chunk for a in self._submit_args(job)]
+            args = [a for one in encoded[start : start + _BATCH] for a in one]
             replies = await self._script("submit", *args)
             for job, reply in zip(chunk, replies, strict=True):
                 try:
@@ -520,6 +552,7 @@ class RedisBroker(Broker):
         return receipts
 
     async def submit_raw(self, data: bytes) -> str:
+        check_job_size(len(data))
         try:
             job = decode_job(data)
         except BadMessage:
@@ -542,28 +575,43 @@ class RedisBroker(Broker):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         _check_lease_args(visibility_s, limit)
         dev = device or SERVER_DEVICE
-        leases, inbox = await self._lease_once(worker_id, visibility_s, dev, limit)
+        start_n = limit if started is None else started
+        leases, inbox = await self._lease_once(worker_id, visibility_s, dev, limit, start_n)
         # Only server workers open the inbox: a bad message is dead-lettered by the
         # server, and a device never routes jobs for others.
         if inbox and dev == SERVER_DEVICE:
             await self._admit_inbox(worker_id)
             if len(leases) < limit:
-                more, _ = await self._lease_once(worker_id, visibility_s, dev, limit - len(leases))
+                more, _ = await self._lease_once(
+                    worker_id,
+                    visibility_s,
+                    dev,
+                    limit - len(leases),
+                    max(0, start_n - len(leases)),
+                )
                 leases += more
         return leases
 
     async def _lease_once(
-        self, worker_id: str, visibility_s: float, dev: str, limit: int
+        self, worker_id: str, visibility_s: float, dev: str, limit: int, start_n: int
     ) -> tuple[list[Lease], int]:
         _now, inbox, taken, finals, until_s = await self._script(
-            "lease", worker_id, repr(float(visibility_s)), dev, str(limit), os.urandom(8).hex()
+            "lease",
+            worker_id,
+            repr(float(visibility_s)),
+            dev,
+            str(limit),
+            os.urandom(8).hex(),
+            str(start_n),
+            str(MAX_UNSTARTED_LAPSES),
         )
         until = float(until_s)
         out: list[Lease] = []
-        for id_b, body, attempt_b, token_b in taken:
+        for i, (id_b, body, attempt_b, token_b) in enumerate(taken):
             job_id = _s(id_b)
             decoded = SQLiteBroker._decode_body(job_id, body)
             if isinstance(decoded, ErrorInfo):
@@ -580,6 +628,8 @@ class RedisBroker(Broker):
                     worker=worker_id,
                     device=dev,
                     visibility_s=visibility_s,
+                    # The script started the first `start_n` it handed out (in order).
+                    started=i < start_n,
                 )
             )
         for final in finals:
@@ -606,6 +656,7 @@ class RedisBroker(Broker):
         """Settle a lapsed lease with no delivery left (dead) or a cancel pending."""
         job_id, body, attempt, token = _s(final[0]), final[1], int(final[2]), _s(final[3])
         worker, cancel = _s(final[4]), _s(final[5]) == "1"
+        started, lapses = _s(final[6]) == "1", int(final[7])
         if cancel:
             result = Result(
                 job_id=job_id,
@@ -623,13 +674,17 @@ class RedisBroker(Broker):
             return
         decoded = SQLiteBroker._decode_body(job_id, body)
         job = decoded if isinstance(decoded, Job) else None
-        error = ErrorInfo(
-            code=E_LEASE_EXPIRED,
-            message=(
+        if started:
+            message = (
                 f"the lease expired on delivery {attempt}, the last allowed; "
                 "its worker stopped heart-beating"
-            ),
-        )
+            )
+        else:
+            message = (
+                f"the job was leased {lapses} times and never started: each time its "
+                "worker was lost before launching it"
+            )
+        error = ErrorInfo(code=E_LEASE_EXPIRED, message=message)
         result_b, letter_b = self._dead_records(
             None, job_id, error, job=job, attempt=attempt, worker=worker, device=dev
         )
@@ -700,6 +755,19 @@ class RedisBroker(Broker):
             return HeartbeatReply(ok=False)
         until, cancel = reply
         return HeartbeatReply(ok=True, cancel_requested=_s(cancel) == "1", lease_until=float(until))
+
+    async def mark_started(self, lease: Lease) -> bool:
+        return (await self.mark_started_many([lease]))[0]
+
+    async def mark_started_many(self, leases: Sequence[Lease]) -> list[bool]:
+        if not leases:
+            await anyio.lowlevel.checkpoint()
+            return []
+        oks: list[bool] = []
+        for start in range(0, len(leases), _BATCH):
+            args = [a for le in leases[start : start + _BATCH] for a in (le.job.id, le.token)]
+            oks += [bool(x) for x in await self._script("mark_started", *args)]
+        return oks
 
     async def ack(self, lease: Lease, result: Result) -> bool:
         return (await self.ack_many([(lease, result)]))[0]
@@ -785,7 +853,14 @@ class RedisBroker(Broker):
 
     async def get_result(self, job_id: str) -> Result | None:
         body = await self._guard(self._redis.hget(self.keys.job(job_id), "result"))
-        return None if body is None else decode_result(body)
+        if body is None:
+            return None
+        try:
+            return decode_result(body)
+        except BadMessage as exc:
+            raise BrokerCorrupt(
+                f"the stored result of job {job_id} in {self.where} cannot be read: {exc.message}"
+            ) from None
 
     async def wait_result(
         self,
@@ -824,7 +899,27 @@ class RedisBroker(Broker):
     async def dead_letters(self, *, limit: int = 100) -> list[DeadLetter]:
         if limit < 1:
             return []
-        return [decode_dead_letter(b) for b in await self._script("dead_letters", str(limit))]
+        out: list[DeadLetter] = []
+        for body in await self._script("dead_letters", str(limit)):
+            try:
+                out.append(decode_dead_letter(body))
+            except BadMessage as exc:
+                # One damaged record must not hide the others; say what it is.
+                raw = bytes(body)
+                out.append(
+                    DeadLetter(
+                        job_id="",
+                        raw=raw[:MAX_JOB_BYTES],
+                        raw_truncated=len(raw) > MAX_JOB_BYTES,
+                        error=ErrorInfo(
+                            code=BrokerCorrupt.code,
+                            message=f"this dead letter's stored record is unreadable: "
+                            f"{exc.message}",
+                        ),
+                        at=0.0,
+                    )
+                )
+        return out
 
     async def stats(self) -> BrokerStats:
         queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
@@ -850,10 +945,15 @@ class RedisBroker(Broker):
             for entry_id, body, undone_by, at in await self._script(
                 "get_undo", *ids[start : start + _BATCH]
             ):
+                try:
+                    entry = decode_undo_entry(body)
+                except BadMessage as exc:
+                    raise BrokerCorrupt(
+                        f"the stored undo entry {_s(entry_id)} in {self.where} cannot be "
+                        f"read: {exc.message}"
+                    ) from None
                 found[_s(entry_id)] = UndoRecord(
-                    entry=decode_undo_entry(body),
-                    undone_by=_s(undone_by) or None,
-                    recorded_at=float(at),
+                    entry=entry, undone_by=_s(undone_by) or None, recorded_at=float(at)
                 )
         return [found[i] for i in ids if i in found]
 
@@ -875,13 +975,24 @@ class RedisBroker(Broker):
         body = await self._guard(self._redis.hget(self.keys.executors, name))
         return None if body is None else decode_info(body)
 
-    async def purge(self, *, older_than_s: float) -> int:
-        removed = 0
+    async def purge(self, *, older_than_s: float) -> PurgeReport:
+        """See `Broker.purge`. Redis has no transaction to share with a hook: each batch
+        is one script, and the hooks get this broker as their ``store`` and the ids after
+        it. Space is Redis's memory, freed as keys go (``reclaimed_bytes`` is ``None``)."""
+        removed = collected = 0
         while True:
-            n = int(await self._script("purge", repr(float(older_than_s)), "500"))
-            removed += n
-            if n < 500:
-                return removed
+            ids_b, dropped = await self._script("purge", repr(float(older_than_s)), "500")
+            ids = [_s(x) for x in ids_b]
+            if ids:
+                for hook in self.purge_hooks:
+                    hook.forget_jobs(self, ids)
+            removed += len(ids)
+            collected += int(dropped)
+            if len(ids) < 500:
+                break
+        cut = self._wall() - older_than_s
+        collected += sum(int(hook.collect(self, before=cut)) for hook in self.purge_hooks)
+        return PurgeReport(jobs=removed, collected=collected, reclaimed_bytes=None)
 
 
 def _fields(error: ErrorInfo) -> dict[str, str]:

@@ -5,7 +5,8 @@ Across processes, SQLite's own locking does the work. Every read-modify-write ru
 pick the same row, and a lease is a pick-then-take inside that one transaction. Settling
 a job is guarded by the lease token (the row changes only while the caller's token is
 current) and the result row is ``INSERT OR IGNORE`` on its primary key, so a result is
-written once.
+written once. The clock is read inside each transaction, after the lock is held: a lease
+granted after waiting seconds for another process's lock still runs its full window.
 
 Within a process, each broker object owns one connection, used by one call at a time (a
 `CapacityLimiter(1)`). A call first runs *inline* on the event loop with
@@ -17,9 +18,23 @@ never waits on another process. Large batches (more than 8 submits or acks, leas
 than 64 jobs) go straight to the thread so they never stall the loop for milliseconds.
 
 Idle waiting (`wait_for_work`, `wait_result`) polls every ``poll_interval_s`` (50 ms by
-default): other processes cannot signal us, and the idle check is a plain read that takes
-no lock. A submit or ack through any broker object on the same file in the same event loop
-wakes waiters at once.
+default): other processes cannot signal us, and the idle check is a plain read through
+one index probe (``jobs_due``) that takes no lock, however many delayed jobs wait. A
+submit or ack through any broker object on the same file in the same event loop wakes
+waiters at once.
+
+Failures are `BrokerError` subclasses (see `metnos_exec.brokers.base`), mapped from
+SQLite's result codes by `_store_error`: a lock held past the busy timeout is
+`BrokerBusy`, a full disk `BrokerFull`, a read-only file `BrokerReadOnly`, a damaged file
+`BrokerCorrupt`, anything else `BrokerUnavailable`. At most once a second a call checks
+that the path still names the file it opened: a queue file deleted or replaced under a
+running worker is `BrokerGone` (a worker serving it would be alone with a file nobody else
+sees). Opened to write (``create=True``: workers, producers), the broker refuses a
+read-only file at once rather than fail every lease later.
+
+Text read from rows a producer wrote (``jobs.id``, ``jobs.body``) is fetched as bytes
+(``CAST(... AS BLOB)``) and decoded by us: left to the sqlite3 module, one body that is
+not UTF-8 would make the whole pick fail, for every worker, at every poll.
 
 Needs SQLite >= 3.35 (``RETURNING``), checked at open.
 """
@@ -29,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,30 +57,44 @@ import structlog
 from anyio.lowlevel import RunVar
 
 from ..catalog import ExecutorInfo, decode_info, encode_info
-from ..errors import BadMessage, MetnosError
+from ..errors import (
+    BadMessage,
+    BrokerBusy,
+    BrokerCorrupt,
+    BrokerError,
+    BrokerFull,
+    BrokerGone,
+    BrokerReadOnly,
+    BrokerUnavailable,
+)
 from ..messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
+    MAX_JOB_BYTES,
     SERVER_DEVICE,
     DeadLetter,
     ErrorInfo,
     Job,
     Result,
     UndoEntry,
+    check_job_size,
     decode_dead_letter,
     decode_job,
     decode_result,
     decode_undo_entry,
     encode,
+    encode_job,
     new_job_id,
 )
 from .base import (
+    MAX_UNSTARTED_LAPSES,
     Broker,
     BrokerStats,
     CancelOutcome,
     HeartbeatReply,
     JobState,
     Lease,
+    PurgeReport,
     RetryOutcome,
     SubmitReceipt,
     UndoRecord,
@@ -85,6 +115,8 @@ SCHEMA_SQL: Final = """-- metnos-exec SQLite queue, schema version 2 (PRAGMA use
 --
 -- journal_mode=WAL is persistent in the file; synchronous=NORMAL and busy_timeout are per
 -- connection: the broker sets them, and another-language producer should set busy_timeout.
+-- The broker creates a new file with PRAGMA auto_vacuum = INCREMENTAL (before this
+-- script: it only takes effect on an empty file), so purging old jobs gives space back.
 
 -- One row per job. `body` is the job exactly as submitted (JSON text, see
 -- queue/schemas/job.json); the routing columns copy fields of it. Producers in other
@@ -102,23 +134,28 @@ CREATE TABLE IF NOT EXISTS jobs (
     state            TEXT NOT NULL DEFAULT 'queued'
                      CHECK (state IN ('queued', 'running', 'done', 'dead')),
     due_at           REAL,                        -- NULL: use not_before (NULL: now)
-    attempt          INTEGER NOT NULL DEFAULT 0,  -- deliveries so far
+    attempt          INTEGER NOT NULL DEFAULT 0,  -- attempts so far (the current included)
     token            TEXT,                        -- fencing token of the current lease
-    lease_until      REAL,
+    lease_until      REAL,                        -- NULL while running: a lost lease
     worker           TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    started          INTEGER NOT NULL DEFAULT 0,  -- the current delivery was launched
+    lapses           INTEGER NOT NULL DEFAULT 0   -- leases that lapsed before launch
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
 -- The trigger derives the routing columns from the body. A field of the wrong JSON type
 -- (or a body that is not JSON at all) yields the column's default, so the row is still
 -- leased by a server worker and dead-lettered with E_BAD_MESSAGE rather than stranded.
+-- A body over 1 MiB (MAX_JOB_BYTES) is refused with an error naming the limit.
 -- OR IGNORE: a duplicate id or idempotency key inserts nothing (the first job stands).
 -- (Generated columns would say the same more briefly, but SQLite recomputes stored
 -- generated columns on every UPDATE of the row, which tripled the cost of a lease.)
 CREATE VIEW IF NOT EXISTS job_inbox AS SELECT id, body FROM jobs;
 CREATE TRIGGER IF NOT EXISTS job_inbox_insert INSTEAD OF INSERT ON job_inbox
 BEGIN
+    SELECT RAISE(ABORT, 'E_BAD_MESSAGE: job body over 1048576 bytes (MAX_JOB_BYTES)')
+    WHERE length(CAST(NEW.body AS BLOB)) > 1048576;
     INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
                                 not_before)
     SELECT NEW.id, NEW.body,
@@ -139,7 +176,11 @@ END;
 -- Leasing: the best queued job for one device.
 CREATE INDEX IF NOT EXISTS jobs_ready
     ON jobs (device, priority DESC, seq) WHERE state = 'queued';
--- Expired leases (workers that died).
+-- "Is anything due?", asked by every idle worker at every poll: one index probe, however
+-- many delayed jobs wait (the expression is the one the broker's queries use).
+CREATE INDEX IF NOT EXISTS jobs_due
+    ON jobs (device, coalesce(due_at, not_before, 0)) WHERE state = 'queued';
+-- Expired leases (workers that died), and running rows without a lease at all (NULL).
 CREATE INDEX IF NOT EXISTS jobs_running
     ON jobs (lease_until) WHERE state = 'running';
 -- Idempotency: a second job with the same key is not inserted.
@@ -196,6 +237,11 @@ CREATE TABLE IF NOT EXISTS executors (
 PRAGMA user_version = 2;
 """
 
+#: Migrating from version 1 (before retention, unstarted leases and the size bound): the
+#: missing columns are added (see `_init_schema`), then the inbox trigger is replaced;
+#: `SCHEMA_SQL` (all IF NOT EXISTS) adds the rest.
+_MIGRATE_TRIGGER: Final = "DROP TRIGGER IF EXISTS job_inbox_insert;\n"
+
 #: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
 _CATALOG_SQL: Final = SCHEMA_SQL[
     SCHEMA_SQL.index("CREATE TABLE IF NOT EXISTS executors") : SCHEMA_SQL.rindex(
@@ -206,12 +252,6 @@ _CATALOG_SQL: Final = SCHEMA_SQL[
 _MIN_SQLITE = (3, 35, 0)
 
 
-class BrokerUnavailable(MetnosError):
-    """The broker's store cannot be used (SQLite too old, newer schema, unreadable file)."""
-
-    code = "E_BROKER_UNAVAILABLE"
-
-
 # --- SQL ------------------------------------------------------------------------------
 
 _INSERT = (
@@ -220,43 +260,70 @@ _INSERT = (
 )
 # The other-language producers' door; its trigger derives the columns from the body.
 _INSERT_INBOX = "INSERT INTO job_inbox (id, body) VALUES (?, ?)"
-_FIND_BY_KEY = "SELECT id, body FROM jobs WHERE idempotency_key = ?"
+_FIND_BY_KEY = "SELECT id, CAST(body AS BLOB) FROM jobs WHERE idempotency_key = ?"
 _DUE = "coalesce(due_at, not_before, 0) <= :now"
+# A lease is lost once its time is up, or when it has no time at all (a row left
+# 'running' with no lease_until can only have been written by hand or by a bug: it would
+# otherwise stay running forever). Both parts are index searches on jobs_running.
+_EXPIRED = "state = 'running' AND (lease_until <= :now OR lease_until IS NULL)"
 _ANY_DUE = (
     "SELECT 1 FROM jobs WHERE state = 'queued' AND device = :dev AND "
     + _DUE
-    + " UNION ALL SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= :now LIMIT 1"
+    + " UNION ALL SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= :now"
+    " UNION ALL SELECT 1 FROM jobs WHERE state = 'running' AND lease_until IS NULL LIMIT 1"
 )
-_ANY_EXPIRED = "SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= ? LIMIT 1"
-# Expired leases with attempts left go back to the queue (the next lease redelivers them
-# with attempt + 1); the rest are settled by _SETTLE_EXPIRED.
+_ANY_EXPIRED = (
+    "SELECT 1 FROM jobs WHERE state = 'running' AND lease_until <= :now"
+    " UNION ALL SELECT 1 FROM jobs WHERE state = 'running' AND lease_until IS NULL LIMIT 1"
+)
+# An unstarted delivery gives its attempt back when it lapses (base.py, "Attempts").
+_GIVE_BACK = (
+    "attempt = CASE WHEN started THEN attempt ELSE max(attempt - 1, 0) END, "
+    "lapses = lapses + CASE WHEN started THEN 0 ELSE 1 END"
+)
+# Expired leases with attempts (or unstarted lapses) left go back to the queue; the rest
+# are settled by _SETTLE_EXPIRED.
 _REQUEUE_EXPIRED = (
-    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, due_at = :now "
-    "WHERE state = 'running' AND lease_until <= :now AND attempt < max_attempts "
-    "AND cancel_requested = 0"
+    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, due_at = :now, "
+    + _GIVE_BACK
+    + ", started = 0 WHERE "
+    + _EXPIRED
+    + " AND cancel_requested = 0 AND CASE WHEN started THEN attempt < max_attempts "
+    "ELSE lapses + 1 < :max_lapses END"
 )
 _SETTLE_EXPIRED = (
     "UPDATE jobs SET state = CASE WHEN cancel_requested THEN 'done' ELSE 'dead' END, "
-    "token = NULL, lease_until = NULL "
-    "WHERE state = 'running' AND lease_until <= :now "
-    "RETURNING id, body, attempt, worker, device, cancel_requested"
+    "token = NULL, lease_until = NULL, "
+    + _GIVE_BACK
+    + " WHERE "
+    + _EXPIRED
+    + " RETURNING CAST(id AS BLOB), CAST(body AS BLOB), attempt, worker, device, "
+    "cancel_requested, started, lapses"
 )
 # Pick, then take. Both run inside one BEGIN IMMEDIATE, which holds the write lock from the
 # start, so no other process can take the same rows in between. (A single
 # "UPDATE ... WHERE seq IN (SELECT ...) RETURNING" measured 3-4x slower per row here.)
+# INDEXED BY: walking jobs_ready in priority order stops after `limit` due rows; the
+# planner would otherwise take jobs_due and sort every due row of a backlog per lease.
 _PICK = (
-    "SELECT seq, id, body, attempt + 1, device FROM jobs "
+    "SELECT seq, CAST(id AS BLOB), CAST(body AS BLOB), attempt + 1, device "
+    "FROM jobs INDEXED BY jobs_ready "
     "WHERE state = 'queued' AND device = :dev AND " + _DUE + " "
     "ORDER BY priority DESC, seq LIMIT :limit"
 )
 _TAKE = (
     "UPDATE jobs SET state = 'running', attempt = attempt + 1, token = ?, lease_until = ?, "
-    "worker = ? WHERE seq = ?"
+    "worker = ?, started = ? WHERE seq = ?"
 )
 _SETTLE = (
     "UPDATE jobs SET state = ?, token = NULL, lease_until = NULL "
     "WHERE id = ? AND token = ? AND state = 'running'"
 )
+_SETTLE_SEQ = (
+    "UPDATE jobs SET state = ?, token = NULL, lease_until = NULL "
+    "WHERE seq = ? AND token = ? AND state = 'running'"
+)
+_MARK_STARTED = "UPDATE jobs SET started = 1 WHERE id = ? AND token = ? AND state = 'running'"
 _INSERT_RESULT = "INSERT OR IGNORE INTO results (job_id, body, status, at) VALUES (?, ?, ?, ?)"
 _INSERT_DEAD = "INSERT OR IGNORE INTO dead_letters (job_id, body, at) VALUES (?, ?, ?)"
 _HEARTBEAT = (
@@ -264,18 +331,39 @@ _HEARTBEAT = (
     "RETURNING cancel_requested"
 )
 _RETRY_LOOKUP = (
-    "SELECT attempt, max_attempts, worker, device, body FROM jobs "
+    "SELECT attempt, max_attempts, worker, device FROM jobs "
     "WHERE id = ? AND token = ? AND state = 'running'"
 )
 _REQUEUE = (
-    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, due_at = ?, "
-    "attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
+    "UPDATE jobs SET state = 'queued', token = NULL, lease_until = NULL, started = 0, "
+    "due_at = ?, attempt = attempt - ? WHERE id = ? AND token = ? AND state = 'running'"
 )
-_GET_RESULT = "SELECT body FROM results WHERE job_id = ?"
+_GET_RESULT = "SELECT CAST(body AS BLOB) FROM results WHERE job_id = ?"
 _LEASE_IS_CURRENT = "SELECT 1 FROM jobs WHERE id = ? AND token = ? AND state = 'running'"
 #: Ids per ``IN (...)`` list: well under SQLite's host-parameter cap (999 before 3.32).
 _IN_CHUNK = 500
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
+# Retention: finished jobs whose result is older than the cut, a batch at a time. No index
+# on `at` (one more write per ack, for an hourly purge): the scan goes in job id order,
+# which for ULIDs is submission order, so the old rows come first.
+_PURGE_PICK = (
+    "SELECT r.job_id FROM results r JOIN jobs j ON j.id = r.job_id "
+    "WHERE r.at < ? AND j.state IN ('done', 'dead') LIMIT ?"
+)
+# Results and dead letters whose job row is gone (written by hand, or left by a crash of
+# an older version between two deletes).
+_PURGE_ORPHANS = (
+    "SELECT job_id FROM results WHERE at < ? AND NOT EXISTS "
+    "(SELECT 1 FROM jobs WHERE id = results.job_id) LIMIT ?"
+)
+_PURGE_BATCH = 500
+#: Free pages given back per incremental-vacuum transaction (4 MiB at 4 KiB pages), so a
+#: large reclaim never holds the write lock for long.
+_VACUUM_STEP_PAGES = 1024
+#: SQLITE_IOERR_SHMSIZE (extended result code; not in every Python's sqlite3 module).
+_SQLITE_IOERR_SHMSIZE: Final = 4874
+#: How often (seconds) a call checks that the path still names the file it opened.
+_FILE_CHECK_S = 1.0
 
 
 # In-process wake-ups, per event loop (a RunVar) and per database file: a submit or ack
@@ -314,6 +402,68 @@ def _notify(key: str, kind: str) -> None:
         event.set()
 
 
+def _text(value: bytes | str) -> str:
+    """A column fetched as bytes (``CAST(... AS BLOB)``), as text; bad bytes replaced."""
+    return value if isinstance(value, str) else bytes(value).decode("utf-8", errors="replace")
+
+
+def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerError:
+    """The `BrokerError` an sqlite3 exception means (see the module docstring)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    text = f"{where}: {exc}"
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return BrokerBusy(
+            f"{where} is locked by another process (waited {busy_s:g} s; the "
+            "busy_timeout_s option sets how long): try again"
+        )
+    if primary == sqlite3.SQLITE_FULL:
+        return BrokerFull(f"{text} (the disk or the file system holding it is full)")
+    if code == _SQLITE_IOERR_SHMSIZE:
+        # The -shm file could not grow: what a full file system does to a WAL queue that
+        # no process has open yet (SQLite says "disk I/O error").
+        return BrokerFull(f"{text} (its -shm file cannot grow: the file system is full)")
+    if primary == sqlite3.SQLITE_READONLY:
+        return BrokerReadOnly(
+            f"{text} (the file, its folder or the file system is read-only to this user)"
+        )
+    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+        return BrokerCorrupt(f"{text} (the file is damaged or is not a queue database)")
+    if primary == sqlite3.SQLITE_CANTOPEN:
+        return BrokerUnavailable(
+            f"{text} (the folder may be missing or read-only: a WAL queue needs to create "
+            "its -wal and -shm files beside it)"
+        )
+    return BrokerUnavailable(text)
+
+
+def _read_only_files(path: Path) -> str:
+    """Which of the queue's files (and its folder) this user cannot write, said plainly.
+
+    SQLite gives a -wal file the mode of the database file when it creates it: a file
+    made read-only for a while can leave a read-only -wal behind it after it is fixed.
+    """
+    names = [path, Path(f"{path}-wal"), Path(f"{path}-shm"), path.parent]
+    stuck = [str(n) for n in names if n.exists() and not os.access(n, os.W_OK)]
+    return f"; not writable here: {', '.join(stuck)}" if stuck else ""
+
+
+class _Notes:
+    """Records to log once a transaction committed (never from inside it: a rolled-back
+    transaction, or a worker killed before its commit, would leave a record of something
+    that did not happen, and the next worker would log it again)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, dict[str, Any]]] = []
+
+    def add(self, level: str, event: str, **fields: Any) -> None:
+        self.items.append((level, event, fields))
+
+    def emit(self) -> None:
+        for level, event, fields in self.items:
+            getattr(_log, level)(event, **fields)
+
+
 class SQLiteBroker(Broker):
     """`Broker` on one SQLite file.
 
@@ -321,16 +471,20 @@ class SQLiteBroker(Broker):
         path: the database file (created with its schema when missing).
         clock: unix-seconds clock for leases, delays and timestamps (tests inject one).
         poll_interval_s: how often idle waits look at the file again.
-        busy_timeout_s: how long a statement waits for another process's write lock.
+        busy_timeout_s: how long a statement waits for another process's write lock
+            before `BrokerBusy`.
         synchronous: ``NORMAL`` (default: durable across process crashes, may lose the
             last transactions on power loss) or ``FULL``.
-        create: create the file (and its schema) when it is missing. ``False`` for
-            readers (``status``, ``result``, ``cancel``): a mistyped path must not
-            create an empty queue that then answers "no such job".
+        create: create the file (and its schema) when it is missing, and refuse a file
+            that cannot be written (``BrokerReadOnly``). ``False`` for readers
+            (``status``, ``result``, ``cancel``): a mistyped path must not create an
+            empty queue that then answers "no such job".
 
     Raises:
         BrokerUnavailable: SQLite older than 3.35, the file has a newer schema, or
             (with ``create=False``) there is no file at `path`.
+        BrokerReadOnly: (with ``create=True``) the file cannot be written.
+        BrokerError: another failure opening the file (see `_store_error`).
     """
 
     scheme = "sqlite"
@@ -360,6 +514,8 @@ class SQLiteBroker(Broker):
             )
         self._clock = clock
         self._poll = poll_interval_s
+        self._busy_s = busy_timeout_s
+        where = f"the queue database {self.path}"
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
         # (deferred) transactions would let two processes read the same due row.
         try:
@@ -371,10 +527,16 @@ class SQLiteBroker(Broker):
                 cached_statements=64,
             )
         except sqlite3.Error as exc:
-            raise BrokerUnavailable(f"cannot open the queue database {self.path}: {exc}") from None
+            raise _store_error(exc, f"cannot open {where}", busy_s=busy_timeout_s) from None
         try:
             self._busy_ms = int(busy_timeout_s * 1000)
             self._db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+            if self._db.execute("PRAGMA page_count").fetchone() == (0,):
+                # A new file: only now, before anything is written (the switch to WAL
+                # writes the header), can it get incremental vacuum, so that purges give
+                # space back (`_reclaim`). A file made by version 1 gets it at its first
+                # full `vacuum`.
+                self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
             (mode,) = self._db.execute("PRAGMA journal_mode = WAL").fetchone()
             if mode != "wal":
                 # Without WAL, readers block writers and the lock fallback turns into a
@@ -385,13 +547,26 @@ class SQLiteBroker(Broker):
                 )
             self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._init_schema()
+            if create:
+                self._check_writable()
             self._db.execute("PRAGMA busy_timeout = 0")
+            # The file this broker serves, to notice when the path names another one.
+            st = os.stat(self.path)
         except sqlite3.Error as exc:
             self._db.close()
-            raise BrokerUnavailable(f"cannot use the queue database {self.path}: {exc}") from None
+            error = _store_error(exc, f"cannot use {where}", busy_s=busy_timeout_s)
+            if isinstance(error, BrokerReadOnly):
+                error = BrokerReadOnly(error.message + _read_only_files(self.path))
+            raise error from None
+        except OSError as exc:
+            self._db.close()
+            raise BrokerUnavailable(f"cannot use {where}: {exc}") from None
         except BaseException:
             self._db.close()
             raise
+        self._identity = (st.st_dev, st.st_ino)
+        self._next_file_check = time.monotonic() + _FILE_CHECK_S
+        self._gone: BrokerGone | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._wake_key = str(self.path.resolve())
         self._closed = False
@@ -423,17 +598,51 @@ class SQLiteBroker(Broker):
 
     def _init_schema(self) -> None:
         (version,) = self._db.execute("PRAGMA user_version").fetchone()
-        if version == SCHEMA_VERSION:
-            self._ensure_catalog()
-            return
         if version > SCHEMA_VERSION:
             raise BrokerUnavailable(
                 f"{self.path} has queue schema version {version}; this metnos-exec "
                 f"understands {SCHEMA_VERSION}. Upgrade metnos-exec."
             )
+        missing = self._missing_columns()
+        if version == SCHEMA_VERSION and not missing:
+            self._ensure_catalog()
+            return
+        migrate = ""
+        if missing:
+            # From version 1 (or a file of this version made without them): by what the
+            # file lacks rather than by its number, so a file is brought up to date
+            # whatever build made it.
+            migrate = (
+                "".join(
+                    f"ALTER TABLE jobs ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0;\n"
+                    for name in sorted(missing)
+                )
+                + _MIGRATE_TRIGGER
+            )
+            # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
+            self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
         # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
-        self._db.executescript("BEGIN IMMEDIATE;\n" + SCHEMA_SQL + "\nCOMMIT;")
+        self._db.executescript("BEGIN IMMEDIATE;\n" + migrate + SCHEMA_SQL + "\nCOMMIT;")
+
+    def _missing_columns(self) -> set[str]:
+        """Columns of version 2's `jobs` an existing file lacks (none for a new file)."""
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        return set() if not have else {"started", "lapses"} - have
+
+    def _check_writable(self) -> None:
+        """Refuse a store this process cannot write, at open, not at the first lease.
+
+        SQLite opens a read-only file happily and even grants ``BEGIN IMMEDIATE``; only a
+        write fails. So write (the header's user_version, to the value it has) and roll
+        back: nothing changes on disk either way.
+        """
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        finally:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
 
     def _ensure_catalog(self) -> None:
         """Create the executor catalog in a file made before it (best effort: a file this
@@ -447,11 +656,49 @@ class SQLiteBroker(Broker):
 
     # --- plumbing ---------------------------------------------------------------------
 
+    def _check_file(self) -> None:
+        """Raise `BrokerGone` once the path no longer names the file this broker opened.
+
+        A worker whose queue file was deleted (or replaced, e.g. by a demo starting
+        afresh) would otherwise serve a file no producer sees: nothing new would ever run
+        and nothing would say why. Checked at most once per `_FILE_CHECK_S`.
+        """
+        if self._gone is not None:
+            raise self._gone
+        now = time.monotonic()
+        if now < self._next_file_check:
+            return
+        self._next_file_check = now + _FILE_CHECK_S
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            what = "was deleted"
+        except OSError as exc:
+            raise BrokerUnavailable(f"cannot check the queue file {self.path}: {exc}") from None
+        else:
+            if (st.st_dev, st.st_ino) == self._identity:
+                return
+            what = "was replaced by another file"
+        self._gone = BrokerGone(
+            f"the queue file {self.path.absolute()} {what} while this process had it open; "
+            "this process can no longer reach the queue its producers use. Start it again "
+            "on the queue file you mean"
+        )
+        raise self._gone
+
+    def _error(self, exc: sqlite3.Error) -> BrokerError:
+        return _store_error(exc, f"the queue database {self.path}", busy_s=self._busy_s)
+
     async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = True) -> Any:
         """Run `fn(*args)` against the connection: inline when the connection is free and
-        the database unlocked, else in a worker thread that may wait for the lock."""
+        the database unlocked, else in a worker thread that may wait for the lock.
+
+        Raises:
+            BrokerError: the store failed (`_store_error`), or the file is gone.
+        """
         if self._closed:
             raise BrokerUnavailable(f"the broker on {self.path} is closed")
+        self._check_file()
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(1)
         limiter = self._limiter
@@ -463,16 +710,17 @@ class SQLiteBroker(Broker):
             else:
                 try:
                     out = fn(*args)
-                except BaseException as exc:
+                except sqlite3.Error as exc:
                     limiter.release()
                     # Only a lock held elsewhere is redone (in a thread that may wait); a
                     # transaction body either failed at BEGIN or was rolled back, so
                     # redoing it is safe.
-                    if not (
-                        isinstance(exc, sqlite3.OperationalError)
-                        and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
-                    ):
-                        raise
+                    code = getattr(exc, "sqlite_errorcode", None)
+                    if not isinstance(code, int) or code & 0xFF != sqlite3.SQLITE_BUSY:
+                        raise self._error(exc) from None
+                except BaseException:
+                    limiter.release()
+                    raise
                 else:
                     # Released *before* the checkpoint: held across it, the connection
                     # looked busy to every task that ran meanwhile, which then took the
@@ -485,7 +733,10 @@ class SQLiteBroker(Broker):
                     # caller sees the cancellation at its next checkpoint.
                     await anyio.lowlevel.cancel_shielded_checkpoint()
                     return out
-        return await anyio.to_thread.run_sync(self._patient, fn, args, limiter=limiter)
+        try:
+            return await anyio.to_thread.run_sync(self._patient, fn, args, limiter=limiter)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
 
     def _patient(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         self._db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
@@ -494,11 +745,18 @@ class SQLiteBroker(Broker):
         finally:
             self._db.execute("PRAGMA busy_timeout = 0")
 
-    def _txn(self, body: Callable[[sqlite3.Connection], Any]) -> Any:
-        db = self._db
+    def _txn(
+        self,
+        body: Callable[[sqlite3.Connection, float], Any],
+        db: sqlite3.Connection | None = None,
+    ) -> Any:
+        """Run ``body(db, now)`` in one ``BEGIN IMMEDIATE`` transaction (on this broker's
+        connection unless `db` is given); ``now`` is read once the write lock is held, so
+        no wait for it ages a deadline written here."""
+        db = self._db if db is None else db
         db.execute("BEGIN IMMEDIATE")
         try:
-            out = body(db)
+            out = body(db, self._clock())
         except BaseException:
             if db.in_transaction:  # SQLite may have rolled back already
                 db.execute("ROLLBACK")
@@ -514,7 +772,13 @@ class SQLiteBroker(Broker):
 
     @staticmethod
     def _store_result(db: sqlite3.Connection, result: Result, now: float) -> bool:
-        cur = db.execute(_INSERT_RESULT, (result.job_id, encode(result), result.status, now))
+        try:
+            body = encode(result)
+        except Exception as exc:  # output msgspec cannot encode (too deep, ...)
+            raise BadMessage(
+                f"the result of job {result.job_id} cannot be encoded: {type(exc).__name__}: {exc}"
+            ) from None
+        cur = db.execute(_INSERT_RESULT, (result.job_id, body, result.status, now))
         return cur.rowcount == 1
 
     @staticmethod
@@ -530,8 +794,16 @@ class SQLiteBroker(Broker):
         device: str,
         now: float,
     ) -> None:
+        cut = raw is not None and len(raw) > MAX_JOB_BYTES
         letter = DeadLetter(
-            job_id=job_id, job=job, raw=raw, error=error, attempts=attempt, at=now, worker=worker
+            job_id=job_id,
+            job=job,
+            raw=raw[:MAX_JOB_BYTES] if raw is not None else None,
+            raw_truncated=cut,
+            error=error,
+            attempts=attempt,
+            at=now,
+            worker=worker,
         )
         db.execute(_INSERT_DEAD, (job_id, encode(letter), now))
         SQLiteBroker._store_result(
@@ -549,11 +821,16 @@ class SQLiteBroker(Broker):
         )
 
     @staticmethod
-    def _decode_body(job_id: str, body: str | bytes) -> Job | ErrorInfo:
+    def _decode_body(job_id: str, body: bytes | str) -> Job | ErrorInfo:
         try:
             job = decode_job(body)
         except BadMessage as exc:
             return ErrorInfo(code=exc.code, message=exc.message)
+        except Exception as exc:  # decode_job promises BadMessage; belt and braces
+            return ErrorInfo(
+                code=BadMessage.code,
+                message=f"job message rejected: {type(exc).__name__}: {exc}",
+            )
         if job.id != job_id:
             return ErrorInfo(
                 code=BadMessage.code,
@@ -564,12 +841,12 @@ class SQLiteBroker(Broker):
     # --- producing --------------------------------------------------------------------
 
     @staticmethod
-    def _insert(db: sqlite3.Connection, job: Job) -> SubmitReceipt:
+    def _insert(db: sqlite3.Connection, job: Job, body: str) -> SubmitReceipt:
         cur = db.execute(
             _INSERT,
             (
                 job.id,
-                encode(job).decode(),
+                body,
                 job.device or SERVER_DEVICE,
                 job.priority,
                 job.max_attempts,
@@ -583,37 +860,43 @@ class SQLiteBroker(Broker):
         if key is not None:
             row = db.execute(_FIND_BY_KEY, (key,)).fetchone()
             if row is not None:
-                original = SQLiteBroker._decode_body(row[0], row[1])
+                original_id = _text(row[0])
+                original = SQLiteBroker._decode_body(original_id, row[1])
                 # A stored body that no longer decodes cannot be compared; it is
                 # dead-lettered when leased, and the key still names it.
                 if isinstance(original, Job):
                     check_idempotent_reuse(original, job)
-                return SubmitReceipt(row[0], duplicate=True)
+                return SubmitReceipt(original_id, duplicate=True)
         return SubmitReceipt(job.id, duplicate=True)
 
     async def submit(self, job: Job) -> SubmitReceipt:
-        receipt: SubmitReceipt = await self._run(self._insert, self._db, job)
+        body = encode_job(job).decode()
+        receipt: SubmitReceipt = await self._run(self._insert, self._db, job, body)
         self._wake_workers()
         return receipt
 
     async def submit_many(self, jobs: Sequence[Job]) -> list[SubmitReceipt]:
-        def work(db: sqlite3.Connection) -> list[SubmitReceipt]:
-            return [self._insert(db, job) for job in jobs]
+        bodies = [encode_job(job).decode() for job in jobs]
+
+        def work(db: sqlite3.Connection, _now: float) -> list[SubmitReceipt]:
+            return [self._insert(db, job, body) for job, body in zip(jobs, bodies, strict=True)]
 
         receipts: list[SubmitReceipt] = await self._run(self._txn, work, inline=len(jobs) <= 8)
         self._wake_workers()
         return receipts
 
     async def submit_raw(self, data: bytes) -> str:
+        data = bytes(data)
+        check_job_size(len(data))
         try:
             job = decode_job(data)
         except BadMessage:
             job_id = new_job_id()
             body: str | bytes
             try:
-                body = bytes(data).decode("utf-8")
+                body = data.decode("utf-8")
             except UnicodeDecodeError:
-                body = bytes(data)  # stored as a BLOB; leasing dead-letters it
+                body = data  # stored as a BLOB; leasing dead-letters it
             # Through the producers' door, so the inbox trigger is what routes it.
             await self._run(self._db.execute, _INSERT_INBOX, (job_id, body))
             self._wake_workers()
@@ -622,11 +905,11 @@ class SQLiteBroker(Broker):
 
     # --- consuming --------------------------------------------------------------------
 
-    def _settle_expired(self, db: sqlite3.Connection, now: float) -> None:
-        db.execute(_REQUEUE_EXPIRED, {"now": now})
-        for job_id, body, attempt, worker, device, cancel in db.execute(
-            _SETTLE_EXPIRED, {"now": now}
-        ).fetchall():
+    def _settle_expired(self, db: sqlite3.Connection, now: float, notes: _Notes) -> None:
+        db.execute(_REQUEUE_EXPIRED, {"now": now, "max_lapses": MAX_UNSTARTED_LAPSES})
+        rows = db.execute(_SETTLE_EXPIRED, {"now": now}).fetchall()
+        for raw_id, body, attempt, worker, device, cancel, started, lapses in rows:
+            job_id = _text(raw_id)
             if cancel:
                 self._store_result(
                     db,
@@ -646,13 +929,17 @@ class SQLiteBroker(Broker):
                 )
                 continue
             decoded = self._decode_body(job_id, body)
-            error = ErrorInfo(
-                code=E_LEASE_EXPIRED,
-                message=(
+            if started:
+                message = (
                     f"the lease expired on delivery {attempt}, the last allowed; "
                     "its worker stopped heart-beating"
-                ),
-            )
+                )
+            else:
+                message = (
+                    f"the job was leased {lapses} times and never started: each time its "
+                    "worker was lost before launching it"
+                )
+            error = ErrorInfo(code=E_LEASE_EXPIRED, message=message)
             self._store_dead(
                 db,
                 job_id=job_id,
@@ -664,7 +951,8 @@ class SQLiteBroker(Broker):
                 device=device,
                 now=now,
             )
-            _log.warning(
+            notes.add(
+                "warning",
                 "job.dead_lettered",
                 job_id=job_id,
                 # The job's own executor and worker, not the sweeping worker's context.
@@ -675,18 +963,22 @@ class SQLiteBroker(Broker):
                 message=error.message,
             )
 
-    def _lease_sync(self, worker_id: str, visibility_s: float, dev: str, limit: int) -> list[Lease]:
+    def _lease_sync(
+        self, worker_id: str, visibility_s: float, dev: str, limit: int, started: int
+    ) -> tuple[list[Lease], _Notes]:
         db = self._db
-        now = self._clock()
+        notes = _Notes()
         # A plain read first: an idle worker polling an empty queue never takes the write
         # lock, so it does not slow down the processes that have work.
-        if db.execute(_ANY_DUE, {"now": now, "dev": dev}).fetchone() is None:
-            return []
+        if db.execute(_ANY_DUE, {"now": self._clock(), "dev": dev}).fetchone() is None:
+            return [], notes
         out: list[Lease] = []
         db.execute("BEGIN IMMEDIATE")
         try:
-            if db.execute(_ANY_EXPIRED, (now,)).fetchone() is not None:
-                self._settle_expired(db, now)
+            # After BEGIN IMMEDIATE returned: any wait for the lock is behind us.
+            now = self._clock()
+            if db.execute(_ANY_EXPIRED, {"now": now}).fetchone() is not None:
+                self._settle_expired(db, now, notes)
             until = now + visibility_s
             base = os.urandom(8).hex()
             while len(out) < limit:
@@ -696,24 +988,36 @@ class SQLiteBroker(Broker):
                 if not rows:
                     break
                 tokens = {seq: f"{base}.{seq}" for seq, *_ in rows}
-                db.executemany(_TAKE, [(tokens[seq], until, worker_id, seq) for seq, *_ in rows])
-                for seq, job_id, body, attempt, device in rows:
+                # The first `started` jobs handed out start at once (base.py, "Attempts").
+                # A row dead-lettered below takes one of those places: the count stays a
+                # bound, never more than the caller can launch now.
+                now_ok = max(0, started - len(out))
+                db.executemany(
+                    _TAKE,
+                    [
+                        (tokens[seq], until, worker_id, int(i < now_ok), seq)
+                        for i, (seq, *_) in enumerate(rows)
+                    ],
+                )
+                for i, (seq, raw_id, body, attempt, device) in enumerate(rows):
                     token = tokens[seq]
+                    job_id = _text(raw_id)
                     decoded = self._decode_body(job_id, body)
                     if isinstance(decoded, ErrorInfo):
-                        db.execute(_SETTLE, ("dead", job_id, token))
+                        db.execute(_SETTLE_SEQ, ("dead", seq, token))
                         self._store_dead(
                             db,
                             job_id=job_id,
                             job=None,
-                            raw=body.encode() if isinstance(body, str) else bytes(body),
+                            raw=bytes(body),
                             error=decoded,
                             attempt=attempt,
                             worker=worker_id,
                             device=device,
                             now=now,
                         )
-                        _log.error(
+                        notes.add(
+                            "error",
                             "job.bad_message",
                             job_id=job_id,
                             executor=None,  # undecodable: no executor is known
@@ -730,6 +1034,7 @@ class SQLiteBroker(Broker):
                             worker=worker_id,
                             device=device,
                             visibility_s=visibility_s,
+                            started=i < now_ok,
                         )
                     )
         except BaseException:
@@ -737,7 +1042,7 @@ class SQLiteBroker(Broker):
                 db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
-        return out
+        return out, notes
 
     async def lease(
         self,
@@ -746,17 +1051,23 @@ class SQLiteBroker(Broker):
         visibility_s: float,
         device: str | None = None,
         limit: int = 1,
+        started: int | None = None,
     ) -> list[Lease]:
         _check_lease_args(visibility_s, limit)
-        leases: list[Lease] = await self._run(
+        leases, notes = await self._run(
             self._lease_sync,
             worker_id,
             visibility_s,
             device or SERVER_DEVICE,
             limit,
+            limit if started is None else started,
             inline=limit <= 64,
         )
-        return leases
+        notes.emit()
+        if notes.items:
+            self._wake_results()
+        out: list[Lease] = leases
+        return out
 
     async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
         event = _wake_event(self._wake_key, "work")
@@ -765,15 +1076,34 @@ class SQLiteBroker(Broker):
 
     async def heartbeat(self, lease: Lease, *, visibility_s: float | None = None) -> HeartbeatReply:
         window = lease.visibility_s if visibility_s is None else visibility_s
-        until = self._clock() + window
 
-        def work() -> Any:
-            return self._db.execute(_HEARTBEAT, (until, lease.job.id, lease.token)).fetchone()
+        def work(db: sqlite3.Connection, now: float) -> HeartbeatReply:
+            until = now + window
+            row = db.execute(_HEARTBEAT, (until, lease.job.id, lease.token)).fetchone()
+            if row is None:
+                return HeartbeatReply(ok=False)
+            return HeartbeatReply(ok=True, cancel_requested=bool(row[0]), lease_until=until)
 
-        row = await self._run(work)
-        if row is None:
-            return HeartbeatReply(ok=False)
-        return HeartbeatReply(ok=True, cancel_requested=bool(row[0]), lease_until=until)
+        reply: HeartbeatReply = await self._run(self._txn, work)
+        return reply
+
+    async def mark_started(self, lease: Lease) -> bool:
+        def work() -> bool:
+            cur = self._db.execute(_MARK_STARTED, (lease.job.id, lease.token))
+            return cur.rowcount == 1
+
+        ok: bool = await self._run(work)
+        return ok
+
+    async def mark_started_many(self, leases: Sequence[Lease]) -> list[bool]:
+        def work(db: sqlite3.Connection, _now: float) -> list[bool]:
+            return [
+                db.execute(_MARK_STARTED, (lease.job.id, lease.token)).rowcount == 1
+                for lease in leases
+            ]
+
+        oks: list[bool] = await self._run(self._txn, work, inline=len(leases) <= 8)
+        return oks
 
     def _ack_one(self, db: sqlite3.Connection, lease: Lease, result: Result, now: float) -> bool:
         if result.job_id != lease.job.id:
@@ -784,15 +1114,12 @@ class SQLiteBroker(Broker):
         return self._store_result(db, result, now)
 
     async def ack(self, lease: Lease, result: Result) -> bool:
-        now = self._clock()
-        ok: bool = await self._run(self._txn, lambda db: self._ack_one(db, lease, result, now))
+        ok: bool = await self._run(self._txn, lambda db, now: self._ack_one(db, lease, result, now))
         self._wake_results()
         return ok
 
     async def ack_many(self, items: Sequence[tuple[Lease, Result]]) -> list[bool]:
-        now = self._clock()
-
-        def work(db: sqlite3.Connection) -> list[bool]:
+        def work(db: sqlite3.Connection, now: float) -> list[bool]:
             return [self._ack_one(db, lease, result, now) for lease, result in items]
 
         oks: list[bool] = await self._run(self._txn, work, inline=len(items) <= 8)
@@ -800,13 +1127,11 @@ class SQLiteBroker(Broker):
         return oks
 
     async def retry(self, lease: Lease, *, error: ErrorInfo, delay_s: float) -> RetryOutcome:
-        now = self._clock()
-
-        def work(db: sqlite3.Connection) -> RetryOutcome:
+        def work(db: sqlite3.Connection, now: float) -> RetryOutcome:
             row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
             if row is None:
                 return "lost"
-            attempt, max_attempts, _worker, _device, _body = row
+            attempt, max_attempts, _worker, _device = row
             if attempt >= max_attempts:
                 self._settle_dead(db, lease, row, error, now)
                 return "dead"
@@ -827,7 +1152,7 @@ class SQLiteBroker(Broker):
         now: float,
     ) -> None:
         """Mark the leased job dead and store its dead letter (a `_RETRY_LOOKUP` row)."""
-        attempt, _max, worker, device, _body = row
+        attempt, _max, worker, device = row
         db.execute(_SETTLE, ("dead", lease.job.id, lease.token))
         self._store_dead(
             db,
@@ -842,9 +1167,7 @@ class SQLiteBroker(Broker):
         )
 
     async def dead_letter(self, lease: Lease, *, error: ErrorInfo) -> bool:
-        now = self._clock()
-
-        def work(db: sqlite3.Connection) -> bool:
+        def work(db: sqlite3.Connection, now: float) -> bool:
             row = db.execute(_RETRY_LOOKUP, (lease.job.id, lease.token)).fetchone()
             if row is None:
                 return False
@@ -856,22 +1179,18 @@ class SQLiteBroker(Broker):
         return ok
 
     async def release(self, lease: Lease) -> bool:
-        now = self._clock()
-
-        def work() -> bool:
-            cur = self._db.execute(_REQUEUE, (now, 1, lease.job.id, lease.token))
+        def work(db: sqlite3.Connection, now: float) -> bool:
+            cur = db.execute(_REQUEUE, (now, 1, lease.job.id, lease.token))
             return cur.rowcount == 1
 
-        ok: bool = await self._run(work)
+        ok: bool = await self._run(self._txn, work)
         self._wake_workers()
         return ok
 
     # --- control and inspection -------------------------------------------------------
 
     async def cancel(self, job_id: str) -> CancelOutcome:
-        now = self._clock()
-
-        def work(db: sqlite3.Connection) -> CancelOutcome:
+        def work(db: sqlite3.Connection, now: float) -> CancelOutcome:
             row = db.execute(
                 "SELECT state, attempt, device FROM jobs WHERE id = ?", (job_id,)
             ).fetchone()
@@ -929,7 +1248,14 @@ class SQLiteBroker(Broker):
 
     async def get_result(self, job_id: str) -> Result | None:
         row = await self._run(lambda: self._db.execute(_GET_RESULT, (job_id,)).fetchone())
-        return None if row is None else decode_result(row[0])
+        if row is None:
+            return None
+        try:
+            return decode_result(row[0])
+        except BadMessage as exc:
+            raise BrokerCorrupt(
+                f"the stored result of job {job_id} in {self.path} cannot be read: {exc.message}"
+            ) from None
 
     async def wait_result(
         self,
@@ -965,15 +1291,35 @@ class SQLiteBroker(Broker):
     async def dead_letters(self, *, limit: int = 100) -> list[DeadLetter]:
         rows = await self._run(
             lambda: self._db.execute(
-                "SELECT body FROM dead_letters ORDER BY seq DESC LIMIT ?", (limit,)
+                "SELECT CAST(job_id AS BLOB), CAST(body AS BLOB), at FROM dead_letters "
+                "ORDER BY seq DESC LIMIT ?",
+                (limit,),
             ).fetchall()
         )
-        return [decode_dead_letter(body) for (body,) in rows]
+        out = []
+        for raw_id, body, at in rows:
+            try:
+                out.append(decode_dead_letter(body))
+            except BadMessage as exc:
+                # One damaged record must not hide the others; say what it is.
+                out.append(
+                    DeadLetter(
+                        job_id=_text(raw_id),
+                        raw=bytes(body)[:MAX_JOB_BYTES],
+                        raw_truncated=len(body) > MAX_JOB_BYTES,
+                        error=ErrorInfo(
+                            code=BrokerCorrupt.code,
+                            message=f"this dead letter's stored record is unreadable: "
+                            f"{exc.message}",
+                        ),
+                        at=at if isinstance(at, int | float) else 0.0,
+                    )
+                )
+        return out
 
     async def stats(self) -> BrokerStats:
-        now = self._clock()
-
         def work() -> BrokerStats:
+            now = self._clock()
             counts = {"queued": 0, "running": 0, "done": 0, "dead": 0}
             for state, n in self._db.execute("SELECT state, count(*) FROM jobs GROUP BY state"):
                 counts[state] = n
@@ -989,7 +1335,7 @@ class SQLiteBroker(Broker):
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         rows = [(i.name, encode_info(i).decode(), i.worker, i.at) for i in infos]
 
-        def work(db: sqlite3.Connection) -> None:
+        def work(db: sqlite3.Connection, _now: float) -> None:
             db.executemany(
                 "INSERT INTO executors (name, body, worker, at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (name) DO UPDATE SET body = excluded.body, "
@@ -1003,7 +1349,7 @@ class SQLiteBroker(Broker):
         def work() -> Any:
             try:
                 return self._db.execute(
-                    "SELECT body FROM executors WHERE name = ?", (name,)
+                    "SELECT CAST(body AS BLOB) FROM executors WHERE name = ?", (name,)
                 ).fetchone()
             except sqlite3.OperationalError as exc:
                 if "no such table" in str(exc):
@@ -1013,58 +1359,193 @@ class SQLiteBroker(Broker):
         row = await self._run(work)
         return None if row is None else decode_info(row[0])
 
-    async def purge(self, *, older_than_s: float) -> int:
-        cut = self._clock() - older_than_s
+    # --- retention --------------------------------------------------------------------
 
-        def work(db: sqlite3.Connection) -> int:
-            gone = db.execute(
-                "DELETE FROM jobs WHERE state IN ('done', 'dead') AND id IN "
-                "(SELECT job_id FROM results WHERE at < ?)",
-                (cut,),
-            ).rowcount
-            db.execute(
-                "DELETE FROM dead_letters WHERE job_id NOT IN (SELECT id FROM jobs) AND at < ?",
-                (cut,),
-            )
-            db.execute(
-                "DELETE FROM results WHERE at < ? AND job_id NOT IN (SELECT id FROM jobs)",
-                (cut,),
-            )
-            # Entries of forgotten jobs, and old entries no result ever confirmed.
-            db.execute(
-                "DELETE FROM undo_entries WHERE job_id NOT IN (SELECT job_id FROM results) "
-                "AND (at < ? OR job_id NOT IN (SELECT id FROM jobs))",
-                (cut,),
-            )
-            db.execute(
-                "DELETE FROM undo_entries WHERE at < ? AND id NOT IN (SELECT value FROM "
-                "results, json_each(results.body, '$.undo_ids') WHERE results.job_id = "
-                "undo_entries.job_id)",
-                (cut,),
-            )
-            db.execute("DELETE FROM undo_blobs WHERE entry_id NOT IN (SELECT id FROM undo_entries)")
-            return int(gone)
+    def _purge_batch(self, db: sqlite3.Connection, now: float, older_than_s: float) -> int:
+        cut = now - older_than_s
+        ids = [_text(r[0]) for r in db.execute(_PURGE_PICK, (cut, _PURGE_BATCH)).fetchall()]
+        orphans = [_text(r[0]) for r in db.execute(_PURGE_ORPHANS, (cut, _PURGE_BATCH)).fetchall()]
+        if not ids and not orphans:
+            return 0
+        if ids:
+            for hook in self.purge_hooks:
+                hook.forget_jobs(db, ids)
+        for group in (ids, orphans):
+            if not group:
+                continue
+            marks = ",".join("?" * len(group))
+            db.execute(f"DELETE FROM jobs WHERE id IN ({marks})", group)
+            db.execute(f"DELETE FROM results WHERE job_id IN ({marks})", group)
+            db.execute(f"DELETE FROM dead_letters WHERE job_id IN ({marks})", group)
+            # A job's undo entries go with its result (retention follows the results').
+            db.execute(f"DELETE FROM undo_entries WHERE job_id IN ({marks})", group)
+        return len(ids) + len(orphans)
 
-        # A purge may touch many rows: always in the thread.
-        removed: int = await self._run(self._txn, work, inline=False)
-        return removed
+    @staticmethod
+    def _purge_undo(db: sqlite3.Connection, cut: float) -> int:
+        """Undo entries no stored result confirms that are older than `cut` (their job
+        never got its result, or is gone), and the blob rows of entries no longer stored:
+        after this, `undo_blobs` is what the blob store must keep."""
+        gone = db.execute(
+            "DELETE FROM undo_entries WHERE job_id NOT IN (SELECT job_id FROM results) "
+            "AND (at < ? OR job_id NOT IN (SELECT id FROM jobs))",
+            (cut,),
+        ).rowcount
+        gone += db.execute(
+            "DELETE FROM undo_entries WHERE at < ? AND id NOT IN (SELECT value FROM "
+            "results, json_each(results.body, '$.undo_ids') WHERE results.job_id = "
+            "undo_entries.job_id)",
+            (cut,),
+        ).rowcount
+        db.execute("DELETE FROM undo_blobs WHERE entry_id NOT IN (SELECT id FROM undo_entries)")
+        return int(gone)
+
+    @staticmethod
+    def _pages(db: sqlite3.Connection) -> tuple[int, int]:
+        (pages,) = db.execute("PRAGMA page_count").fetchone()
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        return int(pages), int(page_size)
+
+    @classmethod
+    def _reclaim(cls, db: sqlite3.Connection, stop: threading.Event | None = None) -> int | None:
+        """Give free pages back to the file system: incremental vacuum, in steps.
+
+        ``None`` when the file was made without ``auto_vacuum = INCREMENTAL`` (created by
+        version 1 of the schema): only a full `vacuum` can shrink it (``metnos-exec
+        purge --vacuum``), and a worker must not hold the whole file for that.
+        """
+        (mode,) = db.execute("PRAGMA auto_vacuum").fetchone()
+        if mode != 2:
+            return None
+        before, page_size = cls._pages(db)
+        while stop is None or not stop.is_set():
+            (free,) = db.execute("PRAGMA freelist_count").fetchone()
+            if not free:
+                break
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                # One page per row: the pragma only does its work as its rows are read.
+                db.execute(f"PRAGMA incremental_vacuum({_VACUUM_STEP_PAGES})").fetchall()
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        # The main file only shrinks when the WAL is checkpointed (TRUNCATE also empties
+        # the WAL). Briefly: it waits for readers through the busy handler.
+        db.execute("PRAGMA busy_timeout = 1000")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        return max(0, before - cls._pages(db)[0]) * page_size
+
+    def _aux_connection(self) -> sqlite3.Connection:
+        """A connection of its own for long work (purge), so this broker's connection
+        stays free: a worker purging in the background keeps leasing and acking."""
+        db = sqlite3.connect(self.path, timeout=0, isolation_level=None)
+        db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+        return db
+
+    async def purge(self, *, older_than_s: float) -> PurgeReport:
+        if self._closed:
+            raise BrokerUnavailable(f"the broker on {self.path} is closed")
+        self._check_file()
+        stop = threading.Event()
+
+        def work() -> PurgeReport:
+            db = self._aux_connection()
+            try:
+                jobs = 0
+                # Many short transactions, each waiting its turn for the lock: producers
+                # and workers go on between them.
+                while not stop.is_set() and (
+                    n := self._txn(lambda d, now: self._purge_batch(d, now, older_than_s), db)
+                ):
+                    jobs += n
+                collected = 0
+                if not stop.is_set():
+                    collected = self._txn(
+                        lambda d, now: (
+                            self._purge_undo(d, now - older_than_s)
+                            + sum(
+                                int(h.collect(d, before=now - older_than_s))
+                                for h in self.purge_hooks
+                            )
+                        ),
+                        db,
+                    )
+                reclaimed: int | None = 0
+                if stop.is_set():
+                    reclaimed = None
+                elif jobs or collected or db.execute("PRAGMA freelist_count").fetchone()[0]:
+                    # Only when there is something to give back: the checkpoint at the end
+                    # waits for readers, which a worker starting up need not do each time.
+                    reclaimed = self._reclaim(db, stop)
+                elif db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                    reclaimed = None  # an older file: only `vacuum` can shrink it
+                return PurgeReport(jobs=jobs, collected=collected, reclaimed_bytes=reclaimed)
+            finally:
+                db.close()
+
+        async def watch() -> None:
+            # A cancel of the caller (a worker stopping) reaches the thread through
+            # `stop`: it ends at its next batch (each one transaction, so what it leaves
+            # is consistent), and the caller waits only for that, never for a long purge,
+            # and leaves no thread (nor its connection) behind.
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()
+
+        def guarded() -> PurgeReport | BrokerError:
+            # The error returned, not raised: raised inside the task group below it would
+            # come out wrapped in an exception group.
+            try:
+                return work()
+            except sqlite3.Error as exc:
+                return self._error(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            outcome = await anyio.to_thread.run_sync(guarded)
+            tg.cancel_scope.cancel()
+        if isinstance(outcome, BrokerError):
+            raise outcome
+        return outcome
+
+    async def vacuum(self) -> int:
+        """Rewrite the whole file (``VACUUM``) and switch it to incremental vacuum, so
+        later purges give space back by themselves. Returns the bytes given back.
+
+        For a file made by an older version; it holds the write lock for the whole
+        rewrite (seconds on a large queue), so it is an operator's command
+        (``metnos-exec purge --vacuum``), never something a worker does on its own.
+        """
+
+        def work() -> int:
+            db = self._db
+            before, page_size = self._pages(db)
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            db.execute("VACUUM")
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            return max(0, before - self._pages(db)[0]) * page_size
+
+        reclaimed: int = await self._run(work, inline=False)
+        return reclaimed
 
     # --- undo entries -----------------------------------------------------------------
 
     async def record_undo(
         self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
     ) -> bool:
-        now = self._clock()
-        rows = [(e.id, e.job_id, encode(e).decode(), now) for e in entries]
+        bodies = [(e.id, e.job_id, encode(e).decode()) for e in entries]
         blobs = [(e.id, digest) for e in entries for digest in sorted(e.blobs())]
 
-        def work(db: sqlite3.Connection) -> bool:
+        def work(db: sqlite3.Connection, now: float) -> bool:
             # Fenced like an ack: only the current lease may record.
             if db.execute(_LEASE_IS_CURRENT, (lease.job.id, lease.token)).fetchone() is None:
                 return False
             db.executemany(
                 "INSERT OR REPLACE INTO undo_entries (id, job_id, body, at) VALUES (?, ?, ?, ?)",
-                rows,
+                [(*row, now) for row in bodies],
             )
             db.executemany(
                 "INSERT OR IGNORE INTO undo_blobs (entry_id, sha256) VALUES (?, ?)", blobs
@@ -1075,7 +1556,7 @@ class SQLiteBroker(Broker):
             )
             return True
 
-        ok: bool = await self._run(self._txn, work, inline=len(rows) <= 8)
+        ok: bool = await self._run(self._txn, work, inline=len(bodies) <= 8)
         return ok
 
     async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
@@ -1087,12 +1568,18 @@ class SQLiteBroker(Broker):
                 chunk = ids[i : i + _IN_CHUNK]
                 marks = ",".join("?" * len(chunk))
                 for entry_id, body, at, undone_by in self._db.execute(
-                    f"SELECT id, body, at, undone_by FROM undo_entries WHERE id IN ({marks})",
+                    "SELECT id, CAST(body AS BLOB), at, undone_by FROM undo_entries "
+                    f"WHERE id IN ({marks})",
                     chunk,
                 ):
-                    found[entry_id] = UndoRecord(
-                        entry=decode_undo_entry(body), undone_by=undone_by, recorded_at=at
-                    )
+                    try:
+                        entry = decode_undo_entry(body)
+                    except BadMessage as exc:
+                        raise BrokerCorrupt(
+                            f"the stored undo entry {entry_id} in {self.path} cannot be read: "
+                            f"{exc.message}"
+                        ) from None
+                    found[entry_id] = UndoRecord(entry=entry, undone_by=undone_by, recorded_at=at)
             return found
 
         if not ids:

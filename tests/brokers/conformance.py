@@ -4,22 +4,32 @@ A broker's test module subclasses `BrokerConformance` and implements `open_broke
 as an async context manager yielding a fresh, empty broker that uses `clock` for leases,
 delays and timestamps. Time moves only when a test advances the `VirtualClock`, so lease
 expiry and backoff are tested without sleeping.
+
+A broker with a store that can fail also implements `storage_fault(broker)`: an async
+context manager inside which the broker's writes fail for a real reason (a lock held
+elsewhere past its wait, a server that refuses writes, ...). Without it (the memory
+broker has no store) the storage-error tests skip.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
 from msgspec.structs import replace as msgspec_replace
+from structlog.testing import capture_logs
 
 from metnos_exec.brokers import Broker, Lease, SubmitReceipt
-from metnos_exec.errors import IdempotencyConflict
+from metnos_exec.brokers.base import MAX_UNSTARTED_LAPSES
+from metnos_exec.errors import BadMessage, BrokerError, IdempotencyConflict
 from metnos_exec.messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
+    MAX_ARGS_DEPTH,
+    MAX_JOB_BYTES,
     ErrorInfo,
     FileState,
     Job,
@@ -77,6 +87,23 @@ def job(executor: str = "echo", **kw: object) -> Job:
     return Job(executor=executor, args={"n": 1}, **kw)  # type: ignore[arg-type]
 
 
+class RecordingHook:
+    """A `PurgeHook` that records what it was handed."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        self.collected = 0
+
+    def forget_jobs(self, store: Any, job_ids: Sequence[str]) -> None:
+        assert store is not None
+        self.forgotten.extend(job_ids)
+
+    def collect(self, store: Any, *, before: float) -> int:
+        assert store is not None and before < T0 + 1000
+        self.collected += 1
+        return 3
+
+
 @pytest.mark.anyio
 class BrokerConformance:
     """Behaviour every `Broker` promises (see `metnos_exec.brokers.base`)."""
@@ -84,6 +111,11 @@ class BrokerConformance:
     @contextlib.asynccontextmanager
     async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
         raise NotImplementedError
+        yield  # pragma: no cover
+
+    @contextlib.asynccontextmanager
+    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
+        pytest.skip(f"{type(broker).__name__} has no store that can fail")
         yield  # pragma: no cover
 
     @contextlib.asynccontextmanager
@@ -274,6 +306,7 @@ class BrokerConformance:
             j = job()
             await b.submit(j)
             [first] = await b.lease("w1", visibility_s=10)
+            assert first.started  # a plain lease counts at once
             clock.advance(9.9)
             assert await b.lease("w2", visibility_s=10) == []
             clock.advance(0.1)
@@ -336,6 +369,84 @@ class BrokerConformance:
             [letter] = await b.dead_letters()
             assert letter.job_id == j.id and letter.attempts == 2 and letter.job == j
             assert (await b.get_job_state(j.id)).state == "dead"  # type: ignore[union-attr]
+
+    async def test_a_lease_that_lapses_before_it_started_uses_no_attempt(self) -> None:
+        """A job leased ahead whose worker dies before launching it, again and again, is
+        delivered with the same attempt number and never dead-lettered for it."""
+        async with self.broker() as (b, clock):
+            j = job(max_attempts=2)
+            await b.submit(j)
+            for _ in range(5):
+                [lease] = await b.lease("w1", visibility_s=5, started=0)
+                assert (lease.attempt, lease.started) == (1, False)
+                clock.advance(5)
+            [lease] = await b.lease("w2", visibility_s=5, started=0)
+            assert lease.attempt == 1
+            state = await b.get_job_state(j.id)
+            assert state is not None and (state.state, state.attempt) == ("running", 1)
+            assert await b.mark_started(lease)
+            clock.advance(5)
+            # That delivery had started: it counts, and the next one is the last.
+            [again] = await b.lease("w3", visibility_s=5)
+            assert again.attempt == 2
+            assert await b.ack(again, ok_result(again))
+            assert await b.dead_letters() == []
+
+    async def test_a_job_that_never_starts_is_dead_after_the_unstarted_lapse_cap(self) -> None:
+        async with self.broker() as (b, clock):
+            j = job(max_attempts=3)
+            await b.submit(j)
+            for _ in range(MAX_UNSTARTED_LAPSES):
+                [lease] = await b.lease("w1", visibility_s=5, started=0)
+                assert lease.attempt == 1
+                clock.advance(5)
+            assert await b.lease("w1", visibility_s=5) == []
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "dead"
+            assert result.error is not None and result.error.code == E_LEASE_EXPIRED
+            assert "never started" in result.error.message
+            [letter] = await b.dead_letters()
+            assert (letter.job_id, letter.attempts) == (j.id, 0)
+
+    async def test_mark_started_needs_the_current_lease(self) -> None:
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [slow] = await b.lease("w1", visibility_s=10, started=0)
+            clock.advance(10)
+            [fast] = await b.lease("w2", visibility_s=10, started=0)
+            assert fast.attempt == 1  # the slow delivery never started
+            assert not await b.mark_started(slow)
+            assert await b.mark_started_many([slow, fast]) == [False, True]
+            assert await b.mark_started(fast)  # again: still the current lease
+            assert await b.ack(fast, ok_result(fast))
+            assert not await b.mark_started(fast)
+            assert await b.mark_started_many([]) == []
+
+    async def test_a_released_lease_starts_afresh(self) -> None:
+        async with self.broker() as (b, clock):
+            j = job(max_attempts=1)
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=5)
+            assert await b.release(lease)
+            # Released (drain) after it started: handed back un-attempted, and the next
+            # delivery leased ahead is unstarted until marked.
+            [again] = await b.lease("w2", visibility_s=5, started=0)
+            assert again.attempt == 1
+            clock.advance(5)
+            [third] = await b.lease("w3", visibility_s=5)
+            assert third.attempt == 1
+
+    async def test_only_the_first_started_leases_of_a_batch_count_at_once(self) -> None:
+        async with self.broker() as (b, clock):
+            jobs = [job() for _ in range(4)]
+            await b.submit_many(jobs)
+            leases = await b.lease("w1", visibility_s=5, limit=4, started=1)
+            assert [le.started for le in leases] == [True, False, False, False]
+            assert await b.mark_started(leases[1])
+            clock.advance(5)
+            again = await b.lease("w2", visibility_s=5, limit=4)
+            assert [le.attempt for le in again] == [2, 2, 1, 1]
+            assert all(le.started for le in again)
 
     # --- retries and dead letters -----------------------------------------------------
 
@@ -478,6 +589,74 @@ class BrokerConformance:
             assert "max_attempts" not in letters[bad_ids[1]].error.message
             assert "$.executor" in letters[bad_ids[1]].error.message
 
+    async def test_any_undecodable_message_is_dead_lettered_once_and_the_batch_flows(
+        self,
+    ) -> None:
+        """Whatever a decoder raises (RecursionError from nesting, bad UTF-8, a number
+        out of range, a depth over the limit), the message is dead-lettered once with
+        E_BAD_MESSAGE, logged once, and the valid jobs around it in the same batch are
+        leased in the same call."""
+
+        def nested(depth: int) -> bytes:
+            return b'{"executor":"echo","args":{"a":' + b"[" * depth + b"]" * depth + b"}}"
+
+        async with self.broker() as (b, _clock):
+            first = job()
+            await b.submit(first)
+            bad_ids = [
+                await b.submit_raw(nested(1000)),  # RecursionError inside the decoder
+                await b.submit_raw(nested(200_000)),  # far deeper, still under 1 MiB
+                await b.submit_raw(nested(MAX_ARGS_DEPTH)),  # decodes; over the limit
+                await b.submit_raw(b'{"executor":"echo","args":{"t":"\xff\xfe"}}'),
+                await b.submit_raw(b'{"executor":"echo","args":{"n":1' + b"0" * 5000 + b"}}"),
+                await b.submit_raw(b'{"executor":"echo","max_attempts":1e999}'),
+                await b.submit_raw(b"[" * 50_000),
+            ]
+            last = job()
+            await b.submit(last)
+            with capture_logs() as logs:
+                leases = await b.lease("w1", visibility_s=VIS, limit=20)
+            assert [le.job.id for le in leases] == [first.id, last.id]
+            letters = {d.job_id: d for d in await b.dead_letters()}
+            assert set(letters) == set(bad_ids)
+            for job_id in bad_ids:
+                assert letters[job_id].error.code == "E_BAD_MESSAGE", letters[job_id]
+                result = await b.get_result(job_id)
+                assert result is not None and result.status == "dead"
+            assert "nests too deeply" in letters[bad_ids[0]].error.message
+            assert str(MAX_ARGS_DEPTH) in letters[bad_ids[2]].error.message
+            logged = sorted(e["job_id"] for e in logs if e["event"] == "job.bad_message")
+            assert logged == sorted(bad_ids)
+            # Once: nothing is left to dead-letter or to log on the next lease.
+            with capture_logs() as again:
+                assert await b.lease("w2", visibility_s=VIS, limit=20) == []
+            assert [e for e in again if e["event"] == "job.bad_message"] == []
+            assert len(await b.dead_letters()) == len(bad_ids)
+            # A bad body just under the nesting limit is a valid job.
+            ok_id = await b.submit_raw(nested(MAX_ARGS_DEPTH - 3))
+            [lease] = await b.lease("w3", visibility_s=VIS)
+            assert lease.job.id == ok_id
+
+    async def test_submit_refuses_a_job_over_the_size_limit(self) -> None:
+        async with self.broker() as (b, _clock):
+            big = Job(executor="echo", args={"blob": "x" * MAX_JOB_BYTES})
+            for submit in (b.submit(big), b.submit_many([job(), big])):
+                with pytest.raises(BadMessage) as info:
+                    await submit
+                assert info.value.code == "E_BAD_MESSAGE"
+                assert f"{MAX_JOB_BYTES:,}" in info.value.message, info.value.message
+            with pytest.raises(BadMessage, match="MAX_JOB_BYTES"):
+                await b.submit_raw(b"x" * (MAX_JOB_BYTES + 1))
+            deep: Any = []
+            for _ in range(MAX_ARGS_DEPTH + 5):
+                deep = [deep]
+            with pytest.raises(BadMessage, match="MAX_ARGS_DEPTH"):
+                await b.submit(Job(executor="echo", args={"d": deep}))
+            # Nothing of it was stored.
+            stats = await b.stats()
+            assert (stats.queued, stats.dead) == (0, 0)
+            assert await b.get_job_state(big.id) is None
+
     # --- devices ----------------------------------------------------------------------
 
     async def test_device_routing(self) -> None:
@@ -512,7 +691,12 @@ class BrokerConformance:
             clock.advance(100)
             [l_fresh] = await b.lease("w", visibility_s=VIS)
             await b.ack(l_fresh, ok_result(l_fresh))
-            assert await b.purge(older_than_s=50) == 2
+            hook = RecordingHook()
+            b.add_purge_hook(hook)
+            report = await b.purge(older_than_s=50)
+            assert report.jobs == 2
+            assert sorted(hook.forgotten) == sorted([old.id, dead.id])
+            assert hook.collected == 1 and report.collected == 3
             for gone in (old, dead):
                 assert await b.get_result(gone.id) is None
                 assert await b.get_job_state(gone.id) is None
@@ -521,6 +705,36 @@ class BrokerConformance:
             assert (await b.get_job_state(queued.id)).state == "queued"  # type: ignore[union-attr]
             # The idempotency key is forgotten with its job.
             assert not (await b.submit(job(idempotency_key="old"))).duplicate
+            # Nothing older left: nothing forgotten, the hooks still collect.
+            assert (await b.purge(older_than_s=50)).jobs == 0
+            assert hook.collected == 2
+
+    # --- store failures ---------------------------------------------------------------
+
+    async def test_a_store_failure_is_a_broker_error_and_changes_nothing(self) -> None:
+        async with self.broker() as (b, _clock):
+            j = job()
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert await b.mark_started(lease)
+            async with self.storage_fault(b):
+                for call in (
+                    b.ack(lease, ok_result(lease, "kept")),
+                    b.submit(job()),
+                    b.retry(lease, error=ErrorInfo(code="E_X", message="x"), delay_s=0),
+                ):
+                    with pytest.raises(BrokerError) as info:
+                        await call
+                    assert info.value.retry and not info.value.fatal
+                    assert info.value.code.startswith("E_BROKER_")
+            # Nothing half-done: the lease is still this worker's, and the result kept in
+            # memory is stored now, once.
+            assert await b.get_result(j.id) is None
+            assert (await b.heartbeat(lease)).ok
+            assert await b.ack(lease, ok_result(lease, "kept"))
+            result = await b.get_result(j.id)
+            assert result is not None and result.output == "kept"
+            assert (await b.stats()).queued == 0
 
     # --- undo entries -----------------------------------------------------------------
 
@@ -582,7 +796,7 @@ class BrokerConformance:
             e_kept = undo_entry(kept.id, "c" * 64)
             assert await b.record_undo(l_kept, [e_kept])
             await b.ack(l_kept, msgspec_replace(ok_result(l_kept), undo_ids=(e_kept.id,)))
-            assert await b.purge(older_than_s=50) == 2
+            assert (await b.purge(older_than_s=50)).jobs == 2
             assert [r.entry.id for r in await b.get_undo([e_gone.id, e_orphan.id, e_kept.id])] == [
                 e_kept.id
             ]

@@ -15,9 +15,10 @@ import coredis
 import pytest
 from structlog.testing import capture_logs
 
-from metnos_exec.brokers import Broker, Lease, open_broker
+from metnos_exec.brokers import BadBrokerURL, Broker, Lease, open_broker
 from metnos_exec.brokers.redis import GROUP, RedisBroker
 from metnos_exec.brokers.sqlite import BrokerUnavailable
+from metnos_exec.errors import BrokerFull
 from metnos_exec.messages import E_LEASE_EXPIRED, ErrorInfo, Job, Result, encode
 from tests.conftest import need
 from tests.helpers.redis_server import RedisServer, redis_server_path
@@ -36,11 +37,29 @@ class TestRedisBroker(BrokerConformance):
 
     @contextlib.asynccontextmanager
     async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
-        # A long poll interval: the suite's wait tests must be woken in process.
+        # A long poll interval: the suite's wait tests must be woken in process. A short
+        # settle patience, for `storage_fault` (no other test of the suite fails a call).
         async with RedisBroker(
-            self.server.url, prefix=_prefix(), clock=clock, poll_interval_s=30.0
+            self.server.url,
+            prefix=_prefix(),
+            clock=clock,
+            poll_interval_s=30.0,
+            settle_patience_s=0.2,
         ) as broker:
             yield broker
+
+    @contextlib.asynccontextmanager
+    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
+        # The server turned into a replica (of a master that is not there), as after a
+        # failover: it refuses every write (READONLY) and keeps its data. (A full Redis
+        # is no fault for a settle: its scripts free memory first, and Redis lets a
+        # script that already wrote go on.)
+        async with _raw(self.server.url) as raw:
+            await raw.replicaof("127.0.0.1", 1)
+            try:
+                yield
+            finally:
+                await raw.replicaof()
 
 
 # --- helpers --------------------------------------------------------------------------
@@ -88,7 +107,7 @@ def test_open_broker_redis_url() -> None:
     assert broker.keys.base == "{q7}:" and broker.where == "redis://127.0.0.1:1"
     assert isinstance(open_broker("rediss://user:secret@example.org:6380/0"), RedisBroker)
     assert "secret" not in open_broker("redis://:secret@h:1/0").where  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="unknown redis broker options"):
+    with pytest.raises(BadBrokerURL, match="unknown redis broker options"):
         open_broker("redis://127.0.0.1:1/0?colour=blue")
     with pytest.raises(ValueError, match="prefix"):
         RedisBroker("redis://127.0.0.1:1/0", prefix="a{b}")
@@ -403,9 +422,9 @@ async def test_a_result_is_kept_while_redis_restarts_and_stored_after(tmp_path: 
 
 
 @pytest.mark.anyio
-async def test_a_full_redis_is_broker_unavailable_and_nothing_is_evicted(tmp_path: Path) -> None:
+async def test_a_full_redis_is_broker_full_and_nothing_is_evicted(tmp_path: Path) -> None:
     """maxmemory reached under noeviction (queue/redis.conf): writes are refused with
-    ``E_BROKER_UNAVAILABLE`` (the worker retries), and nothing already queued is lost."""
+    ``E_BROKER_FULL`` (the worker retries), and nothing already queued is lost."""
     need(redis_server_path() is not None, "redis-server is not installed")
     server = RedisServer(tmp_path / "redis")
     server.start()
@@ -417,10 +436,10 @@ async def test_a_full_redis_is_broker_unavailable_and_nothing_is_evicted(tmp_pat
             await raw.config_set({"maxmemory": used})
             with (
                 capture_logs() as logs,
-                pytest.raises(BrokerUnavailable, match="refuses writes: OOM") as info,
+                pytest.raises(BrokerFull, match="refuses writes: OOM") as info,
             ):
                 await b.submit(Job(executor="echo", args={"pad": "x" * 100_000}))
-            assert info.value.code == "E_BROKER_UNAVAILABLE"
+            assert info.value.code == "E_BROKER_FULL" and info.value.retry
             assert [r["event"] for r in logs] == ["broker.error"]
             await raw.config_set({"maxmemory": 0})
             [lease] = await b.lease("w", visibility_s=30)

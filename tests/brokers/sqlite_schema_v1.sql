@@ -1,0 +1,84 @@
+-- metnos-exec SQLite queue, schema version 1 (PRAGMA user_version = 1).
+-- The broker (metnos_exec/brokers/sqlite.py) embeds this exact text; a test keeps the two
+-- identical. Producers in other languages: see queue/README.md.
+--
+-- journal_mode=WAL is persistent in the file; synchronous=NORMAL and busy_timeout are per
+-- connection: the broker sets them, and another-language producer should set busy_timeout.
+
+-- One row per job. `body` is the job exactly as submitted (JSON text, see
+-- queue/schemas/job.json); the routing columns copy fields of it. Producers in other
+-- languages insert into the `job_inbox` view below, which fills them from the body.
+CREATE TABLE IF NOT EXISTS jobs (
+    seq              INTEGER PRIMARY KEY,         -- submission order (FIFO tie-break)
+    id               TEXT NOT NULL UNIQUE,        -- the job id (equal to body's "id")
+    body             TEXT NOT NULL,
+    device           TEXT NOT NULL DEFAULT 'server',
+    priority         INTEGER NOT NULL DEFAULT 0,
+    max_attempts     INTEGER NOT NULL DEFAULT 3,
+    idempotency_key  TEXT,
+    not_before       REAL,
+    -- Mutable delivery state, owned by the broker.
+    state            TEXT NOT NULL DEFAULT 'queued'
+                     CHECK (state IN ('queued', 'running', 'done', 'dead')),
+    due_at           REAL,                        -- NULL: use not_before (NULL: now)
+    attempt          INTEGER NOT NULL DEFAULT 0,  -- deliveries so far
+    token            TEXT,                        -- fencing token of the current lease
+    lease_until      REAL,
+    worker           TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+
+-- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
+-- The trigger derives the routing columns from the body. A field of the wrong JSON type
+-- (or a body that is not JSON at all) yields the column's default, so the row is still
+-- leased by a server worker and dead-lettered with E_BAD_MESSAGE rather than stranded.
+-- OR IGNORE: a duplicate id or idempotency key inserts nothing (the first job stands).
+-- (Generated columns would say the same more briefly, but SQLite recomputes stored
+-- generated columns on every UPDATE of the row, which tripled the cost of a lease.)
+CREATE VIEW IF NOT EXISTS job_inbox AS SELECT id, body FROM jobs;
+CREATE TRIGGER IF NOT EXISTS job_inbox_insert INSTEAD OF INSERT ON job_inbox
+BEGIN
+    INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
+                                not_before)
+    SELECT NEW.id, NEW.body,
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.device')
+            WHEN 'text' THEN json_extract(NEW.body, '$.device') END END, 'server'),
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.priority')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.priority') END END, 0),
+        coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.max_attempts')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.max_attempts') END END, 3),
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.idempotency_key')
+            WHEN 'text' THEN json_extract(NEW.body, '$.idempotency_key') END END,
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.not_before')
+            WHEN 'real' THEN json_extract(NEW.body, '$.not_before')
+            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END
+    FROM (SELECT json_valid(NEW.body) AS ok);
+END;
+
+-- Leasing: the best queued job for one device.
+CREATE INDEX IF NOT EXISTS jobs_ready
+    ON jobs (device, priority DESC, seq) WHERE state = 'queued';
+-- Expired leases (workers that died).
+CREATE INDEX IF NOT EXISTS jobs_running
+    ON jobs (lease_until) WHERE state = 'running';
+-- Idempotency: a second job with the same key is not inserted.
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency
+    ON jobs (idempotency_key) WHERE idempotency_key IS NOT NULL;
+
+-- One result per job, written once (see queue/schemas/result.json).
+CREATE TABLE IF NOT EXISTS results (
+    job_id  TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    status  TEXT NOT NULL,
+    at      REAL NOT NULL
+) WITHOUT ROWID;
+
+-- Jobs that will not run again, with the last error (see queue/schemas/dead_letter.json).
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq     INTEGER PRIMARY KEY,
+    job_id  TEXT NOT NULL UNIQUE,
+    body    TEXT NOT NULL,
+    at      REAL NOT NULL
+);
+
+PRAGMA user_version = 1;
