@@ -15,11 +15,16 @@ interleaved round by round (and the order alternated), so both see the same mach
 The ratio of medians staged / direct is printed per N; target: <= 1.2 for N = 100. The
 staged row also shows where its time goes (median per phase).
 
+With ``--as-root`` (a root worker only) a third way joins the interleaving: **staged_root**,
+the staged job with ``METNOS_SLOT_UIDS=off``, run as root as every staged job of a root
+worker was before its slot's uid could be used (no idmapped clones, no ``--setuid``):
+``staged / staged_root`` is what running the staged job as the slot's uid costs.
+
 Run it against this checkout (``PYTHONPATH=.``). As root the staging helper needs no user
 namespace; as another user it makes one (bubblewrap then runs one namespace deeper).
 
 Usage: python bench/staging_commit.py [--rounds 15] [--big-rounds 5] [--sizes 1,100,10000]
-       [--backend asyncio|trio] [--json]
+       [--backend asyncio|trio] [--json] [--as-root]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 import anyio
 
+from metnos_exec.identities import SLOT_UIDS_ENV
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
 from metnos_exec.sandbox.flags import guest_python
@@ -103,7 +109,9 @@ async def run_staged(
     }
 
 
-async def measure(sizes: list[int], rounds: int, big_rounds: int) -> dict[str, Any]:
+async def measure(
+    sizes: list[int], rounds: int, big_rounds: int, as_root: bool = False
+) -> dict[str, Any]:
     probe = bwrap_probe()
     if not probe.working:
         raise SystemExit(f"bubblewrap not usable here: {probe.error}")
@@ -119,14 +127,15 @@ async def measure(sizes: list[int], rounds: int, big_rounds: int) -> dict[str, A
     if reason is not None:
         raise SystemExit(f"overlay staging is unavailable here: {reason}")
     samples: dict[tuple[int, str], list[dict[str, float]]] = {}
+    modes = ("direct", "staged", "staged_root") if as_root else ("direct", "staged")
     try:
         for n in sizes:
             count = rounds if n < 10_000 else big_rounds
             # One warm-up of each (page cache, the spawner thread, the helper).
-            for mode in ("direct", "staged"):
+            for mode in modes:
                 await _one(arm, staging, script, root, n, mode, "warm")
             for r in range(count):
-                order = ("direct", "staged") if r % 2 == 0 else ("staged", "direct")
+                order = modes if r % 2 == 0 else modes[::-1]
                 for mode in order:
                     got = await _one(arm, staging, script, root, n, mode, str(r))
                     samples.setdefault((n, mode), []).append(got)
@@ -145,6 +154,13 @@ async def measure(sizes: list[int], rounds: int, big_rounds: int) -> dict[str, A
             "ratio": med["total"] / direct,
             "phases_ms": {k: v * 1e3 for k, v in med.items() if k != "total"},
         }
+        if as_root:
+            as_root_s = [s["total"] for s in samples[(n, "staged_root")]]
+            out["sizes"][n]["staged_root_ms"] = statistics.median(as_root_s) * 1e3
+            out["sizes"][n]["slot_over_root"] = med["total"] / statistics.median(as_root_s)
+            out["sizes"][n]["run_slot_over_root"] = med["run"] / statistics.median(
+                s["run"] for s in samples[(n, "staged_root")]
+            )
     return out
 
 
@@ -156,8 +172,12 @@ async def _one(
     try:
         if mode == "direct":
             return await run_direct(arm, job)
-        return await run_staged(arm, staging, job, root, f"bench{n}{r}{os.getpid()}")
+        if mode == "staged_root":
+            # Read per job by the arm: this run as root, as before slot uids (see above).
+            os.environ[SLOT_UIDS_ENV] = "off"
+        return await run_staged(arm, staging, job, root, f"bench{n}{r}{os.getpid()}{mode}")
     finally:
+        os.environ.pop(SLOT_UIDS_ENV, None)
         shutil.rmtree(root / folder, ignore_errors=True)
 
 
@@ -168,10 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,100,10000")
     p.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--as-root", action="store_true", help="also the staged job as root (a root worker)"
+    )
     args = p.parse_args(argv)
+    if args.as_root and os.geteuid() != 0:
+        p.error("--as-root compares a root worker's two ways: run as root")
     sizes = [int(x) for x in args.sizes.split(",")]
     load = os.getloadavg()[0]
-    result = anyio.run(measure, sizes, args.rounds, args.big_rounds, backend=args.backend)
+    result = anyio.run(
+        measure, sizes, args.rounds, args.big_rounds, args.as_root, backend=args.backend
+    )
     result["backend"] = args.backend
     result["load_1min_before"] = round(load, 2)
     result["uid"] = os.geteuid()
@@ -188,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| **{row['ratio']:.2f}** | {ph['prepare']:.2f} | {ph['run']:.1f} | "
             f"{ph['commit']:.2f} | {ph['settle']:.2f} |"
         )
+    if args.as_root:
+        print()
+        print("| files | staged as the slot uid | as root | slot / root | run: slot / root |")
+        print("|---|---|---|---|---|")
+        for n, row in result["sizes"].items():
+            print(
+                f"| {n:,} | {row['staged_ms']:.1f} ms | {row['staged_root_ms']:.1f} ms | "
+                f"**{row['slot_over_root']:.3f}** | {row['run_slot_over_root']:.3f} |"
+            )
     return 0
 
 

@@ -29,8 +29,10 @@ What the guest of a slot may touch on the host is then what that uid may: the re
 system folders as any local user, and its own mounts. Those are root's files (the root
 worker's user); to keep the owner rights the job had before, each one is mounted through
 an *idmapped* mount that shows the worker's uid 0 as the slot's uid
-(`metnos_exec.sandbox.mount_sources.StagedSources`), which needs the user namespace
-`SlotIdentity.userns_fd` (uid 0 → the slot's uid).
+(`metnos_exec.sandbox.mount_sources.StagedSources`; for a staged job, the lower layers of
+its overlays, `metnos_exec.staging.overlay`), which needs the user namespace
+`SlotIdentity.userns_fd` (uid 0 → the slot's uid, every other id but the slot's to
+itself: `_id_map`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ __all__ = (
     "SlotIdentity",
     "allocate",
     "held_fds",
+    "private_dir",
     "slot_uid_range",
     "slot_uids_unavailable",
     "switched",
@@ -123,8 +126,8 @@ class SlotIdentity:
     Attributes:
         uid: the slot's host uid.
         gid: the slot's host gid (the same number).
-        userns_fd: a user namespace mapping uid and gid 0 to the slot's: what idmapped
-            mounts of root's folders for this slot are made with.
+        userns_fd: a user namespace mapping uid and gid 0 to the slot's (`_id_map`):
+            what idmapped mounts of root's folders for this slot are made with.
     """
 
     def __init__(self, uid: int, lock_fd: int, userns_fd: int) -> None:
@@ -228,7 +231,7 @@ def _known(uid: int) -> bool:
     return True
 
 
-def _private_dir(path: str, mode: int) -> None:
+def private_dir(path: str, mode: int) -> None:
     """`path` as a root-owned real folder with `mode` (never through a symlink)."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, mode)
@@ -238,8 +241,33 @@ def _private_dir(path: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
+#: The largest id a map may name: ``(uid_t) -1`` is no id.
+_LAST_ID: Final = 2**32 - 2
+
+
+def _id_map(uid: int) -> str:
+    """The ``uid_map``/``gid_map`` of a slot's user namespace: 0 is `uid` on the host,
+    every other id but `uid` is itself, and `uid` (as an id inside) is unmapped.
+
+    Only 0 matters for permissions: the slot's processes are `uid` and nothing else, so
+    through an idmapped mount they own what root owns, and are *others* for every other
+    owner, whether that owner is mapped or not. The other ids are mapped so those files
+    keep their owners through the mount: overlayfs copies a file up (a staged job of the
+    slot writing it) with its owner as the lower layer shows it, and an unmapped owner
+    makes the copy fail (``EOVERFLOW``), even for a file whose mode lets anyone write.
+    Nothing maps to host root: a file the slot's uid creates through the mount is root's
+    on disk, and no process of the slot can make one that is anybody else's.
+    """
+    lines = [f"0 {uid} 1"]
+    if uid > 1:
+        lines.append(f"1 1 {uid - 1}")
+    if uid < _LAST_ID:
+        lines.append(f"{uid + 1} {uid + 1} {_LAST_ID - uid}")
+    return "\n".join(lines) + "\n"
+
+
 def _userns(uid: int) -> int:
-    """A user namespace whose uid and gid 0 are `uid` on the host; its fd.
+    """A user namespace mapping 0 to `uid` on the host (`_id_map`); its fd.
 
     A short-lived child unshares it and waits; we write its maps (as root we may map any
     id) and keep the namespace by fd after the child is gone.
@@ -263,8 +291,8 @@ def _userns(uid: int) -> int:
         assert child.stdout is not None and child.stdin is not None
         if child.stdout.read(1) != b"u":
             raise OSError("the helper could not create a user namespace")
-        for name, value in (("uid_map", f"0 {uid} 1\n"), ("setgroups", "deny"),
-                            ("gid_map", f"0 {uid} 1\n")):  # fmt: skip
+        mapping = _id_map(uid)
+        for name, value in (("uid_map", mapping), ("setgroups", "deny"), ("gid_map", mapping)):
             with open(f"/proc/{child.pid}/{name}", "w") as f:
                 f.write(value)
         return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
@@ -291,8 +319,8 @@ def allocate(environ: Mapping[str, str] | None = None) -> SlotIdentity:
     assert uid_range is not None
     base, count = uid_range
     with _alloc_lock:
-        _private_dir(RUN_DIR, 0o711)
-        _private_dir(os.path.join(RUN_DIR, "uids"), 0o700)
+        private_dir(RUN_DIR, 0o711)
+        private_dir(os.path.join(RUN_DIR, "uids"), 0o700)
         for uid in range(base, base + count):
             lock = os.open(
                 os.path.join(RUN_DIR, "uids", f"{uid}.lock"),

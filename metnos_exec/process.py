@@ -196,6 +196,11 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             an `Slot.identity`; `metnos_exec.identities`): the slot's thread switches to
             it around the fork. Without an identity the child runs as the worker's uid;
             `ProcessResult.uid` says which.
+        drops_to_slot_user: the command itself drops to the slot's own host uid, after
+            something only root may do (``nsenter --setuid --setgid`` into the staging
+            namespace: `metnos_exec.staging`): the child is forked as the worker, and
+            `ProcessResult.uid` is the slot's. The caller builds that command from the
+            same `Slot.identity`; nsenter runs nothing when it cannot drop.
     """
 
     argv: tuple[str, ...]
@@ -212,6 +217,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     memory_max: int | None = None
     on_spawn: Callable[[int, Callable[[], list[int]] | None], Awaitable[None]] | None = None
     as_slot_user: bool = False
+    drops_to_slot_user: bool = False
 
 
 class ProcessResult(msgspec.Struct, frozen=True):
@@ -1491,17 +1497,22 @@ async def _run(
         join is not None and spec.memory_max is not None and join.limit_memory(spec.memory_max)
     )
     members = cgroup.pids if cgroup is not None else None
-    identity = await slot.identity() if slot is not None and spec.as_slot_user else None
+    identity = (
+        await slot.identity()
+        if slot is not None and (spec.as_slot_user or spec.drops_to_slot_user)
+        else None
+    )
     uid = os.geteuid() if identity is None else identity.uid
+    switch = identity if spec.as_slot_user else None
     if spec.pids_max is not None and cgroup is None:
         nproc = _threads_of_uid(uid) + spec.pids_max
         rlimits = (*rlimits, (resource.RLIMIT_NPROC, nproc, nproc))
 
     def spawn() -> _Child:
-        if identity is None:
+        if switch is None:
             return _spawn(spec, rlimits, join, grace)
         # This thread alone becomes the slot's uid for the fork: the child keeps it.
-        with switched(identity):
+        with switched(switch):
             return _spawn(spec, rlimits, join, grace)
 
     try:

@@ -45,7 +45,7 @@ class Mount(msgspec.Struct, frozen=True):
     """A host path made visible to the guest at `guest`; read-only unless `writable`.
 
     ``staged``: `host` is a staging overlay below the staging namespace's base (see
-    `metnos_exec.staging`), visible only inside that namespace (`SandboxJob.enter`): the
+    `metnos_exec.staging`), visible only inside that namespace (`SandboxJob.stage`): the
     arm binds it by path, without checking it on the worker's side.
     """
 
@@ -94,8 +94,10 @@ class SandboxJob(msgspec.Struct, frozen=True):
         network: whether the guest may use the host network.
         cwd: working directory inside the guest.
         limits: budgets.
-        enter: a command prefix the bwrap arm runs bubblewrap under, to start it inside
-            the staging namespace (``nsenter ...``); ``()`` outside staging.
+        stage: a staged job's key (``None``: not staged): the bwrap arm asks the staging
+            layer registered under it (`metnos_exec.sandbox.staged`) to mount its
+            overlays for the uid the job runs as, and starts bubblewrap inside the
+            staging namespace, where they are.
     """
 
     argv: tuple[str, ...] = ()
@@ -106,7 +108,7 @@ class SandboxJob(msgspec.Struct, frozen=True):
     network: bool = False
     cwd: str | None = None
     limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
-    enter: tuple[str, ...] = ()
+    stage: str | None = None
 
 
 # --- exits ----------------------------------------------------------------------------

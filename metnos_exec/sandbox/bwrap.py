@@ -50,11 +50,15 @@ only glues them and reads back what happened, honestly:
   job runs as its slot's own host uid instead (`metnos_exec.identities`; `_placement`):
   the slot's thread forks bubblewrap as that uid, and the job's mount sources are
   idmapped clones showing root as that uid (`mount_sources.StagedSources`), so the job
-  keeps its owner rights on its own folders and nothing else of root's. A job that cannot
-  run so runs as root: `MASKED_PATHS` and every private file of ``/etc`` found at the
-  worker's first job (`private_files`) are masked, but not what other system trees hold,
-  nor files created later, and the files and user axes say ``partial``
-  (`ROOT_WORKER_REASON`, with why).
+  keeps its owner rights on its own folders and nothing else of root's. A staged job's
+  bubblewrap starts inside the staging namespace, which only root may enter: it is forked
+  as root, and ``nsenter`` drops to the slot's uid there before it execs bubblewrap; its
+  overlays are built on idmapped lower layers for that uid (`staged`,
+  `metnos_exec.staging.overlay`). A job that cannot run so runs as root: `MASKED_PATHS`
+  and every private file of ``/etc`` found at the worker's first job (`private_files`)
+  are masked, but not what other system trees hold, nor files created later, and the
+  files and user axes say ``partial`` (`ROOT_WORKER_REASON`, with why), the resources
+  axis too (`ROOT_QUOTAS_REASON`: root's per-user kernel quotas).
 * every job mount source is opened without following a symlink and bound from that fd
   (`mount_sources`): a folder swapped for a link is refused, never mounted.
 """
@@ -116,6 +120,7 @@ from .flags import (
 )
 from .hardening import Hardening, annotate, guest_job, host_hardening, seccomp_fd
 from .mount_sources import StagedSources, open_source
+from .staged import IdmapUnavailable, StagedPlacement, stager_for
 
 __all__ = (
     "BwrapProbe",
@@ -756,8 +761,8 @@ def root_worker_note() -> str | None:
     if why is None:
         return (
             "the worker runs as root: each job slot runs its jobs as a dedicated host uid "
-            f"of its own ({SLOT_UIDS_ENV}); a staged job, or one whose folders cannot be "
-            "idmapped for it, runs as root, and its report says so"
+            f"of its own ({SLOT_UIDS_ENV}), staged or not; a job whose folders cannot be "
+            "idmapped for it runs as root, and its report says so"
         )
     return f"{ROOT_WORKER_REASON} ({why}); run the worker as an unprivileged user"
 
@@ -785,6 +790,15 @@ DISK_REASON = (
 )
 
 
+#: A root worker's job run as root: the kernel's per-user quotas are root's. A job that
+#: holds them all (128 inotify instances, say) refuses them to every root process of the
+#: host until it ends (a slot's uid has quotas of its own).
+ROOT_QUOTAS_REASON = (
+    "per-user kernel quotas (inotify instances and watches, epoll watches, message "
+    "queues, pipe buffers) are root's, shared with every root process of the host"
+)
+
+
 def _pids_reason(job_uid: int | None) -> str:
     """Why the process count is not held per job (no pids cgroup), for whoever the job's
     processes belong to on the host."""
@@ -809,11 +823,14 @@ def _resources_verdict(
     pids_enforced: bool | None,
     memory_enforced: bool | None,
     job_uid: int | None,
+    *,
+    ran_as_root: bool = False,
 ) -> AxisVerdict:
     """The resources axis, for what held (`None`: not known before the run).
 
     Args:
         job_uid: the host uid the job's processes run as (``None``: not known yet).
+        ran_as_root: a root worker's job ran as root (not as its slot's uid).
     """
     lim = job.limits
     missing: list[str] = []
@@ -834,6 +851,8 @@ def _resources_verdict(
     # A staged folder's writes are bounded by its staging tmpfs (the supervisor says so).
     if any(m.writable and not m.staged for m in job.mounts):
         missing.append(DISK_REASON)
+    if ran_as_root:
+        missing.append(ROOT_QUOTAS_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
@@ -859,7 +878,8 @@ class BwrapSandbox:
 
     name = "bwrap"
     #: A job's writes can be staged: bubblewrap is started in the staging namespace
-    #: (`SandboxJob.enter`) and binds the overlays marked `Mount.staged`.
+    #: (`SandboxJob.stage`, `metnos_exec.sandbox.staged`) and binds the overlays marked
+    #: `Mount.staged`.
     stages_writes = True
 
     def __init__(
@@ -903,6 +923,7 @@ class BwrapSandbox:
                 pids_enforced,
                 memory_enforced,
                 os.geteuid() if job_uid is None else job_uid,
+                ran_as_root=worker_is_root() and job_uid == 0,
             ),
         )
         return annotate(report, job, self._hardening)
@@ -935,14 +956,13 @@ class BwrapSandbox:
         sources = _open_sources(job, host.roots)
         try:
             async with pooled_slot() as slot:
-                place = await _placement(slot, sources, staging=bool(job.enter))
+                place = await _placement(slot, sources, stage=job.stage)
                 gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
                     return await self._run(job, guest, rlimits, gated, prefix, host, place)
                 finally:
-                    if place.staged is not None:
-                        place.staged.close()
+                    place.close()
         finally:
             for fd in sources.values():
                 os.close(fd)
@@ -990,10 +1010,11 @@ class BwrapSandbox:
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
-            if job.enter:
+            if place.enter:
                 # Staging: bubblewrap starts inside the staging namespace (an exec'd
-                # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`).
-                argv = [*job.enter, *argv]
+                # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`);
+                # a slot's job drops to the slot's uid there, before bubblewrap runs.
+                argv = [*place.enter, *argv]
             in_guest = gate is not None or bool(prefix)
             spec = ProcessSpec(
                 argv=tuple(argv),
@@ -1029,8 +1050,10 @@ class BwrapSandbox:
                 # held by the slot's memory cgroup (RLIMIT_AS only binds each process).
                 memory_max=job.limits.memory_bytes,
                 on_spawn=gate,
-                # A root worker's job runs as its slot's own host uid (`identities`).
-                as_slot_user=place.as_slot_user,
+                # A root worker's job runs as its slot's own host uid (`identities`):
+                # forked as it, or (staged) dropping to it inside the staging namespace.
+                as_slot_user=place.as_slot_user and not place.enter,
+                drops_to_slot_user=place.as_slot_user and bool(place.enter),
             )
             result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
             if gate is not None:
@@ -1089,54 +1112,78 @@ class BwrapSandbox:
 @dataclasses.dataclass
 class _Placement:
     """Where and as whom one job runs: its mount sources (fds to bind from), its slot,
-    and for a root worker whether it runs as the slot's own uid (else why not)."""
+    for a root worker whether it runs as the slot's own uid (else why not), and for a
+    staged job the prefix bubblewrap starts under (`metnos_exec.sandbox.staged`)."""
 
     sources: dict[str, int]
     slot: Slot | None = None
-    staged: StagedSources | None = None
+    #: The idmapped sources of an unstaged job run as the slot's uid.
+    idmapped: StagedSources | None = None
+    #: A staged job's overlays, placed for the uid it runs as.
+    staged: StagedPlacement | None = None
+    #: The slot's uid the job runs as (``None``: the worker's).
+    uid: int | None = None
     root_reason: str | None = None
 
     @property
     def as_slot_user(self) -> bool:
-        return self.staged is not None
+        return self.uid is not None
+
+    @property
+    def enter(self) -> tuple[str, ...]:
+        return () if self.staged is None else self.staged.enter
+
+    def close(self) -> None:
+        if self.idmapped is not None:
+            self.idmapped.close()
+        if self.staged is not None:
+            self.staged.close()
 
 
 async def _placement(
-    slot: Slot | None, sources: dict[str, int], *, staging: bool = False
+    slot: Slot | None, sources: dict[str, int], *, stage: str | None = None
 ) -> _Placement:
-    """For a root worker: the slot's uid and its idmapped mount sources, or the reason the
-    job runs as root (no slot here, slot uids off or unavailable, a folder whose
-    filesystem refuses idmapped mounts, a staged job). Anyone else: the sources as opened.
+    """For a root worker: the slot's uid and the job's folders idmapped for it, or the
+    reason the job runs as root (no slot here, slot uids off or unavailable, a folder
+    whose filesystem refuses idmapped mounts). Anyone else: the sources as opened.
 
-    A staged job (`staging`: bubblewrap starts under ``nsenter`` in the staging
-    namespace) runs as root for now: entering that mount namespace needs CAP_SYS_ADMIN,
-    and the slot's idmapped mounts are not attached in it.
+    A staged job (`stage`) has its overlays mounted now, for that uid
+    (`metnos_exec.sandbox.staged`): bubblewrap then starts in the staging namespace,
+    which only root may enter, so it is forked as root and drops to the slot's uid there
+    (``nsenter --setuid --setgid``) before it runs.
     """
+    stager = None if stage is None else stager_for(stage)
     if not worker_is_root():
-        return _Placement(sources, slot)
-    if staging:
-        return _Placement(
-            sources,
-            slot,
-            root_reason="its writes are staged, and a slot uid cannot enter the staging "
-            "namespace yet",
-        )
-    off = _slot_uids_unavailable()  # read per job: METNOS_SLOT_UIDS=off takes effect at once
-    if off is not None:
-        return _Placement(sources, slot, root_reason=off)
-    if slot is None:
-        return _Placement(
-            sources,
-            root_reason="no job slot here (slots need a writable cgroup v1 pids hierarchy)",
-        )
-    identity = await slot.identity()
-    if identity is None:
-        return _Placement(sources, slot, root_reason=slot.identity_error)
-    try:
-        staged = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
-    except OSError as exc:
-        return _Placement(sources, slot, root_reason=f"cannot mount as the slot uid: {exc}")
-    return _Placement(staged.fds, slot, staged)
+        if stager is None:
+            return _Placement(sources, slot)
+        placed = await stager.place(None, sources)
+        return _Placement(placed.sources, slot, staged=placed)
+    why = _slot_uids_unavailable()  # read per job: METNOS_SLOT_UIDS=off takes effect at once
+    identity = None
+    if why is None and slot is None:
+        why = "no job slot here (slots need a writable cgroup v1 pids hierarchy)"
+    elif why is None and slot is not None:
+        identity = await slot.identity()
+        if identity is None:
+            why = slot.identity_error
+    if identity is not None and stager is None:
+        try:
+            idmapped = StagedSources(sources, identity.uid, identity.gid, identity.userns_fd)
+        except OSError as exc:
+            why = f"cannot mount as the slot uid: {exc}"
+        else:
+            return _Placement(idmapped.fds, slot, idmapped=idmapped, uid=identity.uid)
+    elif identity is not None and stager is not None:
+        try:
+            placed = await stager.place(identity, sources)
+        except IdmapUnavailable as exc:
+            why = f"cannot mount as the slot uid: {exc}"
+        else:
+            return _Placement(placed.sources, slot, staged=placed, uid=identity.uid)
+    if stager is None:
+        return _Placement(sources, slot, root_reason=why)
+    placed = await stager.place(None, sources)
+    return _Placement(placed.sources, slot, staged=placed, root_reason=why)
 
 
 def _bound_fds(argv: list[str], sources: dict[str, int]) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ __all__ = (
     "STAGE_ROOT",
     "StagedSources",
     "check_folder",
+    "idmapped_clone",
     "open_source",
     "symlink_on_path",
 )
@@ -312,6 +313,39 @@ def _remove_own_stage() -> None:
 atexit.register(_remove_own_stage)
 
 
+def idmapped_clone(fd: int, userns_fd: int, *, recursive: bool = True, what: str = "") -> int:
+    """A detached clone of the mount tree at `fd` (an ``O_PATH`` fd from `open_source`),
+    idmapped with the user namespace `userns_fd` (a slot's: root's files shown as the
+    slot uid's); the fd of the detached mount, ``O_CLOEXEC``. Nothing is attached: the
+    caller attaches it (``move_mount``), here or, handed over, in another mount namespace
+    (the staging helper's), or closes it, which unmounts it.
+
+    Args:
+        recursive: clone the mounts below `fd` too (what a bind shows), else only its own.
+        what: the path, for error messages.
+
+    Raises:
+        OSError: the kernel or the filesystem refused (no idmapped mounts there, say).
+    """
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH
+    if recursive:
+        flags |= _AT_RECURSIVE
+    clone = _check(_libc.syscall(_SYS_OPEN_TREE, fd, b"", flags), f"open_tree {what}")
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+        at = _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)
+        _check(
+            _libc.syscall(
+                _SYS_MOUNT_SETATTR, clone, b"", at, ctypes.byref(attr), ctypes.sizeof(attr)
+            ),
+            f"idmapped mount of {what}",
+        )
+    except BaseException:
+        os.close(clone)
+        raise
+    return clone
+
+
 class StagedSources:
     """A root worker's mount sources for one job of a slot uid: each an idmapped clone
     (uid and gid 0 shown as the slot's) attached under `STAGE_ROOT`, where bubblewrap,
@@ -342,22 +376,8 @@ class StagedSources:
                         os.mkdir(point, 0o700)
                 else:
                     os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-                clone = _check(
-                    _libc.syscall(
-                        _SYS_OPEN_TREE, fd, b"",
-                        _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH | _AT_RECURSIVE,
-                    ),
-                    f"open_tree {path}",
-                )  # fmt: skip
+                clone = idmapped_clone(fd, userns_fd, what=path)
                 try:
-                    attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
-                    _check(
-                        _libc.syscall(
-                            _SYS_MOUNT_SETATTR, clone, b"", _AT_EMPTY_PATH | _AT_RECURSIVE,
-                            ctypes.byref(attr), ctypes.sizeof(attr),
-                        ),
-                        f"idmapped mount of {path}",
-                    )  # fmt: skip
                     _check(
                         _libc.syscall(
                             _SYS_MOVE_MOUNT, clone, b"", -100, os.fsencode(point),

@@ -28,7 +28,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -41,6 +41,7 @@ import structlog
 from ..blobs import BlobStore
 from ..brokers.base import Broker
 from ..errors import CommitConflict, HostFault
+from ..identities import SlotIdentity
 from ..journal import (
     Blocked,
     Conflict,
@@ -55,7 +56,10 @@ from ..journal import (
     rollback,
 )
 from ..messages import UndoEntry, UndoOp
+from ..sandbox import staged
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
+from ..sandbox.mount_sources import idmapped_clone, open_source
+from ..sandbox.staged import IdmapUnavailable, StagedPlacement
 from ._types import Committed, Reversible
 from .backup import BackupRun
 from .changes import CommitPlan, change_stamp, plan_commit, store_originals
@@ -127,8 +131,8 @@ class Staging:
     """A worker's blob store, commit journal and staging namespace.
 
     Args:
-        state_dir: default `default_state_dir`; holds ``blobs/``, ``journal/`` and the
-            (empty on the host) ``stage/`` mount base.
+        state_dir: default `default_state_dir`; holds ``blobs/``, ``journal/`` and, for
+            a worker that is not root, the (empty on the host) ``stage/`` mount base.
         blob_dir: the blob store (default ``<state_dir>/blobs``). An undo reads its blobs
             here: workers of one device on several machines need a shared one.
         overlay: use overlay staging when the arm can (``False``: always back up).
@@ -154,7 +158,10 @@ class Staging:
         )
         self.journal = Journal(self.state_dir / "journal", fsync=fsync)
         self.fsync = fsync
-        self._ns = OverlayNamespace(self.state_dir / "stage") if overlay else None
+        # A root worker's base is under /run, where its slots' uids may pass (see
+        # `metnos_exec.staging.overlay`); anyone else's is in its state folder.
+        base = None if os.geteuid() == 0 else self.state_dir / "stage"
+        self._ns = OverlayNamespace(base) if overlay else None
         self._unavailable: str | None = None if overlay else "overlay staging switched off"
         self._failed_at = 0.0
         self._lock = anyio.Lock()
@@ -196,7 +203,13 @@ class Staging:
 
     async def aclose(self) -> None:
         if self._ns is not None:
+            await self._ns.aclose(final=True)
+
+    async def restart(self) -> str | None:
+        """A new staging helper after the last one died (killed, OOM); as `start`."""
+        if self._ns is not None:
             await self._ns.aclose()
+        return await self.start()
 
     async def prepare(
         self,
@@ -236,9 +249,7 @@ class Staging:
                         self, self._ns, job_id, executor, device, job, roots
                     )
                 except HelperGone:
-                    # It died since the last job (killed, OOM): one new one, once.
-                    await self._ns.aclose()
-                    why = await self.start() or ""
+                    why = await self.restart() or ""
                     if not why:
                         return await OverlayRun.create(
                             self, self._ns, job_id, executor, device, job, roots
@@ -329,7 +340,14 @@ def _not_owned(roots: Sequence[str]) -> str | None:
 
 @dataclass(eq=False)
 class OverlayRun:
-    """A job staged in overlays (see the module docstring)."""
+    """A job staged in overlays (see the module docstring).
+
+    Its overlays are mounted when the bwrap arm runs it (`place`, the `Stager` of
+    `metnos_exec.sandbox.staged`, registered under `stage_id` until `discard`): a root
+    worker's job runs as its slot's own uid, known only then, and its overlays must show
+    root's files as that uid's. A worker that is not root has no slot uids: its job is
+    staged at once, so a job prepared ahead needs nothing more at its run.
+    """
 
     staging: Staging
     ns: OverlayNamespace
@@ -339,8 +357,10 @@ class OverlayRun:
     device: str
     roots: tuple[str, ...]
     job: SandboxJob
-    tmpfs_fd: int
-    since_ns: int
+    found: tuple[tuple[str, int, int], ...]
+    #: The job's tmpfs (``None``: not staged yet).
+    tmpfs_fd: int | None = None
+    since_ns: int = 0
     method: Literal["staged", "backup"] = "staged"
     no_staging: str | None = None
     _handle: JournalHandle | None = None
@@ -365,15 +385,7 @@ class OverlayRun:
             if not stat.S_ISDIR(st.st_mode):
                 raise HostFault(f"writable folder {root} is no longer a plain folder")
             found.append((root, st.st_dev, st.st_ino))
-        size = job.limits.disk_bytes or DEFAULT_DISK_BYTES
         stage_id = f"{job_id}.{os.urandom(3).hex()}"
-        fd = await ns.stage(stage_id, found, size=size, inodes=max(1024, size // _BYTES_PER_INODE))
-        try:
-            since_ns = change_stamp(fd)
-        except OSError:
-            os.close(fd)
-            ns.release(stage_id)
-            raise
         index = {root: i for i, root in enumerate(roots)}
         mounts = tuple(
             Mount(
@@ -386,8 +398,7 @@ class OverlayRun:
             else m
             for m in job.mounts
         )
-        staged = msgspec.structs.replace(job, mounts=mounts, enter=ns.enter)
-        return cls(
+        run = cls(
             staging=staging,
             ns=ns,
             stage_id=stage_id,
@@ -395,12 +406,103 @@ class OverlayRun:
             executor=executor,
             device=device,
             roots=tuple(roots),
-            job=staged,
-            tmpfs_fd=fd,
-            since_ns=since_ns,
+            job=msgspec.structs.replace(job, mounts=mounts, stage=stage_id),
+            found=tuple(found),
+        )
+        if os.geteuid() != 0:
+            await run._stage((), (), None)
+        staged.register(stage_id, run)
+        return run
+
+    async def place(
+        self, identity: SlotIdentity | None, sources: Mapping[str, int]
+    ) -> StagedPlacement:
+        """See `metnos_exec.sandbox.staged.Stager.place`."""
+        if self._closed:
+            raise HostFault(f"staged job {self.stage_id} was discarded before its run")
+        if self.tmpfs_fd is not None:
+            if identity is not None:  # pragma: no cover - only root workers have slot uids
+                raise HostFault("a job staged for the worker cannot run as a slot uid")
+            return StagedPlacement(self.ns.enter(), dict(sources))
+        if identity is None:
+            await self._stage_once((), (), None)
+            return StagedPlacement(self.ns.enter(), dict(sources))
+        opened: list[int] = []
+        lowers: list[int] = []
+        clones: list[int] = []
+        try:
+            for root, dev, ino in self.found:
+                # As the arm opens every other source: no symlink on the way, and the very
+                # folder checked when the job was prepared.
+                try:
+                    opened.append(open_source(root))
+                except OSError as exc:
+                    raise HostFault(f"cannot open writable folder {root}: {exc}") from exc
+                st = os.fstat(opened[-1])
+                if (st.st_dev, st.st_ino) != (dev, ino):
+                    raise HostFault(f"writable folder {root} changed before the job ran")
+            try:
+                for (root, _, _), fd in zip(self.found, opened, strict=True):
+                    # Only the folder's own mount: overlayfs shows no mounts below it.
+                    lowers.append(
+                        idmapped_clone(fd, identity.userns_fd, recursive=False, what=root)
+                    )
+                for path, fd in sources.items():
+                    clones.append(idmapped_clone(fd, identity.userns_fd, what=path))
+            except OSError as exc:
+                raise IdmapUnavailable(exc.errno, str(exc)) from exc
+            attached = await self._stage_once(lowers, clones, identity.gid)
+        finally:
+            # The helper holds what it attached; a clone not attached unmounts here.
+            for fd in (*opened, *lowers, *clones):
+                os.close(fd)
+        return StagedPlacement(
+            self.ns.enter(identity.uid, identity.gid),
+            dict(zip(sources, attached, strict=True)),
+            uid=identity.uid,
+            owned=list(attached),
         )
 
+    async def _stage_once(
+        self, lowers: Sequence[int], sources: Sequence[int], gid: int | None
+    ) -> list[int]:
+        """`_stage`, with one new helper when the last one died since the job was
+        prepared (its namespace, and bubblewrap's way in, are the new one's)."""
+        try:
+            return await self._stage(lowers, sources, gid)
+        except HelperGone:
+            why = await self.staging.restart()
+            if why is not None:
+                raise HostFault(f"the staging helper died and cannot be restarted: {why}") from None
+            return await self._stage(lowers, sources, gid)
+
+    async def _stage(
+        self, lowers: Sequence[int], sources: Sequence[int], gid: int | None
+    ) -> list[int]:
+        size = self.job.limits.disk_bytes or DEFAULT_DISK_BYTES
+        fd, attached = await self.ns.stage(
+            self.stage_id,
+            list(self.found),
+            size=size,
+            inodes=max(1024, size // _BYTES_PER_INODE),
+            lowers=lowers,
+            sources=sources,
+            gid=gid,
+        )
+        try:
+            self.since_ns = change_stamp(fd)
+        except OSError:
+            os.close(fd)
+            for other in attached:
+                os.close(other)
+            self.ns.release(self.stage_id)
+            raise
+        self.tmpfs_fd = fd
+        return attached
+
     def disk_exceeded(self) -> bool:
+        if self.tmpfs_fd is None:
+            return False  # never ran: it wrote nothing
         st = os.statvfs(f"/proc/self/fd/{self.tmpfs_fd}")
         return st.f_bavail * st.f_frsize < _FULL_SLACK_BYTES or st.f_favail == 0
 
@@ -415,6 +517,8 @@ class OverlayRun:
 
     def _commit(self) -> Committed:
         staging = self.staging
+        if self.tmpfs_fd is None:
+            raise HostFault(f"staged job {self.stage_id} was never staged, so never ran")
         tree = HostTree(self.roots)
         uppers: list[tuple[str, int]] = []
         plan: CommitPlan | None = None
@@ -515,5 +619,9 @@ class OverlayRun:
         if self._closed:
             return
         self._closed = True
-        os.close(self.tmpfs_fd)
+        staged.unregister(self.stage_id)
+        if self.tmpfs_fd is not None:
+            os.close(self.tmpfs_fd)
+            self.tmpfs_fd = None
+        # Also when never staged: a request the helper got but whose answer was lost.
         self.ns.release(self.stage_id)

@@ -17,11 +17,19 @@ Protocol (JSON messages; one request, at most one reply):
 - hello (sent first): ``{"ok": true, "userns": bool}`` after a probe overlay worked, or
   ``{"ok": false, "error": "..."}``, then exit.
 - ``{"op": "stage", "id": ID, "size": BYTES, "inodes": N, "roots": [{"path", "dev",
-  "ino"}]}``: mount a tmpfs of that size at ``BASE/ID/t`` and, for root ``i``, an overlay
-  at ``BASE/ID/i`` (lower: the root, upper ``t/u<i>``, work ``t/w<i>``). Each root is
-  opened here with ``O_NOFOLLOW`` and must be the very folder (device, inode) the worker
-  checked. Reply ``{"ok": true}`` with an fd on ``BASE/ID/t`` (SCM_RIGHTS), or
-  ``{"ok": false, "error": "..."}`` with nothing left mounted.
+  "ino"}], "lowers": L, "sources": S, "gid": G}``: mount a tmpfs of that size at
+  ``BASE/ID/t`` and, for root ``i``, an overlay at ``BASE/ID/i`` (lower: the root, upper
+  ``t/u<i>``, work ``t/w<i>``). Each root must be the very folder (device, inode) the
+  worker checked: opened here with ``O_NOFOLLOW``, or, when ``L`` (the number of roots)
+  detached mounts come with the request (SCM_RIGHTS, in root order: the worker's
+  idmapped clones of the roots, for a job that runs as a slot's uid), that clone,
+  attached at ``BASE/ID/.l/i`` (a folder only root may enter) and used as the lower layer.
+  The ``S`` detached mounts after them (the job's other mount sources, idmapped too) are
+  attached at ``BASE/ID/s<k>``. ``G`` (or ``null``): the group that may enter
+  ``BASE/ID`` (the slot's: bubblewrap, run as the slot's uid, binds from there), else
+  only root may. Reply ``{"ok": true}`` with an fd on ``BASE/ID/t`` and an ``O_PATH`` fd
+  on each ``s<k>`` (SCM_RIGHTS), or ``{"ok": false, "error": "..."}`` with nothing left
+  mounted (``"idmap": true`` when an idmapped layer was what failed).
 - ``{"op": "release", "id": ID}``: detach and remove what ``stage`` made. No reply.
 
 End of file on the socket (the worker exited, even by SIGKILL) ends the helper, and with it
@@ -31,11 +39,12 @@ the namespaces and every mount in them.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import json
 import os
-import shutil
 import socket
+import stat
 import sys
 from typing import Any
 
@@ -47,6 +56,11 @@ _MS_REC = 0x4000
 _MS_SLAVE = 1 << 19
 _MNT_DETACH = 0x2
 _MAX_MSG = 65536
+#: File descriptors one message may carry (SCM_MAX_FD).
+_MAX_FDS = 253
+# move_mount(2) (the same number on every architecture) and its flag.
+_SYS_MOVE_MOUNT = 429
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (
@@ -83,6 +97,20 @@ def _umount(target: str) -> None:
     _libc.umount2(target.encode(), _MNT_DETACH)
 
 
+def _attach(mount_fd: int, target: str) -> None:
+    """Attach the detached mount `mount_fd` (made by the worker, in its own namespace)
+    at `target`, here."""
+    ret = _libc.syscall(
+        _SYS_MOVE_MOUNT, mount_fd, b"", -100, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH
+    )
+    _check(0 if ret == 0 else -1, f"attach a mount at {target}")
+
+
+class IdmapFailed(OSError):
+    """An idmapped layer (a slot uid's job) could not be used: the worker may stage the
+    job again without them, as root."""
+
+
 def _enter_namespaces() -> bool:
     """A mount namespace (and a user namespace when not root); returns whether a user
     namespace was made (overlay then keeps its metadata in ``user.`` xattrs)."""
@@ -106,14 +134,34 @@ class _Stager:
         self.userns = userns
         self.jobs: dict[str, tuple[str, list[str]]] = {}
 
-    def stage(self, job_id: str, size: int, inodes: int, roots: list[dict[str, Any]]) -> int:
+    def stage(
+        self,
+        job_id: str,
+        size: int,
+        inodes: int,
+        roots: list[dict[str, Any]],
+        *,
+        lowers: list[int] | None = None,
+        sources: list[int] | None = None,
+        gid: int | None = None,
+    ) -> list[int]:
         if not job_id or "/" in job_id or job_id.startswith("."):
             raise ValueError(f"bad job id {job_id!r}")
+        if lowers and len(lowers) != len(roots):
+            raise ValueError(f"{len(lowers)} lower layers for {len(roots)} roots")
         top = os.path.join(self.base, job_id)
         mounted: list[str] = []
         self.jobs[job_id] = (top, mounted)
+        opened: list[int] = []
         try:
             os.mkdir(top, 0o700)
+            if gid is not None:
+                # Entered by bubblewrap as the slot's uid (in the slot's group), which binds
+                # the overlays and the sources from here; by no other uid but root.
+                os.chown(top, 0, gid)
+                os.chmod(top, 0o710)
+            if lowers:
+                os.mkdir(os.path.join(top, ".l"), 0o700)
             tmp = os.path.join(top, "t")
             os.mkdir(tmp, 0o700)
             _mount(
@@ -125,9 +173,22 @@ class _Stager:
             )
             mounted.append(tmp)
             for i, root in enumerate(roots):
-                lower = os.open(root["path"], os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
-                try:
+                if lowers:
+                    # The worker's idmapped clone of the root: checked like a path would
+                    # be, then attached where only root may go (it is the real folder).
+                    st = os.fstat(lowers[i])
+                    lowerdir = os.path.join(top, ".l", str(i))
+                    os.mkdir(lowerdir, 0o700)
+                    try:
+                        _attach(lowers[i], lowerdir)
+                    except OSError as exc:
+                        raise IdmapFailed(exc.errno, str(exc)) from None
+                    mounted.append(lowerdir)
+                    lower = os.open(lowerdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+                else:
+                    lower = os.open(root["path"], os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
                     st = os.fstat(lower)
+                try:
                     if (st.st_dev, st.st_ino) != (root["dev"], root["ino"]):
                         raise OSError(f"{root['path']} changed since the worker checked it")
                     upper, work, target = (
@@ -139,7 +200,8 @@ class _Stager:
                         os.mkdir(folder, 0o700)
                     # The overlay's root takes its mode (and owner) from the upper root:
                     # give it the real folder's, so the guest sees the folder as it is and
-                    # a mode change by the job is a real difference.
+                    # a mode change by the job is a real difference. Through an idmapped
+                    # lower, the owner as the clone shows it (root's folder: the slot's).
                     os.chmod(upper, st.st_mode & 0o7777)
                     if not self.userns:
                         os.chown(upper, st.st_uid, st.st_gid)
@@ -155,12 +217,33 @@ class _Stager:
                     )
                     if self.userns:
                         options += ",userxattr"
-                    _mount("overlay", target, "overlay", _MS_NOSUID | _MS_NODEV, options)
+                    try:
+                        _mount("overlay", target, "overlay", _MS_NOSUID | _MS_NODEV, options)
+                    except OSError as exc:
+                        if lowers:
+                            raise IdmapFailed(exc.errno, str(exc)) from None
+                        raise
                     mounted.append(target)
                 finally:
                     os.close(lower)
-            return os.open(tmp, os.O_PATH | os.O_DIRECTORY)
+            opened.append(os.open(tmp, os.O_PATH | os.O_DIRECTORY))
+            for k, source in enumerate(sources or ()):
+                # A file or a folder: its mount point must be the same kind.
+                point = os.path.join(top, f"s{k}")
+                if stat.S_ISDIR(os.fstat(source).st_mode):
+                    os.mkdir(point, 0o700)
+                else:
+                    os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                try:
+                    _attach(source, point)
+                except OSError as exc:
+                    raise IdmapFailed(exc.errno, str(exc)) from None
+                mounted.append(point)
+                opened.append(os.open(point, os.O_PATH | os.O_NOFOLLOW))
+            return opened
         except BaseException:
+            for fd in opened:
+                os.close(fd)
             self.release(job_id)
             raise
 
@@ -171,7 +254,24 @@ class _Stager:
         top, mounted = found
         for target in reversed(mounted):
             _umount(target)
-        shutil.rmtree(top, ignore_errors=True)
+        # Never a recursive delete: a mount point still attached would hold a real folder
+        # (an idmapped lower is the user's own). Detached, each is an empty folder or file
+        # on BASE's tmpfs (rmdir and unlink refuse one still attached: EBUSY); whatever
+        # stays is in this namespace only, and goes with it.
+        for folder in (os.path.join(top, ".l"), top):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.lstat(path).st_mode):
+                        os.rmdir(path)
+                    else:
+                        os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def _send(sock: socket.socket, doc: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -187,7 +287,9 @@ def _probe(stager: _Stager) -> None:
     lower = os.path.join(stager.base, ".probe")
     os.mkdir(lower, 0o700)
     st = os.stat(lower)
-    fd = stager.stage("probe", 1 << 20, 64, [{"path": lower, "dev": st.st_dev, "ino": st.st_ino}])
+    (fd,) = stager.stage(
+        "probe", 1 << 20, 64, [{"path": lower, "dev": st.st_dev, "ino": st.st_ino}]
+    )
     try:
         with open(os.path.join(stager.base, "probe", "0", "x"), "w") as f:
             f.write("x")
@@ -204,7 +306,11 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[2]))
     try:
         userns = _enter_namespaces()
-        _mount("tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0700")
+        # A root helper's jobs may run as slot uids, whose bubblewrap binds from below
+        # here: they may pass through (each job's own folder is closed to all but its
+        # slot's group). The worker's base folder on the host is 0711 for them too.
+        mode = "0700" if userns else "0711"
+        _mount("tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size=1m,mode={mode}")
         stager = _Stager(base, userns)
         _probe(stager)
     except Exception as exc:
@@ -212,25 +318,62 @@ def main(argv: list[str]) -> int:
         return 1
     _send(sock, {"ok": True, "userns": userns})
     while True:
-        data = sock.recv(_MAX_MSG)
+        data, fds = _recv(sock)
         if not data:
             return 0  # the worker is gone
-        request = json.loads(data)
-        op = request.get("op")
-        if op == "release":
-            stager.release(request["id"])
-            continue
-        if op != "stage":
-            _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
-            continue
         try:
-            fd = stager.stage(request["id"], request["size"], request["inodes"], request["roots"])
-        except Exception as exc:
-            _send(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        try:
-            _send(sock, {"ok": True}, (fd,))
+            _serve(sock, stager, json.loads(data), fds)
         finally:
+            for fd in fds:
+                os.close(fd)  # a clone never attached is unmounted with its last fd
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    data, ancdata, _flags, _addr = sock.recvmsg(
+        _MAX_MSG, socket.CMSG_SPACE(array.array("i").itemsize * _MAX_FDS)
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    return data, fds
+
+
+def _serve(sock: socket.socket, stager: _Stager, request: dict[str, Any], fds: list[int]) -> None:
+    op = request.get("op")
+    if op == "release":
+        stager.release(request["id"])
+        return
+    if op != "stage":
+        _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
+        return
+    n_lowers = int(request.get("lowers", 0))
+    n_sources = int(request.get("sources", 0))
+    if len(fds) != n_lowers + n_sources:
+        _send(sock, {"ok": False, "error": f"{len(fds)} fds for {n_lowers} + {n_sources}"})
+        return
+    try:
+        opened = stager.stage(
+            request["id"],
+            request["size"],
+            request["inodes"],
+            request["roots"],
+            lowers=fds[:n_lowers],
+            sources=fds[n_lowers:],
+            gid=request.get("gid"),
+        )
+    except Exception as exc:
+        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if isinstance(exc, IdmapFailed):
+            reply["idmap"] = True
+        _send(sock, reply)
+        return
+    try:
+        _send(sock, {"ok": True}, tuple(opened))
+    finally:
+        for fd in opened:
             os.close(fd)
 
 

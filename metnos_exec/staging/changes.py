@@ -26,6 +26,11 @@ vanished meanwhile, is a conflict: nothing is     commit is refused (``E_COMMIT_
 applied
 A deleted file whose content reappears under      a rename costing a copy of the file; undo
 another name is committed as a move               "moves back"
+A root worker commits what the job created as     files owned by whoever ran the job: root
+the owner (uid and gid) of the folder it lands    (every user's files becoming root's), or
+in, and what it changed as the owner it had;      a slot's uid, which the next job of the
+the staged files' own owners are never carried    slot gets (a later job owning an earlier
+over (links stay the worker's: no owner kept)     one's files)
 ================================================  ==========================================
 """
 
@@ -39,6 +44,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
+
+import msgspec
 
 from ..blobs import BlobStore
 from ..journal import Blocked, Conflict, Fingerprint, HostTree, hash_fd, order_ops, strip_mode
@@ -130,6 +137,9 @@ class _Planner:
         self.opaque_xattr = f"{xattr}overlay.opaque"
         self.plan = plan
         self.items: list[_Item] = []
+        #: Folder → owner its new entries get: a host folder's own, or the one given to a
+        #: folder the job created.
+        self.owners: dict[str, tuple[int | None, int | None]] = {}
 
     # --- pass 1: what the upper folders hold, and what the host holds there --------------
 
@@ -340,6 +350,8 @@ class _Planner:
                 plan.expect[item.path] = None
             befores[item.path] = before
             after = Absent() if item.upper is None else item.upper.state
+            if self.tree.as_root and isinstance(after, FileState | DirState):
+                after = self.owned(item.path, after, before)
             if (
                 isinstance(before, FileState)
                 and isinstance(after, FileState)
@@ -366,6 +378,33 @@ class _Planner:
                     if fp is not None:
                         plan.destroyed[done.path] = (fp, done.before.sha256)
         plan.ops = order_ops(final)
+
+    def owned(
+        self, path: str, after: FileState | DirState, before: PathState
+    ) -> FileState | DirState:
+        """`after` with its owner as a root worker commits it (the module table): what
+        was there keeps its owner, what is new takes its folder's."""
+        if type(before) is type(after):
+            assert isinstance(before, FileState | DirState)
+            uid, gid = before.uid, before.gid
+        else:
+            folder = posixpath.dirname(path)
+            owner = self.owners.get(folder)
+            if owner is None:
+                try:
+                    st = self.tree.lstat(folder)
+                except Blocked as exc:
+                    st = None
+                    self.conflict(folder, str(exc))
+                else:
+                    if st is None:
+                        self.conflict(folder, "removed on the host while the commit read it")
+                owner = (None, None) if st is None else (st.st_uid, st.st_gid)
+                self.owners[folder] = owner
+            uid, gid = owner
+        if isinstance(after, DirState):
+            self.owners[path] = (uid, gid)
+        return msgspec.structs.replace(after, uid=uid, gid=gid)
 
 
 def _content_key(state: FileState | LinkState) -> tuple[str, int]:

@@ -381,22 +381,3 @@ def test_files_partial_with_a_bubblewrap_that_cannot_bind_from_an_fd(
     assert files.state == "partial" and files.reason.startswith(bwrap_mod.NO_BIND_FD_REASON)
     new = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures((0, 8, 0), bind_fd=True))
     assert new.containment(job).files.state == "kept"
-
-
-async def test_a_staged_job_of_a_root_worker_runs_as_root_and_says_why() -> None:
-    # The staging namespace is entered with nsenter, which a slot's uid may not do: such a
-    # job keeps running (as root), and its files and user axes must not claim the slot uid.
-    from metnos_exec.process import pooled_slot
-    from metnos_exec.sandbox import bwrap as bwrap_mod
-
-    from ..conftest import need_privileged
-
-    need_privileged(bwrap_mod.worker_is_root(), "only a root worker's jobs get slot uids")
-    async with pooled_slot() as slot:
-        place = await bwrap_mod._placement(slot, {}, staging=True)
-    assert not place.as_slot_user and place.root_reason is not None
-    assert "staged" in place.root_reason
-    files, user = bwrap_mod._identity_verdicts(
-        bwrap_mod.BwrapFeatures((0, 8, 0), bind_fd=True), 0, place.root_reason
-    )
-    assert files.state == user.state == "partial" and "staged" in files.reason

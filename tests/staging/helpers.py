@@ -54,8 +54,9 @@ disk_mb = {disk_mb}
 # the hints are spelled as segments ("abs" ops) so argument vetting lets the *executor*
 # misbehave: the kernel wall and the commit rules are what the tests are about.
 MUTATE_MAIN = """\
-import json, os, shutil, sys, time
+import ctypes, errno, json, os, shutil, sys, time
 
+HELD = []
 a = json.load(sys.stdin)
 root = a["root"]
 for kind, name, *more in a["ops"]:
@@ -101,6 +102,31 @@ for kind, name, *more in a["ops"]:
         for i in range(int(more[0])):
             with open(os.path.join(p, f"f{i}"), "w") as f:
                 f.write("x" * 100)
+    elif kind == "readabs":
+        # What the job may read outside its folders, written into `name`.
+        try:
+            with open("/" + "/".join(more)) as f:
+                said = "read:" + f.read()
+        except OSError as exc:
+            said = "denied:" + (errno.errorcode.get(exc.errno) or str(exc.errno))
+        with open(p, "w") as f:
+            f.write(said)
+    elif kind == "inotify":
+        # Inotify instances until the kernel refuses one (held until the job ends).
+        libc = ctypes.CDLL(None, use_errno=True)
+        while True:
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            if fd < 0:
+                break
+            HELD.append(fd)
+        with open(p, "w") as f:
+            f.write(f"{len(HELD)} {errno.errorcode.get(ctypes.get_errno())}")
+    elif kind == "spawn":
+        # Children that outlive the step (the sandbox's end kills them).
+        for _ in range(int(more[0])):
+            if os.fork() == 0:
+                time.sleep(60)
+                os._exit(0)
     else:
         raise SystemExit(f"unknown op {kind}")
 if a["sleep"]:
@@ -248,7 +274,7 @@ def staged_file_seen(world: World, name: str) -> bool:
     helper = world.staging._ns
     if helper is None or not helper.running:
         return False
-    base = Path(f"/proc/{helper.pid}/root{world.staging.state_dir / 'stage'}")
+    base = Path(f"/proc/{helper.pid}/root{helper.base}")
     return any((d / "t" / "u0" / name).exists() for d in base.iterdir())
 
 

@@ -110,7 +110,8 @@ def test_setuid_and_special_files_are_filtered(trees: tuple[Path, Path]) -> None
     after = {op.path: op.after for op in result.ops if isinstance(op, Put)}
     assert isinstance(after[str(root / "suid")], FileState)
     assert after[str(root / "suid")].mode == 0o755  # type: ignore[union-attr]
-    assert after[str(root / "sgid_dir")] == DirState(mode=0o775)
+    sgid_dir = after[str(root / "sgid_dir")]
+    assert isinstance(sgid_dir, DirState) and sgid_dir.mode == 0o775  # (a root worker's: owned)
     assert str(root / "fifo") not in after and str(root / "dev") not in after
     what = dict(result.filtered)
     assert "setuid/setgid" in what[str(root / "suid")]
@@ -209,3 +210,62 @@ def test_a_host_entry_next_to_the_jobs_is_no_conflict(trees: tuple[Path, Path]) 
     result = plan(root, upper, since)
     assert result.conflicts == []
     assert [op.path for op in result.ops if isinstance(op, Put)] == [str(root / "sub" / "mine.txt")]
+
+
+def plan_as(root: Path, upper: Path, since_ns: int, *, as_root: bool) -> CommitPlan:
+    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with HostTree([str(root)], as_root=as_root) as tree:
+            result = plan_commit(tree, [(str(root), fd)], since_ns=since_ns, xattr_prefix=XATTR)
+            result.source.close()
+            return result
+    finally:
+        os.close(fd)
+
+
+def test_a_root_workers_commit_gives_new_entries_their_folders_owner(
+    trees: tuple[Path, Path],
+) -> None:
+    # What the staged files' owners were is never carried over (a slot's uid, recycled);
+    # new entries get the owner of the folder they land in, changed files keep theirs.
+    from ..conftest import need_privileged
+
+    need_privileged(os.geteuid() == 0, "giving a folder to another owner")
+    root, upper = trees
+    other = 4242
+    theirs = root / "theirs"
+    theirs.mkdir()
+    (theirs / "old.txt").write_text("old")
+    for path in (theirs, theirs / "old.txt"):
+        os.chown(path, other, other + 1)
+    (root / "mine.txt").write_text("mine")
+    since = stamp_after(theirs, theirs / "old.txt", root / "mine.txt")
+    (upper / "theirs" / "made" / "deeper").mkdir(parents=True)
+    (upper / "theirs" / "made" / "deeper" / "f").write_text("new")
+    (upper / "theirs" / "old.txt").write_text("changed")
+    (upper / "mine.txt").write_text("changed")
+    (upper / "new.txt").write_text("new")
+    for path in upper.rglob("*"):
+        os.chown(path, 0x70000001, 0x70000001)  # as a slot's job leaves them
+    for as_root in (True, False):
+        after = {
+            op.path: op.after
+            for op in plan_as(root, upper, since, as_root=as_root).ops
+            if isinstance(op, Put)
+        }
+        owners = {
+            os.path.relpath(p, root): (s.uid, s.gid)
+            for p, s in after.items()
+            if isinstance(s, FileState | DirState)
+        }
+        if not as_root:  # an unprivileged worker's commit sets no owner at all
+            assert set(owners.values()) == {(None, None)}, owners
+            continue
+        assert owners == {
+            "theirs/made": (other, other + 1),
+            "theirs/made/deeper": (other, other + 1),
+            "theirs/made/deeper/f": (other, other + 1),
+            "theirs/old.txt": (other, other + 1),
+            "mine.txt": (0, 0),
+            "new.txt": (0, 0),
+        }, owners
