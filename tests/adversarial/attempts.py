@@ -1,0 +1,1243 @@
+"""The table of attempts: one row each, id, axis, mechanism, script, what must become of it.
+
+Rows marked *helper* prepare a later phase (plant a link, rewrite an executor) and are not
+rows themselves: their own job is within its hints. Issue 8's defects are marked
+``(issue 8 #N)``; the spec's syscall list (section 3) is one row per system call family.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from metnos_exec.messages import Result
+
+from .harness import Attempt, World, _processes_with
+
+WRITE_OWN = (("fs:write", ("{own}/**",)),)
+READ_NOTES = (("fs:read", ("~/notes/**",)),)
+MiB = 1 << 20
+
+
+# --- host-side checks ---------------------------------------------------------------------
+
+
+def _absent(*rel: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        for r in rel:
+            p = world.home / r.replace("{token}", world.token)
+            if os.path.lexists(p):
+                return f"{p} exists on the host"
+        return None
+
+    return check
+
+
+def _no_special_files(name: str):  # type: ignore[no-untyped-def]
+    """After the commit: nothing setuid/setgid, no device, fifo or socket in the folder."""
+
+    def check(world: World, _result: Result | None) -> str | None:
+        own = world.home / "w" / name
+        for top, dirs, files in os.walk(own):
+            for entry in [*dirs, *files]:
+                p = os.path.join(top, entry)
+                st = os.lstat(p)
+                if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                    return f"{p} is mode {st.st_mode:o} on the host"
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) and not (
+                    stat.S_ISLNK(st.st_mode)
+                ):
+                    return f"{p} is a special file (mode {st.st_mode:o}) on the host"
+        return None
+
+    return check
+
+
+def _no_processes(suffix: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        left = _processes_with(f"{world.token}-{suffix}")
+        return f"processes survived the job: {left}" if left else None
+
+    return check
+
+
+def _no_connection(key: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        seen = world.notes[f"accepted:{key}"] = world.notes.get(f"accepted:{key}", 0) + (
+            world.accepted(key)
+        )
+        return f"{seen} connection(s) reached the host's {key} listener" if seen else None
+
+    return check
+
+
+def _core_pattern_unchanged(world: World, _result: Result | None) -> str | None:
+    now = Path("/proc/sys/kernel/core_pattern").read_text()
+    return None if now == world.notes["core_pattern"] else f"core_pattern is now {now!r}"
+
+
+def _hostname_unchanged(world: World, _result: Result | None) -> str | None:
+    now = socket.gethostname()
+    return None if now == world.notes["hostname"] else f"hostname is now {now!r}"
+
+
+def _canary_alive(world: World, _result: Result | None) -> str | None:
+    assert world.canary is not None
+    return None if world.canary.poll() is None else "the host canary process was killed"
+
+
+def _disk_within(name: str, budget_mib: int):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        own = world.home / "w" / name
+        total = sum(p.stat().st_size for p in own.rglob("*") if p.is_file())
+        return f"{total / MiB:.1f} MiB on the host" if total > budget_mib * MiB else None
+
+    return check
+
+
+def _executor_unchanged(name: str):  # type: ignore[no-untyped-def]
+    def check(world: World, result: Result | None) -> str | None:
+        out = result.output if result is not None else None
+        if isinstance(out, dict) and out.get("rewritten"):
+            return "the victim ran the code an earlier job wrote"
+        return None
+
+    return check
+
+
+def _result_renders_safely(world: World, result: Result | None) -> str | None:
+    """`metnos-exec result` on the job: no raw control character reaches the terminal."""
+    assert result is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METNOS_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "metnos_exec", "result", result.job_id,
+         "--broker", f"sqlite:///{world.db}"],
+        capture_output=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    shown = proc.stdout + proc.stderr
+    if b"pwned" not in shown:
+        return f"the test is broken: the job's text is not shown ({shown[-300:]!r})"
+    bad = sorted({chr(c).encode() for c in shown if (c < 32 and c not in (9, 10)) or c == 127})
+    return f"raw control characters reached the terminal: {bad}" if bad else None
+
+
+# --- set-ups ------------------------------------------------------------------------------
+
+
+def _other_users_file(world: World) -> None:
+    p = world.home / "notes" / "other-user"
+    p.write_text("another user's secret")
+    os.chown(p, 4242, 4242)
+    p.chmod(0o600)
+
+
+def _swap_target(world: World) -> None:
+    inner = world.home / "X" / "swap" / "inner"
+    inner.mkdir(parents=True)
+    (inner / "b-data").write_text("B's own file")
+
+
+def _host_socket(world: World) -> None:
+    d = world.home / "sockdir"
+    d.mkdir()
+    world.listen_unix("mounted", str(d / "agent.sock"))
+    (d / "agent.sock").chmod(0o777)
+
+
+def _abstract_socket(world: World) -> None:
+    world.listen_unix("abstract", f"\0metnos-adv-{world.token}")
+
+
+def _tcp(world: World) -> None:
+    if "tcp" not in world.listeners:
+        world.ctx["port"] = world.listen_tcp("tcp")
+
+
+def _granted_tcp(world: World) -> None:
+    world.ctx["granted_port"] = world.listen_tcp("granted")
+
+
+def _root_only_system_file(world: World) -> None:
+    """A root-only file in a read-only system tree (as root; else nothing to plant)."""
+    if os.geteuid() != 0:
+        return
+    p = Path("/usr/local/share") / f"metnos-adv-{world.token}"
+    p.write_text("root only")
+    p.chmod(0o600)
+    world.cleanup.append(p)
+
+
+def _shared_link_folder(world: World) -> None:
+    (world.home / "w" / "shared").mkdir(parents=True, exist_ok=True)
+
+
+MEMORY_ACROSS_PROCESSES = r"""
+        import mmap
+        held, pids = 0, []
+        for _ in range(8):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    m = mmap.mmap(-1, 24 << 20)
+                    for i in range(0, 24 << 20, 4096):
+                        m[i] = 1
+                    os.write(w, b"1")
+                except BaseException:
+                    os.write(w, b"0")
+                import time; time.sleep(30)
+                os._exit(0)
+            os.close(w)
+            held += 24 if os.read(r, 1) == b"1" else 0
+            pids.append(pid)
+        # A child may have been killed (out of memory) after it reported: count the living.
+        alive = sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids)
+        for pid in pids:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        done(min(held, 24 * alive) > 96, reported_mib=held, alive=alive)
+        """
+
+# --- the rows ----------------------------------------------------------------------------
+
+FILES = [
+    Attempt(
+        "files.read_outside_hints",
+        "files",
+        "mount namespace (only hinted folders mounted)",
+        r"""
+        r = {p: attempt(lambda p=p: open(p, "rb").read()) for p in
+             (HOME + "/secret/x", HOME + "/.ssh/id_rsa")}
+        done(any(v == "ok" for v in r.values()), reads=r, home=sorted(os.listdir(HOME)))
+        """,
+        caps=READ_NOTES,
+    ),
+    Attempt(
+        "files.queue_database",
+        "files",
+        "private /tmp, mount namespace",
+        r"""
+        r = {p: attempt(lambda p=p: open(p, "rb").read(16)) for p in
+             (CTX["db"], CTX["db"] + "-wal", CTX["state"])}
+        done(any(v == "ok" for v in r.values()), reads=r)
+        """,
+    ),
+    Attempt(
+        "files.system_secrets",
+        "files",
+        "slot uid / uid 65534, masked /etc private files",
+        r"""
+        def content(p):
+            with open(p, "rb") as f:
+                if f.read(1) == b"":
+                    raise OSError(errno.ENODATA, "empty (masked)")
+        r = {p: attempt(lambda p=p: content(p)) for p in
+             ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh/ssh_host_ed25519_key")}
+        # /root may hold the path down to the interpreter (pyenv), and nothing else
+        def root_home():
+            seen = set(os.listdir("/root")) - {sys.base_prefix.split("/")[2]}
+            if not seen:
+                raise OSError(errno.ENOENT, "only the interpreter's path")
+        r["/root"] = attempt(root_home)
+        done(any(v == "ok" for v in r.values()), reads=r)
+        """,
+    ),
+    Attempt(
+        "files.other_users_file_in_hint",
+        "files",
+        "slot uid (idmapped mount maps only root)",
+        r"""
+        done(attempt(lambda: open(HOME + "/notes/other-user").read()) == "ok")
+        """,
+        caps=READ_NOTES,
+        setup=_other_users_file,
+        needs_root=True,
+    ),
+    Attempt(
+        "files.write_read_only_hint",
+        "files",
+        "read-only bind (fs:read)",
+        r"""
+        r = attempt(lambda: open(HOME + "/notes/planted", "w").write("x"))
+        done(r == "ok", write=r)
+        """,
+        caps=READ_NOTES,
+        host_check=_absent("notes/planted"),
+    ),
+    Attempt(
+        "files.write_outside_hints",
+        "files",
+        "mount namespace, read-only system trees",
+        r"""
+        targets = [HOME + "/secret/planted", HOME + "/planted", "/var/tmp/planted",
+                   "/etc/planted", "/usr/bin/planted", "/opt/planted"]
+        r = {p: attempt(lambda p=p: open(p, "w").write("x")) for p in targets}
+        # The home's own path may lie in the sandbox's private /tmp: the host decides there.
+        done(any(v == "ok" for p, v in r.items() if not p.startswith(HOME)), writes=r)
+        """,
+        caps=WRITE_OWN,
+        host_check=_absent("secret/planted", "planted"),
+    ),
+    Attempt(
+        "files.executor_modifies_itself",
+        "files",
+        "executor folder bound read-only",
+        r"""
+        me = os.path.abspath(__file__)
+        r = {"self": attempt(lambda: open(me, "a").write("\n# PLANTED")),
+             "sibling": attempt(lambda: open(os.path.join(os.path.dirname(me), "x.py"), "w"))}
+        done(any(v == "ok" for v in r.values()), writes=r)
+        """,
+        caps=(("fs:write", ("{own}/**",)),),
+    ),
+    Attempt(
+        "files.symlink_out_of_writable_root",
+        "files",
+        "mount namespace; commit keeps links as links",
+        r"""
+        os.symlink(HOME + "/secret/x", OWN + "/ln")
+        os.symlink(HOME + "/secret", OWN + "/dir")
+        r = {"read": attempt(lambda: open(OWN + "/ln").read()),
+             "write": attempt(lambda: open(OWN + "/dir/planted", "w").write("x"))}
+        done(any(v == "ok" for v in r.values()), via_links=r)
+        """,
+        caps=WRITE_OWN,
+        host_check=_absent("secret/planted"),
+    ),
+    Attempt(
+        "files.hardlink_out_of_writable_root",
+        "files",
+        "separate mounts (EXDEV), staging overlay",
+        r"""
+        r = {}
+        for src in (HOME + "/notes/today.md", "/etc/passwd", sys.executable):
+            dst = OWN + "/hl-" + os.path.basename(src)
+            r[src] = attempt(lambda src=src, dst=dst: os.link(src, dst))
+            if r[src] == "ok":
+                r[src + " written"] = attempt(lambda dst=dst: open(dst, "a").write("PLANTED"))
+        done(any(v == "ok" for k, v in r.items() if k.endswith("written")), links=r)
+        """,
+        caps=(("fs:write", ("{own}/**",)), ("fs:read", ("~/notes/**",))),
+    ),
+    Attempt(
+        "files.symlink_swap_hint.plant",
+        "files",
+        "helper (issue 8 #2): swaps inner for a link",
+        r"""
+        import shutil
+        inner = HOME + "/X/swap/inner"
+        shutil.rmtree(inner)
+        os.symlink(HOME, inner)
+        done(False, swapped=True)
+        """,
+        caps=(("fs:write", ("~/X/swap/**",)),),
+        setup=_swap_target,
+    ),
+    Attempt(
+        "files.symlink_swap_hint",
+        "files",
+        "mount sources opened without following links (issue 8 #2)",
+        r"""
+        inner = HOME + "/X/swap/inner"
+        seen = sorted(os.listdir(inner))
+        wrote = attempt(lambda: open(inner + "/planted", "w").write("x"))
+        done("secret" in seen or ".ssh" in seen or wrote == "ok" and "b-data" not in seen,
+             seen=seen, wrote=wrote)
+        """,
+        caps=(("fs:write", ("~/X/swap/inner/**",)),),
+        phase=2,
+        stopped_by=frozenset({"E_SYMLINKED_FOLDER"}),
+        host_check=_absent("planted"),
+    ),
+    Attempt(
+        "files.symlink_planted_then_followed.plant",
+        "files",
+        "helper: plants a link to ~/secret",
+        r"""
+        os.symlink(HOME + "/secret", HOME + "/w/shared/ln")
+        done(False)
+        """,
+        caps=(("fs:write", ("~/w/shared/**",)),),
+        setup=_shared_link_folder,
+    ),
+    Attempt(
+        "files.symlink_planted_then_followed",
+        "files",
+        "mount namespace; commit never follows links",
+        r"""
+        r = attempt(lambda: open(HOME + "/w/shared/ln/planted", "w").write("x"))
+        done(r == "ok", write=r)
+        """,
+        caps=(("fs:write", ("~/w/shared/**",)),),
+        phase=2,
+        stopped_by=frozenset({"E_SYMLINKED_FOLDER"}),
+        host_check=_absent("secret/planted"),
+    ),
+    Attempt(
+        "files.setuid_chmod",
+        "files",
+        "seccomp (chmod family), commit strips bits (issue 8 #3)",
+        r"""
+        import shutil, stat
+        py = OWN + "/py"
+        shutil.copyfile(os.path.realpath(sys.executable), py)
+        os.mkdir(OWN + "/d")
+        r = {"chmod": attempt(lambda: os.chmod(py, 0o6755)),
+             "fchmod": attempt(lambda: os.fchmod(os.open(py, os.O_RDONLY), 0o4755)),
+             "fchmodat2": str(sc("fchmodat2", -100, py.encode(), 0o4755, 0)[1]),
+             "setgid dir": attempt(lambda: os.chmod(OWN + "/d", 0o2775))}
+        bits = os.stat(py).st_mode & (stat.S_ISUID | stat.S_ISGID)
+        done(bits != 0, calls=r, mode=oct(os.stat(py).st_mode))
+        """,
+        caps=WRITE_OWN,
+        host_check=_no_special_files("files_setuid_chmod"),
+    ),
+    Attempt(
+        "files.setuid_by_create_mode",
+        "files",
+        "commit strips setuid/setgid bits",
+        r"""
+        def create():
+            fd = os.open(OWN + "/suid", os.O_CREAT | os.O_WRONLY, 0o6755)
+            os.write(fd, b"#!/bin/sh\nid\n"); os.close(fd)
+        r = {"open 6755": attempt(create),
+             "mkdir 2775": attempt(lambda: os.mkdir(OWN + "/sgid", 0o2775)),
+             "mknod 4755": attempt(lambda: os.mknod(OWN + "/n", 0o104755))}
+        done(False, calls=r)  # what reaches the host is what counts
+        """,
+        caps=WRITE_OWN,
+        host_check=_no_special_files("files_setuid_by_create_mode"),
+    ),
+    Attempt(
+        "files.device_nodes",
+        "files",
+        "no CAP_MKNOD, commit skips special files",
+        r"""
+        import stat
+        r = {"chr": attempt(lambda: os.mknod(OWN + "/mem", stat.S_IFCHR | 0o666, os.makedev(1, 1))),
+             "blk": attempt(lambda: os.mknod(OWN + "/sda", stat.S_IFBLK | 0o666, os.makedev(8, 0))),
+             "fifo": attempt(lambda: os.mkfifo(OWN + "/fifo"))}
+        done(r["chr"] == "ok" or r["blk"] == "ok", nodes=r)
+        """,
+        caps=WRITE_OWN,
+        host_check=_no_special_files("files_device_nodes"),
+    ),
+    Attempt(
+        "files.disk_budget",
+        "files",
+        "staging tmpfs sized to disk_mb (issue 8 #6)",
+        r"""
+        wrote = 0
+        try:
+            for i in range(40):  # 80 MiB in files under the per-file limit
+                with open(OWN + "/f%d" % i, "wb") as f:
+                    f.write(b"\1" * (2 << 20))
+                wrote += 2
+        except OSError as e:
+            err = en(e)
+        else:
+            err = None
+        done(wrote > 16, wrote_mib=wrote, error=err)
+        """,
+        caps=WRITE_OWN,
+        limits={"disk_mb": 16, "file_size_mb": 4},
+        host_check=_disk_within("files_disk_budget", 16),
+    ),
+    Attempt(
+        "files.open_by_handle",
+        "files",
+        "no CAP_DAC_READ_SEARCH (shocker), seccomp",
+        r"""
+        buf = ctypes.create_string_buffer(8 + 128)
+        struct.pack_into("I", buf, 0, 128)
+        mount_id = ctypes.c_int()
+        r1 = sc("name_to_handle_at", -100, b"/etc/passwd", buf, ctypes.byref(mount_id), 0)
+        fd = os.open("/etc", os.O_RDONLY)
+        r2 = sc("open_by_handle_at", fd, buf, 0)
+        done(r2[0] >= 0, name_to_handle=r1[1], open_by_handle=r2[1])
+        """,
+    ),
+    Attempt(
+        "files.chroot_breakout",
+        "files",
+        "no CAP_SYS_CHROOT in the guest",
+        r"""
+        os.makedirs("/tmp/jail", exist_ok=True)
+        r = attempt(lambda: os.chroot("/tmp/jail"))
+        if r == "ok":
+            for _ in range(64):
+                os.chdir("..")
+            os.chroot(".")
+        done(os.path.exists(HOME + "/secret/x"), chroot=r)
+        """,
+    ),
+    Attempt(
+        "files.mount_over_the_view",
+        "files",
+        "seccomp (mount family), no CAP_SYS_ADMIN",
+        r"""
+        r = {"mount tmpfs": sc("mount", b"none", b"/usr", b"tmpfs", 0, None),
+             "bind": sc("mount", b"/", b"/tmp", None, 4096, None),
+             "umount": sc("umount2", b"/usr", 2),
+             "fsopen": sc("fsopen", b"tmpfs", 0),
+             "open_tree": sc("open_tree", -100, b"/", 1)}
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+    Attempt(
+        "files.kernel_info_masked",
+        "files",
+        "masked /proc files, /sys left out",
+        r"""
+        def content(p):
+            with open(p, "rb") as f:
+                if f.read(64) == b"":
+                    raise OSError(errno.ENODATA, "empty (masked)")
+        r = {p: attempt(lambda p=p: content(p)) for p in
+             ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug",
+              "/sys/kernel/notes", "/sys/fs/cgroup/cgroup.procs")}
+        r["/sys"] = "ok" if os.path.exists("/sys/kernel") else "absent"
+        done(any(v == "ok" for v in r.values()), reads=r)
+        """,
+    ),
+    Attempt(
+        "files.later_executor_rewritten.plant",
+        "files",
+        "helper (walls b): rewrites the victim",
+        r"""
+        victim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "files_later_executor_rewritten")
+        r = attempt(lambda: open(victim + "/main.py", "w").write(
+            "import json\nprint(json.dumps({'escaped': True, 'rewritten': True}))\n"))
+        done(False, rewrite=r)
+        """,
+        caps=(("fs:write", ("~/.metnos/**",)),),
+    ),
+    Attempt(
+        "files.later_executor_rewritten",
+        "files",
+        "executors root outside every writable hint (walls b)",
+        r"""
+        done(False, ran="the original code")
+        """,
+        phase=2,
+        host_check=_executor_unchanged("files_later_executor_rewritten"),
+    ),
+    Attempt(
+        "files.executor_folder_swapped.plant",
+        "files",
+        "helper (walls a): victim's folder -> a link",
+        r"""
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        victim = os.path.join(root, "files_executor_folder_swapped")
+        evil = HOME + "/.metnos/evil"
+        r = {}
+        try:
+            os.makedirs(evil)
+            with open(os.path.join(victim, "manifest.toml")) as f:
+                manifest = f.read()
+            with open(evil + "/manifest.toml", "w") as f:
+                f.write(manifest)
+            with open(evil + "/main.py", "w") as f:
+                f.write("import json\nprint(json.dumps({'escaped': True, 'rewritten': True}))\n")
+            import shutil
+            shutil.rmtree(victim)  # (a rename of a folder is EXDEV on the overlay)
+            os.symlink(evil, victim)
+            r["swap"] = "ok"
+        except OSError as e:
+            r["swap"] = en(e)
+        done(False, **r)
+        """,
+        caps=(("fs:write", ("~/.metnos/**",)),),
+    ),
+    Attempt(
+        "files.executor_folder_swapped",
+        "files",
+        "executor folder opened without links (walls a)",
+        r"""
+        done(False, ran="the original code")
+        """,
+        phase=2,
+        host_check=_executor_unchanged("files_executor_folder_swapped"),
+        stopped_by=frozenset({"E_SYMLINKED_FOLDER", "E_UNKNOWN_EXECUTOR", "E_BAD_MANIFEST"}),
+    ),
+]
+
+HOST = [
+    Attempt(
+        "host.core_pattern",
+        "files",
+        "/proc/sys read-only, slot uid (issue 8 #1)",
+        r"""
+        r = attempt(lambda: os.close(os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY)))
+        done(r == "ok", open_for_write=r)
+        """,
+        host_check=_core_pattern_unchanged,
+    ),
+    Attempt(
+        "host.sysctls",
+        "files",
+        "/proc/sys read-only, /proc/sysrq-trigger masked (issue 8 #1)",
+        r"""
+        paths = ["/proc/sys/kernel/modprobe", "/proc/sys/vm/drop_caches", "/proc/sys/fs/file-max",
+                 "/proc/sys/kernel/panic", "/proc/sysrq-trigger", "/proc/sys/kernel/hostname"]
+        r = {p: attempt(lambda p=p: os.close(os.open(p, os.O_WRONLY))) for p in paths}
+        done(any(v == "ok" for v in r.values()), open_for_write=r)
+        """,
+    ),
+    Attempt(
+        "host.sethostname",
+        "user",
+        "own UTS namespace, no CAP_SYS_ADMIN",
+        r"""
+        r = sc("sethostname", b"pwned", 5)
+        done(False, sethostname=r[1])  # the host's name is what counts
+        """,
+        host_check=_hostname_unchanged,
+    ),
+    Attempt(
+        "host.kernel_modules_and_kexec",
+        "user",
+        "seccomp (spec list), no capabilities",
+        r"""
+        empty = ctypes.create_string_buffer(16)
+        r = {"init_module": sc("init_module", empty, 16, b""),
+             "finit_module": sc("finit_module", 0, b"", 0),
+             "delete_module": sc("delete_module", b"loop", 0),
+             "kexec_load": sc("kexec_load", 0, 0, None, 0),
+             "kexec_file_load": sc("kexec_file_load", -1, -1, 0, b"", 4),
+             "reboot": sc("reboot", 0xfee1dead, 0x28121969, 0, None),  # CAD_OFF: harmless
+             "swapon": sc("swapon", b"/tmp/none", 0),
+             "acct": sc("acct", None),
+             "syslog": sc("syslog", 3, ctypes.create_string_buffer(64), 64),
+             "iopl": sc("iopl", 3),
+             "quotactl": sc("quotactl", 0x800001, b"/", 0, None)}
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+]
+
+NETWORK = [
+    Attempt(
+        "network.tcp_to_host_loopback",
+        "network",
+        "own network namespace (--unshare-net)",
+        r"""
+        r = {}
+        for port in (CTX["port"], 6379):  # a listener of the harness; Redis's usual port
+            s = socket.socket()
+            s.settimeout(2)
+            r[port] = attempt(lambda s=s, port=port: s.connect(("127.0.0.1", port)))
+        done(any(v == "ok" for v in r.values()), connect=r)
+        """,
+        setup=_tcp,
+        host_check=_no_connection("tcp"),
+    ),
+    Attempt(
+        "network.outside_world",
+        "network",
+        "own network namespace (--unshare-net)",
+        r"""
+        s = socket.socket(); s.settimeout(2)
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        r = {"tcp 1.1.1.1:53": attempt(lambda: s.connect(("1.1.1.1", 53))),
+             "udp 8.8.8.8:53": attempt(lambda: u.sendto(b"\0" * 12, ("8.8.8.8", 53))),
+             "interfaces": [n for _, n in socket.if_nameindex()]}
+        done(r["tcp 1.1.1.1:53"] == "ok" or r["udp 8.8.8.8:53"] == "ok"
+             or r["interfaces"] != ["lo"], **r)
+        """,
+    ),
+    Attempt(
+        "network.abstract_unix_socket",
+        "network",
+        "own network namespace; seccomp (AF_UNIX)",
+        r"""
+        def connect():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0metnos-adv-" + CTX["token"])
+        r = attempt(connect)
+        done(r == "ok", connect=r)
+        """,
+        setup=_abstract_socket,
+        host_check=_no_connection("abstract"),
+    ),
+    Attempt(
+        "network.host_unix_socket_in_mount",
+        "network",
+        "seccomp (AF_UNIX), landlock (issue 8 #5)",
+        r"""
+        def connect():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(HOME + "/sockdir/agent.sock")
+        r = attempt(connect)
+        done(r == "ok", connect=r)
+        """,
+        caps=(("fs:read", ("~/sockdir/**",)),),
+        setup=_host_socket,
+        host_check=_no_connection("mounted"),
+    ),
+    Attempt(
+        "network.netlink_and_raw",
+        "network",
+        "own network namespace, no CAP_NET_RAW/ADMIN",
+        r"""
+        def raw(family, kind, proto):
+            socket.socket(family, kind, proto).close()
+        r = {"packet": attempt(lambda: raw(socket.AF_PACKET, socket.SOCK_RAW, 0)),
+             "icmp raw": attempt(lambda: raw(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)),
+             "netlink route": attempt(lambda: raw(socket.AF_NETLINK, socket.SOCK_RAW, 0))}
+        # netlink itself is the namespace's own; what it shows is what counts
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        import fcntl
+        up = attempt(lambda: fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", 1)))
+        done(r["packet"] == "ok" or r["icmp raw"] == "ok" or up == "ok"
+             or [n for _, n in socket.if_nameindex()] != ["lo"], calls=r, lo_up=up)
+        """,
+    ),
+    Attempt(
+        "network.granted_is_not_kept",
+        "network",
+        "control: a network capability opens the host network",
+        r"""
+        s = socket.socket(); s.settimeout(2)
+        r = attempt(lambda: s.connect(("127.0.0.1", CTX["granted_port"])))
+        done(r == "ok", connect=r)
+        """,
+        caps=(("network:http", ("localhost",)),),
+        setup=_granted_tcp,
+        through="always",
+        reason="network capability granted",
+    ),
+]
+
+PROCESS = [
+    Attempt(
+        "process_tree.ptrace_and_vm_writev",
+        "process_tree",
+        "seccomp (ptrace, process_vm_*), pid namespace",
+        r"""
+        buf = ctypes.create_string_buffer(8)
+        iov = struct.pack("PN", ctypes.addressof(buf), 8)
+        liov = ctypes.create_string_buffer(iov)
+        r = {}
+        for pid in (1, CTX["worker_pid"], os.getppid()):
+            r[f"attach {pid}"] = sc("ptrace", 16, pid, 0, 0)  # PTRACE_ATTACH
+            r[f"seize {pid}"] = sc("ptrace", 0x4206, pid, 0, 0)
+            r[f"vm_writev {pid}"] = sc("process_vm_writev", pid, liov, 1, liov, 1, 0)
+            r[f"vm_readv {pid}"] = sc("process_vm_readv", pid, liov, 1, liov, 1, 0)
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+    Attempt(
+        "process_tree.proc_1_mem",
+        "process_tree",
+        "landlock (scoped ptrace), seccomp (walls e)",
+        r"""
+        r = {"mem": attempt(lambda: os.close(os.open("/proc/1/mem", os.O_RDWR))),
+             "environ": attempt(lambda: open("/proc/1/environ", "rb").read()),
+             "root": attempt(lambda: os.listdir("/proc/1/root/proc/1/root")),
+             "worker": attempt(lambda: os.close(
+                 os.open(f"/proc/{CTX['worker_pid']}/mem", os.O_RDWR)))}
+        done(r["mem"] == "ok" or r["worker"] == "ok", opens=r)
+        """,
+    ),
+    Attempt(
+        "process_tree.kill_host_processes",
+        "process_tree",
+        "pid namespace, slot uid",
+        r"""
+        import signal
+        r = {}
+        for name, pid in (("canary", CTX["canary_pid"]), ("worker", CTX["worker_pid"]),
+                          ("pytest", CTX["pytest_pid"])):
+            r[name] = attempt(lambda pid=pid: os.kill(pid, 0))
+        r["kill -1"] = attempt(lambda: os.kill(-1, signal.SIGKILL))
+        r["canary SIGKILL"] = attempt(lambda: os.kill(CTX["canary_pid"], signal.SIGKILL))
+        done(False, signals=r)  # the canary and the worker are what counts
+        """,
+        host_check=_canary_alive,
+    ),
+    Attempt(
+        "process_tree.forged_host_fault",
+        "process_tree",
+        "seccomp (pidfd_getfd), landlock (issue 8 #8)",
+        r"""
+        import time
+        try:
+            init = os.pidfd_open(1)
+            for event in (3, 4, 5):
+                fd = sc("pidfd_getfd", init, event, 0)[0]
+                if fd >= 0 and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]":
+                    break
+            else:
+                raise OSError(ctypes.get_errno(), "no eventfd reached")
+        except OSError as exc:
+            done(False, error=en(exc))
+        print(json.dumps({"escaped": True, "forged": True}), flush=True)
+        os.write(fd, struct.pack("Q", 5000))
+        time.sleep(5)
+        """,
+        stopped_by=frozenset({"E_TRAP"}),
+    ),
+    Attempt(
+        "process_tree.new_namespaces",
+        "process_tree",
+        "seccomp (unshare, clone3), userns disabled",
+        r"""
+        CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x20000
+        CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+        r = {"unshare user": sc("unshare", CLONE_NEWUSER),
+             "unshare mnt+pid+net": sc("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET)}
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if libc.unshare(CLONE_NEWUSER) == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        r["child unshare user"] = (0 if os.waitstatus_to_exitcode(status) == 0 else -1, None)
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+    Attempt(
+        "process_tree.setns_into_init",
+        "process_tree",
+        "seccomp (setns), no capabilities",
+        r"""
+        r = {}
+        for ns in ("mnt", "net", "pid", "user", "uts", "ipc"):
+            try:
+                fd = os.open(f"/proc/1/ns/{ns}", os.O_RDONLY)
+            except OSError as e:
+                r[ns] = (-1, en(e)); continue
+            r[ns] = sc("setns", fd, 0)
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+    Attempt(
+        "process_tree.pivot_root",
+        "process_tree",
+        "seccomp (pivot_root), no CAP_SYS_ADMIN",
+        r"""
+        os.makedirs("/tmp/new/old", exist_ok=True)
+        r = sc("pivot_root", b"/tmp/new", b"/tmp/new/old")
+        done(r[0] >= 0, pivot_root=r[1])
+        """,
+    ),
+    Attempt(
+        "process_tree.orphan_survives_the_job",
+        "process_tree",
+        "pid namespace killed with its init",
+        r"""
+        import subprocess
+        subprocess.Popen(["sh", "-c", f"exec -a sleep-{CTX['token']}-orphan sleep 300"],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execvp("sh", ["sh", "-c", f"exec -a sleep-{CTX['token']}-orphan sleep 300"])
+            os._exit(0)
+        os.waitpid(pid, 0)
+        done(False)  # what survives on the host is what counts
+        """,
+        host_check=_no_processes("orphan"),
+    ),
+    Attempt(
+        "process_tree.timeout_kills_the_tree",
+        "process_tree",
+        "wall-time budget, tree killed",
+        r"""
+        import subprocess, time
+        for _ in range(3):
+            subprocess.Popen(["sh", "-c", f"exec -a sleep-{CTX['token']}-tree sleep 300"],
+                             start_new_session=True)
+        time.sleep(300)
+        """,
+        limits={"timeout_s": 2},
+        stopped_by=frozenset({"E_TIMEOUT"}),
+        host_check=_no_processes("tree"),
+    ),
+    Attempt(
+        "process_tree.tiocsti",
+        "process_tree",
+        "--new-session, no controlling terminal",
+        r"""
+        import fcntl, termios
+        r = {"/dev/tty": attempt(lambda: os.open("/dev/tty", os.O_RDWR))}
+        for fd in (0, 1, 2):
+            r[fd] = attempt(lambda fd=fd: fcntl.ioctl(fd, termios.TIOCSTI, b"x"))
+        done(any(v == "ok" for v in r.values()), ioctl=r)
+        """,
+    ),
+    Attempt(
+        "process_tree.deep_json_output",
+        "process_tree",
+        "the worker's output parser (issue 8 #10)",
+        r"""
+        sys.stdout.write("[" * 400000 + "]" * 400000)
+        """,
+        stopped_by=frozenset({"E_BAD_OUTPUT"}),
+    ),
+    Attempt(
+        "process_tree.output_flood",
+        "process_tree",
+        "capped stdout and stderr",
+        r"""
+        chunk = b"A" * (1 << 20)
+        for _ in range(64):
+            os.write(2, chunk)
+        for _ in range(64):
+            os.write(1, chunk)
+        """,
+        limits={"output_kb": 64},
+        stopped_by=frozenset({"E_BAD_OUTPUT"}),
+    ),
+    Attempt(
+        "process_tree.terminal_escapes",
+        "process_tree",
+        "terminal-safe rendering (issue 8 #9)",
+        r"""
+        sys.stderr.write("\x1b]0;pwned\x07\x1b[2J\x1b[H\rpwned\x1b[31m\x9b31m\x08\x7f\n")
+        done(False, note="\x1b]0;pwned\x07\r")
+        """,
+        host_check=_result_renders_safely,
+    ),
+]
+
+USER = [
+    Attempt(
+        "user.keyrings",
+        "user",
+        "seccomp (keyctl, add_key, request_key) (issue 8 #4)",
+        r"""
+        buf = ctypes.create_string_buffer(256)
+        r = {"session id": sc("keyctl", 0, -3, 0),        # KEYCTL_GET_KEYRING_ID
+             "read user keyring": sc("keyctl", 11, -4, buf, 256),  # KEYCTL_READ
+             "join session": sc("keyctl", 1, None)}
+        r["add_key"] = sc("add_key", b"user", ("adv-" + CTX["token"]).encode(), b"p", 1, -4)
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+    ),
+    Attempt(
+        "user.keyring_shared_between_jobs",
+        "user",
+        "seccomp (request_key, keyctl) (issue 8 #4)",
+        r"""
+        r = {"request_key": sc("request_key", b"user", ("adv-" + CTX["token"]).encode(), None, 0),
+             "search": sc("keyctl", 10, -4, b"user", ("adv-" + CTX["token"]).encode(), 0)}
+        done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
+        """,
+        phase=2,
+    ),
+    Attempt(
+        "user.capabilities_and_setuid",
+        "user",
+        "uid 65534 without capabilities, no_new_privs",
+        r"""
+        status = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines()
+                      if ":\t" in l)
+        caps = {k: status[k].strip() for k in ("CapEff", "CapPrm", "CapAmb")}
+        r = {"setuid(0)": sc("setuid", 0)[1], "NoNewPrivs": status["NoNewPrivs"].strip(),
+             "Seccomp": status["Seccomp"].strip()}
+        done(any(int(v, 16) for v in caps.values()) or r["setuid(0)"] is None, caps=caps, **r)
+        """,
+    ),
+    Attempt(
+        "user.root_only_system_file",
+        "user",
+        "slot uid for a root worker (not host root)",
+        r"""
+        r = attempt(lambda: open(f"/usr/local/share/metnos-adv-{CTX['token']}").read())
+        done(r == "ok", read=r)
+        """,
+        setup=_root_only_system_file,
+        through="root",
+        reason="as host root",
+    ),
+    Attempt(
+        "user.env_secrets",
+        "user",
+        "clean environment (allow-list)",
+        r"""
+        seen = dict(os.environ)
+        r = {}
+        for p in ("/proc/self/environ", "/proc/1/environ", f"/proc/{os.getppid()}/environ"):
+            try:
+                seen[p] = open(p, "rb").read().decode(errors="replace")
+            except OSError as e:
+                r[p] = en(e)
+        blob = json.dumps(seen)
+        done(CTX["token"] in blob.replace(json.dumps(CTX), ""), names=sorted(os.environ), errors=r)
+        """,
+    ),
+    Attempt(
+        "user.perf_event_open",
+        "user",
+        "seccomp (perf_event_open)",
+        r"""
+        attr = ctypes.create_string_buffer(128)
+        struct.pack_into("IIQQ", attr, 0, 1, 128, 0, 0)  # PERF_TYPE_SOFTWARE, cpu-clock
+        r = sc("perf_event_open", attr, 0, -1, -1, 0)
+        done(r[0] >= 0, perf_event_open=r[1])
+        """,
+    ),
+    Attempt(
+        "user.bpf",
+        "user",
+        "seccomp (bpf)",
+        r"""
+        attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 8, 1), 128)  # ARRAY map
+        r = sc("bpf", 0, attr, 128)  # BPF_MAP_CREATE
+        done(r[0] >= 0, bpf=r[1])
+        """,
+    ),
+    Attempt(
+        "user.userfaultfd",
+        "user",
+        "seccomp (userfaultfd)",
+        r"""
+        r = sc("userfaultfd", 0)
+        dev = attempt(lambda: os.open("/dev/userfaultfd", os.O_RDWR))
+        done(r[0] >= 0 or dev == "ok", userfaultfd=r[1], dev=dev)
+        """,
+    ),
+    Attempt(
+        "user.io_uring",
+        "user",
+        "seccomp (io_uring_setup) (issue 8 #11)",
+        r"""
+        params = ctypes.create_string_buffer(120)
+        r = sc("io_uring_setup", 8, params)
+        done(r[0] >= 0, io_uring_setup=r[1])
+        """,
+    ),
+    Attempt(
+        "user.kernel_surface_misc",
+        "user",
+        "seccomp (rarely needed, often exploited)",
+        r"""
+        r = {"fanotify_init": sc("fanotify_init", 0, 0),
+             "lookup_dcookie": sc("lookup_dcookie", 0, None, 0),
+             "personality READ_IMPLIES_EXEC": sc("personality", 0x0400000),
+             "memfd_secret": sc("memfd_secret", 0)}
+        got = {k: v[1] for k, v in r.items()}
+        done(r["fanotify_init"][0] >= 0 or r["lookup_dcookie"][0] >= 0, calls=got)
+        """,
+    ),
+]
+
+RESOURCES = [
+    Attempt(
+        "resources.one_big_allocation",
+        "resources",
+        "RLIMIT_AS, memory cgroup",
+        r"""
+        try:
+            b = bytearray(512 << 20)
+            done(True, allocated_mib=512)
+        except MemoryError:
+            done(False, error="MemoryError")
+        """,
+        limits={"memory_mb": 64},
+        stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
+    ),
+    Attempt(
+        "resources.memory_across_processes",
+        "resources",
+        "memory cgroup (root); else partial",
+        MEMORY_ACROSS_PROCESSES,
+        limits={"memory_mb": 64},
+        stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
+        through="unprivileged",
+        reason="no memory cgroup",
+    ),
+    Attempt(
+        "resources.dev_shm_fill",
+        "resources",
+        "sized /dev/shm tmpfs (issue 8 #7)",
+        r"""
+        wrote = 0
+        try:
+            with open("/dev/shm/fill", "wb") as f:
+                for _ in range(128):
+                    f.write(b"\1" * (1 << 20)); f.flush(); wrote += 1
+        except OSError as e:
+            err = en(e)
+        else:
+            err = None
+        done(wrote > 64, wrote_mib=wrote, error=err)
+        """,
+        limits={"memory_mb": 64, "file_size_mb": 256},
+        stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
+    ),
+    Attempt(
+        "resources.tmp_fill",
+        "resources",
+        "sized /tmp tmpfs",
+        r"""
+        wrote = 0
+        try:
+            with open("/tmp/fill", "wb") as f:
+                for _ in range(128):
+                    f.write(b"\1" * (1 << 20)); f.flush(); wrote += 1
+        except OSError as e:
+            err = en(e)
+        else:
+            err = None
+        done(wrote > 64, wrote_mib=wrote, error=err)
+        """,
+        limits={"memory_mb": 64, "file_size_mb": 256},
+        stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
+    ),
+    Attempt(
+        "resources.fork_bomb",
+        "resources",
+        "pids cgroup / RLIMIT_NPROC on the slot uid",
+        r"""
+        import time
+        n, err = 0, None
+        pids = []
+        try:
+            for _ in range(200):
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(30); os._exit(0)
+                pids.append(pid); n += 1
+        except OSError as e:
+            err = en(e)
+        for pid in pids:
+            os.kill(pid, 9); os.waitpid(pid, 0)
+        done(n > 16, forked=n, error=err)
+        """,
+        limits={"pids": 16},
+        stopped_by=frozenset({"E_KILLED"}),
+    ),
+    Attempt(
+        "resources.cpu_time",
+        "resources",
+        "RLIMIT_CPU (SIGXCPU)",
+        r"""
+        import time
+        t = time.process_time()
+        while time.process_time() - t < 8:
+            pass
+        done(True, cpu_s=time.process_time() - t)
+        """,
+        limits={"cpu_s": 1},
+        stopped_by=frozenset({"E_KILLED"}),
+    ),
+    Attempt(
+        "resources.file_size",
+        "resources",
+        "RLIMIT_FSIZE",
+        r"""
+        wrote, err = 0, None
+        try:
+            with open("/tmp/big", "wb") as f:
+                for _ in range(4):
+                    f.write(b"\1" * (1 << 20)); f.flush(); wrote += 1
+        except OSError as e:
+            err = en(e)
+        done(wrote > 1, wrote_mib=wrote, error=err)
+        """,
+        limits={"file_size_mb": 1},
+        stopped_by=frozenset({"E_KILLED"}),
+    ),
+    Attempt(
+        "resources.open_files",
+        "resources",
+        "RLIMIT_NOFILE",
+        r"""
+        fds, err = [], None
+        try:
+            for _ in range(2000):
+                fds.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as e:
+            err = en(e)
+        done(len(fds) > 64, opened=len(fds), error=err)
+        """,
+        limits={"open_files": 64},
+    ),
+]
+
+#: The bwrap half: every row above, one worker.
+BWRAP = [*FILES, *HOST, *NETWORK, *PROCESS, *USER, *RESOURCES]
+
+
+def is_helper(a: Attempt) -> bool:
+    return a.id.endswith(".plant")
+
+
+# --- the direct arm: the axes it reports not_kept really are open ------------------------
+
+DIRECT = [
+    Attempt(
+        "direct.files_open",
+        "files",
+        "none (the direct arm)",
+        r"""
+        done(attempt(lambda: open(HOME + "/secret/x").read()) == "ok")
+        """,
+        caps=READ_NOTES,
+        through="always",
+        reason="no mount namespace",
+    ),
+    Attempt(
+        "direct.network_open",
+        "network",
+        "none (the direct arm)",
+        r"""
+        s = socket.socket(); s.settimeout(2)
+        done(attempt(lambda: s.connect(("127.0.0.1", CTX["port"]))) == "ok")
+        """,
+        setup=_tcp,
+        through="always",
+        reason="no network namespace",
+    ),
+    Attempt(
+        "direct.process_tree_open",
+        "process_tree",
+        "none (the direct arm)",
+        r"""
+        done(attempt(lambda: os.kill(CTX["canary_pid"], 0)) == "ok"
+             and os.path.exists(f"/proc/{CTX['worker_pid']}"))
+        """,
+        through="always",
+        reason="no pid namespace",
+    ),
+    Attempt(
+        "direct.user_open",
+        "user",
+        "none (the direct arm)",
+        r"""
+        done(open("/proc/self/uid_map").read().split()[:2] == ["0", "0"]
+             and os.geteuid() == os.stat(HOME).st_uid)
+        """,
+        through="always",
+        reason="the worker's own identity",
+    ),
+    Attempt(
+        "direct.resources_open",
+        "resources",
+        "none (the direct arm)",
+        MEMORY_ACROSS_PROCESSES,
+        limits={"memory_mb": 64},
+        through="always",
+        reason="no memory cgroup",
+    ),
+]
+
+
+def prepare(world: World) -> None:
+    """The home every attempt runs against: notes to read, secrets to steal."""
+    (world.home / "notes").mkdir()
+    (world.home / "notes" / "today.md").write_text("milk\n")
+    (world.home / "secret").mkdir()
+    (world.home / "secret" / "x").write_text("top secret\n")
+    (world.home / ".ssh").mkdir()
+    (world.home / ".ssh" / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    world.notes["core_pattern"] = Path("/proc/sys/kernel/core_pattern").read_text()
+    world.notes["hostname"] = socket.gethostname()
