@@ -1241,3 +1241,155 @@ def prepare(world: World) -> None:
     (world.home / ".ssh" / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
     world.notes["core_pattern"] = Path("/proc/sys/kernel/core_pattern").read_text()
     world.notes["hostname"] = socket.gethostname()
+
+
+# --- the wasm arm ----------------------------------------------------------------------
+
+#: A WAT module whose ``$check`` returns 1 when the attempt got through; ``_start`` says
+#: so as one JSON document on stdout. ``BODY`` is the rest of the module.
+WAT = r"""(module
+  (import "wasi_snapshot_preview1" "fd_write"
+    (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  IMPORTS
+  (memory (export "memory") 1)
+  (data (i32.const 64) "{\"escaped\": false}\n")
+  (data (i32.const 128) "{\"escaped\": true}\n")
+  BODY
+  (func (export "_start")
+    (local $escaped i32)
+    (local.set $escaped (call $check))
+    (i32.store (i32.const 0) (select (i32.const 128) (i32.const 64) (local.get $escaped)))
+    (i32.store (i32.const 4) (select (i32.const 18) (i32.const 19) (local.get $escaped)))
+    (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))
+"""
+
+PATH_OPEN = """(import "wasi_snapshot_preview1" "path_open"
+    (func $path_open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))"""
+
+
+def wat(body: str, imports: str = "") -> str:
+    return WAT.replace("IMPORTS", imports).replace("BODY", body)
+
+
+WASM = [
+    Attempt(
+        "wasm.fuel_exhausted",
+        "resources",
+        "fuel metering",
+        wat("(func $check (result i32) (loop $l (br $l)) (i32.const 1))"),
+        runtime="wasm",
+        limits={"fuel": 100_000},
+        stopped_by=frozenset({"E_FUEL"}),
+    ),
+    Attempt(
+        "wasm.wall_time_with_fuel_to_spare",
+        "resources",
+        "epoch interruption",
+        wat("(func $check (result i32) (loop $l (br $l)) (i32.const 1))"),
+        runtime="wasm",
+        limits={"fuel": 10**15, "timeout_s": 1},
+        stopped_by=frozenset({"E_TIMEOUT"}),
+    ),
+    Attempt(
+        "wasm.memory_growth",
+        "resources",
+        "store memory limit",
+        wat("(func $check (result i32) (i32.ne (memory.grow (i32.const 1024)) (i32.const -1)))"),
+        runtime="wasm",
+        limits={"memory_mb": 16, "fuel": 10**7},
+        stopped_by=frozenset({"E_MEMORY", "E_TRAP"}),
+    ),
+    Attempt(
+        "wasm.huge_initial_memory",
+        "resources",
+        "store memory limit at instantiation",
+        wat("(memory $big 40000) (func $check (result i32) (i32.const 1))").replace(
+            '(memory (export "memory") 1)', '(memory (export "memory") 1)'
+        ),
+        runtime="wasm",
+        limits={"memory_mb": 16, "fuel": 10**7},
+        stopped_by=frozenset({"E_MEMORY", "E_TRAP", "E_SANDBOX_DENIED", "E_BAD_MODULE"}),
+    ),
+    Attempt(
+        "wasm.table_growth",
+        "resources",
+        "store table limit (walls d)",
+        wat(
+            "(table $t 1 funcref) (func $check (result i32)"
+            " (i32.ne (table.grow $t (ref.null func) (i32.const 50000000)) (i32.const -1)))"
+        ),
+        runtime="wasm",
+        limits={"memory_mb": 16, "fuel": 10**12},
+        stopped_by=frozenset({"E_MEMORY", "E_TRAP"}),
+    ),
+    Attempt(
+        "wasm.preopen_escape",
+        "files",
+        "WASI preopens (no .., no absolute paths)",
+        wat(
+            r"""(data (i32.const 256) "today.md../secret/x/etc/passwd")
+  (func $open (param $fd i32) (param $at i32) (param $len i32) (param $oflags i32) (result i32)
+    (call $path_open (local.get $fd) (i32.const 1) (local.get $at) (local.get $len)
+      (local.get $oflags) (i64.const 2) (i64.const 0) (i32.const 0)
+      (i32.const 16)))
+  (func $check (result i32)
+    (local $fd i32)
+    ;; the control: find the notes preopen (its file opens there); none: a broken test
+    (local.set $fd (i32.const 3))
+    (block $found
+      (loop $next
+        (br_if $found (i32.eqz (call $open (local.get $fd) (i32.const 256) (i32.const 8)
+          (i32.const 0))))
+        (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+        (br_if $next (i32.lt_u (local.get $fd) (i32.const 8)))
+        (call $exit (i32.const 3))))
+    (i32.or
+      (i32.eqz (call $open (local.get $fd) (i32.const 264) (i32.const 11) (i32.const 0)))
+      (i32.eqz (call $open (local.get $fd) (i32.const 275) (i32.const 11) (i32.const 0)))))""",
+            PATH_OPEN,
+        ),
+        runtime="wasm",
+        caps=READ_NOTES,
+        limits={"fuel": 10**7},
+    ),
+    Attempt(
+        "wasm.write_read_only_preopen",
+        "files",
+        "read-only preopen (fs_mutable off)",
+        wat(
+            r"""(data (i32.const 256) "planted")
+  (func $check (result i32)
+    (local $fd i32)
+    (local $got i32)
+    ;; O_CREAT on every preopen (the notes folder and the executor's own): none may
+    (local.set $fd (i32.const 3))
+    (loop $next
+      (local.set $got (i32.or (local.get $got) (i32.eqz
+        (call $path_open (local.get $fd) (i32.const 1) (i32.const 256) (i32.const 7)
+          (i32.const 1) (i64.const 0x42) (i64.const 0) (i32.const 0)
+          (i32.const 16)))))
+      (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $fd) (i32.const 8))))
+    (local.get $got))""",
+            PATH_OPEN,
+        ),
+        runtime="wasm",
+        caps=READ_NOTES,
+        limits={"fuel": 10**7},
+        host_check=_absent("notes/planted"),
+    ),
+    Attempt(
+        "wasm.socket_import",
+        "network",
+        "WASI preview 1 has no sock_connect: link fails",
+        wat(
+            "(func $check (result i32) (i32.eqz (call $connect (i32.const 3) (i32.const 0))))",
+            '(import "wasi_snapshot_preview1" "sock_connect"'
+            " (func $connect (param i32 i32) (result i32)))",
+        ),
+        runtime="wasm",
+        limits={"fuel": 10**7},
+        stopped_by=frozenset({"E_SANDBOX_DENIED"}),
+    ),
+]

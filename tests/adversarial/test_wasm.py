@@ -1,0 +1,33 @@
+"""The adversarial suite on the wasm arm: the attempts that apply to a WASI guest (fuel,
+wall time, memory and table growth, preopens, sockets), through one real worker per
+anyio backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ..conftest import need_import
+from .attempts import WASM, prepare
+from .harness import Run, judge, run_attempts, world_at
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    need_import("wasmtime", "wasm")
+    with world_at(tmp_path_factory.mktemp("adv-wasm")) as world:
+        prepare(world)
+        yield run_attempts(world, WASM, backend=request.param, sandbox="wasm")
+
+
+def test_every_job_ran_on_wasm(run: Run) -> None:
+    assert not run.survivors, run.survivors
+    for aid, result in run.results.items():
+        if result is not None and result.containment is not None:
+            assert result.containment.sandbox == "wasm", (aid, result.containment)
+
+
+@pytest.mark.parametrize("attempt", WASM, ids=[a.id for a in WASM])
+def test_attempt(run: Run, attempt: object) -> None:
+    judge(run, attempt)  # type: ignore[arg-type]
