@@ -307,7 +307,7 @@ def run_attempts(
     world.db.parent.mkdir(parents=True, exist_ok=True)
     for a in attempts:
         write_executor(world, a)
-        if a.setup is not None:
+        if a.setup is not None and (IS_ROOT or not a.needs_root):
             a.setup(world)
     log = world.root / "worker.jsonl"
     worker_env = {k: v for k, v in os.environ.items() if not k.startswith(("METNOS_", "PYTEST_"))}
