@@ -202,6 +202,33 @@ MEMORY_ACROSS_PROCESSES = r"""
         done(min(held, 24 * alive) > 96, reported_mib=held, alive=alive)
         """
 
+
+def _skill_token(world: World) -> None:
+    d = world.home / ".metnos" / "skills" / "mail"
+    d.mkdir(parents=True)
+    (d / "token").write_text("oauth refresh token")
+
+
+def _state_untouched(world: World, _result: Result | None) -> str | None:
+    p = Path(world.ctx["state"]) / "planted"
+    return f"{p} was written on the host" if p.exists() else None
+
+
+def _host_ipc(world: World) -> None:
+    """A SysV shared memory segment and a POSIX one on the host, for jobs to look for."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = int(world.token[:6], 16) | 0x10000000
+    shmid = libc.shmget(key, 4096, 0o1000 | 0o666)  # IPC_CREAT
+    assert shmid >= 0, ctypes.get_errno()
+    world.ctx["shm_key"] = key
+    world.on_close.append(lambda: libc.shmctl(shmid, 0, None))  # IPC_RMID
+    shm = Path("/dev/shm") / f"metnos-adv-{world.token}"
+    shm.write_text("host")
+    world.cleanup.append(shm)
+
+
 # --- the rows ----------------------------------------------------------------------------
 
 FILES = [
@@ -262,8 +289,12 @@ FILES = [
         "files",
         "read-only bind (fs:read)",
         r"""
-        r = attempt(lambda: open(HOME + "/notes/planted", "w").write("x"))
-        done(r == "ok", write=r)
+        r = {"create": attempt(lambda: open(HOME + "/notes/planted", "w").write("x"))}
+        fd = os.open(HOME + "/notes/today.md", os.O_RDONLY)
+        r["reopen for write"] = attempt(lambda: os.open(f"/proc/self/fd/{fd}", os.O_WRONLY))
+        r["chmod"] = attempt(lambda: os.chmod(HOME + "/notes/today.md", 0o666))
+        r["rename"] = attempt(lambda: os.rename(HOME + "/notes/today.md", HOME + "/notes/x"))
+        done(any(v == "ok" for v in r.values()), calls=r)
         """,
         caps=READ_NOTES,
         host_check=_absent("notes/planted"),
@@ -503,6 +534,41 @@ FILES = [
         r["/sys"] = "ok" if os.path.exists("/sys/kernel") else "absent"
         done(any(v == "ok" for v in r.values()), reads=r)
         """,
+    ),
+    Attempt(
+        "files.host_devices",
+        "files",
+        "minimal private /dev (no host device nodes)",
+        r"""
+        devs = ["/dev/mem", "/dev/kmem", "/dev/port", "/dev/kmsg", "/dev/sda", "/dev/vda",
+                "/dev/nvme0n1", "/dev/tty0", "/dev/console", "/dev/fuse", "/dev/kvm",
+                "/dev/net/tun", "/dev/loop-control", "/dev/dri/card0", "/dev/input/event0"]
+        r = {d: attempt(lambda d=d: os.close(os.open(d, os.O_RDONLY))) for d in devs}
+        done(any(v == "ok" for v in r.values()), opens=r, dev=sorted(os.listdir("/dev")))
+        """,
+    ),
+    Attempt(
+        "files.provider_tokens_of_skills",
+        "files",
+        "only a bound skill's folder is mounted",
+        r"""
+        tok = HOME + "/.metnos/skills/mail/token"
+        done(attempt(lambda: open(tok).read()) == "ok")
+        """,
+        caps=READ_NOTES,
+        setup=_skill_token,
+    ),
+    Attempt(
+        "files.state_dir_through_hint",
+        "files",
+        "worker state outside every hint (walls b)",
+        r"""
+        r = attempt(lambda: open(CTX["state"] + "/planted", "w").write("x"))
+        done(False, write=r)  # the host's state folder is what counts
+        """,
+        caps=(("fs:write", ("~/.metnos/state/**",)),),
+        stopped_by=frozenset({"E_CAPABILITY_DENIED"}),
+        host_check=_state_untouched,
     ),
     Attempt(
         "files.later_executor_rewritten.plant",
@@ -767,6 +833,17 @@ PROCESS = [
         "seccomp (pidfd_getfd), landlock (issue 8 #8)",
         r"""
         import time
+        # The issue's way first: bubblewrap's init's status eventfd through /proc/1/fd/N.
+        for n in range(3, 8):
+            try:
+                fd = os.open(f"/proc/1/fd/{n}", os.O_WRONLY)
+            except OSError:
+                continue
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]":
+                print(json.dumps({"escaped": True, "forged": "/proc/1/fd"}), flush=True)
+                os.write(fd, struct.pack("Q", 5000))
+                time.sleep(5)
+            os.close(fd)
         try:
             init = os.pidfd_open(1)
             for event in (3, 4, 5):
@@ -797,6 +874,15 @@ PROCESS = [
             os._exit(0 if libc.unshare(CLONE_NEWUSER) == 0 else 1)
         _, status = os.waitpid(pid, 0)
         r["child unshare user"] = (0 if os.waitstatus_to_exitcode(status) == 0 else -1, None)
+        # clone(2) itself with CLONE_NEWUSER (what a filter on unshare alone would miss)
+        libc.syscall.argtypes = None
+        got = libc.syscall(56 if os.uname().machine == "x86_64" else 220,
+                           ctypes.c_long(CLONE_NEWUSER | 17), 0, 0, 0, 0)
+        if got == 0:
+            os._exit(0)
+        if got > 0:
+            os.waitpid(got, 0)
+        r["clone NEWUSER"] = (got, None if got >= 0 else errno.errorcode.get(ctypes.get_errno()))
         done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
         """,
     ),
@@ -824,6 +910,20 @@ PROCESS = [
         r = sc("pivot_root", b"/tmp/new", b"/tmp/new/old")
         done(r[0] >= 0, pivot_root=r[1])
         """,
+    ),
+    Attempt(
+        "process_tree.host_ipc_objects",
+        "process_tree",
+        "own IPC namespace, private /dev/shm",
+        r"""
+        libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+        got = libc.shmget(CTX["shm_key"], 0, 0)
+        posix = os.path.exists(f"/dev/shm/metnos-adv-{CTX['token']}")
+        r = {"shmget": errno.errorcode.get(ctypes.get_errno()) if got < 0 else "ok",
+             "posix shm": "ok" if posix else "absent"}
+        done(any(v == "ok" for v in r.values()), **r)
+        """,
+        setup=_host_ipc,
     ),
     Attempt(
         "process_tree.orphan_survives_the_job",

@@ -178,6 +178,7 @@ class World:
     notes: dict[str, Any] = field(default_factory=dict)
     canary: subprocess.Popen[bytes] | None = None
     cleanup: list[Path] = field(default_factory=list)
+    on_close: list[Callable[[], object]] = field(default_factory=list)
 
     @property
     def home(self) -> Path:
@@ -188,6 +189,11 @@ class World:
         # Inside the home, where an operator keeps them: an executor whose hint covers
         # ~/.metnos tries to rewrite another (files.later_executor_rewritten).
         return self.home / ".metnos" / "executors"
+
+    @property
+    def state(self) -> Path:
+        # Where an operator may keep it, next to the executors (see files.state_dir_*).
+        return self.home / ".metnos" / "state"
 
     @property
     def db(self) -> Path:
@@ -227,6 +233,9 @@ class World:
         for p in self.cleanup:
             p.unlink(missing_ok=True)
         self.cleanup.clear()
+        for undo in self.on_close:
+            undo()
+        self.on_close.clear()
         if self.canary is not None:
             if self.canary.poll() is None:
                 self.canary.kill()
@@ -313,7 +322,7 @@ def run_attempts(
     worker_env = {k: v for k, v in os.environ.items() if not k.startswith(("METNOS_", "PYTEST_"))}
     worker_env.update(
         HOME=str(world.home),
-        METNOS_STATE_DIR=str(world.root / "state"),
+        METNOS_STATE_DIR=str(world.state),
         # Secrets a job must never see (user.env_secrets).
         METNOS_ADV_SECRET=f"secret-{world.token}",
         AWS_SECRET_ACCESS_KEY=f"aws-{world.token}",
@@ -356,7 +365,7 @@ def run_attempts(
             canary_pid=world.canary.pid,
             pytest_pid=os.getpid(),
             db=str(world.db),
-            state=str(world.root / "state"),
+            state=str(world.state),
         )
         ctx = json.dumps(world.ctx)
         phases = sorted({a.phase for a in attempts})
