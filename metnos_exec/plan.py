@@ -27,16 +27,18 @@ Construction rules (each tested in ``tests/test_plan.py``):
   ``$METNOS_SKILLS_ROOT`` or ``<home>/.metnos/skills``.
 * ``network`` is on iff an active ``network:*`` capability or a valid provider binding
   exists, or the autonomy profile allows the override (``full``).
-* runtime ``python``: ``argv = (<base interpreter>, "-I", "-S", <main.py>)``. The venv's
-  ``python`` is a symlink to the base interpreter; `os.path.realpath` names the file the
-  sandbox can actually mount and execute, and ``-I -S`` keep the venv's and the user's
-  site-packages out (executors are stdlib-only by contract). The environment is a fixed
+* runtime ``python``: ``argv = (<base interpreter>, "-E", "-s", "-S", <main.py>)``. The
+  venv's ``python`` is a symlink to the base interpreter; `os.path.realpath` names the file
+  the sandbox can actually mount and execute. ``-E -s -S`` keep the environment, the venv's
+  and the user's site-packages out (executors are stdlib-only by contract) while the
+  script's own folder stays first on ``sys.path``, so its sibling modules import (``-I``
+  would drop it; `sandbox.flags.PYTHON_FLAGS`). The environment is a fixed
   allow-list (``PATH``, ``LANG``, ``HOME``, ``PYTHONDONTWRITEBYTECODE``,
   ``PYTHONUNBUFFERED``); nothing is inherited from the worker. stdin is the vetted
   arguments as one JSON document.
 * runtime ``wasm``: ``WasmProgram(module=<entry>, args=(<name>,))``; ``wasm-python``:
-  ``WasmProgram(module=PYTHON_WASM_MODULE, args=("python", "-u", "-I", "-S", <main.py>))``,
-  the arm resolves the sentinel to the pinned CPython-on-WASI runtime. ``-I -S`` as for
+  ``WasmProgram(module=PYTHON_WASM_MODULE, args=("python", "-u", *PYTHON_FLAGS, <main.py>))``,
+  the arm resolves the sentinel to the pinned CPython-on-WASI runtime. ``-E -s -S`` as for
   native (and no ``site`` import: the guest starts ~15% faster); ``-u`` first, where the
   arm looks for it (`wasm._python_argv` adds it only when missing).
 * Limits come from the manifest; a job's own ``timeout_s`` may only shorten the wall time.
@@ -73,14 +75,14 @@ from .sandbox._types import (
     SandboxJob,
     WasmProgram,
 )
-from .sandbox.flags import expand_hint
+from .sandbox.flags import PYTHON_FLAGS, expand_hint
 from .sandbox.mount_sources import check_folder
 
 __all__ = ("Invocation", "default_skills_root", "plan_invocation")
 
 _MiB = 1024 * 1024
 #: The guest argv before main.py for ``wasm-python`` (see the module docstring).
-_WASM_PYTHON_ARGV: tuple[str, ...] = ("python", "-u", "-I", "-S")
+_WASM_PYTHON_ARGV: tuple[str, ...] = ("python", "-u", *PYTHON_FLAGS)
 
 #: How long a resolved executor folder or interpreter path is reused. Resolving them is a
 #: third of the per-job planning cost (one ``lstat`` per path component, every job); within
@@ -308,7 +310,7 @@ def plan_invocation(
         if python is not None:
             prefix = os.path.dirname(os.path.dirname(interpreter))
             common["mounts"] = (*mounts, Mount(host=prefix, guest=prefix, writable=False))
-        job = SandboxJob(argv=(interpreter, "-I", "-S", entry), **common)
+        job = SandboxJob(argv=(interpreter, *PYTHON_FLAGS, entry), **common)
     elif manifest.runtime == "wasm":
         job = SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
     else:

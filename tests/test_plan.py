@@ -15,6 +15,7 @@ from metnos_exec.manifest import CapabilitySpec, Executor, load_manifest
 from metnos_exec.plan import default_skills_root, plan_invocation
 from metnos_exec.policy import Policy
 from metnos_exec.sandbox._types import PYTHON_WASM_MODULE, Mount
+from metnos_exec.sandbox.flags import PYTHON_FLAGS
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_python_job_shape(tmp_path: Path, home: Path) -> None:
     inv = plan_invocation(ex, {"path": "~/notes/today.md"}, home=str(home))
     job = inv.job
     folder = os.path.realpath(ex.path)
-    assert job.argv == (os.path.realpath(sys.executable), "-I", "-S", f"{folder}/main.py")
+    assert job.argv == (os.path.realpath(sys.executable), "-E", "-s", "-S", f"{folder}/main.py")
     assert job.wasm is None
     assert job.env == {
         "PATH": "/usr/bin:/bin",
@@ -99,13 +100,12 @@ def test_python_job_shape(tmp_path: Path, home: Path) -> None:
 
 
 def test_base_interpreter_runs_stdlib_isolated() -> None:
-    # The sandbox runs the resolved interpreter with -I -S: stdlib must import, and no
+    # The sandbox runs the resolved interpreter with -E -s -S: stdlib must import, and no
     # venv or user site-packages may be on sys.path.
     out = subprocess.run(
         [
             os.path.realpath(sys.executable),
-            "-I",
-            "-S",
+            *PYTHON_FLAGS,
             "-c",
             "import json, sys, urllib.request, pathlib; print(json.dumps(sys.path))",
         ],
@@ -342,7 +342,7 @@ def test_wasm_job_shapes(tmp_path: Path, home: Path) -> None:
     assert inv.job.wasm is not None
     assert inv.job.wasm.module == PYTHON_WASM_MODULE
     # Like native: isolated, no site; -u first, where the arm looks before adding its own.
-    assert inv.job.wasm.args == ("python", "-u", "-I", "-S", f"{folder}/main.py")
+    assert inv.job.wasm.args == ("python", "-u", "-E", "-s", "-S", f"{folder}/main.py")
     from metnos_exec.sandbox.wasm import _python_argv
 
     assert _python_argv(inv.job.wasm.args) == list(inv.job.wasm.args)  # -u not doubled

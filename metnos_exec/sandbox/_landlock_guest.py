@@ -175,9 +175,13 @@ def _main() -> "tuple[CodeType, dict[str, Any]]":
     target = argv[end + 1 :]
     ct = _ctypes(ct_path)
     libc = _landlock(ct, scope, rules)
-    if mode != "run":
+    if mode not in ("run", "runpath"):
         _exec(target)
     script = target[0]
+    if mode == "runpath":
+        # What ``python -E -s -S script`` does: the script's own folder first, so its
+        # sibling modules import (the step itself runs with -I, which leaves it out).
+        sys.path.insert(0, posix.fspath(script).rpartition("/")[0] or ".")
     code: CodeType | None = None
     try:
         if compiled:

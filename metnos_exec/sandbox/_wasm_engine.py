@@ -16,6 +16,8 @@ and that sit in a directory owned by us and closed to others, because
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import os
 import platform
@@ -23,6 +25,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +127,16 @@ class _Ticker:
                 self._stop = None
                 self._thread = None
 
+    def stop(self) -> None:
+        """Stop the thread whoever still uses it (the engine is being closed)."""
+        with self._lock:
+            self._users = 0
+            stop, thread = self._stop, self._thread
+            self._stop = self._thread = None
+        if stop is not None and thread is not None:
+            stop.set()
+            thread.join()
+
     @property
     def running(self) -> bool:
         with self._lock:
@@ -165,6 +178,7 @@ class WasmEngine:
         self._memory: dict[str, Loaded] = {}
         self._denied: dict[str, str] = {}
         self._source_keys: dict[tuple[str, int, int, int], str] = {}
+        _live_engines.add(self)
 
     # --- keys ---------------------------------------------------------------------------
 
@@ -284,6 +298,40 @@ class WasmEngine:
             self._memory.clear()
             self._denied.clear()
             self._source_keys.clear()
+
+    def close(self) -> None:
+        """Free the linked modules, the modules, the linker and the engine now (idempotent;
+        the engine is unusable afterwards). Run for every live engine at interpreter exit
+        (`close_engines`): left to their finalizers, wasmtime's objects were freed while
+        the interpreter was tearing wasmtime's own modules down, and each printed
+        "Exception ignored in: <function Managed.__del__ ...> TypeError"."""
+        self.ticker.stop()
+        with self._lock:
+            loaded, self._memory = list(self._memory.values()), {}
+            self._denied.clear()
+            self._source_keys.clear()
+        for item in loaded:
+            item.pre.close()
+            item.module.close()
+        self.linker.close()
+        self.engine.close()
+        _live_engines.discard(self)
+
+
+#: Every engine not yet closed (weakly: a dropped engine is freed the usual way).
+_live_engines: weakref.WeakSet[WasmEngine] = weakref.WeakSet()
+
+
+def close_engines() -> None:
+    """Close every live `WasmEngine` (see `WasmEngine.close`); registered with `atexit`,
+    which runs before the interpreter starts clearing modules."""
+    for engine in list(_live_engines):
+        # Exiting: one engine's failure must not keep the others open.
+        with contextlib.suppress(Exception):
+            engine.close()
+
+
+atexit.register(close_engines)
 
 
 #: Every function wasmtime's WASI preview 1 implementation defines. Socket *creation*

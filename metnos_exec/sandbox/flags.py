@@ -274,6 +274,15 @@ class BwrapFeatures(msgspec.Struct, frozen=True):
         return self.version >= (0, 8, 0)
 
 
+#: How a ``python`` executor's interpreter runs: ``-I`` (isolated) minus ``-P``. ``-E`` ignores
+#: every ``PYTHON*`` variable, ``-s`` the user's site-packages, ``-S`` the ``site`` module
+#: (and with it the venv's and the system's site-packages), so ``sys.path`` is the
+#: script's own folder (its sibling modules import) and the standard library, nothing
+#: else. ``-I`` would also drop the script's folder (``-P``): a ``main.py`` importing a
+#: ``helper.py`` next to it failed in the sandbox while it worked in a shell.
+PYTHON_FLAGS: tuple[str, ...] = ("-E", "-s", "-S")
+
+
 def guest_python() -> str:
     """The interpreter a native Python job should run, as a real path.
 

@@ -60,7 +60,7 @@ from pathlib import Path
 import msgspec
 
 from ._types import SandboxJob
-from .flags import SYSTEM_PATHS, guest_python
+from .flags import PYTHON_FLAGS, SYSTEM_PATHS, guest_python
 
 __all__ = (
     "READ",
@@ -319,8 +319,10 @@ def wrap_argv(
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """`argv` behind the in-guest landlock step, and the environment the step needs.
 
-    A job of the form ``(python, "-I", "-S", script, *args)`` (what `plan` builds for a
-    ``python`` executor) runs its script in the same interpreter after the step, compiled
+    A job of the form ``(python, *PYTHON_FLAGS, script, *args)`` (what `plan` builds for
+    a ``python`` executor; ``(python, "-I", "-S", script)`` too) runs its script in the
+    same interpreter after the step, with the script's folder first on ``sys.path`` when
+    the flags keep it there (as ``python -E -s -S script`` does), compiled
     here when `python` is the worker's own interpreter (`SCRIPT_ENV`: it saves the guest
     the compile); any other command is ``exec``ed by the step.
 
@@ -336,14 +338,21 @@ def wrap_argv(
         environment (the step removes them).
     """
     program, env = guest_program(python)
-    same = len(argv) >= 4 and argv[0] == python and tuple(argv[1:3]) == ("-I", "-S")
-    run = same and not argv[3].startswith("-")
+    n = 0
+    if argv and argv[0] == python:
+        if tuple(argv[1 : 1 + len(PYTHON_FLAGS)]) == PYTHON_FLAGS:
+            n = 1 + len(PYTHON_FLAGS)
+        elif tuple(argv[1:3]) == ("-I", "-S"):
+            n = 3
+    run = n > 0 and len(argv) > n and not argv[n].startswith("-")
     if run and env:
-        compiled = compiled_script(argv[3])
+        compiled = compiled_script(argv[n])
         if compiled:
             env = {**env, SCRIPT_ENV: compiled}
-    spec: list[str] = ["run" if run else "exec", ctypes_path, str(scope)]
+    # "run": ``-I`` keeps the script's folder off sys.path; "runpath": put it first.
+    mode = ("runpath" if n != 3 else "run") if run else "exec"
+    spec: list[str] = [mode, ctypes_path, str(scope)]
     for rights, path in rules:
         spec += [str(rights), path]
-    target = tuple(argv[3:]) if run else tuple(argv)
+    target = tuple(argv[n:]) if run else tuple(argv)
     return (python, "-I", "-S", "-c", program, *spec, "--", *target), env

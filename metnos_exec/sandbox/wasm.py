@@ -29,6 +29,16 @@ module's initial memory is over the limit. A guest whose single large request fa
 below the limit, and who handled that itself, keeps its own exit (`Failure(code)`): an
 under-report, never an invented verdict.
 
+Store limits beyond linear memory (`Store.set_limits`): tables hold at most
+`MAX_TABLE_ELEMENTS` elements in all (they live outside linear memory: without the limit a
+guest grew a table to 2^32 elements under a 1 MiB memory limit), one instance, one linear
+memory (the memory limit is per memory: a second one, which multi-memory allows, would
+double the budget; such a module fails to instantiate) and `MAX_TABLES` tables. Set for
+every job, whatever its `ResourceLimits`. `table.grow` past the limit returns -1 like
+`memory.grow`; the verdicts follow the memory rule: `MemoryExceeded` when the guest ended
+abnormally while its exported tables held more than the limit minus 65,536 elements, or
+for a module declaring a table over it; else the guest's own exit.
+
 What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
 absolute; the planner's are), `job.network` can not be granted (the report says so),
 `pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
@@ -93,6 +103,7 @@ __all__ = (
     "PYTHON_MIN_MEMORY_BYTES",
     "PYTHON_WASM_MODULE",
     "PYTHON_WASM_SHA256",
+    "MAX_TABLE_ELEMENTS",
     "WASMTIME_PIN_REASON",
     "RuntimeMismatch",
     "WasmSandbox",
@@ -150,6 +161,12 @@ def _hides_stdlib(guest: str) -> bool:
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
 _PAGE = 65536
+
+#: Table elements a store may hold in all (8 bytes each: 8 MiB), beside its memory limit.
+MAX_TABLE_ELEMENTS = 1 << 20
+_TABLE_STEP = 65536
+#: Tables a store may create (WASI commands built by toolchains have one).
+MAX_TABLES = 4
 #: Fuel given to a job without a fuel budget; the counter still runs so usage is honest.
 _UNMETERED_FUEL = 2**63 - 1
 
@@ -354,7 +371,11 @@ class WasmSandbox:
         lim = job.limits
         unsized = " (file sizes in writable preopens are not limited)" if n > ro else ""
         if lim.fuel is not None and lim.memory_bytes is not None:
-            resources = AxisVerdict("kept", "fuel budget and store memory limit both set" + unsized)
+            resources = AxisVerdict(
+                "kept",
+                "fuel budget and store memory limit both set; one instance, one memory, "
+                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements" + unsized,
+            )
         else:
             missing = [
                 name for name, v in (("fuel", lim.fuel), ("memory", lim.memory_bytes)) if v is None
@@ -538,19 +559,23 @@ class WasmSandbox:
         out, err = _Capture(lim.output_bytes), _Capture(lim.output_bytes)
         containment = self.containment(job)
 
-        # A module whose initial memory is over the limit can not even be instantiated;
-        # that is the limit speaking, decided from the module's own type, not a message.
-        if lim.memory_bytes is not None:
-            for exp in loaded.module.exports:
-                ty = exp.type
-                if isinstance(ty, wt.MemoryType) and ty.limits.min * _PAGE > lim.memory_bytes:
-                    return SandboxOutcome(
-                        stdout=b"",
-                        stderr=b"",
-                        exit=MemoryExceeded(),
-                        usage=Usage(wall_s=0.0, cpu_s=0.0, fuel_consumed=0),
-                        containment=containment,
-                    )
+        # A module whose initial memory (or table) is over the limit can not even be
+        # instantiated; that is the limit speaking, decided from the module's own type,
+        # not a message.
+        for exp in loaded.module.exports:
+            ty = exp.type
+            if (
+                isinstance(ty, wt.MemoryType)
+                and lim.memory_bytes is not None
+                and ty.limits.min * _PAGE > lim.memory_bytes
+            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_TABLE_ELEMENTS):
+                return SandboxOutcome(
+                    stdout=b"",
+                    stderr=b"",
+                    exit=MemoryExceeded(),
+                    usage=Usage(wall_s=0.0, cpu_s=0.0, fuel_consumed=0),
+                    containment=containment,
+                )
 
         # Referenced until the store is closed: wasmtime holds only its raw pointer.
         callback = _make_deadline_callback(wt, ctl)
@@ -558,8 +583,13 @@ class WasmSandbox:
         try:
             fuel = lim.fuel if lim.fuel is not None else _UNMETERED_FUEL
             store.set_fuel(fuel)
-            if lim.memory_bytes is not None:
-                store.set_limits(memory_size=lim.memory_bytes)
+            store.set_limits(
+                memory_size=-1 if lim.memory_bytes is None else lim.memory_bytes,
+                table_elements=MAX_TABLE_ELEMENTS,
+                instances=1,
+                tables=MAX_TABLES,
+                memories=1,
+            )
             wasi = wt.WasiConfig()
             wasi.argv = argv
             # The guest's whole environment is the job's; nothing is inherited.
@@ -623,6 +653,17 @@ class WasmSandbox:
                 # whose *single* large request failed far below the limit stays
                 # `Failure`/`Trap`: we under-report rather than invent.
                 exit_ = MemoryExceeded()
+            elif instance is not None and not isinstance(exit_, (Success, FuelExhausted, Timeout)):
+                # The same rule for tables (exported ones: the only ones we can see): a
+                # guest that failed while its tables held more than the limit minus one
+                # growth step could not grow them further.
+                held = sum(
+                    t.size(store)
+                    for t in instance.exports(store).values()
+                    if isinstance(t, wt.Table)
+                )
+                if held + _TABLE_STEP > MAX_TABLE_ELEMENTS:
+                    exit_ = MemoryExceeded()
         finally:
             store.close()
             del callback

@@ -38,6 +38,7 @@ from metnos_exec.sandbox._types import (
 from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
 from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
 from metnos_exec.sandbox.wasm import (
+    MAX_TABLE_ELEMENTS,
     WASMTIME_PIN_REASON,
     RuntimeMismatch,
     WasmSandbox,
@@ -169,6 +170,36 @@ async def test_infinite_loop_small_fuel_is_fuel_exhausted_returned(arm: WasmSand
 
 
 # --- acceptance 2: memory --------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_table_growth_past_the_store_limit_is_memory_exceeded(arm: WasmSandbox) -> None:
+    # Table elements live outside linear memory: without a store limit on them a guest
+    # grew a table to 4 Mi elements (and could go on to 2^32) under a 1 MiB memory limit.
+    lim = ResourceLimits(fuel=FUEL, memory_bytes=16 * 65536)
+    job = wat_job("table_grow", limits=lim)
+    out = await arm.run(job)
+    assert out.exit == MemoryExceeded(), out
+    assert MAX_TABLE_ELEMENTS < 64 * 65536
+    resources = out.containment.resources
+    assert resources.state == "kept"
+    assert f"{MAX_TABLE_ELEMENTS:,} table elements" in resources.reason
+    # A table declared over the limit is not even instantiated: the limit speaks, from
+    # the module's own type.
+    big = await arm.run(wat_job("table_big", limits=lim))
+    assert big.exit == MemoryExceeded(), big
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_a_second_linear_memory_is_refused(arm: WasmSandbox) -> None:
+    # The memory limit is per memory: a second one would double the budget.
+    out = await arm.run(
+        wat_job("two_memories", limits=ResourceLimits(fuel=FUEL, memory_bytes=65536 * 4))
+    )
+    assert isinstance(out.exit, Trap), out
+    assert "memor" in out.exit.message
 
 
 @pytest.mark.anyio
@@ -826,3 +857,49 @@ async def test_a_daemon_thread_call_returns_raises_and_can_be_left_behind() -> N
     release.set()
     seen[0].join(5)
     assert not seen[0].is_alive()
+
+
+# A hook registered before any engine exists runs after the arm's own (atexit is LIFO):
+# by then every engine, linker, module and linked module must be closed. Left to
+# finalizers, they ran while the interpreter tore wasmtime's modules down and printed
+# "Exception ignored in: <function Managed.__del__ ...> TypeError" at the end of CI runs.
+_EXIT_CHECK = """
+import atexit, sys
+from pathlib import Path
+seen = []
+
+def check():
+    open_ = [type(o).__name__ for o in seen if o._Managed__ptr is not None]
+    sys.stdout.write("open:" + ",".join(open_) + "\\n")
+    sys.stdout.flush()
+
+atexit.register(check)
+import anyio
+from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, WasmProgram
+from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
+from metnos_exec.sandbox.wasm import WasmSandbox
+
+wt = load_wasmtime()
+own = WasmEngine(wt)
+for arm in (WasmSandbox(cache_dir=False), WasmSandbox(cache_dir=False, engine=own)):
+    job = SandboxJob(wasm=WasmProgram(sys.argv[1], ("x",)), limits=ResourceLimits(fuel=10000))
+    print(type(anyio.run(arm.run, job).exit).__name__)
+    e = arm.engine
+    seen += [e.engine, e.linker]
+    for loaded in e._memory.values():
+        seen += [loaded.module, loaded.pre]
+"""
+
+
+def test_engines_are_closed_at_exit_not_left_to_finalizers() -> None:
+    need(HAVE_ENGINE, NO_ENGINE)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHECK, str(EXAMPLES / "wasm_hello/hello.wat")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["Success", "Success", "open:"], done
+    assert "Managed" not in done.stderr, done.stderr
