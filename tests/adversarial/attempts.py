@@ -203,6 +203,10 @@ MEMORY_ACROSS_PROCESSES = r"""
         """
 
 
+def _shared2_folder(world: World) -> None:
+    (world.home / "w" / "shared2").mkdir(parents=True, exist_ok=True)
+
+
 def _skill_token(world: World) -> None:
     d = world.home / ".metnos" / "skills" / "mail"
     d.mkdir(parents=True)
@@ -406,6 +410,35 @@ FILES = [
         caps=(("fs:write", ("~/w/shared/**",)),),
         phase=2,
         stopped_by=frozenset({"E_SYMLINKED_FOLDER"}),
+        host_check=_absent("secret/planted"),
+    ),
+    Attempt(
+        "files.commit_through_planted_link.plant",
+        "files",
+        "helper: plants ln -> ~/secret",
+        r"""
+        os.symlink(HOME + "/secret", HOME + "/w/shared2/ln")
+        done(False)
+        """,
+        caps=(("fs:write", ("~/w/shared2/**",)),),
+        setup=_shared2_folder,
+    ),
+    Attempt(
+        "files.commit_through_planted_link",
+        "files",
+        "commit replaces a link, never follows it",
+        r"""
+        # Inside, the link leads nowhere; replaced by a real folder, the commit must not
+        # create the folder's content through the link still on the host.
+        os.unlink(HOME + "/w/shared2/ln")
+        os.mkdir(HOME + "/w/shared2/ln")
+        with open(HOME + "/w/shared2/ln/planted", "w") as f:
+            f.write("x")
+        done(False)
+        """,
+        caps=(("fs:write", ("~/w/shared2/**",)),),
+        phase=2,
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
         host_check=_absent("secret/planted"),
     ),
     Attempt(
@@ -996,6 +1029,16 @@ PROCESS = [
         stopped_by=frozenset({"E_BAD_OUTPUT"}),
     ),
     Attempt(
+        "process_tree.huge_result",
+        "process_tree",
+        "capped output; the result always stored",
+        r"""
+        sys.stderr.write("E" * (4 << 20))
+        print(json.dumps({"escaped": False, "pad": "x" * ((1 << 20) - 64)}))
+        """,
+        stopped_by=frozenset({"E_BAD_OUTPUT"}),
+    ),
+    Attempt(
         "process_tree.terminal_escapes",
         "process_tree",
         "terminal-safe rendering (issue 8 #9)",
@@ -1214,6 +1257,43 @@ RESOURCES = [
         """,
         limits={"pids": 16},
         stopped_by=frozenset({"E_KILLED"}),
+    ),
+    Attempt(
+        "resources.raise_own_limits",
+        "resources",
+        "hard rlimits (soft = hard), no CAP_SYS_RESOURCE",
+        r"""
+        import resource
+        r, over = {}, []
+        # The manifest's limits (+1 s: RLIMIT_CPU's hard limit is the SIGKILL after SIGXCPU)
+        bound = {"RLIMIT_AS": 128 << 20, "RLIMIT_FSIZE": 64 << 20, "RLIMIT_NOFILE": 256,
+                 "RLIMIT_CPU": 6}
+        for name in ("RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CPU"):
+            which = getattr(resource, name)
+            try:
+                resource.setrlimit(which, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+                r[name] = "raised to unlimited"
+                over.append(name)
+            except (OSError, ValueError):
+                r[name] = "refused"
+            hard = resource.getrlimit(which)[1]
+            if name in bound and (hard == resource.RLIM_INFINITY or hard > bound[name]):
+                over.append(f"{name} hard {hard}")
+        # prlimit on bubblewrap's init (the same uid)
+        r["prlimit init"] = attempt(lambda: resource.prlimit(
+            1, resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)))
+        done(bool(over) or r["prlimit init"] == "ok", limits=r, over=over)
+        """,
+        limits={"memory_mb": 128, "cpu_s": 5, "pids": 32},
+    ),
+    Attempt(
+        "resources.oom_score_adj",
+        "resources",
+        "no CAP_SYS_RESOURCE: cannot make itself unkillable",
+        r"""
+        r = attempt(lambda: open("/proc/self/oom_score_adj", "w").write("-1000"))
+        done(r == "ok", write=r)
+        """,
     ),
     Attempt(
         "resources.cpu_time",
