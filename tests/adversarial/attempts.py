@@ -1236,6 +1236,27 @@ RESOURCES = [
         stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
     ),
     Attempt(
+        "resources.tmpfs_file_count",
+        "resources",
+        "memory cgroup (kernel memory); else partial",
+        r"""
+        # Empty files cost no tmpfs block, only kernel memory (~1 KiB each: inode, dentry):
+        # 120,000 of them are ~120 MiB against a 64 MiB budget.
+        n, err = 0, None
+        try:
+            for i in range(120_000):
+                os.close(os.open(f"/tmp/{i}", os.O_CREAT | os.O_WRONLY, 0o600))
+                n += 1
+        except OSError as e:
+            err = en(e)
+        done(n >= 120_000, files=n, error=err)
+        """,
+        limits={"memory_mb": 64},
+        stopped_by=frozenset({"E_MEMORY", "E_KILLED"}),
+        through="unprivileged",
+        reason="number of files",
+    ),
+    Attempt(
         "resources.fork_bomb",
         "resources",
         "pids cgroup / RLIMIT_NPROC on the slot uid",
