@@ -774,12 +774,16 @@ def _slot_uids_unavailable() -> str | None:
         return str(exc)
 
 
-#: The memory wall without a memory cgroup: RLIMIT_AS binds each process and the size of
+#: The memory wall without a memory cgroup: RLIMIT_AS binds each process and the bytes of
 #: each private tmpfs, so N processes (plus /tmp, /dev/shm and SysV shared memory, whose
-#: pages no rlimit counts) reach several times the budget together.
+#: pages no rlimit counts) reach several times the budget together. A tmpfs's size counts
+#: data pages only: its number of files is not bounded (bubblewrap's ``--size`` sets no
+#: ``nr_inodes``), and each empty file holds about 1 KiB of kernel memory (inode, dentry)
+#: that only a memory cgroup charges (tests/adversarial: resources.tmpfs_file_count).
 MEMORY_PER_PROCESS_REASON = (
-    "memory bounded per process (RLIMIT_AS) and per tmpfs (/tmp, /dev/shm: each at the "
-    "budget), not for the job as a whole: no memory cgroup"
+    "memory bounded per process (RLIMIT_AS) and per tmpfs in bytes (/tmp, /dev/shm: each "
+    "at the budget; not their number of files, whose kernel memory nothing bounds), not "
+    "for the job as a whole: no memory cgroup"
 )
 #: Writes to a job's writable folders land on the host's disk as they happen: each file is
 #: capped (RLIMIT_FSIZE), their total is not, until writes go through a size-limited
