@@ -203,6 +203,18 @@ MEMORY_ACROSS_PROCESSES = r"""
         """
 
 
+def _ro_inside_rw(world: World) -> None:
+    ro = world.home / "w" / "files_read_hint_inside_write_hint" / "ro"
+    ro.mkdir()
+    (ro / "keep.txt").write_text("keep")
+
+
+def _ro_inside_rw_intact(world: World, _result: Result | None) -> str | None:
+    ro = world.home / "w" / "files_read_hint_inside_write_hint" / "ro"
+    got = sorted(p.name for p in ro.iterdir()) if ro.is_dir() else None
+    return None if got == ["keep.txt"] else f"the read-only folder now holds {got}"
+
+
 def _shared2_folder(world: World) -> None:
     (world.home / "w" / "shared2").mkdir(parents=True, exist_ok=True)
 
@@ -242,7 +254,8 @@ FILES = [
         "mount namespace (only hinted folders mounted)",
         r"""
         r = {p: attempt(lambda p=p: open(p, "rb").read()) for p in
-             (HOME + "/secret/x", HOME + "/.ssh/id_rsa")}
+             (HOME + "/secret/x", HOME + "/.ssh/id_rsa", HOME + "/notes/esc-rel",
+              HOME + "/notes/esc-abs")}
         done(any(v == "ok" for v in r.values()), reads=r, home=sorted(os.listdir(HOME)))
         """,
         caps=READ_NOTES,
@@ -287,6 +300,42 @@ FILES = [
         caps=READ_NOTES,
         setup=_other_users_file,
         needs_root=True,
+    ),
+    Attempt(
+        "files.argument_traversal",
+        "files",
+        "argument vetting (normalised), then the mounts",
+        r"""
+        done(attempt(lambda: open(ARGS["path"]).read()) == "ok", path=ARGS["path"])
+        """,
+        caps=READ_NOTES,
+        path_arg="~/notes/../secret/x",
+        stopped_by=frozenset({"E_CAPABILITY_DENIED"}),
+    ),
+    Attempt(
+        "files.argument_through_a_link",
+        "files",
+        "argument vetting (links resolved), then the mounts",
+        r"""
+        done(attempt(lambda: open(ARGS["path"]).read()) == "ok", path=ARGS["path"])
+        """,
+        caps=READ_NOTES,
+        path_arg="~/notes/esc-rel",
+        stopped_by=frozenset({"E_CAPABILITY_DENIED"}),
+    ),
+    Attempt(
+        "files.read_hint_inside_write_hint",
+        "files",
+        "the deeper read-only mount wins",
+        r"""
+        r = {"write": attempt(lambda: open(OWN + "/ro/planted", "w").write("x")),
+             "rename": attempt(lambda: os.rename(OWN + "/ro", OWN + "/moved")),
+             "rmtree": attempt(lambda: os.unlink(OWN + "/ro/keep.txt"))}
+        done(any(v == "ok" for v in r.values()), calls=r)
+        """,
+        caps=(("fs:write", ("{own}/**",)), ("fs:read", ("{own}/ro/**",))),
+        setup=_ro_inside_rw,
+        host_check=_ro_inside_rw_intact,
     ),
     Attempt(
         "files.write_read_only_hint",
@@ -985,8 +1034,8 @@ PROCESS = [
         r"""
         import subprocess, time
         for _ in range(3):
-            subprocess.Popen(["sh", "-c", f"exec -a sleep-{CTX['token']}-tree sleep 300"],
-                             start_new_session=True)
+            tree = f"trap '' TERM HUP INT; exec -a sleep-{CTX['token']}-tree sleep 300"
+            subprocess.Popen(["sh", "-c", tree], start_new_session=True)
         time.sleep(300)
         """,
         limits={"timeout_s": 2},
@@ -1436,6 +1485,9 @@ def prepare(world: World) -> None:
     """The home every attempt runs against: notes to read, secrets to steal."""
     (world.home / "notes").mkdir()
     (world.home / "notes" / "today.md").write_text("milk\n")
+    # Links inside a hint that lead out of it (to the secret, and to a system file).
+    (world.home / "notes" / "esc-rel").symlink_to("../secret/x")
+    (world.home / "notes" / "esc-abs").symlink_to(world.home / "secret" / "x")
     (world.home / "secret").mkdir()
     (world.home / "secret" / "x").write_text("top secret\n")
     (world.home / ".ssh").mkdir()
@@ -1505,12 +1557,24 @@ WASM = [
         "wasm.huge_initial_memory",
         "resources",
         "store memory limit at instantiation",
-        wat("(memory $big 40000) (func $check (result i32) (i32.const 1))").replace(
-            '(memory (export "memory") 1)', '(memory (export "memory") 1)'
+        wat("(func $check (result i32) (i32.const 1))").replace(
+            '(memory (export "memory") 1)', '(memory (export "memory") 40000)'
         ),
         runtime="wasm",
         limits={"memory_mb": 16, "fuel": 10**7},
-        stopped_by=frozenset({"E_MEMORY", "E_TRAP", "E_SANDBOX_DENIED", "E_BAD_MODULE"}),
+        stopped_by=frozenset({"E_MEMORY", "E_TRAP"}),
+    ),
+    Attempt(
+        "wasm.second_memory",
+        "resources",
+        "one linear memory per store (the limit is per memory)",
+        wat(
+            "(memory $more 200) (func $check (result i32)"
+            " (i32.ne (memory.grow $more (i32.const 0)) (i32.const -1)))"
+        ),
+        runtime="wasm",
+        limits={"memory_mb": 16, "fuel": 10**7},
+        stopped_by=frozenset({"E_MEMORY", "E_TRAP"}),
     ),
     Attempt(
         "wasm.table_growth",
@@ -1529,7 +1593,7 @@ WASM = [
         "files",
         "WASI preopens (no .., no absolute paths)",
         wat(
-            r"""(data (i32.const 256) "today.md../secret/x/etc/passwd")
+            r"""(data (i32.const 256) "today.md../secret/x/etc/passwdesc-relesc-abs")
   (func $open (param $fd i32) (param $at i32) (param $len i32) (param $oflags i32) (result i32)
     (call $path_open (local.get $fd) (i32.const 1) (local.get $at) (local.get $len)
       (local.get $oflags) (i64.const 2) (i64.const 0) (i32.const 0)
@@ -1545,9 +1609,13 @@ WASM = [
         (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
         (br_if $next (i32.lt_u (local.get $fd) (i32.const 8)))
         (call $exit (i32.const 3))))
-    (i32.or
+    ;; "..", an absolute path, and links in the folder that lead out of it
+    (i32.or (i32.or
       (i32.eqz (call $open (local.get $fd) (i32.const 264) (i32.const 11) (i32.const 0)))
-      (i32.eqz (call $open (local.get $fd) (i32.const 275) (i32.const 11) (i32.const 0)))))""",
+      (i32.eqz (call $open (local.get $fd) (i32.const 275) (i32.const 11) (i32.const 0))))
+     (i32.or
+      (i32.eqz (call $open (local.get $fd) (i32.const 286) (i32.const 7) (i32.const 0)))
+      (i32.eqz (call $open (local.get $fd) (i32.const 293) (i32.const 7) (i32.const 0))))))""",
             PATH_OPEN,
         ),
         runtime="wasm",

@@ -52,7 +52,8 @@ IS_ROOT = os.geteuid() == 0
 # CTX, a way to report, and raw system calls by name (x86_64 and aarch64 numbers).
 PREAMBLE = r'''
 import ctypes, errno, json, os, socket, struct, sys
-CTX = json.loads(json.load(sys.stdin)["ctx"])
+ARGS = json.load(sys.stdin)
+CTX = json.loads(ARGS["ctx"])
 HOME = CTX["home"]
 NAME = os.path.basename(os.path.dirname(os.path.abspath(__file__)))
 OWN = os.path.join(HOME, "w", NAME)  # the attempt's own folder ("{own}" in its hints)
@@ -119,7 +120,7 @@ entry = "{entry}"
 type = "string"
 format = "text"
 default = "{{}}"
-[limits]
+{path_arg}[limits]
 {limits}
 {caps}
 """
@@ -145,6 +146,7 @@ class Attempt:
         setup: prepares the host before the worker starts (files, sockets, listeners).
         needs_root: set-up only root can do (a file of another user): skipped otherwise.
         runtime: ``python`` or ``wasm``.
+        path_arg: the job's ``path`` argument (``format = "path"``: vetted), if any.
     """
 
     id: str
@@ -161,6 +163,7 @@ class Attempt:
     setup: Callable[[World], None] | None = None
     needs_root: bool = False
     runtime: Literal["python", "wasm"] = "python"
+    path_arg: str = ""
 
     @property
     def name(self) -> str:
@@ -280,7 +283,14 @@ def write_executor(world: World, a: Attempt) -> None:
         entry = "main.py"
         (folder / entry).write_text(PREAMBLE + textwrap.dedent(a.script))
     (folder / "manifest.toml").write_text(
-        MANIFEST.format(name=a.name, runtime=a.runtime, entry=entry, limits=lines, caps=caps)
+        MANIFEST.format(
+            name=a.name,
+            runtime=a.runtime,
+            entry=entry,
+            limits=lines,
+            caps=caps,
+            path_arg='[args.path]\ntype = "string"\nformat = "path"\n' if a.path_arg else "",
+        )
     )
 
 
@@ -374,7 +384,14 @@ def run_attempts(
             async with SQLiteBroker(world.db) as broker:
                 for phase in phases:
                     batch = [a for a in attempts if a.phase == phase]
-                    jobs = [Job(executor=a.name, args={"ctx": ctx}, max_attempts=1) for a in batch]
+                    jobs = [
+                        Job(
+                            executor=a.name,
+                            args={"ctx": ctx, **({"path": a.path_arg} if a.path_arg else {})},
+                            max_attempts=1,
+                        )
+                        for a in batch
+                    ]
                     receipts = await broker.submit_many(jobs)
                     ids = {a.id: r.job_id for a, r in zip(batch, receipts, strict=True)}
                     deadline = time.monotonic() + timeout
