@@ -491,6 +491,22 @@ FILES = [
         host_check=_absent("secret/planted"),
     ),
     Attempt(
+        "files.names_that_are_not_utf8",
+        "files",
+        "the commit refuses what its journal cannot record",
+        r"""
+        own = OWN.encode()
+        r = {}
+        for name in (b"\xff\xfe-not-utf8", b"new\nline", b"\x1b]0;pwned\x07"):
+            r[repr(name)] = attempt(lambda name=name: open(own + b"/" + name, "w").write("x"))
+        r["folder"] = attempt(lambda: os.mkdir(own + b"/\xff-dir"))
+        r["link"] = attempt(lambda: os.symlink(b"\xfe-target", own + b"/link"))
+        done(False, created=r)  # a host fault (a dead letter) is what fails the row
+        """,
+        caps=WRITE_OWN,
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+    ),
+    Attempt(
         "files.setuid_chmod",
         "files",
         "seccomp (chmod family), commit strips bits (issue 8 #3)",

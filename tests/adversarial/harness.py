@@ -469,6 +469,7 @@ def outcome_of(run: Run, a: Attempt) -> tuple[bool, str]:
     if result.status == "succeeded" and said is not None and "escaped" in said:
         return bool(said["escaped"]), json.dumps(said)[:1500]
     code = result.error.code if result.error is not None else None
+    assert code != "E_HOST_FAULT", f"{a.id}: the job's doing became a host fault: {result.error}"
     assert code in a.stopped_by, (
         f"{a.id}: ended {result.status} with {code} ({result.error}), not one of the row's "
         f"walls {sorted(a.stopped_by)}; stderr: {result.stderr[-1500:]}"
