@@ -539,7 +539,7 @@ class OverlayRun:
             )
             if plan.conflicts:
                 raise CommitConflict(
-                    conflict_message("changed on the host while the job ran", plan.conflicts)
+                    conflict_message("not committed, nothing applied", plan.conflicts)
                 )
             if not plan.ops:
                 tree.close()

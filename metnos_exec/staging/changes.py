@@ -13,6 +13,9 @@ Commit rules (the staging half of the table in `metnos_exec.journal`):
 ================================================  ==========================================
 rule                                              threat
 ================================================  ==========================================
+A path (or link target) that is not valid UTF-8   a name the journal and the undo entry
+refuses the whole commit (a conflict): nothing is  (JSON) cannot record: the commit used
+applied, the job fails with its own error          to crash as a host fault
 A symlink is committed as a symlink (its target   a link planted to make the *commit* write
 text), never followed, on either side             or read outside the roots
 setuid and setgid bits are stripped from files    a setuid binary (or setgid folder) left
@@ -144,7 +147,10 @@ class _Planner:
     # --- pass 1: what the upper folders hold, and what the host holds there --------------
 
     def conflict(self, path: str, reason: str) -> None:
-        self.plan.conflicts.append(Conflict(path, reason))
+        self.plan.conflicts.append(Conflict(shown_path(path), reason))
+
+    def filter(self, path: str, what: str) -> None:
+        self.plan.filtered.append((shown_path(path), what))
 
     def host_stat(
         self, path: str, *, folder_in_upper: bool = False
@@ -201,9 +207,7 @@ class _Planner:
                 target = os.readlink(entry.name, dir_fd=upper_fd)
                 self.changed(path, LinkState(target=target), host)
             else:
-                self.plan.filtered.append(
-                    (path, "special file (fifo, socket or device) not committed")
-                )
+                self.filter(path, "special file (fifo, socket or device) not committed")
 
     def is_whiteout(self, folder: int, name: str, st: os.stat_result) -> bool:
         if stat.S_ISCHR(st.st_mode):
@@ -292,9 +296,7 @@ class _Planner:
         mode = stat.S_IMODE(st.st_mode)
         kept = strip_mode(mode)
         if kept != mode:
-            self.plan.filtered.append(
-                (path, f"setuid/setgid bits removed (mode {mode:o} -> {kept:o})")
-            )
+            self.filter(path, f"setuid/setgid bits removed (mode {mode:o} -> {kept:o})")
         return kept
 
     def changed(self, path: str, after: PathState, host: os.stat_result | None) -> None:
@@ -334,6 +336,10 @@ class _Planner:
         deleted: dict[tuple[str, int], list[str]] = {}
         befores: dict[str, PathState] = {}
         for item in self.items:
+            unrecordable = _not_utf8(item)
+            if unrecordable is not None:
+                self.conflict(item.path, unrecordable)
+                continue
             host = item.host
             before: PathState = Absent()
             if host is not None:
@@ -405,6 +411,24 @@ class _Planner:
         if isinstance(after, DirState):
             self.owners[path] = (uid, gid)
         return msgspec.structs.replace(after, uid=uid, gid=gid)
+
+
+def shown_path(path: str) -> str:
+    """`path` as text any encoder takes: bytes that are not UTF-8 (held by ``os`` as
+    lone surrogates) spelled ``\\xff``."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _not_utf8(item: _Item) -> str | None:
+    """Why `item` cannot be recorded (its path, or the target of the link it becomes,
+    is not valid UTF-8: the journal and the undo entry are JSON), or ``None``."""
+    upper = item.upper.state if item.upper is not None else None
+    for what, text in (("name", item.path), ("link target", getattr(upper, "target", ""))):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"its {what} is not valid UTF-8: the commit could not record it for undo"
+    return None
 
 
 def _content_key(state: FileState | LinkState) -> tuple[str, int]:

@@ -130,6 +130,25 @@ def test_links_are_committed_as_links(trees: tuple[Path, Path]) -> None:
     )
 
 
+def test_a_name_or_link_target_that_is_not_utf8_refuses_the_commit(
+    trees: tuple[Path, Path],
+) -> None:
+    # The journal and the undo entry are JSON: such a name made the commit crash as a host
+    # fault (tests/adversarial: files.names_that_are_not_utf8). Now nothing is applied and
+    # each one is named, its bytes spelled out.
+    root, upper = trees
+    (upper / "fine").write_text("x")
+    with open(os.fsencode(upper) + b"/\xff-file", "w") as f:
+        f.write("x")
+    os.mkdir(os.fsencode(upper) + b"/\xfe-dir")
+    os.symlink(b"\xfd-target", os.fsencode(upper) + b"/link")
+    result = plan(root, upper, time.time_ns())
+    refused = {c.path: c.reason for c in result.conflicts}
+    assert sorted(refused) == sorted([f"{root}/link", f"{root}/\\xfe-dir", f"{root}/\\xff-file"])
+    assert "link target is not valid UTF-8" in refused[f"{root}/link"]
+    assert "name is not valid UTF-8" in refused[f"{root}/\\xff-file"]
+
+
 def test_a_copy_up_without_change_is_no_change(trees: tuple[Path, Path]) -> None:
     root, upper = trees
     (root / "same").write_text("same")
