@@ -13,9 +13,11 @@ Commit rules (the staging half of the table in `metnos_exec.journal`):
 ================================================  ==========================================
 rule                                              threat
 ================================================  ==========================================
+Folders nested more than `MAX_DEPTH` deep refuse  a job nesting folders without end
+the commit (a conflict)                           crashed the commit (recursion, fds)
 A path (or link target) that is not valid UTF-8   a name the journal and the undo entry
-refuses the whole commit (a conflict): nothing is  (JSON) cannot record: the commit used
-applied, the job fails with its own error          to crash as a host fault
+refuses the commit (a conflict): nothing is       (JSON) cannot record: the commit used
+applied, the job fails with its own error         to crash as a host fault
 A symlink is committed as a symlink (its target   a link planted to make the *commit* write
 text), never followed, on either side             or read outside the roots
 setuid and setgid bits are stripped from files    a setuid binary (or setgid folder) left
@@ -55,6 +57,7 @@ from ..journal import Blocked, Conflict, Fingerprint, HostTree, hash_fd, order_o
 from ..messages import Absent, DirState, FileState, LinkState, Move, PathState, Put, UndoOp
 
 __all__ = (
+    "MAX_DEPTH",
     "CommitPlan",
     "UpperSource",
     "change_stamp",
@@ -63,6 +66,10 @@ __all__ = (
     "store_originals",
 )
 
+#: Folders nested deeper than this below a root refuse the commit (a conflict): the
+#: planner recurses, the host tree holds an fd per folder (1,500 nested folders crashed
+#: the commit as a host fault, tests/adversarial: files.folders_nested_without_end).
+MAX_DEPTH: Final = 128
 #: Files up to this size are read into memory while hashed, and written from there.
 _INLINE_MAX: Final = 64 * 1024
 _CHUNK: Final = 1024 * 1024
@@ -139,6 +146,8 @@ class _Planner:
         self.whiteout_xattr = f"{xattr}overlay.whiteout"
         self.opaque_xattr = f"{xattr}overlay.opaque"
         self.plan = plan
+        #: The root being walked (`too_deep`).
+        self.root = "/"
         self.items: list[_Item] = []
         #: Folder → owner its new entries get: a host folder's own, or the one given to a
         #: folder the job created.
@@ -183,6 +192,8 @@ class _Planner:
         """`host_known`: the host folder exists (else every entry below is new).
         `replaced`: the folder was deleted and made again by the job (opaque, or inside
         an opaque one): what the host holds below it goes, whatever the upper holds."""
+        if self.too_deep(host_dir):
+            return
         for entry in sorted(os.scandir(upper_fd), key=lambda e: e.name):
             path = posixpath.join(host_dir, entry.name)
             st = entry.stat(follow_symlinks=False)
@@ -313,8 +324,17 @@ class _Planner:
         for entry in sorted(os.scandir(fd), key=lambda e: e.name):
             yield posixpath.join(folder, entry.name), entry.stat(follow_symlinks=False)
 
+    def too_deep(self, folder: str) -> bool:
+        """Whether `folder` lies deeper than `MAX_DEPTH` below its root (a conflict noted):
+        the planner recurses and the host tree holds an fd per folder, and a job can nest
+        folders without end."""
+        if folder.count("/") - self.root.count("/") <= MAX_DEPTH:
+            return False
+        self.conflict(folder, f"folders nested more than {MAX_DEPTH} deep are not committed")
+        return True
+
     def remove_host(self, path: str, st: os.stat_result) -> None:
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(st.st_mode) and not self.too_deep(path):
             for child, child_st in self.host_children(path):
                 ok, _ = self.host_stat(child)
                 if ok:
@@ -520,6 +540,7 @@ def plan_commit(
             mode = planner.stripped(root, upper_st)
             if mode != stat.S_IMODE(root_st.st_mode):
                 planner.items.append(_Item(root, _Upper(DirState(mode=mode)), root_st))
+        planner.root = root
         planner.walk(upper, root, host_known=True)
     if not plan.conflicts:
         planner.operations()

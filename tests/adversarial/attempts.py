@@ -507,6 +507,22 @@ FILES = [
         stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
     ),
     Attempt(
+        "files.folders_nested_without_end",
+        "files",
+        "the commit refuses what it cannot walk",
+        r"""
+        os.chdir(OWN)
+        for _ in range(1500):
+            os.mkdir("d")
+            os.chdir("d")
+        with open("leaf", "w") as f:
+            f.write("x")
+        done(False)  # a host fault (a dead letter) is what fails the row
+        """,
+        caps=WRITE_OWN,
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+    ),
+    Attempt(
         "files.setuid_chmod",
         "files",
         "seccomp (chmod family), commit strips bits (issue 8 #3)",

@@ -12,7 +12,7 @@ import pytest
 
 from metnos_exec.journal import HostTree
 from metnos_exec.messages import Absent, DirState, FileState, LinkState, Move, Put
-from metnos_exec.staging.changes import CommitPlan, change_stamp, plan_commit
+from metnos_exec.staging.changes import MAX_DEPTH, CommitPlan, change_stamp, plan_commit
 
 XATTR = "user."
 
@@ -147,6 +147,22 @@ def test_a_name_or_link_target_that_is_not_utf8_refuses_the_commit(
     assert sorted(refused) == sorted([f"{root}/link", f"{root}/\\xfe-dir", f"{root}/\\xff-file"])
     assert "link target is not valid UTF-8" in refused[f"{root}/link"]
     assert "name is not valid UTF-8" in refused[f"{root}/\\xff-file"]
+
+
+def test_folders_nested_past_the_limit_refuse_the_commit(trees: tuple[Path, Path]) -> None:
+    # 1,500 nested folders crashed the planner (RecursionError) as a host fault
+    # (tests/adversarial: files.folders_nested_without_end).
+    root, upper = trees
+    deep = upper.joinpath(*["d"] * MAX_DEPTH)
+    deep.mkdir(parents=True)
+    (deep / "leaf").write_text("x")  # at the limit: committed
+    result = plan(root, upper, time.time_ns())
+    assert result.conflicts == [] and len(result.ops) == MAX_DEPTH + 1
+    (deep / "d" / "d").mkdir(parents=True)  # past it
+    result = plan(root, upper, time.time_ns())
+    [refused] = result.conflicts
+    assert refused.path == str(root.joinpath(*["d"] * (MAX_DEPTH + 1)))
+    assert f"nested more than {MAX_DEPTH} deep" in refused.reason
 
 
 def test_a_copy_up_without_change_is_no_change(trees: tuple[Path, Path]) -> None:
