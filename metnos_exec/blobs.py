@@ -30,6 +30,7 @@ from typing import Final
 import msgspec
 
 from .errors import HostFault
+from .private import private_dir
 
 __all__ = ("BlobMissing", "BlobStore", "CollectStats")
 
@@ -73,7 +74,7 @@ class BlobStore:
         self._objects = self.root / "sha256"
         self._tmp = self.root / "tmp"
         for folder in (self.root, self._objects, self._tmp):
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(folder)
 
     def path(self, digest: str) -> Path:
         """Where the blob `digest` lives (whether or not it exists)."""

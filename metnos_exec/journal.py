@@ -72,6 +72,7 @@ from .messages import (
     new_job_id,
     writes_content,
 )
+from .private import private_dir
 
 __all__ = (
     "BlobSource",
@@ -786,7 +787,7 @@ class Journal:
     def __init__(self, folder: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.folder = Path(folder)
         self.fsync = fsync
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.folder)
 
     def begin(self, record: JournalRecord) -> JournalHandle:
         """Write `record` durably enough (see the module docstring), lock it, return it."""

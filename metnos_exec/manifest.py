@@ -295,6 +295,9 @@ class ExecutorRegistry(Mapping[str, Executor]):
     ):
         self._executors = dict(executors)
         self.errors: dict[str, BadManifest] = dict(errors)
+        #: The folder `load` read (a real path), ``None`` when built otherwise: it and the
+        #: executors' folders are the worker's own, which no job's hint may reach.
+        self.root: str | None = None
         #: name in `errors` → the folder that failed to load (a signature check of a
         #: worker with trust keys names tampering before a load error; see `Supervisor`).
         self.error_folders: dict[str, str] = dict(error_folders or {})
@@ -325,8 +328,13 @@ class ExecutorRegistry(Mapping[str, Executor]):
                     raise dup
                 errors[manifest.name] = dup
                 continue
-            found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
-        return cls(found, errors, folders)
+            # Its real path, taken once here: from now on it is never reached through a
+            # symlink (`plan_invocation`, the arms), so a folder (or the root) swapped for
+            # a link after loading is refused, not followed to code nobody loaded.
+            found[manifest.name] = Executor(manifest=manifest, path=os.path.realpath(mf.parent))
+        registry = cls(found, errors, folders)
+        registry.root = str(root_p)
+        return registry
 
     def refuse(self, name: str, error: BadManifest) -> None:
         """Move a loaded executor to `errors` (a check after load failed, e.g. its dry

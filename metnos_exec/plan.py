@@ -65,7 +65,7 @@ from .capabilities import (
     require_hint_folders,
     vet_arguments,
 )
-from .errors import AutonomyDenied
+from .errors import AutonomyDenied, CapabilityDenied, MissingFolder
 from .manifest import Executor, Manifest, Runtime
 from .policy import Policy, Profile, profile_for
 from .sandbox._types import (
@@ -178,8 +178,13 @@ def _mounts(
     notes: list[str],
     *,
     dirs_only: bool,
+    protected: Collection[str] = (),
 ) -> tuple[tuple[Mount, ...], tuple[str, ...]]:
-    """The mounts, and the writable ones that hold the user's files (`Invocation.write_roots`)."""
+    """The mounts, and the writable ones that hold the user's files (`Invocation.write_roots`).
+
+    Raises:
+        CapabilityDenied: a hint's folder lies under, or covers, one of `protected`.
+    """
     writable: dict[str, bool] = {}
     for cap in effective.of("fs"):
         if cap.mode not in ("read", "write"):
@@ -194,6 +199,7 @@ def _mounts(
             if not check_folder(root):
                 notes.append(f"{cap.name} hint {hint!r} not mounted: {root} does not exist")
                 continue
+            _refuse_protected(cap.name, hint, root, protected)
             if dirs_only and not os.path.isdir(root):
                 # WASI preopens are directories; mounting the parent would widen the grant.
                 notes.append(f"{cap.name} hint {hint!r} not mounted: {root} is not a folder")
@@ -229,6 +235,7 @@ def plan_invocation(
     timeout_s: float | None = None,
     python: str | None = None,
     text_args: Collection[str] = (),
+    protected: Collection[str] = (),
 ) -> Invocation:
     """Decide everything about one invocation before anything runs.
 
@@ -245,6 +252,14 @@ def plan_invocation(
             read-only (see `runtimes.obtain_device_python`).
         text_args: arguments given as command-line text, converted by their schema
             (``Job.text_args``, see `final_args`).
+        protected: the worker's own paths (real paths): its executors root and executor
+            folders, the queue database, the state folder, blob store and journals, the
+            caches, the provider skills root. A ``fs:*`` hint whose folder lies under one,
+            or covers one, refuses the job (``E_CAPABILITY_DENIED``): through it a job
+            could change a later job's code or the worker's state. Refused rather than
+            masked inside the sandbox: one check that holds the same in every arm (the
+            direct arm and a wasm preopen cannot mask a path below a folder they grant),
+            and a staged commit then never has a write root there either.
 
     Returns:
         The vetted `Invocation`.
@@ -252,7 +267,8 @@ def plan_invocation(
     Raises:
         BadArguments: the arguments do not fit the schema.
         AutonomyDenied: unknown level, or a mutating executor under ``read_only``.
-        CapabilityDenied: a path/URL/host argument outside the active hints.
+        CapabilityDenied: a path/URL/host argument outside the active hints, or a hint
+            over a `protected` path.
         MissingFolder: a path argument's hint folder does not exist (cannot be mounted).
     """
     manifest = executor.manifest
@@ -274,11 +290,23 @@ def plan_invocation(
     vetted = vet_arguments(manifest, final, effective, home=home)
     require_hint_folders(manifest.name, vetted.checked, home)
 
-    folder = _realpath_fresh(str(executor.path))
+    # Real since the registry loaded it: checked, never resolved again (a symlink swapped
+    # in since, at the executors root or anywhere on the way, is refused: E_SYMLINKED_FOLDER;
+    # the bwrap arm checks again when it opens the folder to bind it).
+    folder = os.path.normpath(os.path.abspath(str(executor.path)))
+    if not check_folder(folder):
+        raise MissingFolder(f"{manifest.name}: its folder {folder} is gone; nothing ran")
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
     mounts, write_roots = _mounts(
-        folder, effective, profile, home, skills_root, notes, dirs_only=manifest.runtime != "python"
+        folder,
+        effective,
+        profile,
+        home,
+        skills_root,
+        notes,
+        dirs_only=manifest.runtime != "python",
+        protected=protected,
     )
     write_hints = {h for cap in effective.of("fs") if cap.mode == "write" for h in cap.hints}
     targets = tuple(
@@ -333,6 +361,20 @@ def plan_invocation(
         write_roots=write_roots,
         write_targets=targets,
     )
+
+
+def _refuse_protected(cap: str, hint: str, root: str, protected: Collection[str]) -> None:
+    """Refuse a hint whose folder `root` lies under or covers a `protected` path (see
+    `plan_invocation`)."""
+    for path in protected:
+        if _under(root, path) or _under(path, root):
+            where = "lies inside" if _under(root, path) and root != path else "covers"
+            raise CapabilityDenied(
+                f"{cap} hint {hint!r} {where} {path}, which belongs to the worker (executors, "
+                "queue, state or caches): a job could change later jobs' code or the worker's "
+                "own state through it; nothing ran. Narrow the hint, or keep the worker's "
+                "folders out of the folders jobs may use"
+            )
 
 
 def _under(path: str, root: str) -> bool:

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from .errors import BadConfig, SignatureError
+from .private import private_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -309,7 +310,7 @@ def generate_key(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     for p in (priv_path, pub_path):
         if p.exists():
             raise BadConfig(f"{p} already exists; refusing to overwrite a key")
-    priv_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(priv_path.parent)
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM,
@@ -318,6 +319,7 @@ def generate_key(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     )
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # exactly, whatever the umask
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     pub_path.write_text(_INLINE_PREFIX + base64.b64encode(raw).decode() + "\n")
@@ -631,7 +633,7 @@ class TrustStore:
     def _stage(self, digest: str, tree: _Tree) -> Path:
         """The private, read-only copy of `tree` at ``verified_dir/<digest>``: the exact
         bytes that were hashed. An existing copy is used only if it holds exactly them."""
-        self.verified_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.verified_dir)
         final = self.verified_dir / digest
         known = self._staged.get(digest)
         if known is not None and _unchanged(str(final), known, 1 << 62):

@@ -93,7 +93,7 @@ from .journal import Blocked
 from .logs import finished_level
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE, UNDO_EXECUTOR, ErrorInfo, Result, UndoEntry, cap_text
-from .plan import plan_invocation
+from .plan import default_skills_root, plan_invocation
 from .process import reap_orphans
 from .sandbox._types import (
     ContainmentReport,
@@ -110,8 +110,9 @@ from .sandbox._types import (
     Trap,
     Usage,
 )
-from .signing import TrustStore
-from .staging import Reversible, Staging, disk_verdict
+from .sandbox._wasm_engine import default_cache_dir
+from .signing import TrustStore, default_verified_dir
+from .staging import Reversible, Staging, default_state_dir, disk_verdict
 from .undo import apply_undo, entries_to_undo
 
 __all__ = (
@@ -341,6 +342,7 @@ class Supervisor:
         self.backstop_margin_s = backstop_margin_s
         self._staging = staging
         self._owns_staging = staging is None
+        self._protected: tuple[int, tuple[str, ...]] | None = None
         self.trust = trust
         self.python = python
         if retention_s is not None and not retention_s > 0:
@@ -398,6 +400,38 @@ class Supervisor:
     def running(self) -> int:
         """Jobs in flight right now."""
         return len(self._running)
+
+    def protected_paths(self) -> tuple[str, ...]:
+        """The worker's own paths no ``fs:*`` hint may reach (`plan_invocation`'s
+        ``protected``): the executors root and every executor folder, the queue database
+        and its ``-wal``/``-shm``, the state folder, blob store and journals, the verified
+        and wasm caches, the provider skills root. Real paths; computed once per staging."""
+        key = id(self._staging)
+        if self._protected is not None and self._protected[0] == key:
+            return self._protected[1]
+        paths: list[str] = []
+        root = self.registry.root
+        if root is not None:
+            paths.append(os.fspath(root))
+        paths += [self.registry[name].path for name in self.registry]
+        paths += list(self.registry.error_folders.values())
+        db = getattr(self.broker, "path", None)  # a file-backed broker (SQLite)
+        if isinstance(db, (str, os.PathLike)):
+            paths += [os.fspath(db) + suffix for suffix in ("", "-wal", "-shm", "-journal")]
+        if self._staging is not None:
+            staging = self._staging
+            paths += [os.fspath(p) for p in (staging.state_dir, staging.store.root)]
+            paths.append(os.fspath(staging.journal.folder))
+        else:
+            paths.append(os.fspath(default_state_dir()))
+        paths += [os.fspath(default_verified_dir()), os.fspath(default_cache_dir())]
+        if self.trust is not None:
+            paths.append(os.fspath(self.trust.verified_dir))
+        home = self.home if self.home is not None else os.path.expanduser("~")
+        paths.append(self.skills_root or default_skills_root(home))
+        real = tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
+        self._protected = (key, real)
+        return real
 
     @property
     def staging(self) -> Staging:
@@ -948,6 +982,7 @@ class Supervisor:
                 timeout_s=job.timeout_s,
                 python=self.python,
                 text_args=job.text_args,
+                protected=self.protected_paths(),
             )
             if invocation.server_pinned and self.device != SERVER_DEVICE:
                 # Provider authority (or a non-packable executor) never leaves the server,
@@ -986,6 +1021,11 @@ class Supervisor:
                     write_targets=invocation.write_targets,
                     arm_stages=getattr(arm, "stages_writes", False),
                 )
+            except MetnosError as exc:
+                # A write root that is no longer the folder the plan checked (a symlink
+                # swapped in on the way: E_SYMLINKED_FOLDER): the job's own refusal.
+                await self._reject(lease, exc)
+                return
             except (HostFault, OSError) as exc:
                 error = exc if isinstance(exc, HostFault) else HostFault(f"staging failed: {exc}")
                 await self._retry(lease, ErrorInfo(code=error.code, message=error.message))

@@ -54,9 +54,11 @@ from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
 from .policy import Policy
+from .private import tighten
 from .process import become_subreaper
+from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
-from .signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
+from .signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
 from .staging import Staging
 from .supervisor import Supervisor
 
@@ -597,6 +599,9 @@ def _start(
     become_subreaper()
     _tune_gc()
 
+    # Caches made by earlier runs, maybe under another umask: private from here on.
+    for cache in (default_verified_dir(), default_cache_dir()):
+        tighten(cache)
     try:
         staging = Staging(state_dir)
     except OSError as exc:

@@ -86,6 +86,7 @@ from ..messages import (
     encode_job,
     new_job_id,
 )
+from ..private import create_private_file, tighten
 from .base import (
     MAX_UNSTARTED_LAPSES,
     Broker,
@@ -516,6 +517,12 @@ class SQLiteBroker(Broker):
         self._poll = poll_interval_s
         self._busy_s = busy_timeout_s
         where = f"the queue database {self.path}"
+        if create:
+            # Every job's arguments and results: 0600 whatever the umask (SQLite makes the
+            # -wal and -shm with the database's own mode), tightened if it is open to
+            # other users (`metnos_exec.private`).
+            with contextlib.suppress(OSError):  # SQLite says why, in its own terms, below
+                create_private_file(self.path)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
         # (deferred) transactions would let two processes read the same due row.
         try:
@@ -546,6 +553,9 @@ class SQLiteBroker(Broker):
                     "put the queue on a local file system"
                 )
             self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+            if create:
+                for suffix in ("-wal", "-shm"):
+                    tighten(f"{self.path}{suffix}")
             self._init_schema()
             if create:
                 self._check_writable()

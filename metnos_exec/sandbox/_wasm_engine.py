@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HostFault, SandboxDenied
+from ..private import private_dir
 from ._wasm_poll import install_poll_oneoff
 
 if TYPE_CHECKING:
@@ -409,8 +410,7 @@ def _trusted_file(path: Path) -> bool:
 
 def _write_atomically(target: Path, blob: bytes) -> None:
     try:
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(target.parent, 0o700)
+        private_dir(target.parent)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".cwasm")
         try:
             with os.fdopen(fd, "wb") as f:

@@ -94,6 +94,7 @@ from ._wasm_runtime import (
     find_python_wasm,
     verified_python_wasm,
 )
+from .mount_sources import open_source
 
 if TYPE_CHECKING:
     import wasmtime
@@ -597,9 +598,19 @@ class WasmSandbox:
             _set_stdin(wt, wasi, job.stdin)
             wasi.stdout_custom = out.write
             wasi.stderr_custom = err.write
-            for m in job.mounts:
-                wasi.preopen_dir(m.host, "/" + m.guest.strip("/"), m.writable)
-            store.set_wasi(wasi)
+            # Each folder opened without following a symlink anywhere on the way, and
+            # preopened through that fd (``/proc/self/fd/N`` names that very folder): one
+            # swapped for a link since the job was planned is refused, never granted.
+            sources: list[int] = []
+            try:
+                for m in job.mounts:
+                    fd = open_source(m.host)
+                    sources.append(fd)
+                    wasi.preopen_dir(f"/proc/self/fd/{fd}", "/" + m.guest.strip("/"), m.writable)
+                store.set_wasi(wasi)
+            finally:
+                for fd in sources:
+                    os.close(fd)
             _install_deadline(wt, store, callback)
 
             instance: wasmtime.Instance | None = None

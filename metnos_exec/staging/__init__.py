@@ -56,6 +56,7 @@ from ..journal import (
     rollback,
 )
 from ..messages import UndoEntry, UndoOp
+from ..private import private_dir
 from ..sandbox import staged
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
 from ..sandbox.mount_sources import idmapped_clone, open_source
@@ -152,7 +153,7 @@ class Staging:
         self.state_dir = (
             Path(state_dir) if state_dir is not None else default_state_dir()
         ).absolute()
-        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.state_dir)
         self.store = BlobStore(
             blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync
         )
@@ -381,7 +382,13 @@ class OverlayRun:
     ) -> OverlayRun:
         found: list[tuple[str, int, int]] = []
         for root in roots:
-            st = os.lstat(root)
+            # No symlink anywhere on the way (the helper, which mounts it, checks the
+            # same way and compares the folder's identity with this one).
+            fd = open_source(root)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
             if not stat.S_ISDIR(st.st_mode):
                 raise HostFault(f"writable folder {root} is no longer a plain folder")
             found.append((root, st.st_dev, st.st_ino))
