@@ -203,6 +203,16 @@ MEMORY_ACROSS_PROCESSES = r"""
         """
 
 
+def _all_committed(name: str, folders: int):  # type: ignore[no-untyped-def]
+    def check(world: World, result: Result | None) -> str | None:
+        got = len(list((world.home / "w" / name).iterdir()))
+        if result is not None and result.status == "succeeded" and got != folders:
+            return f"succeeded with {got} of {folders} folders on the host"
+        return None
+
+    return check
+
+
 def _ro_inside_rw(world: World) -> None:
     ro = world.home / "w" / "files_read_hint_inside_write_hint" / "ro"
     ro.mkdir()
@@ -521,6 +531,22 @@ FILES = [
         """,
         caps=WRITE_OWN,
         stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+    ),
+    Attempt(
+        "files.many_folders",
+        "files",
+        "the commit's open folders within the worker's fd limit",
+        r"""
+        # 1,500 folders with a file each: well within the disk budget, and past the
+        # 1,024 open files a service gets by default (the commit held an fd per folder).
+        for i in range(1500):
+            os.mkdir(f"{OWN}/{i}")
+            with open(f"{OWN}/{i}/f", "w") as f:
+                f.write("x")
+        done(False)  # a failed commit, or a host fault, is what fails the row
+        """,
+        caps=WRITE_OWN,
+        host_check=_all_committed("files_many_folders", 1500),
     ),
     Attempt(
         "files.setuid_chmod",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -294,6 +295,13 @@ def write_executor(world: World, a: Attempt) -> None:
     )
 
 
+def _as_a_service() -> None:
+    """The worker's open-file limit as a service manager gives it (systemd: a soft limit
+    of 1,024 below a higher hard one), whoever runs the suite."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+
+
 def _processes_with(token: str) -> list[str]:
     """Every process on the host whose command line holds `token` (orphans of a job)."""
     found = []
@@ -364,7 +372,13 @@ def run_attempts(
         "--grace",
         "5",
     ]
-    proc = subprocess.Popen(argv, env=worker_env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv,
+        env=worker_env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_as_a_service,
+    )
     results: dict[str, Result | None] = {}
     dead: dict[str, str] = {}
     try:
