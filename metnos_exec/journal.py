@@ -52,6 +52,7 @@ import os
 import posixpath
 import stat
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ __all__ = (
     "Conflict",
     "ContentSource",
     "Fingerprint",
+    "MAX_OPEN_FOLDERS",
     "HostTree",
     "Journal",
     "JournalHandle",
@@ -102,6 +104,8 @@ __all__ = (
 _KEPT_BITS: Final = 0o1777
 _CHUNK: Final = 1024 * 1024
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Folder fds a `HostTree` keeps open at most (see `HostTree.dir_fd`).
+MAX_OPEN_FOLDERS: Final = 64
 
 
 def strip_mode(mode: int) -> int:
@@ -164,11 +168,22 @@ class HostTree:
     def __init__(self, roots: Iterable[str], *, as_root: bool | None = None) -> None:
         self.roots = tuple(sorted({posixpath.normpath(r) for r in roots}, key=len, reverse=True))
         self.as_root = os.geteuid() == 0 if as_root is None else as_root
-        self._fds: dict[str, int] = {}
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        #: Evicted from `_fds`, closed by `release` (a caller may still be using one).
+        self._retired: list[int] = []
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
+        fds, self._fds = self._fds, OrderedDict()
+        self.release()
         for fd in fds.values():
+            os.close(fd)
+
+    def release(self) -> None:
+        """Close the folder fds `dir_fd` evicted from its cache. Only where no fd this tree
+        gave out is still in use: between two operations (every user of this class
+        uses the fds `dir_fd` and `split` give at once, within one operation)."""
+        retired, self._retired = self._retired, []
+        for fd in retired:
             os.close(fd)
 
     def __enter__(self) -> HostTree:
@@ -192,6 +207,7 @@ class HostTree:
         """
         fd = self._fds.get(folder)
         if fd is not None:
+            self._fds.move_to_end(folder)
             return fd
         root = self.root_of(folder)
         if folder == root:
@@ -209,6 +225,12 @@ class HostTree:
                 # ELOOP (a symlink under O_NOFOLLOW) or ENOTDIR: never walked through.
                 raise Blocked(f"{folder} is not a plain folder ({exc.strerror})") from exc
         self._fds[folder] = fd
+        # At most MAX_OPEN_FOLDERS kept: a job may create or touch any number of folders,
+        # and the worker's open files are bounded (1,500 folders made a commit fail under
+        # a service's 1,024; tests/adversarial: files.many_folders). The least recently
+        # used is evicted, and closed at the next `release`.
+        while len(self._fds) > MAX_OPEN_FOLDERS:
+            self._retired.append(self._fds.popitem(last=False)[1])
         return fd
 
     def forget(self, folder: str) -> None:
@@ -455,7 +477,7 @@ class _Applier:
         self.source = source
         self.tag = tag
         self.fsync = fsync
-        self.written: list[tuple[int, str]] = []  # (parent fd, name) to fsync at the end
+        self.written: set[str] = set()  # folders to fsync at the end
 
     def _meta(self, fd: int, state: FileState | DirState, *, chmod: bool = True) -> None:
         if chmod:
@@ -541,12 +563,13 @@ class _Applier:
             self._new_file(parent, tmp, path, after)
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
         if self.fsync:
-            self.written.append((parent, name))
+            self.written.add(posixpath.dirname(path))
 
     def sync(self) -> None:
         if self.fsync:
-            for parent in {p for p, _ in self.written}:
-                os.fsync(parent)
+            for folder in sorted(self.written):
+                self.tree.release()
+                os.fsync(self.tree.dir_fd(folder))
 
 
 def _check(tree: HostTree, op: UndoOp, expect: dict[str, Fingerprint | None]) -> Conflict | None:
@@ -599,6 +622,7 @@ def apply_ops(
     pause_at = len(ops) // 2 if os.environ.get(PAUSE_ENV) else -1
     try:
         for index, op in enumerate(ops):
+            tree.release()
             if index == pause_at:
                 _pause_for_test(os.environ[PAUSE_ENV])
             # A creation where nothing may be is its own check: O_EXCL, mkdir, symlink and
@@ -659,6 +683,7 @@ def rollback(
     left: list[Conflict] = []
     applier = _Applier(tree, BlobSource(store), tag=f"{tag}-rb")
     for index, op in reversed(list(enumerate(applied))):
+        tree.release()
         # Temp files of an interrupted replace.
         if isinstance(op, Put):
             with contextlib.suppress(OSError, Blocked):

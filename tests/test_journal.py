@@ -13,6 +13,7 @@ import pytest
 from metnos_exec.blobs import BlobStore
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.journal import (
+    MAX_OPEN_FOLDERS,
     BlobSource,
     Blocked,
     HostTree,
@@ -118,6 +119,31 @@ def test_apply_then_reverse_is_byte_exact(tmp_path: Path) -> None:
     with HostTree([r]) as tree:
         apply(tree, ops, store)
     assert snapshot(root) == after
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_tree_keeps_a_bounded_number_of_folders_open(tmp_path: Path, fsync: bool) -> None:
+    # One fd per folder used to stay open until the tree closed: a commit of 1,500
+    # folders failed under a service's 1,024 open files (tests/adversarial:
+    # files.many_folders). Applied, and rolled back, with at most MAX_OPEN_FOLDERS.
+    root = tmp_path / "root"
+    root.mkdir()
+    store = BlobStore(tmp_path / "blobs")
+    r = str(root)
+    x = file_state(store, b"x")
+    n = 3 * MAX_OPEN_FOLDERS
+    ops = order_ops(
+        [Put(path=f"{r}/{i}", before=Absent(), after=DirState(mode=0o755)) for i in range(n)]
+        + [Put(path=f"{r}/{i}/f", before=Absent(), after=x) for i in range(n)]
+    )
+    fds = len(os.listdir("/proc/self/fd"))
+    with HostTree([r]) as tree:
+        apply_ops(tree, ops, source=BlobSource(store), store=store, expect={}, tag="t", fsync=fsync)
+        assert len(os.listdir("/proc/self/fd")) <= fds + MAX_OPEN_FOLDERS + 1
+        assert all((root / str(i) / "f").read_bytes() == b"x" for i in range(n))
+        assert rollback(tree, ops, store=store, tag="t") == []
+        assert len(os.listdir("/proc/self/fd")) <= fds + MAX_OPEN_FOLDERS + 1
+    assert list(root.iterdir()) == []
 
 
 def test_a_symlink_below_a_root_is_never_walked_through(tmp_path: Path) -> None:

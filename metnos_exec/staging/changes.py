@@ -46,7 +46,6 @@ import hashlib
 import os
 import posixpath
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -77,28 +76,36 @@ _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UpperSource:
-    """The content of staged files, for the commit's `ContentSource`."""
+    """The content of staged files, for the commit's `ContentSource`.
+
+    Small files are kept in memory; a larger one is opened when the commit writes it,
+    walked from its upper folder's root one component at a time without following a
+    link (no fd is held per file or folder meanwhile: a job may stage any number).
+    """
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        #: path → (fd of its upper root, owned by the caller of `plan_commit`; path below)
         self._where: dict[str, tuple[int, str]] = {}
-        self._fds: list[int] = []
-
-    def add_dir(self, fd: int) -> int:
-        self._fds.append(fd)
-        return fd
 
     def fetch(self, path: str, state: FileState) -> bytes | int:
         data = self._data.get(path)
         if data is not None:
             return data
-        folder, name = self._where[path]
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        root, below = self._where[path]
+        *folders, name = below.split("/")
+        fd = root
+        try:
+            for folder in folders:
+                parent, fd = fd, os.open(folder, _DIR_FLAGS, dir_fd=fd)
+                if parent != root:
+                    os.close(parent)
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        finally:
+            if fd != root:
+                os.close(fd)
 
     def close(self) -> None:
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            os.close(fd)
         self._data.clear()
         self._where.clear()
 
@@ -146,8 +153,9 @@ class _Planner:
         self.whiteout_xattr = f"{xattr}overlay.whiteout"
         self.opaque_xattr = f"{xattr}overlay.opaque"
         self.plan = plan
-        #: The root being walked (`too_deep`).
+        #: The root being walked (`too_deep`), and the fd of its upper folder.
         self.root = "/"
+        self.upper_root = -1
         self.items: list[_Item] = []
         #: Folder → owner its new entries get: a host folder's own, or the one given to a
         #: folder the job created.
@@ -195,6 +203,7 @@ class _Planner:
         if self.too_deep(host_dir):
             return
         for entry in sorted(os.scandir(upper_fd), key=lambda e: e.name):
+            self.tree.release()  # (the upper's fds are not the tree's)
             path = posixpath.join(host_dir, entry.name)
             st = entry.stat(follow_symlinks=False)
             host: os.stat_result | None = None
@@ -295,7 +304,8 @@ class _Planner:
                 self.plan.source._data[path] = data
             else:
                 digest, size = hash_fd(fd)
-                self.plan.source._where[path] = (self.plan.source.add_dir(os.dup(folder)), name)
+                below = path[len(self.root) :].lstrip("/")
+                self.plan.source._where[path] = (self.upper_root, below)
         finally:
             os.close(fd)
         # No mtime: a committed file is stamped when the commit writes it (setting the
@@ -319,10 +329,14 @@ class _Planner:
                     self.remove_host(child, child_st)
         self.items.append(_Item(path, _Upper(after), host))
 
-    def host_children(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
+    def host_children(self, folder: str) -> list[tuple[str, os.stat_result]]:
+        # Listed and stat'ed at once: an entry's lazy stat would use the folder's fd,
+        # which the tree may close meanwhile (`HostTree.release`).
         fd = self.tree.dir_fd(folder)
-        for entry in sorted(os.scandir(fd), key=lambda e: e.name):
-            yield posixpath.join(folder, entry.name), entry.stat(follow_symlinks=False)
+        return [
+            (posixpath.join(folder, entry.name), entry.stat(follow_symlinks=False))
+            for entry in sorted(os.scandir(fd), key=lambda e: e.name)
+        ]
 
     def too_deep(self, folder: str) -> bool:
         """Whether `folder` lies deeper than `MAX_DEPTH` below its root (a conflict noted):
@@ -334,6 +348,7 @@ class _Planner:
         return True
 
     def remove_host(self, path: str, st: os.stat_result) -> None:
+        self.tree.release()  # no fd of the tree is held across this (`host_children`)
         if stat.S_ISDIR(st.st_mode) and not self.too_deep(path):
             for child, child_st in self.host_children(path):
                 ok, _ = self.host_stat(child)
@@ -356,6 +371,7 @@ class _Planner:
         deleted: dict[tuple[str, int], list[str]] = {}
         befores: dict[str, PathState] = {}
         for item in self.items:
+            self.tree.release()
             unrecordable = _not_utf8(item)
             if unrecordable is not None:
                 self.conflict(item.path, unrecordable)
@@ -540,7 +556,7 @@ def plan_commit(
             mode = planner.stripped(root, upper_st)
             if mode != stat.S_IMODE(root_st.st_mode):
                 planner.items.append(_Item(root, _Upper(DirState(mode=mode)), root_st))
-        planner.root = root
+        planner.root, planner.upper_root = root, upper
         planner.walk(upper, root, host_known=True)
     if not plan.conflicts:
         planner.operations()
@@ -554,6 +570,7 @@ def store_originals(plan: CommitPlan, tree: HostTree, store: BlobStore) -> None:
         Blocked: a file changed since it was planned (the caller treats it as a conflict).
     """
     for path, (fp, sha256) in plan.destroyed.items():
+        tree.release()
         fd = tree.open_file(path)
         try:
             got = Fingerprint.of(os.fstat(fd))

@@ -537,12 +537,13 @@ FILES = [
         "files",
         "the commit's open folders within the worker's fd limit",
         r"""
-        # 1,500 folders with a file each: well within the disk budget, and past the
-        # 1,024 open files a service gets by default (the commit held an fd per folder).
+        # 1,500 folders with a file each: within the disk budget (the files are over the
+        # size a commit keeps in memory, 64 KiB), and past the 1,024 open files a service
+        # gets by default (the commit held an fd per folder, and one per larger file).
         for i in range(1500):
             os.mkdir(f"{OWN}/{i}")
-            with open(f"{OWN}/{i}/f", "w") as f:
-                f.write("x")
+            with open(f"{OWN}/{i}/f", "wb") as f:
+                f.write(b"x" * (65 << 10))
         done(False)  # a failed commit, or a host fault, is what fails the row
         """,
         caps=WRITE_OWN,
