@@ -1708,6 +1708,43 @@ WASM = [
         host_check=_absent("notes/planted"),
     ),
     Attempt(
+        "wasm.disk_without_staging",
+        "resources",
+        "none: a wasm job writes into its preopen directly (reported partial)",
+        wat(
+            r"""(data (i32.const 256) "big")
+  (func $check (result i32)
+    (local $fd i32)
+    (local $i i32)
+    ;; the writable preopen is the one where O_CREAT works
+    (local.set $fd (i32.const 3))
+    (block $found
+      (loop $next
+        (br_if $found (i32.eqz (call $path_open (local.get $fd) (i32.const 1)
+          (i32.const 256) (i32.const 3) (i32.const 1) (i64.const 0x40) (i64.const 0)
+          (i32.const 0) (i32.const 16))))
+        (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+        (br_if $next (i32.lt_u (local.get $fd) (i32.const 8)))
+        (call $exit (i32.const 3))))
+    ;; 512 writes of 64 KiB (32 MiB) against a 16 MiB disk budget
+    (i32.store (i32.const 32) (i32.const 65536))
+    (i32.store (i32.const 36) (i32.const 65536))
+    (loop $w
+      (drop (call $fd_write (i32.load (i32.const 16)) (i32.const 32) (i32.const 1)
+        (i32.const 40)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $w (i32.lt_u (local.get $i) (i32.const 512))))
+    (i32.const 0))""",
+            PATH_OPEN,
+        ).replace('(memory (export "memory") 1)', '(memory (export "memory") 2)'),
+        caps=WRITE_OWN,
+        runtime="wasm",
+        limits={"memory_mb": 16, "fuel": 10**7, "disk_mb": 16},
+        host_check=_disk_within("wasm_disk_without_staging", 16),
+        through="always",
+        reason="disk writes unbounded",
+    ),
+    Attempt(
         "wasm.socket_import",
         "network",
         "WASI preview 1 has no sock_connect: link fails",
