@@ -121,6 +121,15 @@ def _result_renders_safely(world: World, result: Result | None) -> str | None:
     shown = proc.stdout + proc.stderr
     if b"pwned" not in shown:
         return f"the test is broken: the job's text is not shown ({shown[-300:]!r})"
+    # The log, as `tail` shows it: the uncommitted fifo's name (commit.filtered).
+    proc = subprocess.run(
+        [sys.executable, "-m", "metnos_exec", "tail", str(world.root / "worker.jsonl"),
+         "--job", result.job_id, "--no-color"],
+        capture_output=True, env=env, timeout=30, check=False,
+    )  # fmt: skip
+    if b"pwned" not in proc.stdout:
+        return f"the test is broken: the log does not name the fifo ({proc.stdout[-300:]!r})"
+    shown += proc.stdout + proc.stderr
     bad = sorted({chr(c).encode() for c in shown if (c < 32 and c not in (9, 10)) or c == 127})
     return f"raw control characters reached the terminal: {bad}" if bad else None
 
@@ -1152,8 +1161,11 @@ PROCESS = [
         "terminal-safe rendering (issue 8 #9)",
         r"""
         sys.stderr.write("\x1b]0;pwned\x07\x1b[2J\x1b[H\rpwned\x1b[31m\x9b31m\x08\x7f\n")
+        # A fifo is not committed, and the log says which: its name reaches `tail`.
+        os.mkfifo(OWN + "/\x1b]0;pwned\x07\x1b[2J\r")
         done(False, note="\x1b]0;pwned\x07\r")
         """,
+        caps=WRITE_OWN,
         host_check=_result_renders_safely,
     ),
 ]
