@@ -820,6 +820,8 @@ HOST = [
         "user",
         "seccomp (spec list), no capabilities",
         r"""
+        import time
+        now = time.time()
         empty = ctypes.create_string_buffer(16)
         r = {"init_module": sc("init_module", empty, 16, b""),
              "finit_module": sc("finit_module", 0, b"", 0),
@@ -831,7 +833,9 @@ HOST = [
              "acct": sc("acct", None),
              "syslog": sc("syslog", 3, ctypes.create_string_buffer(64), 64),
              "iopl": sc("iopl", 3),
-             "quotactl": sc("quotactl", 0x800001, b"/", 0, None)}
+             "quotactl": sc("quotactl", 0x800001, b"/", 0, None),
+             # the host's clock, set to what it is (harmless even if it were allowed)
+             "settimeofday": sc("settimeofday", struct.pack("qq", int(now), 0), None)}
         done(any(v[0] >= 0 for v in r.values()), calls={k: v[1] for k, v in r.items()})
         """,
     ),
@@ -1074,6 +1078,22 @@ PROCESS = [
         done(any(v == "ok" for v in r.values()), **r)
         """,
         setup=_host_ipc,
+    ),
+    Attempt(
+        "process_tree.inherited_fds",
+        "process_tree",
+        "close-on-exec everywhere: only the job's own pipes reach it",
+        r"""
+        got = {}
+        for n in os.listdir("/proc/self/fd"):
+            try:
+                got[n] = os.readlink(f"/proc/self/fd/{n}")
+            except OSError:
+                pass  # the listing's own fd
+        extra = {n: t for n, t in got.items() if n not in ("0", "1", "2")}
+        stdio = [got.get(n, "") for n in ("0", "1", "2")]
+        done(bool(extra) or not all(t.startswith("pipe:") for t in stdio), fds=got)
+        """,
     ),
     Attempt(
         "process_tree.orphan_survives_the_job",
