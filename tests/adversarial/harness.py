@@ -295,11 +295,12 @@ def write_executor(world: World, a: Attempt) -> None:
     )
 
 
-def _as_a_service() -> None:
+def _as_a_service(pid: int) -> None:
     """The worker's open-file limit as a service manager gives it (systemd: a soft limit
-    of 1,024 below a higher hard one), whoever runs the suite."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    of 1,024 below a higher hard one), whoever runs the suite; set as it starts (it opens
+    a few dozen files before it serves)."""
+    _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (min(1024, hard), hard))
 
 
 def _processes_with(token: str) -> list[str]:
@@ -377,8 +378,8 @@ def run_attempts(
         env=worker_env,
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        preexec_fn=_as_a_service,
     )
+    _as_a_service(proc.pid)
     results: dict[str, Result | None] = {}
     dead: dict[str, str] = {}
     try:
