@@ -217,6 +217,19 @@ MEMORY_ACROSS_PROCESSES = r"""
         """
 
 
+def _no_capabilities(name: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        for p in (world.home / "w" / name).iterdir():
+            try:
+                os.getxattr(p, "security.capability", follow_symlinks=False)
+            except OSError:
+                continue
+            return f"{p} carries file capabilities on the host"
+        return None
+
+    return check
+
+
 def _all_committed(name: str, folders: int):  # type: ignore[no-untyped-def]
     def check(world: World, result: Result | None) -> str | None:
         got = len(list((world.home / "w" / name).iterdir()))
@@ -581,6 +594,24 @@ FILES = [
         """,
         caps=WRITE_OWN,
         host_check=_no_special_files("files_setuid_chmod"),
+    ),
+    Attempt(
+        "files.file_capabilities",
+        "files",
+        "no CAP_SETFCAP; the commit carries content and mode, never xattrs",
+        r"""
+        import shutil
+        py = OWN + "/py"
+        shutil.copyfile(os.path.realpath(sys.executable), py)
+        # VFS_CAP_REVISION_2, CAP_SETUID|CAP_DAC_OVERRIDE permitted+effective
+        cap = struct.pack("<IIIII", 0x02000001, (1 << 7) | (1 << 1), 0, 0, 0)
+        r = {"security.capability": attempt(lambda: os.setxattr(py, "security.capability", cap)),
+             "trusted.x": attempt(lambda: os.setxattr(py, "trusted.x", b"1")),
+             "user.x": attempt(lambda: os.setxattr(py, "user.x", b"1"))}
+        done(r["security.capability"] == "ok", calls=r)
+        """,
+        caps=WRITE_OWN,
+        host_check=_no_capabilities("files_file_capabilities"),
     ),
     Attempt(
         "files.setuid_by_create_mode",
