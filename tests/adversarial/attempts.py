@@ -240,6 +240,18 @@ def _all_committed(name: str, folders: int):  # type: ignore[no-untyped-def]
     return check
 
 
+def _single_file(world: World) -> None:
+    (world.home / "w" / "files_single_file_write_hint" / "note.txt").write_text("original")
+
+
+def _only_the_file(name: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        got = sorted(p.name for p in (world.home / "w" / name).iterdir())
+        return None if got == ["note.txt"] else f"the folder now holds {got}"
+
+    return check
+
+
 def _ro_inside_rw(world: World) -> None:
     ro = world.home / "w" / "files_read_hint_inside_write_hint" / "ro"
     ro.mkdir()
@@ -359,6 +371,20 @@ FILES = [
         caps=READ_NOTES,
         path_arg="~/notes/esc-rel",
         stopped_by=frozenset({"E_CAPABILITY_DENIED"}),
+    ),
+    Attempt(
+        "files.single_file_write_hint",
+        "files",
+        "a file hint binds that file alone (not staged: a file cannot be overlaid)",
+        r"""
+        r = {"the file": attempt(lambda: open(OWN + "/note.txt", "w").write("changed")),
+             "a sibling": attempt(lambda: open(OWN + "/other.txt", "w").write("x")),
+             "rename": attempt(lambda: os.rename(OWN + "/note.txt", OWN + "/moved.txt"))}
+        done(r["a sibling"] == "ok" or r["rename"] == "ok", calls=r)
+        """,
+        caps=(("fs:write", ("{own}/note.txt",)),),
+        setup=_single_file,
+        host_check=_only_the_file("files_single_file_write_hint"),
     ),
     Attempt(
         "files.read_hint_inside_write_hint",
