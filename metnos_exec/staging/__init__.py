@@ -243,7 +243,7 @@ class Staging:
             return None
         why = "the arm cannot stage (only bubblewrap jobs are staged)"
         if arm_stages and self._ns is not None:
-            why = await self.start() or _not_owned(roots) or ""
+            why = await self.start() or _not_folders(roots) or _not_owned(roots) or ""
             if not why:
                 try:
                     return await OverlayRun.create(
@@ -319,6 +319,21 @@ class Staging:
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
     with HostTree(record.roots) as tree:
         return rollback(tree, record.ops, store=store, tag=record.id)
+
+
+def _not_folders(roots: Sequence[str]) -> str | None:
+    """Why these roots cannot be staged because one is not a folder (``None``: all are).
+
+    A ``fs:write`` hint may name a single file, mounted alone; an overlay stages folders
+    only, and such a job used to die as a host fault in every attempt."""
+    for root in roots:
+        try:
+            st = os.lstat(root)
+        except OSError:
+            continue  # gone: staging refuses it with the reason
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{root} is not a folder (an overlay stages folders; the hint names a file)"
+    return None
 
 
 def _not_owned(roots: Sequence[str]) -> str | None:
