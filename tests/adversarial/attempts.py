@@ -1292,7 +1292,13 @@ USER = [
         caps = {k: status[k].strip() for k in ("CapEff", "CapPrm", "CapAmb")}
         r = {"setuid(0)": sc("setuid", 0)[1], "NoNewPrivs": status["NoNewPrivs"].strip(),
              "Seccomp": status["Seccomp"].strip()}
-        done(any(int(v, 16) for v in caps.values()) or r["setuid(0)"] is None, caps=caps, **r)
+        # The system trees hold setuid-root programs (su, mount, passwd): without
+        # no_new_privs (or nosuid) one exec would give the job root's euid.
+        import stat
+        setuid = [p for p in ("/usr/bin/su", "/usr/bin/mount", "/usr/bin/passwd", "/bin/su")
+                  if os.path.exists(p) and os.stat(p).st_mode & stat.S_ISUID]
+        done(any(int(v, 16) for v in caps.values()) or r["setuid(0)"] is None
+             or (setuid and r["NoNewPrivs"] != "1"), caps=caps, setuid_programs=setuid, **r)
         """,
     ),
     Attempt(
