@@ -27,6 +27,9 @@ import signal
 import sys
 import time
 
+#: How long the keeper goes on looking after its last find (see `main`).
+GRACE_S = 1.0
+
 
 def _marked(mark: bytes) -> list[int]:
     found: list[int] = []
@@ -65,17 +68,22 @@ def main() -> None:
     for pgid in groups:
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
-    # A monitor killed mid-clone may leave a clone found only by the next look: look
-    # again until one finds nothing (bounded: what is killed cannot clone any more).
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
+    # Look again and again, until no look has found anything for GRACE_S: a monitor
+    # killed mid-clone leaves a clone only the next look finds, and a child the worker
+    # forked just before it died carries the mark only once it has exec'd bubblewrap
+    # (its environment is given at exec), which a busy machine may delay. A single empty
+    # look let that one through (seen: a bubblewrap left by a worker SIGKILLed as it
+    # spawned). Bounded: what is killed cannot fork any more, and nothing is left to exec.
+    now = time.monotonic()
+    deadline, last_found = now + 10.0, now
+    while (now := time.monotonic()) < deadline and now - last_found < GRACE_S:
         found = _marked(mark)
-        if not found:
-            break
+        if found:
+            last_found = now
         for pid in found:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)  # let the killed exit (and a last clone appear) before looking again
+        time.sleep(0.02)  # a look costs a read of every process's environment: pace them
 
 
 if __name__ == "__main__":
