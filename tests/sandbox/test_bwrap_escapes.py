@@ -14,7 +14,7 @@ import pytest
 from metnos_exec.sandbox._types import MemoryExceeded, Mount, ResourceLimits, Trap
 from metnos_exec.sandbox.bwrap import DISK_REASON, BwrapSandbox, map_exit
 
-from ..conftest import need
+from ..conftest import need, need_privileged
 from .test_bwrap import arm, py_job, report  # noqa: F401
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -175,6 +175,35 @@ async def test_host_global_kernel_interfaces_are_read_only_or_masked(
     for path, what in got["read"].items():
         assert what in (0, "ENOENT", "EACCES", "EPERM"), (path, what)
     assert got["sys"] is False  # /sys stays out
+
+
+#: Root-only (0400) host-global files of /proc: physical page flags and counts (which
+#: help an exploit find and shape kernel memory), the buddy allocator's layout, the
+#: kernel log. A job that runs as host root (a root worker without a slot uid) passes the
+#: permission check on each.
+ROOT_ONLY_PROC = ["/proc/kpageflags", "/proc/kpagecount", "/proc/kpagecgroup", "/proc/pagetypeinfo"]
+
+
+@pytest.mark.parametrize("who", ["as root", "as the worker or its slot uid"])
+async def test_root_only_proc_files_are_masked_even_for_a_job_run_as_root(
+    arm: BwrapSandbox,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    who: str,
+) -> None:
+    import os
+
+    from metnos_exec.identities import SLOT_UIDS_ENV
+
+    if who == "as root":
+        # The worst case: a root worker's job that runs as root (slot uids off). Before
+        # the masks it read the host's page flags.
+        need_privileged(os.geteuid() == 0, "a job runs as root only on a root worker")
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+    code = f"WRITE = []\nREAD = {ROOT_ONLY_PROC!r}\n" + KERNEL
+    got = report(await arm.run(py_job(tmp_path, code)))
+    for path, what in got["read"].items():
+        assert what in (0, "ENOENT", "EACCES", "EPERM"), (path, what)
 
 
 WRITABLE = """
