@@ -781,6 +781,14 @@ MEMORY_PER_PROCESS_REASON = (
     "memory bounded per process (RLIMIT_AS) and per tmpfs (/tmp, /dev/shm: each at the "
     "budget), not for the job as a whole: no memory cgroup"
 )
+#: The same without ``--size`` (bubblewrap < 0.8, `BwrapFeatures.tmpfs_size`): /tmp and
+#: /dev/shm are tmpfs mounts of the kernel's default size, half the host's RAM each, and
+#: their pages are RAM that RLIMIT_AS does not count.
+MEMORY_UNSIZED_TMPFS_REASON = (
+    "memory bounded per process (RLIMIT_AS) only, not for the job as a whole: no memory "
+    "cgroup, and /tmp and /dev/shm are not sized (bubblewrap < 0.8 has no --size; each "
+    "may take up to half the host's RAM)"
+)
 #: Writes to a job's writable folders land on the host's disk as they happen: each file is
 #: capped (RLIMIT_FSIZE), their total is not, until writes go through a size-limited
 #: staging layer (issue 10).
@@ -824,12 +832,14 @@ def _resources_verdict(
     memory_enforced: bool | None,
     job_uid: int | None,
     *,
+    features: BwrapFeatures,
     ran_as_root: bool = False,
 ) -> AxisVerdict:
     """The resources axis, for what held (`None`: not known before the run).
 
     Args:
         job_uid: the host uid the job's processes run as (``None``: not known yet).
+        features: the bubblewrap that runs it (whether it sizes /tmp and /dev/shm).
         ran_as_root: a root worker's job ran as root (not as its slot's uid).
     """
     lim = job.limits
@@ -837,7 +847,9 @@ def _resources_verdict(
     if lim.memory_bytes is None:
         missing.append("no memory limit")
     elif memory_enforced is False:
-        missing.append(MEMORY_PER_PROCESS_REASON)
+        missing.append(
+            MEMORY_PER_PROCESS_REASON if features.tmpfs_size else MEMORY_UNSIZED_TMPFS_REASON
+        )
     elif memory_enforced is None:
         missing.append("job memory limit enforcement unknown until run")
     if lim.pids is None:
@@ -923,6 +935,7 @@ class BwrapSandbox:
                 pids_enforced,
                 memory_enforced,
                 os.geteuid() if job_uid is None else job_uid,
+                features=self._features,
                 ran_as_root=worker_is_root() and job_uid == 0,
             ),
         )

@@ -259,6 +259,39 @@ async def test_dev_shm_fills_up_at_the_memory_budget(
     assert got["error"] == "ENOSPC" and got["written_mib"] <= 64, got
 
 
+async def test_the_memory_reason_says_whether_tmp_and_dev_shm_are_sized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a memory cgroup the private tmpfs mounts are a memory wall only when they
+    # are sized; bubblewrap < 0.8 gets no --size, and the reason used to say "each at the
+    # budget" anyway.
+    from metnos_exec import process
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox.flags import BwrapFeatures
+
+    probe = bwrap_mod.bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    need(probe.features.tmpfs_size, "this bubblewrap cannot size a tmpfs (< 0.8)")
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    fill = FILL_SHM.replace("range(128)", "range(48)")
+    limits = ResourceLimits(memory_bytes=32 * MiB, file_size_bytes=256 * MiB)
+    sized = BwrapSandbox(probe.path, features=probe.features)
+    outcome = await sized.run(py_job(tmp_path, fill, limits=limits))
+    got = report(outcome)
+    assert got["error"] == "ENOSPC" and got["written_mib"] <= 32, got
+    reason = outcome.containment.resources.reason
+    assert bwrap_mod.MEMORY_PER_PROCESS_REASON in reason, reason
+    # The same job as bubblewrap 0.7 would run it: /dev/shm is not sized, and says so.
+    old = BwrapSandbox(probe.path, features=BwrapFeatures((0, 7, 0), bind_fd=probe.bind_fd))
+    outcome = await old.run(py_job(tmp_path, fill, limits=limits))
+    got = report(outcome)
+    assert got == {"written_mib": 48, "error": None}, got
+    resources = outcome.containment.resources
+    assert resources.state == "partial"
+    assert bwrap_mod.MEMORY_UNSIZED_TMPFS_REASON in resources.reason, resources
+    assert "each at the budget" not in resources.reason
+
+
 # --- defect 6: disk is not bounded in total ---------------------------------------------
 
 
