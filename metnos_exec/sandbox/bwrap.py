@@ -805,6 +805,20 @@ ROOT_QUOTAS_REASON = (
     "per-user kernel quotas (inotify instances and watches, epoll watches, message "
     "queues, pipe buffers) are root's, shared with every root process of the host"
 )
+#: An unprivileged worker's job is the worker's uid on the host, and the kernel counts
+#: these quotas per host uid: inotify instances and watches and message queue bytes per
+#: user in every ancestor user namespace (the job's own namespace does not separate
+#: them), pipe buffers and epoll watches per uid outright. A job that holds them all
+#: refuses them to the worker and to its other jobs until it ends; no cgroup bounds a
+#: count of instances or watches.
+UNPRIVILEGED_QUOTAS_REASON = (
+    "per-user kernel quotas (inotify instances and watches, epoll watches, message "
+    "queues, pipe buffers) are the worker's uid's, shared with the worker and its other "
+    "jobs"
+)
+#: A root worker's job as its slot's uid: the quotas are that uid's, and a slot runs one
+#: job at a time, so they are the job's own.
+SLOT_QUOTAS_NOTE = "per-user kernel quotas the slot uid's own"
 
 
 def _pids_reason(job_uid: int | None) -> str:
@@ -865,12 +879,15 @@ def _resources_verdict(
         missing.append(DISK_REASON)
     if ran_as_root:
         missing.append(ROOT_QUOTAS_REASON)
+    elif not worker_is_root():
+        missing.append(UNPRIVILEGED_QUOTAS_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
     return AxisVerdict(
         "kept",
-        f"job memory (memory cgroup), process count, file size and {cpu} limits held",
+        f"job memory (memory cgroup), process count, file size and {cpu} limits held; "
+        + SLOT_QUOTAS_NOTE,
     )
 
 
