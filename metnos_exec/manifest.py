@@ -328,7 +328,10 @@ class ExecutorRegistry(Mapping[str, Executor]):
                     raise dup
                 errors[manifest.name] = dup
                 continue
-            found[manifest.name] = Executor(manifest=manifest, path=str(mf.parent))
+            # Its real path, taken once here: from now on it is never reached through a
+            # symlink (`plan_invocation`, the arms), so a folder (or the root) swapped for
+            # a link after loading is refused, not followed to code nobody loaded.
+            found[manifest.name] = Executor(manifest=manifest, path=os.path.realpath(mf.parent))
         registry = cls(found, errors, folders)
         registry.root = str(root_p)
         return registry

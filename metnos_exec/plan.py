@@ -65,7 +65,7 @@ from .capabilities import (
     require_hint_folders,
     vet_arguments,
 )
-from .errors import AutonomyDenied, CapabilityDenied
+from .errors import AutonomyDenied, CapabilityDenied, MissingFolder
 from .manifest import Executor, Manifest, Runtime
 from .policy import Policy, Profile, profile_for
 from .sandbox._types import (
@@ -290,7 +290,12 @@ def plan_invocation(
     vetted = vet_arguments(manifest, final, effective, home=home)
     require_hint_folders(manifest.name, vetted.checked, home)
 
-    folder = _realpath_fresh(str(executor.path))
+    # Real since the registry loaded it: checked, never resolved again (a symlink swapped
+    # in since, at the executors root or anywhere on the way, is refused: E_SYMLINKED_FOLDER;
+    # the bwrap arm checks again when it opens the folder to bind it).
+    folder = os.path.normpath(os.path.abspath(str(executor.path)))
+    if not check_folder(folder):
+        raise MissingFolder(f"{manifest.name}: its folder {folder} is gone; nothing ran")
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
     mounts, write_roots = _mounts(

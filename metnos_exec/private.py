@@ -29,6 +29,7 @@ Rules (tested in ``tests/test_private_files.py``, through a real worker process)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -92,10 +93,14 @@ def tighten(path: str | os.PathLike[str]) -> bool:
 
 
 def private_dir(path: str | os.PathLike[str]) -> Path:
-    """`path` as a folder: created 0700 (exactly) when missing, its missing parents as
-    `Path.mkdir` makes them; tightened (see `tighten`) when it exists."""
+    """`path` as a folder: created 0700 (exactly) when missing, with its missing parents
+    (0700 too); tightened (see `tighten`) when it exists."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    missing = [a for a in reversed(p.parents) if not a.exists()]
+    for ancestor in missing:  # 0700 too, set exactly: a umask may not lock us out
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(ancestor, 0o700)
+            os.chmod(ancestor, 0o700)
     try:
         os.mkdir(p, 0o700)
     except FileExistsError:

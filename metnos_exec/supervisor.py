@@ -1021,6 +1021,11 @@ class Supervisor:
                     write_targets=invocation.write_targets,
                     arm_stages=getattr(arm, "stages_writes", False),
                 )
+            except MetnosError as exc:
+                # A write root that is no longer the folder the plan checked (a symlink
+                # swapped in on the way: E_SYMLINKED_FOLDER): the job's own refusal.
+                await self._reject(lease, exc)
+                return
             except (HostFault, OSError) as exc:
                 error = exc if isinstance(exc, HostFault) else HostFault(f"staging failed: {exc}")
                 await self._retry(lease, ErrorInfo(code=error.code, message=error.message))

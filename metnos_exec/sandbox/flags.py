@@ -29,6 +29,7 @@ __all__ = (
     "GUEST_GID",
     "GUEST_UID",
     "MASKED_PATHS",
+    "PROC_INIT_MASKED_PATHS",
     "PROC_MASKED_PATHS",
     "PROC_READ_ONLY_PATHS",
     "RESERVED_GUEST_PATHS",
@@ -203,6 +204,15 @@ PROC_MASKED_PATHS: tuple[str, ...] = (
     "/proc/timer_stats",
     "/proc/vmallocinfo",
 )
+
+
+#: The memory of bubblewrap's init (the sandbox's pid 1) behind ``/dev/null``. The guest
+#: runs as the init's uid and the init is dumpable, so without landlock (which scopes
+#: ptrace access to the guest's own domain) a guest opened ``/proc/1/mem`` read-write and
+#: could rewrite the init: stop reaping, keep the tree alive, forge what it reports. The
+#: other ways in (``ptrace``, ``process_vm_writev``) are seccomp's; an arm without the
+#: filter says ``partial`` for the process tree (`hardening.annotate`).
+PROC_INIT_MASKED_PATHS: tuple[str, ...] = ("/proc/1/mem", "/proc/1/task/1/mem")
 
 
 def private_files(root: str = "/etc", *, skip: Sequence[str] = MASKED_PATHS) -> tuple[str, ...]:
@@ -442,6 +452,8 @@ def derive_bwrap_argv(
     for path in PROC_MASKED_PATHS:
         if exists(path):
             ops.append(_Op(path, _mask(path, isdir(path))))
+    for path in PROC_INIT_MASKED_PATHS:  # the sandbox's own pid 1: always there
+        ops.append(_Op(path, _mask(path, False)))
     # bubblewrap's /dev is a writable, unsized tmpfs: read-only, so its only writable
     # place is /dev/shm (below), sized like /tmp.
     ops.append(_Op("/dev", ("--dev", "/dev", "--remount-ro", "/dev")))

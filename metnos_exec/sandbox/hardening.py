@@ -134,7 +134,10 @@ def annotate(report: ContainmentReport, job: SandboxJob, hardening: Hardening) -
     if hardening.seccomp_active:
         files = _add(files, "setuid/setgid bits refused (seccomp)")
         network = _add(network, "Unix sockets refused (seccomp)")
-        tree = _add(tree, "ptrace and new namespaces refused (seccomp)")
+        tree = _add(
+            tree,
+            "ptrace and new namespaces refused (seccomp); the init's memory masked",
+        )
         user = _add(user, "kernel keyrings refused (seccomp)")
     else:
         why = f"no seccomp filter: {hardening.seccomp}"
@@ -146,6 +149,16 @@ def annotate(report: ContainmentReport, job: SandboxJob, hardening: Hardening) -
         user = _add(
             user, f"the worker's kernel keyrings are shared with jobs ({why})", weakens=True
         )
+        if not hardening.landlock_active:
+            # Tested (tests/sandbox/test_bwrap_escapes.py): the guest, as the init's uid,
+            # attached to bubblewrap's init with ptrace and stopped it (the job then
+            # hung until its timeout); landlock would scope ptrace to the guest's domain.
+            tree = _add(
+                tree,
+                f"the guest can ptrace bubblewrap's init, the sandbox's pid 1, and stop or "
+                f"rewrite it ({why}; no landlock either)",
+                weakens=True,
+            )
         if any(m.writable for m in job.mounts):
             files = _add(
                 files, f"a setuid/setgid file can be planted for the host ({why})", weakens=True

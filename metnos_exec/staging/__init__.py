@@ -382,7 +382,13 @@ class OverlayRun:
     ) -> OverlayRun:
         found: list[tuple[str, int, int]] = []
         for root in roots:
-            st = os.lstat(root)
+            # No symlink anywhere on the way (the helper, which mounts it, checks the
+            # same way and compares the folder's identity with this one).
+            fd = open_source(root)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
             if not stat.S_ISDIR(st.st_mode):
                 raise HostFault(f"writable folder {root} is no longer a plain folder")
             found.append((root, st.st_dev, st.st_ino))

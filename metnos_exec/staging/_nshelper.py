@@ -48,6 +48,38 @@ import stat
 import sys
 from typing import Any
 
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+def _open_no_symlinks(path: str) -> int:
+    """An ``O_PATH`` fd on the folder `path`, refusing a symlink on any component (as
+    `metnos_exec.sandbox.mount_sources.open_source` does on the worker's side): openat2
+    with ``RESOLVE_NO_SYMLINKS``, else one ``O_NOFOLLOW`` component at a time."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    how = _OpenHow(flags, 0, 0x04 | 0x02)  # RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+    fd = int(_libc.syscall(437, -100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how)))
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err != 38:  # ENOSYS: a kernel before 5.6
+        raise OSError(err, f"{path}: {os.strerror(err)} (a symlink on the way?)")
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [p for p in path.split("/") if p]:
+            nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise OSError(40, f"{path}: a symlink on the way")  # ELOOP
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _MS_NOSUID = 0x2
@@ -186,7 +218,7 @@ class _Stager:
                     mounted.append(lowerdir)
                     lower = os.open(lowerdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
                 else:
-                    lower = os.open(root["path"], os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+                    lower = _open_no_symlinks(root["path"])
                     st = os.fstat(lower)
                 try:
                     if (st.st_dev, st.st_ino) != (root["dev"], root["ino"]):

@@ -443,3 +443,65 @@ def test_files_partial_with_a_bubblewrap_that_cannot_bind_from_an_fd(
     assert files.state == "partial" and files.reason.startswith(bwrap_mod.NO_BIND_FD_REASON)
     new = BwrapSandbox("/usr/bin/bwrap", features=BwrapFeatures((0, 8, 0), bind_fd=True))
     assert new.containment(job).files.state == "kept"
+
+
+# --- the sandbox's own pid 1: what a guest can do to bubblewrap's init ---------------------
+
+INIT = """
+import ctypes, errno, json, os
+out = {}
+for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        out[path] = errno.errorcode.get(exc.errno, str(exc.errno))
+    else:
+        # Opened: the real memory, or the mask (the null device: reads nothing).
+        st = os.fstat(fd)
+        out[path] = "masked" if st.st_rdev == os.stat("/dev/null").st_rdev else "memory"
+        os.close(fd)
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.ptrace(16, 1, 0, 0) == 0:  # PTRACE_ATTACH: the init stops
+    out["ptrace"] = "attached"
+    os.waitpid(1, 0x40000000)  # __WALL: the init is stopped, ours to release
+    libc.ptrace(17, 1, 0, 0)  # PTRACE_DETACH: let it go on, so the job can end
+else:
+    out["ptrace"] = errno.errorcode.get(ctypes.get_errno(), "?")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mechanisms", ["on", "no landlock", "off"])
+async def test_the_guest_cannot_write_bubblewraps_init_and_the_report_says_where_it_can(
+    arm: BwrapSandbox,  # noqa: F811
+    tmp_path: Path,
+    mechanisms: str,
+) -> None:
+    # Before: without landlock the guest (the init's uid, the init dumpable) opened
+    # /proc/1/mem read-write, and the report said process_tree `kept`. Now the init's
+    # memory is masked in every case; ptrace is seccomp's, and without the filter (the
+    # control) the guest attaches to the init: the report says `partial`, naming it.
+    import msgspec
+
+    from metnos_exec.sandbox.hardening import Hardening
+
+    hard = arm._hardening
+    if mechanisms == "no landlock":
+        hard = msgspec.structs.replace(hard, landlock_abi=None, landlock="off (control)")
+    elif mechanisms == "off":
+        hard = Hardening(None, "off (control)", None, "off (control)")
+    if mechanisms != "on":
+        arm = BwrapSandbox(hardening=hard)
+    job = py_job(tmp_path, INIT)
+    got = report(await arm.run(job))
+    for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+        assert got[path] in ("masked", "EACCES", "EPERM", "EROFS"), got
+    tree = arm.containment(job).process_tree
+    if hard.seccomp_active:
+        assert got["ptrace"] == "EPERM", got
+        assert tree.state == "kept", tree
+        assert "init's memory masked" in tree.reason
+    else:
+        assert got["ptrace"] == "attached", got
+        assert tree.state == "partial", tree
+        assert "ptrace bubblewrap's init" in tree.reason

@@ -51,8 +51,10 @@ def test_without_seccomp_the_axes_it_holds_say_partial_with_the_reason() -> None
     assert "keyrings are shared" in got.user.reason
     assert "setuid/setgid file can be planted" in got.files.reason
     assert got.files.reason.endswith("no landlock here")
-    # The pid namespace still holds the tree.
-    assert got.process_tree == KEPT
+    # Without seccomp and landlock the guest can ptrace bubblewrap's init (tested for
+    # real in test_bwrap_escapes.py): the tree is no longer `kept`.
+    assert got.process_tree.state == "partial"
+    assert "ptrace bubblewrap's init" in got.process_tree.reason
     # No writable folder: nothing to plant a setuid file in.
     assert annotate(BASE, READ_ONLY, OFF).files.state == "kept"
 
