@@ -659,10 +659,11 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
     if not isinstance(code, int) or not 0 <= code <= 255:
         # bubblewrap writes "exit-code" only once the guest was exec'd, from a value its
         # init hands the monitor over an eventfd the init keeps open (bwrap.c,
-        # do_init/monitor_child). A guest can reach that eventfd (pidfd_getfd on pid 1,
-        # its own uid) and write any number: no process exit produces one outside
-        # 0..255, so such a code is the guest's doing, a failure of its own, never a
-        # host fault (which would be retried and blamed on the worker).
+        # do_init/monitor_child). The seccomp filter refuses pidfd_getfd and ptrace, so
+        # a guest cannot reach that eventfd; without the filter it can (pidfd_getfd on
+        # pid 1, its own uid) and write any number. No process exit produces one
+        # outside 0..255, so such a code is the guest's doing, a failure of its own,
+        # never a host fault (which would be retried and blamed on the worker).
         return Trap(
             f"bubblewrap reported exit code {code!r}, which no process exit produces: the "
             "job tampered with bubblewrap's exit-status channel"
@@ -707,7 +708,9 @@ def worker_is_root() -> bool:
     return os.geteuid() == 0
 
 
-_NET_KEPT = AxisVerdict("kept", "own empty network namespace (--unshare-net)")
+_NET_KEPT = AxisVerdict(
+    "kept", "own network namespace, only its own loopback in it (--unshare-net)"
+)
 _NET_GRANTED = AxisVerdict("not_kept", "network capability granted: host network shared")
 _TREE = AxisVerdict(
     "kept", "own pid namespace with bubblewrap as init; --die-with-parent; tree killed"

@@ -531,7 +531,8 @@ def derive_bwrap_argv(
         # (it hands out a fresh set of capabilities over new namespaces).
         argv.append("--disable-userns")
     if not job.network:
-        # Rule 6: no network capability → an empty network namespace (only a down `lo`):
+        # Rule 6: no network capability → a network namespace of its own, with only its
+        # own loopback (bubblewrap brings `lo` up, 127.0.0.1 inside the sandbox alone):
         # no host listener on 127.0.0.1, no abstract Unix sockets, no internet.
         argv.append("--unshare-net")
     # Only the environment the job was given: no worker secrets (tokens, broker URLs).
