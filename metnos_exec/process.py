@@ -214,6 +214,11 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     pids_max: int | None = None
     reaper: bool = True
     cgroup_pool: bool = False
+    #: Mark the process for the keeper (`start_keeper`): its environment names this
+    #: worker's keeper, so the keeper finds it (and the clones it makes) even if the
+    #: worker dies before it has registered the child. Only for a command that passes no
+    #: environment on (bubblewrap: ``--clearenv``).
+    keeper_mark: bool = False
     memory_max: int | None = None
     on_spawn: Callable[[int, Callable[[], list[int]] | None], Awaitable[None]] | None = None
     as_slot_user: bool = False
@@ -352,9 +357,71 @@ _spawn_lock = threading.Lock()
 def _forget_owned() -> None:
     # A forked copy of the worker owns none of these children (and the lock may have been
     # held by another thread at the fork).
-    global _spawn_lock
+    global _spawn_lock, _keeper_w, _keeper_token
     _spawn_lock = threading.Lock()
     _owned.clear()
+    _keeper_w = -1
+    _keeper_token = ""
+
+
+#: The write end of the keeper's pipe (`start_keeper`); -1: no keeper.
+_keeper_w = -1
+#: The variable that marks a process as this worker's (`ProcessSpec.keeper_mark`), and
+#: its value: unique to this worker (its keeper kills what carries it, nothing else).
+KEEPER_ENV = "METNOS_KEEPER"
+_keeper_token = ""
+_KEEPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_keeper.py")
+
+
+def start_keeper() -> int | None:
+    """Start this process's keeper (`metnos_exec._keeper`): from now on every process
+    group a `run_process` child leads is SIGKILLed if this process dies before it has
+    reaped that child, however it dies. Once per process (the worker's, at start); the
+    keeper's pid, or ``None`` when it could not start (said by the caller).
+
+    Why: bubblewrap's ``--die-with-parent`` is armed late (see `metnos_exec._keeper`); a
+    worker SIGKILLed while a job started left a bubblewrap, or its guest, running.
+    """
+    global _keeper_w, _keeper_token
+    if _keeper_w >= 0:
+        return None
+    token = os.urandom(12).hex()
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _KEEPER_PATH, str(r), f"{KEEPER_ENV}={token}"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            pass_fds=(r,),
+            start_new_session=True,
+        )
+    except OSError:
+        os.close(w)
+        return None
+    finally:
+        os.close(r)
+    with _spawn_lock:
+        _keeper_w = w
+        _keeper_token = token
+        for pid in _owned:  # children started before the keeper
+            _tell_keeper(b"+", pid)
+    return proc.pid
+
+
+def _tell_keeper(op: bytes, pid: int) -> None:
+    """Under `_spawn_lock`: one record (5 bytes: written at once, PIPE_BUF)."""
+    if _keeper_w >= 0:
+        with contextlib.suppress(OSError):  # the keeper is gone: nothing to tell
+            os.write(_keeper_w, op + pid.to_bytes(4, "little"))
+
+
+def _own(pid: int) -> None:
+    """Under `_spawn_lock`: `pid` is ours until `_disown`."""
+    _owned[pid] += 1
+    if _owned[pid] == 1:
+        _tell_keeper(b"+", pid)
 
 
 os.register_at_fork(after_in_child=_forget_owned)
@@ -424,6 +491,7 @@ def _disown(pid: int) -> None:
         _owned[pid] -= 1
         if _owned[pid] <= 0:
             del _owned[pid]
+            _tell_keeper(b"-", pid)
 
 
 def _wait4_now(pid: int) -> Any | None:
@@ -457,7 +525,7 @@ async def reap_orphan(pid: int, timeout: float) -> Any | None:  # noqa: ASYNC109
             return None  # not our child: the host's init or another subreaper reaps it
         if reaped is not None:
             return reaped
-        _owned[pid] += 1
+        _own(pid)
         pidfd = os.pidfd_open(pid)  # an unreaped child of ours: the pid is still it
     try:
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
@@ -1170,6 +1238,8 @@ def _spawn(
         else:
             argv = list(spec.argv)
             popen_env = spec.env
+            if spec.keeper_mark and _keeper_token:
+                popen_env = {**spec.env, KEEPER_ENV: _keeper_token}
             cwd = spec.cwd
             # preexec_fn costs ~3 ms a spawn (fork instead of vfork, Python in the child);
             # skip it when there is nothing to do between fork and exec.
@@ -1196,7 +1266,7 @@ def _spawn(
                     start_new_session=True,
                     preexec_fn=preexec,
                 )
-                _owned[popen.pid] += 1
+                _own(popen.pid)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             if spec.reaper:
                 raise HostFault(f"cannot start the reaper shim ({sys.executable}): {exc}") from exc

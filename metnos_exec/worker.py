@@ -55,7 +55,7 @@ from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
 from .policy import Policy
 from .private import tighten
-from .process import become_subreaper
+from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
 from .signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
@@ -597,6 +597,13 @@ def _start(
     # bubblewrap's orphaned inits come back to us and are reaped as each job ends, so a
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
+    # Whatever ends this process (SIGKILL included), what its jobs started dies with it.
+    if start_keeper() is None:
+        _log.warning(
+            "worker.no_keeper",
+            detail="could not start the keeper: a worker killed while a job starts may "
+            "leave that job's sandbox running",
+        )
     _tune_gc()
 
     # Caches made by earlier runs, maybe under another umask: private from here on.

@@ -13,13 +13,16 @@ only glues them and reads back what happened, honestly:
   (no CAP_SYS_RESOURCE), the limits are applied *inside* the sandbox by a prefix that
   ``exec``s the guest instead (``sh -c 'ulimit ...'`` when exact, else ``prlimit``; see
   `_limits_in_guest`). The parent-death signal is bubblewrap's own
-  ``--die-with-parent`` (set by its monitor before it lets the sandbox run). One residual
-  window, stated plainly: if the worker itself dies while the sandbox is blocked, the
-  kernel closes our end of the block pipe and bubblewrap reads end-of-file, which also
-  releases it; the guest may start before its rlimits are set, and is SIGKILLed a moment
-  later with the whole pid namespace by ``--die-with-parent`` (its cgroup limits, pids and
-  memory, hold throughout). Giving bubblewrap its own copy of the write end would close
-  the window but leaks that fd into the guest;
+  ``--die-with-parent``, armed late: by its monitor after it has cloned the sandbox, by
+  the sandbox only at the end of its set-up. A worker SIGKILLed before then left a
+  bubblewrap stuck forever (its monitor gone before releasing it) or a sandbox that ran
+  its guest with nobody to stop it (with the gate: end-of-file on the block pipe releases
+  it). The worker's keeper (`metnos_exec.process.start_keeper`) closes both: every
+  bubblewrap carries its mark in its environment (``--clearenv`` keeps it from the
+  guest), and when the worker dies, however, the keeper SIGKILLs every process carrying
+  it (the monitor, the sandbox's init, and so the whole pid namespace) and every process
+  group the worker had registered (``tests/test_die_with_worker.py``: a real worker
+  SIGKILLed while jobs start, as root and unprivileged);
 
 * bubblewrap writes JSON status documents to ``--json-status-fd``: ``child-pid`` once the
   namespaces exist and the guest is being set up, ``exit-code`` once the guest has exited.
@@ -1076,6 +1079,9 @@ class BwrapSandbox:
                 pids_max=None if job.limits.pids is None else job.limits.pids + _BWRAP_PIDS,
                 # The pid namespace and --die-with-parent already hold the tree: no shim.
                 reaper=False,
+                # --die-with-parent is armed late: the worker's keeper finds bubblewrap
+                # by this mark if the worker dies first (`process.start_keeper`).
+                keeper_mark=True,
                 # Fork from a spawner thread that already sits in its own pids cgroup: no
                 # per-job cgroup migration (the costly part, an RCU grace period).
                 cgroup_pool=True,
