@@ -102,6 +102,12 @@ EVENTS: Mapping[str, str] = {
     "(removed, removed_bytes, kept)",
     "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "
     "jobs fall back to backups of their declared targets",
+    "files.tightened": "a private file or folder of the worker that other users could "
+    "reach lost its 'other' bits at start (path, was, now, detail)",
+    "files.exposed": "a private file or folder other users can reach, which the worker may "
+    "not or cannot tighten (path, mode, detail)",
+    "worker.no_keeper": "the keeper process that kills a dead worker's sandboxes could not "
+    "be started (detail)",
 }
 
 
