@@ -55,6 +55,12 @@ EVENTS: Mapping[str, str] = {
     "worker.stopped": "the worker left its run loop (released: leases handed back)",
     "worker.signal": "a signal arrived (signal); the first drains, the second cuts grace",
     "worker.error": "an unexpected error in the worker's own loop (error); it keeps serving",
+    "worker.no_keeper": "the keeper could not start: a worker killed while a job starts may "
+    "leave that job's sandbox running (detail)",
+    "files.tightened": "a private file or folder of the worker (queue, state, caches) was "
+    "open to other users: their bits taken off (path, was, now, detail)",
+    "files.exposed": "a private file or folder other users can reach was left as it is: "
+    "not the worker's, a shared sticky folder, or not changeable (path, mode, detail)",
     "broker.error": "a broker call failed (the worker: op, code, error, failures, fatal; "
     "job_id, retry_in_s for a result kept to store again; gave_up when it no longer will "
     "be; the Redis broker: broker, error); no new job is leased until the store works",
@@ -102,12 +108,6 @@ EVENTS: Mapping[str, str] = {
     "(removed, removed_bytes, kept)",
     "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "
     "jobs fall back to backups of their declared targets",
-    "files.tightened": "a private file or folder of the worker that other users could "
-    "reach lost its 'other' bits at start (path, was, now, detail)",
-    "files.exposed": "a private file or folder other users can reach, which the worker may "
-    "not or cannot tighten (path, mode, detail)",
-    "worker.no_keeper": "the keeper process that kills a dead worker's sandboxes could not "
-    "be started (detail)",
 }
 
 
