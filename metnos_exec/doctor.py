@@ -9,19 +9,16 @@ needs its broker; executors of a runtime need its engine): the command exits non
 when a required finding is not ``ok``.
 
 Every probe is read from the host through the modules that use the mechanism
-(`sandbox.status.status` for bubblewrap, user namespaces, seccomp, landlock and the wasm
-runtime, and whether the bwrap arm applies its seccomp filter and landlock; `process` for
-cgroups; the broker itself), never re-implemented here. Overlay staging is built by
-parallel work not yet in this tree: `_staging_probe` is the one place it is decided, to
-switch to the staging module's status once that lands.
+(`sandbox.status.status` for bubblewrap and its ``--bind-fd`` and ``--disable-userns``,
+user namespaces, seccomp, landlock, overlay staging (`staging.overlay.probe_staging`) and
+the wasm runtime, whether the bwrap arm applies its seccomp filter and landlock, and what
+a root worker's jobs run as; `process` for cgroups; the broker itself), never
+re-implemented here.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,9 +36,10 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One mechanism, as found on this machine.
 
     Attributes:
-        check: the mechanism (``bwrap``, ``user_namespaces``, ``seccomp``, ``landlock``,
-            ``cgroups``, ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``,
-            ``broker``, ``worker_user``, ``trust``).
+        check: the mechanism (``bwrap``, ``bwrap_bind_fd``, ``bwrap_disable_userns``,
+            ``user_namespaces``, ``seccomp``, ``landlock``, ``cgroups``,
+            ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``, ``broker``,
+            ``worker_user``, ``trust``).
         state: ``ok``; ``weakened`` (works, with less containment); ``missing``; ``info``.
         detail: what was found.
         meaning: what it means for the containment report (or for the worker).
@@ -85,33 +83,90 @@ def _applied(status: Any, mechanism: str) -> tuple[bool, str]:
     return bool(field.active), str(field.detail)
 
 
-def _staging_probe() -> tuple[bool, str]:
-    """Can an overlay be mounted in a user and mount namespace of our own (``userxattr``)?
+def _staging_finding(st: Any) -> Finding:
+    """Overlay staging, as the staging module's own probe found it (`status`)."""
+    found = str(st.overlay_staging)
+    if found.startswith("available"):
+        owned = (
+            "; writes to folders the worker's uid does not own are not staged (backed up "
+            "instead, disk unbounded: resources partial)"
+            if "user namespace" in found
+            else ""
+        )
+        return Finding(
+            check="overlay_staging",
+            state="ok",
+            detail=found,
+            meaning="a bubblewrap job's writes are staged on a tmpfs of its disk budget "
+            "(disk writes bounded), committed only on success, and undoable" + owned,
+        )
+    fix = "run the worker on a kernel with unprivileged overlayfs (5.11+), or as root"
+    if "nsenter" in found:
+        fix = "apt-get install util-linux   # provides nsenter"
+    return Finding(
+        check="overlay_staging",
+        state="weakened",
+        detail=found,
+        meaning="writing jobs write straight into the host folders: only their declared "
+        "targets are backed up for undo, a failed job's other writes stay, and disk writes "
+        "are unbounded (the resources axis says partial)",
+        fix=fix,
+    )
 
-    Probed with util-linux ``unshare`` on a throw-away tree. Switch to the staging
-    module's own status when it lands.
-    """
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False, "util-linux `unshare` not found, so overlay staging could not be probed"
-    with tempfile.TemporaryDirectory(prefix="metnos-doctor-") as tmp:
-        for name in ("lower", "upper", "work", "merged"):
-            os.mkdir(os.path.join(tmp, name))
-        opts = f"lowerdir={tmp}/lower,upperdir={tmp}/upper,workdir={tmp}/work,userxattr"
-        argv = [unshare, "--user", "--map-root-user", "--mount", "--"]
-        argv += ["mount", "-t", "overlay", "overlay", "-o", opts, f"{tmp}/merged"]
-        try:
-            run = subprocess.run(
-                argv,
-                capture_output=True,
-                timeout=10,
-                check=False,
+
+def _bwrap_feature_findings(st: Any) -> list[Finding]:
+    """What the installed bubblewrap's options mean for the report (when it works)."""
+    bw = st.bwrap
+    if bw.path is None or not bw.working or st.sandbox_off:
+        return []
+    out: list[Finding] = []
+    if bw.bind_fd:
+        out.append(
+            Finding(
+                check="bwrap_bind_fd",
+                state="ok",
+                detail=f"bubblewrap {bw.version} binds mount sources from an fd (--bind-fd)",
+                meaning="a job's folders are mounted from the fd opened without following "
+                "a symlink: a folder swapped for a link is refused, never mounted",
             )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return False, f"probe failed: {exc}"
-    if run.returncode != 0:
-        return False, run.stderr.decode(errors="replace").strip()[-300:] or "mount failed"
-    return True, "an overlay mounts in a user and mount namespace of our own (userxattr)"
+        )
+    else:
+        out.append(
+            Finding(
+                check="bwrap_bind_fd",
+                state="weakened",
+                detail=f"bubblewrap {bw.version} has no --bind-fd",
+                meaning="folders are bound by path after the check: one swapped for a "
+                "symlink in between would be mounted, so the files axis says partial",
+                fix="install bubblewrap 0.10+ (or a distribution build with the --bind-fd "
+                "backport, e.g. Debian 12's 0.8.0-2+deb12u1)",
+            )
+        )
+    if bw.disable_userns:
+        out.append(
+            Finding(
+                check="bwrap_disable_userns",
+                state="ok",
+                detail=f"bubblewrap {bw.version} disables nested user namespaces "
+                "(--disable-userns) and sizes /tmp and /dev/shm (--size)",
+                meaning="a job cannot create a user namespace of its own; its private "
+                "tmpfs mounts are sized at its memory budget",
+            )
+        )
+    else:
+        out.append(
+            Finding(
+                check="bwrap_disable_userns",
+                state="weakened",
+                detail=f"bubblewrap {bw.version} has no --disable-userns and no --size (both 0.8+)",
+                meaning="nested user namespaces are allowed (seccomp still refuses "
+                "unshare and clone of namespaces): the user axis says partial; /tmp and "
+                "/dev/shm are not sized, so without a memory cgroup they may take half "
+                "the host's RAM each",
+                fix="install bubblewrap 0.8+ (0.10+ for --bind-fd too)",
+            )
+        )
+    return out
 
 
 def _bwrap_findings(st: Any, env: Mapping[str, str], required: bool) -> list[Finding]:
@@ -260,12 +315,31 @@ def _filter_findings(st: Any) -> list[Finding]:
     return out
 
 
-def _cgroup_findings() -> list[Finding]:
-    from .process import memory_cgroup_available, pids_cgroup_available
+def _own_memory_cgroup() -> str:
+    """This process's cgroup v1 memory cgroup (``/`` when unknown): where a worker
+    started from here makes its ``metnos`` memory cgroup (`process._memory_parent`)."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            parts = line.split(":", 2)
+            if len(parts) == 3 and "memory" in parts[1].split(","):
+                return parts[2].strip() or "/"
+    except OSError:
+        pass
+    return "/"
 
-    v1 = Path("/sys/fs/cgroup/pids/cgroup.procs").exists()
+
+def _cgroup_findings(*, v1: bool | None = None) -> list[Finding]:
+    """Per-job pids and memory cgroups, with the setup the code really uses.
+
+    Args:
+        v1: the cgroup version to advise for (default: this host's).
+    """
+    from . import process
+
+    if v1 is None:
+        v1 = Path("/sys/fs/cgroup/pids/cgroup.procs").exists()
     version = "v1" if v1 else "v2"
-    pids, memory = pids_cgroup_available(), memory_cgroup_available()
+    pids, memory = process.pids_cgroup_available(), process.memory_cgroup_available()
     if pids and (memory or not v1):
         return [
             Finding(
@@ -279,15 +353,21 @@ def _cgroup_findings() -> list[Finding]:
         ]
     user = _user_name()
     if v1:
+        # Where `process` looks: the pids hierarchy's top-level `metnos`, and a `metnos`
+        # under the worker's own memory cgroup (this shell's, if the worker starts here).
+        mem = "/sys/fs/cgroup/memory" + _own_memory_cgroup().rstrip("/") + "/metnos"
         fix = (
-            f"mkdir -p /sys/fs/cgroup/pids/metnos && chown -R {user} /sys/fs/cgroup/pids/metnos"
-            "   # and the same for a metnos folder under the worker's memory cgroup; "
-            "or run the worker as root"
+            f"mkdir -p /sys/fs/cgroup/pids/metnos {mem} && chown -R {user} "
+            f"/sys/fs/cgroup/pids/metnos {mem}   # as root (the memory one under the "
+            "worker's own memory cgroup); or run the worker as root"
         )
     else:
+        # The code makes per-job cgroups under /sys/fs/cgroup/metnos and moves each job
+        # there, which needs write access to the root cgroup's cgroup.procs: a delegated
+        # systemd scope is not used by this version.
         fix = (
-            "systemd-run --user --scope -p Delegate=yes metnos-exec worker ...   "
-            "# a delegated cgroup v2 subtree"
+            "run the worker as root (per-job cgroups under /sys/fs/cgroup/metnos need the "
+            "root cgroup; a delegated systemd scope is not used)"
         )
     missing = [n for n, ok in (("pids", pids), ("memory", memory)) if not ok]
     return [
@@ -408,24 +488,56 @@ def _user_name() -> str:
         return str(os.geteuid())
 
 
-def _user_finding() -> Finding:
-    from .sandbox.bwrap import worker_is_root
+_USERADD = "useradd --system --create-home metnos && runuser -u metnos -- metnos-exec worker ..."
 
-    if worker_is_root():
+
+def _user_finding(st: Any) -> Finding:
+    """Who the worker is, and so what its jobs run as (`status`'s ``worker_as_root``)."""
+    from .identities import SLOT_UIDS_ENV
+    from .sandbox.bwrap import ROOT_WORKER_REASON, worker_is_root
+
+    if not worker_is_root():
+        return Finding(
+            check="worker_user",
+            state="ok",
+            detail=f"the worker runs as {_user_name()} (uid {os.geteuid()})",
+            meaning="jobs cannot use root's file permissions; on the host they are this uid "
+            "(anything it may do within their folders is theirs) and share its per-user "
+            "kernel quotas with the worker and each other (the resources axis says partial)",
+        )
+    note = str(st.worker_as_root or "")
+    bwrap_runs = st.bwrap.working and not st.sandbox_off
+    still_root = (
+        "still root's: wasm guests (the engine runs inside the worker: their user axis is "
+        "not_kept), direct-arm jobs (full root: set METNOS_REQUIRE_SANDBOX=always), and a "
+        "job whose folders cannot be idmapped (it runs as root and says partial)"
+    )
+    if bwrap_runs and not note.startswith(ROOT_WORKER_REASON):
+        return Finding(
+            check="worker_user",
+            state="ok",
+            detail="the worker runs as root; each job slot runs its bubblewrap jobs as a "
+            f"dedicated unprivileged host uid of its own ({SLOT_UIDS_ENV})",
+            meaning="bubblewrap jobs cannot use root's file permissions nor its per-user "
+            "kernel quotas; " + still_root,
+        )
+    if not bwrap_runs:
         return Finding(
             check="worker_user",
             state="weakened",
-            detail="the worker runs as root",
-            meaning="bubblewrap jobs are host root for file permissions: the files and user "
-            "axes say partial",
-            fix="useradd --system --create-home metnos && runuser -u metnos -- "
-            "metnos-exec worker ...",
+            detail="the worker runs as root and bubblewrap does not run here",
+            meaning="native jobs degrade to the direct arm and run as full root: the user "
+            "axis says not_kept",
+            fix=_USERADD,
         )
     return Finding(
         check="worker_user",
-        state="ok",
-        detail=f"the worker runs as {_user_name()} (uid {os.geteuid()})",
-        meaning="jobs cannot use root's file permissions",
+        state="weakened",
+        detail=note or "the worker runs as root and its jobs run as root",
+        meaning="bubblewrap jobs run as host root for file permissions and share root's "
+        "per-user kernel quotas: the files, user and resources axes say partial",
+        fix=f"unset {SLOT_UIDS_ENV} on a cgroup v1 host (slot uids need a writable pids "
+        f"hierarchy), or run the worker as an unprivileged user: {_USERADD}",
     )
 
 
@@ -513,6 +625,7 @@ async def diagnose(
             runtimes = set()
     findings = [
         *_bwrap_findings(st, env, required_wall),
+        *_bwrap_feature_findings(st),
         *_filter_findings(st),
         *_cgroup_findings(),
     ]
@@ -528,24 +641,11 @@ async def diagnose(
                 required=True,
             ),
         )
-    staging, why = _staging_probe()
-    findings.append(
-        Finding(
-            check="overlay_staging",
-            state="info" if staging else "weakened",
-            detail=why
-            + ("; this version of metnos-exec does not stage writes yet" if staging else ""),
-            meaning="writes go straight to the user's files (no staged commit, no undo yet)",
-            fix=None
-            if staging
-            else "run the worker as the owner of the writable folders, on a kernel with "
-            "unprivileged overlayfs (5.11+)",
-        )
-    )
+    findings.append(_staging_finding(st))
     findings.extend(_wasm_findings(st, runtimes))
     if broker_url is not None:
         findings.append(await _broker_finding(broker_url))
-    findings.append(_user_finding())
+    findings.append(_user_finding(st))
     findings.append(_trust_finding(device, trust_keys, env))
     healthy = all(f.state == "ok" for f in findings if f.required)
     return DoctorReport(

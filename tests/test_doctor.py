@@ -111,8 +111,9 @@ def test_bubblewrap_off_the_path_is_reported_with_its_fix(world: Path, unprivile
         assert cgroups["state"] == "weakened" and "partial" in cgroups["meaning"]
         assert cgroups["fix"]
     else:
-        assert user["state"] == "weakened" and "partial" in user["meaning"]
-        assert "useradd" in user["fix"]
+        # Without bubblewrap a root worker's jobs run on the direct arm: full root.
+        assert user["state"] == "weakened" and "full root" in user["meaning"]
+        assert "not_kept" in user["meaning"] and "useradd" in user["fix"]
 
 
 @pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
@@ -181,3 +182,113 @@ def test_the_cgroup_probe_is_honest_for_a_user_who_cannot_create_one() -> None:
     )
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     assert run.stdout.split() == [b"False", b"False"]
+
+
+def _as(unprivileged: bool, code: str) -> str:
+    """`code`'s output, run by this interpreter as the doctor's user (65534 or root)."""
+    argv = [sys.executable, "-c", code]
+    if unprivileged and os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        need(setpriv is not None, "setpriv (util-linux) not installed")
+        assert setpriv is not None
+        argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--", *argv]
+    run = subprocess.run(argv, capture_output=True, timeout=60, check=False, cwd="/")
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    return run.stdout.decode().strip()
+
+
+@pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
+def test_overlay_staging_is_the_staging_modules_own_probe(world: Path, unprivileged: bool) -> None:
+    # The doctor probed with `unshare` and said "does not stage writes yet... no undo
+    # yet", while workers staged and undid writes. It now says what the staging module's
+    # own probe (the one `status` and the worker use) finds, and what that means.
+    probe = "from metnos_exec.staging.overlay import probe_staging; print(probe_staging())"
+    expected = _as(unprivileged, probe)
+    _, report = doctor(world, unprivileged=unprivileged, path="/usr/bin:/bin")
+    staging = finding(report, "overlay_staging")
+    assert staging["detail"].startswith(expected), (staging, expected)
+    assert "yet" not in staging["detail"] + staging["meaning"]
+    if expected.startswith("available"):
+        assert staging["state"] == "ok", staging
+        assert "undo" in staging["meaning"] and "disk" in staging["meaning"]
+    else:
+        assert staging["state"] == "weakened" and staging["fix"], staging
+        assert "partial" in staging["meaning"]
+
+
+def test_a_root_worker_is_told_what_its_jobs_really_run_as(world: Path) -> None:
+    # Slot uids exist: a root worker's bubblewrap jobs are not host root. The doctor told
+    # every root worker they were.
+    from metnos_exec.identities import slot_uids_unavailable
+    from metnos_exec.process import slots_available
+
+    need_privileged(os.geteuid() == 0, "a root worker's finding")
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    need(slot_uids_unavailable() is None and slots_available(), "no slot uids here")
+    _, report = doctor(world, path="/usr/bin:/bin")
+    user = finding(report, "worker_user")
+    assert user["state"] == "ok", user
+    assert "slot" in user["detail"] and "host root for file permissions" not in user["meaning"]
+    # What still is root's is named: the wasm engine, the direct arm.
+    assert "wasm" in user["meaning"] and "direct" in user["meaning"]
+    # Slot uids switched off: the jobs are root's for file permissions, and it says so.
+    _, report = doctor(world, path="/usr/bin:/bin", METNOS_SLOT_UIDS="off")
+    user = finding(report, "worker_user")
+    assert user["state"] == "weakened", user
+    assert "METNOS_SLOT_UIDS=off" in user["detail"] and "partial" in user["meaning"]
+    assert "METNOS_SLOT_UIDS" in user["fix"] and "useradd" in user["fix"]
+
+
+FAKE_OLD_BWRAP = """#!/bin/sh
+# bubblewrap 0.7 as the probe sees it: the real one, without --bind-fd or --disable-userns.
+case "$1" in
+  --version) echo "bubblewrap 0.7.0"; exit 0 ;;
+  --help) REAL --help | /bin/grep -v -e '--bind-fd' -e '--ro-bind-fd' -e '--disable-userns'
+          exit 0 ;;
+esac
+exec REAL "$@"
+"""
+
+
+@pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
+def test_bubblewraps_bind_fd_and_disable_userns_are_checked(
+    world: Path, unprivileged: bool
+) -> None:
+    probe = bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    assert probe.path is not None
+    _, report = doctor(world, unprivileged=unprivileged, path="/usr/bin:/bin")
+    bind_fd, userns = finding(report, "bwrap_bind_fd"), finding(report, "bwrap_disable_userns")
+    assert (bind_fd["state"] == "ok") == probe.features.bind_fd, bind_fd
+    assert (userns["state"] == "ok") == probe.features.disable_userns, userns
+    # An older bubblewrap (the real one behind a script that hides both flags).
+    fake = world / "bin" / "bwrap"
+    fake.write_text(FAKE_OLD_BWRAP.replace("REAL", probe.path))
+    fake.chmod(0o755)
+    _, report = doctor(world, unprivileged=unprivileged, path=f"{world / 'bin'}:/usr/bin:/bin")
+    assert finding(report, "bwrap")["state"] == "ok"  # it still builds the sandbox
+    bind_fd, userns = finding(report, "bwrap_bind_fd"), finding(report, "bwrap_disable_userns")
+    assert bind_fd["state"] == "weakened" and "files axis says partial" in bind_fd["meaning"]
+    assert "symlink" in bind_fd["meaning"] and "--bind-fd" in bind_fd["fix"]
+    assert userns["state"] == "weakened" and "user axis says partial" in userns["meaning"]
+    assert "/dev/shm" in userns["meaning"] and "0.8" in userns["fix"]
+
+
+def test_the_cgroup_advice_is_what_the_code_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cgroup v2 advice was a delegated systemd scope, which the code never looks at
+    # (it makes per-job cgroups under /sys/fs/cgroup/metnos only).
+    from metnos_exec import doctor as doctor_mod
+    from metnos_exec import process
+
+    monkeypatch.setattr(process, "pids_cgroup_available", lambda: False)
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    for v1 in (True, False):
+        [cg] = doctor_mod._cgroup_findings(v1=v1)
+        assert cg.state == "weakened"
+        assert cg.fix is not None and "systemd-run" not in cg.fix and "Delegate" not in cg.fix
+        assert "partial" in cg.meaning
+        if v1:
+            assert "/sys/fs/cgroup/pids/metnos" in cg.fix and "/sys/fs/cgroup/memory" in cg.fix
+        else:
+            assert "/sys/fs/cgroup/metnos" in cg.fix and "root" in cg.fix

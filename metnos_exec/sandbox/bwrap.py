@@ -662,10 +662,11 @@ def map_exit(job: SandboxJob, result: ProcessResult, status: dict[str, Any]) -> 
     if not isinstance(code, int) or not 0 <= code <= 255:
         # bubblewrap writes "exit-code" only once the guest was exec'd, from a value its
         # init hands the monitor over an eventfd the init keeps open (bwrap.c,
-        # do_init/monitor_child). A guest can reach that eventfd (pidfd_getfd on pid 1,
-        # its own uid) and write any number: no process exit produces one outside
-        # 0..255, so such a code is the guest's doing, a failure of its own, never a
-        # host fault (which would be retried and blamed on the worker).
+        # do_init/monitor_child). The seccomp filter refuses pidfd_getfd and ptrace, so
+        # a guest cannot reach that eventfd; without the filter it can (pidfd_getfd on
+        # pid 1, its own uid) and write any number. No process exit produces one
+        # outside 0..255, so such a code is the guest's doing, a failure of its own,
+        # never a host fault (which would be retried and blamed on the worker).
         return Trap(
             f"bubblewrap reported exit code {code!r}, which no process exit produces: the "
             "job tampered with bubblewrap's exit-status channel"
@@ -710,7 +711,9 @@ def worker_is_root() -> bool:
     return os.geteuid() == 0
 
 
-_NET_KEPT = AxisVerdict("kept", "own empty network namespace (--unshare-net)")
+_NET_KEPT = AxisVerdict(
+    "kept", "own network namespace, only its own loopback in it (--unshare-net)"
+)
 _NET_GRANTED = AxisVerdict("not_kept", "network capability granted: host network shared")
 _TREE = AxisVerdict(
     "kept", "own pid namespace with bubblewrap as init; --die-with-parent; tree killed"
@@ -788,6 +791,14 @@ MEMORY_PER_PROCESS_REASON = (
     "at the budget; not their number of files, whose kernel memory nothing bounds), not "
     "for the job as a whole: no memory cgroup"
 )
+#: The same without ``--size`` (bubblewrap < 0.8, `BwrapFeatures.tmpfs_size`): /tmp and
+#: /dev/shm are tmpfs mounts of the kernel's default size, half the host's RAM each, and
+#: their pages are RAM that RLIMIT_AS does not count.
+MEMORY_UNSIZED_TMPFS_REASON = (
+    "memory bounded per process (RLIMIT_AS) only, not for the job as a whole: no memory "
+    "cgroup, and /tmp and /dev/shm are not sized (bubblewrap < 0.8 has no --size; each "
+    "may take up to half the host's RAM)"
+)
 #: Writes to a job's writable folders land on the host's disk as they happen: each file is
 #: capped (RLIMIT_FSIZE), their total is not, until writes go through a size-limited
 #: staging layer (issue 10).
@@ -804,6 +815,20 @@ ROOT_QUOTAS_REASON = (
     "per-user kernel quotas (inotify instances and watches, epoll watches, message "
     "queues, pipe buffers) are root's, shared with every root process of the host"
 )
+#: An unprivileged worker's job is the worker's uid on the host, and the kernel counts
+#: these quotas per host uid: inotify instances and watches and message queue bytes per
+#: user in every ancestor user namespace (the job's own namespace does not separate
+#: them), pipe buffers and epoll watches per uid outright. A job that holds them all
+#: refuses them to the worker and to its other jobs until it ends; no cgroup bounds a
+#: count of instances or watches.
+UNPRIVILEGED_QUOTAS_REASON = (
+    "per-user kernel quotas (inotify instances and watches, epoll watches, message "
+    "queues, pipe buffers) are the worker's uid's, shared with the worker and its other "
+    "jobs"
+)
+#: A root worker's job as its slot's uid: the quotas are that uid's, and a slot runs one
+#: job at a time, so they are the job's own.
+SLOT_QUOTAS_NOTE = "per-user kernel quotas the slot uid's own"
 
 
 def _pids_reason(job_uid: int | None) -> str:
@@ -831,12 +856,14 @@ def _resources_verdict(
     memory_enforced: bool | None,
     job_uid: int | None,
     *,
+    features: BwrapFeatures,
     ran_as_root: bool = False,
 ) -> AxisVerdict:
     """The resources axis, for what held (`None`: not known before the run).
 
     Args:
         job_uid: the host uid the job's processes run as (``None``: not known yet).
+        features: the bubblewrap that runs it (whether it sizes /tmp and /dev/shm).
         ran_as_root: a root worker's job ran as root (not as its slot's uid).
     """
     lim = job.limits
@@ -844,7 +871,9 @@ def _resources_verdict(
     if lim.memory_bytes is None:
         missing.append("no memory limit")
     elif memory_enforced is False:
-        missing.append(MEMORY_PER_PROCESS_REASON)
+        missing.append(
+            MEMORY_PER_PROCESS_REASON if features.tmpfs_size else MEMORY_UNSIZED_TMPFS_REASON
+        )
     elif memory_enforced is None:
         missing.append("job memory limit enforcement unknown until run")
     if lim.pids is None:
@@ -860,12 +889,15 @@ def _resources_verdict(
         missing.append(DISK_REASON)
     if ran_as_root:
         missing.append(ROOT_QUOTAS_REASON)
+    elif not worker_is_root():
+        missing.append(UNPRIVILEGED_QUOTAS_REASON)
     if missing:
         return AxisVerdict("partial", "; ".join(missing))
     cpu = f"{lim.cpu_time_s} s CPU" if lim.cpu_time_s is not None else "CPU bounded by wall time"
     return AxisVerdict(
         "kept",
-        f"job memory (memory cgroup), process count, file size and {cpu} limits held",
+        f"job memory (memory cgroup), process count, file size and {cpu} limits held; "
+        + SLOT_QUOTAS_NOTE,
     )
 
 
@@ -930,6 +962,7 @@ class BwrapSandbox:
                 pids_enforced,
                 memory_enforced,
                 os.geteuid() if job_uid is None else job_uid,
+                features=self._features,
                 ran_as_root=worker_is_root() and job_uid == 0,
             ),
         )

@@ -173,10 +173,16 @@ PROC_READ_ONLY_PATHS: tuple[str, ...] = (
 
 #: Kernel state inside the private ``/proc`` hidden behind ``/dev/null`` (files) or an
 #: empty read-only tmpfs (folders): moby and runc's ``maskedPaths`` (kernel memory, timers,
-#: the scheduler's debug dump, the keys of the reader's keyrings, hardware lists), plus the
-#: kernel's symbol table and allocator maps (addresses that help an exploit). Most need a
-#: capability no guest holds; masked anyway, as the runtimes do, so no kernel
-#: configuration is needed for the guest to learn nothing from them.
+#: the scheduler's debug dump, the keys of the reader's keyrings, hardware lists; podman's
+#: ``/proc`` entries are the same), plus the kernel's symbol table and allocator maps
+#: (addresses that help an exploit), and every root-only (0400) file of ``/proc``'s top
+#: level: physical page flags, counts and memory cgroup owners (``kpage*``: where kernel
+#: objects sit in physical memory, the first step of Rowhammer-style and page-reuse
+#: exploits), the buddy allocator's layout (``pagetypeinfo``) and the kernel log
+#: (``kmsg``). Those need only the permission check, which a job that runs as host root (a
+#: root worker's job without a slot uid) passes. Most of the others need a capability no
+#: guest holds; masked anyway, as the runtimes do, so no kernel configuration is needed
+#: for the guest to learn nothing from them.
 PROC_MASKED_PATHS: tuple[str, ...] = (
     "/proc/acpi",
     "/proc/asound",
@@ -185,7 +191,12 @@ PROC_MASKED_PATHS: tuple[str, ...] = (
     "/proc/kcore",
     "/proc/keys",
     "/proc/key-users",
+    "/proc/kmsg",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
     "/proc/latency_stats",
+    "/proc/pagetypeinfo",
     "/proc/sched_debug",
     "/proc/scsi",
     "/proc/slabinfo",
@@ -520,7 +531,8 @@ def derive_bwrap_argv(
         # (it hands out a fresh set of capabilities over new namespaces).
         argv.append("--disable-userns")
     if not job.network:
-        # Rule 6: no network capability → an empty network namespace (only a down `lo`):
+        # Rule 6: no network capability → a network namespace of its own, with only its
+        # own loopback (bubblewrap brings `lo` up, 127.0.0.1 inside the sandbox alone):
         # no host listener on 127.0.0.1, no abstract Unix sockets, no internet.
         argv.append("--unshare-net")
     # Only the environment the job was given: no worker secrets (tokens, broker URLs).

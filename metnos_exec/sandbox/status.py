@@ -32,10 +32,25 @@ RUNTIMES: tuple[str, ...] = ("python", "wasm", "wasm-python")
 
 
 class BwrapStatus(msgspec.Struct, frozen=True):
+    """The bubblewrap the bwrap arm would run.
+
+    Attributes:
+        path, version, working, error: from the probe (`bwrap.BwrapProbe`).
+        bind_fd: it binds mount sources from an fd (``--bind-fd``): without it a folder
+            swapped for a symlink between the check and the mount would be mounted, and
+            the files axis says ``partial``.
+        disable_userns: it refuses nested user namespaces (``--disable-userns``, 0.8+):
+            without it the user axis says ``partial``.
+        tmpfs_size: it sizes /tmp and /dev/shm at the memory budget (``--size``, 0.8+).
+    """
+
     path: str | None
     version: str | None
     working: bool
     error: str | None = None
+    bind_fd: bool = False
+    disable_userns: bool = False
+    tmpfs_size: bool = False
 
 
 class MechanismStatus(msgspec.Struct, frozen=True):
@@ -160,6 +175,9 @@ def status(env: Mapping[str, str] | None = None) -> SandboxStatus:
             version=".".join(map(str, probe.version)) or None,
             working=probe.working,
             error=probe.error,
+            bind_fd=probe.features.bind_fd,
+            disable_userns=probe.features.disable_userns,
+            tmpfs_size=probe.features.tmpfs_size,
         ),
         user_namespaces=_user_namespaces(),
         wasm=_wasm_report(env),

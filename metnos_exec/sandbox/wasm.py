@@ -6,6 +6,12 @@ Walls and the threat each answers:
   directories handed to it; `Mount.writable=False` preopens with `fs_mutable=False`, which
   refuses writes, creates, removes, truncation, links and renames (see
   `WASMTIME_PIN_REASON` for the advisories that made this true).
+- **Preopens without symlinks** (files): each folder is opened by the arm with
+  `mount_sources.open_source` (no symlink anywhere on the way, ``E_SYMLINKED_FOLDER``
+  otherwise, as in the bwrap arm) and wasmtime preopens that very folder through
+  ``/proc/self/fd/N`` (a magic link to the opened inode, not a path walked again). A
+  folder swapped for a symlink after planning is refused; one swapped after the arm's
+  check is not followed either (issue 8's defect 2, the wasm arm's side).
 - **No socket creation** (network): WASI p1 can use a socket fd it is given but has no
   call to obtain one; a guest importing anything beyond WASI p1 (`sock_connect`, ...) is
   refused at link time with `E_SANDBOX_DENIED`, before it runs.
@@ -42,7 +48,8 @@ for a module declaring a table over it; else the guest's own exit.
 What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
 absolute; the planner's are), `job.network` can not be granted (the report says so),
 `pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
-preopen are not size-limited; fuel and time bound how much can be written). Output past
+preopen are not size-limited, nor is their total: a job with one reports resources
+`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written). Output past
 `limits.output_bytes` is accepted from the guest and dropped, like a drained pipe.
 """
 
@@ -51,6 +58,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -63,7 +71,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ..errors import HostFault, SandboxDenied, ToolUnavailable
+from ..errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from ._types import (
     PYTHON_WASM_MODULE,
     AxisVerdict,
@@ -106,6 +114,7 @@ __all__ = (
     "PYTHON_WASM_SHA256",
     "MAX_TABLE_ELEMENTS",
     "WASMTIME_PIN_REASON",
+    "WASM_DISK_REASON",
     "RuntimeMismatch",
     "WasmSandbox",
     "python_program",
@@ -158,6 +167,14 @@ def _hides_stdlib(guest: str) -> bool:
         for root in _PYTHON_STDLIB
     )
 
+
+#: A writable preopen: the guest writes straight into the host folder, and nothing bounds
+#: a file's size or the total (no staging in this arm; the worker backs up the declared
+#: targets at most). Fuel and wall time bound the rate, not the disk.
+WASM_DISK_REASON: Final[str] = (
+    "disk not bounded: writes to writable preopens go straight to the host folders, with "
+    "no per-file or total size limit (no staging in the wasm arm)"
+)
 
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
@@ -370,19 +387,20 @@ class WasmSandbox:
         n = len(job.mounts)
         ro = sum(1 for m in job.mounts if not m.writable)
         lim = job.limits
-        unsized = " (file sizes in writable preopens are not limited)" if n > ro else ""
+        disk = f"; {WASM_DISK_REASON}" if n > ro else ""
         if lim.fuel is not None and lim.memory_bytes is not None:
             resources = AxisVerdict(
-                "kept",
+                "partial" if disk else "kept",
                 "fuel budget and store memory limit both set; one instance, one memory, "
-                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements" + unsized,
+                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements" + disk,
             )
         else:
             missing = [
                 name for name, v in (("fuel", lim.fuel), ("memory", lim.memory_bytes)) if v is None
             ]
             resources = AxisVerdict(
-                "partial", f"no {' and no '.join(missing)} limit set; wall time still bounded"
+                "partial",
+                f"no {' and no '.join(missing)} limit set; wall time still bounded" + disk,
             )
         return ContainmentReport(
             sandbox="wasm",
@@ -527,10 +545,8 @@ class WasmSandbox:
                 raise SandboxDenied(
                     f"mount at {guest} would hide the python runtime's standard library"
                 )
-            if not Path(m.host).is_dir():
-                raise SandboxDenied(
-                    f"mount {m.host!r}: the wasm arm can preopen existing directories only"
-                )
+            if not os.path.isabs(m.host):
+                raise SandboxDenied(f"mount host path {m.host!r} must be absolute")
         if is_python:
             mem = job.limits.memory_bytes
             if mem is not None and mem < PYTHON_MIN_MEMORY_BYTES:
@@ -598,19 +614,15 @@ class WasmSandbox:
             _set_stdin(wt, wasi, job.stdin)
             wasi.stdout_custom = out.write
             wasi.stderr_custom = err.write
-            # Each folder opened without following a symlink anywhere on the way, and
-            # preopened through that fd (``/proc/self/fd/N`` names that very folder): one
-            # swapped for a link since the job was planned is refused, never granted.
-            sources: list[int] = []
-            try:
-                for m in job.mounts:
-                    fd = open_source(m.host)
-                    sources.append(fd)
+            for m in job.mounts:
+                fd = _open_preopen(m.host)
+                try:
+                    # wasmtime opens the folder here, through the magic link: the inode
+                    # `fd` holds, whatever now stands at `m.host`.
                     wasi.preopen_dir(f"/proc/self/fd/{fd}", "/" + m.guest.strip("/"), m.writable)
-                store.set_wasi(wasi)
-            finally:
-                for fd in sources:
+                finally:
                     os.close(fd)
+            store.set_wasi(wasi)
             _install_deadline(wt, store, callback)
 
             instance: wasmtime.Instance | None = None
@@ -688,6 +700,49 @@ class WasmSandbox:
             stdout_truncated=out.dropped > 0,
             stderr_truncated=err.dropped > 0,
         )
+
+
+def _open_preopen(host: str) -> int:
+    """Open the folder `host` for a preopen without following a symlink on the way.
+
+    Returns:
+        An ``O_PATH`` fd of the folder (``O_CLOEXEC``, the caller closes it), checked to
+        be what ``/proc/self/fd/<fd>`` shows: the path wasmtime is given.
+
+    Raises:
+        SymlinkedFolder: a component of `host` is a symlink (the bwrap arm's refusal).
+        SandboxDenied: `host` is not an existing folder this worker may reach.
+        HostFault: the kernel refused for another reason, or ``/proc`` is not this
+            process's procfs.
+    """
+    try:
+        fd = open_source(host)
+    except SymlinkedFolder:
+        raise
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        raise SandboxDenied(
+            f"mount {host!r}: the wasm arm can preopen existing directories only"
+        ) from None
+    except OSError as exc:
+        raise HostFault(f"cannot open mount source {host}: {exc}") from exc
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISDIR(opened.st_mode):
+            raise SandboxDenied(
+                f"mount {host!r}: the wasm arm can preopen existing directories only"
+            )
+        try:
+            shown = os.stat(f"/proc/self/fd/{fd}")
+        except OSError as exc:
+            raise HostFault(f"wasm arm: /proc/self/fd is not usable here: {exc}") from exc
+        if (shown.st_dev, shown.st_ino) != (opened.st_dev, opened.st_ino):
+            raise HostFault(
+                f"wasm arm: /proc/self/fd/{fd} does not show the folder opened for {host}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _set_stdin(wt: ModuleType, wasi: wasmtime.WasiConfig, data: bytes) -> None:

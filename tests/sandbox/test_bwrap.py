@@ -896,6 +896,102 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     assert peak >= 60 * MiB  # a child's fill: the guest's, really measured
 
 
+INOTIFY_HOLDER = """
+import ctypes, errno, json
+libc = ctypes.CDLL(None, use_errno=True)
+held, why = 0, None
+while held < 1 << 20:
+    if libc.inotify_init1(0) < 0:
+        why = errno.errorcode.get(ctypes.get_errno())
+        break
+    held += 1
+# Holding them all: open the gate for reading (the test sees a reader), wait for its close.
+with open(GATE) as gate:
+    gate.read()
+print(json.dumps({"held": held, "error": why}))
+"""
+
+
+def _inotify_refused() -> int:
+    """0, or the errno that refused this process (the worker's uid) an inotify instance."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0:
+        return ctypes.get_errno()
+    os.close(fd)
+    return 0
+
+
+async def test_per_user_kernel_quotas_are_shared_with_the_worker_unless_a_slot_uid(
+    arm: BwrapSandbox, tmp_path: Path
+) -> None:
+    # The kernel counts inotify instances per host uid, across user namespaces. An
+    # unprivileged worker's job is the worker's uid: while it holds them all, the worker
+    # (this process) and its other jobs get none, and the report must say so. A root
+    # worker's job as its slot's uid spends the slot's own.
+    import errno
+
+    from metnos_exec.process import memory_cgroup_available
+    from metnos_exec.sandbox.bwrap import (
+        ROOT_QUOTAS_REASON,
+        SLOT_QUOTAS_NOTE,
+        UNPRIVILEGED_QUOTAS_REASON,
+    )
+
+    if AS_ROOT:
+        need_slot_uids()
+    with open("/proc/sys/fs/inotify/max_user_instances") as f:  # noqa: ASYNC230
+        limit = int(f.read())
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    gate = gate_dir / "held"
+    os.mkfifo(gate, 0o644)
+    job = py_job(
+        tmp_path,
+        f"GATE = {str(gate)!r}\n" + INOTIFY_HOLDER,
+        mounts=(Mount(str(gate_dir), str(gate_dir)),),
+        limits=ResourceLimits(open_files=limit + 64),
+    )
+    outcomes: list[SandboxOutcome] = []
+    refused: list[int] = []
+
+    async def run() -> None:
+        outcomes.append(await arm.run(job))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        deadline = time.monotonic() + 20
+        while True:  # polling with a deadline: a reader appears once the job holds them
+            try:
+                writer = os.open(gate, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENXIO or time.monotonic() > deadline or outcomes:
+                    raise
+            await anyio.sleep(0.01)
+        try:
+            refused.append(_inotify_refused())
+        finally:
+            os.close(writer)
+    outcome = outcomes[0]
+    got = report(outcome)
+    assert got["error"] == "EMFILE" and 0 < got["held"] <= limit, got
+    resources = outcome.containment.resources
+    if not AS_ROOT:
+        assert refused == [errno.EMFILE], refused  # the worker's own quota, used up
+        assert resources.state == "partial", resources
+        assert UNPRIVILEGED_QUOTAS_REASON in resources.reason, resources
+        return
+    assert ran_as_slot_uid(outcome)
+    assert refused == [0], refused  # root kept its own
+    assert ROOT_QUOTAS_REASON not in resources.reason
+    assert UNPRIVILEGED_QUOTAS_REASON not in resources.reason
+    if memory_cgroup_available():
+        assert resources.state == "kept" and SLOT_QUOTAS_NOTE in resources.reason, resources
+
+
 async def test_cpu_time_is_the_guests_own(arm: BwrapSandbox, tmp_path: Path) -> None:
     """bubblewrap's monitor reaps nothing of the guest; its CPU time is taken from the init
     that reaped it (pytest is a subreaper, like the worker process)."""

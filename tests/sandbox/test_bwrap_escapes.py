@@ -14,7 +14,7 @@ import pytest
 from metnos_exec.sandbox._types import MemoryExceeded, Mount, ResourceLimits, Trap
 from metnos_exec.sandbox.bwrap import DISK_REASON, BwrapSandbox, map_exit
 
-from ..conftest import need
+from ..conftest import need, need_privileged
 from .test_bwrap import arm, py_job, report  # noqa: F401
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -177,6 +177,35 @@ async def test_host_global_kernel_interfaces_are_read_only_or_masked(
     assert got["sys"] is False  # /sys stays out
 
 
+#: Root-only (0400) host-global files of /proc: physical page flags and counts (which
+#: help an exploit find and shape kernel memory), the buddy allocator's layout, the
+#: kernel log. A job that runs as host root (a root worker without a slot uid) passes the
+#: permission check on each.
+ROOT_ONLY_PROC = ["/proc/kpageflags", "/proc/kpagecount", "/proc/kpagecgroup", "/proc/pagetypeinfo"]
+
+
+@pytest.mark.parametrize("who", ["as root", "as the worker or its slot uid"])
+async def test_root_only_proc_files_are_masked_even_for_a_job_run_as_root(
+    arm: BwrapSandbox,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    who: str,
+) -> None:
+    import os
+
+    from metnos_exec.identities import SLOT_UIDS_ENV
+
+    if who == "as root":
+        # The worst case: a root worker's job that runs as root (slot uids off). Before
+        # the masks it read the host's page flags.
+        need_privileged(os.geteuid() == 0, "a job runs as root only on a root worker")
+        monkeypatch.setenv(SLOT_UIDS_ENV, "off")
+    code = f"WRITE = []\nREAD = {ROOT_ONLY_PROC!r}\n" + KERNEL
+    got = report(await arm.run(py_job(tmp_path, code)))
+    for path, what in got["read"].items():
+        assert what in (0, "ENOENT", "EACCES", "EPERM"), (path, what)
+
+
 WRITABLE = """
 import json, os
 found = []
@@ -228,6 +257,39 @@ async def test_dev_shm_fills_up_at_the_memory_budget(
         return  # a memory cgroup stopped it first: also within the budget
     got = report(outcome)
     assert got["error"] == "ENOSPC" and got["written_mib"] <= 64, got
+
+
+async def test_the_memory_reason_says_whether_tmp_and_dev_shm_are_sized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a memory cgroup the private tmpfs mounts are a memory wall only when they
+    # are sized; bubblewrap < 0.8 gets no --size, and the reason used to say "each at the
+    # budget" anyway.
+    from metnos_exec import process
+    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox.flags import BwrapFeatures
+
+    probe = bwrap_mod.bwrap_probe()
+    need(probe.working, f"bubblewrap not usable here: {probe.error}")
+    need(probe.features.tmpfs_size, "this bubblewrap cannot size a tmpfs (< 0.8)")
+    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    fill = FILL_SHM.replace("range(128)", "range(48)")
+    limits = ResourceLimits(memory_bytes=32 * MiB, file_size_bytes=256 * MiB)
+    sized = BwrapSandbox(probe.path, features=probe.features)
+    outcome = await sized.run(py_job(tmp_path, fill, limits=limits))
+    got = report(outcome)
+    assert got["error"] == "ENOSPC" and got["written_mib"] <= 32, got
+    reason = outcome.containment.resources.reason
+    assert bwrap_mod.MEMORY_PER_PROCESS_REASON in reason, reason
+    # The same job as bubblewrap 0.7 would run it: /dev/shm is not sized, and says so.
+    old = BwrapSandbox(probe.path, features=BwrapFeatures((0, 7, 0), bind_fd=probe.bind_fd))
+    outcome = await old.run(py_job(tmp_path, fill, limits=limits))
+    got = report(outcome)
+    assert got == {"written_mib": 48, "error": None}, got
+    resources = outcome.containment.resources
+    assert resources.state == "partial"
+    assert bwrap_mod.MEMORY_UNSIZED_TMPFS_REASON in resources.reason, resources
+    assert "each at the budget" not in resources.reason
 
 
 # --- defect 6: disk is not bounded in total ---------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 
 import pytest
@@ -163,6 +164,38 @@ def test_host_global_proc_files_read_only_and_masked_after_proc() -> None:
     assert proc < index_of(argv, "--tmpfs", "/proc/acpi", "--remount-ro", "/proc/acpi")
     assert "/proc/keys" not in argv  # absent on this fake kernel: never created
     assert "/sys" not in argv
+
+
+def test_root_only_host_global_proc_files_are_masked() -> None:
+    # Root-only (0400) files a job running as host root could read: physical page flags,
+    # counts and memcg owners, the buddy allocator's layout, the kernel log. runc and
+    # podman mask most host-global files; these are root's alone, and a root worker's job
+    # may run as root.
+    from metnos_exec.sandbox.flags import PROC_MASKED_PATHS
+
+    root_only = {
+        "/proc/kpageflags",
+        "/proc/kpagecount",
+        "/proc/kpagecgroup",
+        "/proc/pagetypeinfo",
+        "/proc/kmsg",
+    }
+    assert root_only <= set(PROC_MASKED_PATHS)
+    # Every root-only file of this kernel's /proc top level is masked (or unreadable
+    # without a capability no job holds: none today).
+    here = {
+        f"/proc/{name}"
+        for name in os.listdir("/proc")
+        if not name.isdigit()
+        and os.path.isfile(f"/proc/{name}")
+        and not os.path.islink(f"/proc/{name}")
+        and not os.stat(f"/proc/{name}").st_mode & 0o044
+    }
+    assert here <= set(PROC_MASKED_PATHS), here - set(PROC_MASKED_PATHS)
+    fs = fake_fs(BASE_FS | root_only)
+    argv = derive_bwrap_argv(job_with(), interpreter_roots=(), **fs)  # type: ignore[arg-type]
+    for path in root_only:
+        assert index_of(argv, "--proc", "/proc") < index_of(argv, "--ro-bind", "/dev/null", path)
 
 
 def test_mounts_nested_after_their_parents() -> None:

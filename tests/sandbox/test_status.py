@@ -33,6 +33,11 @@ def test_status_matches_bwrap_reality() -> None:
     if st.bwrap.working and not st.sandbox_off:
         assert st.arms["python"] == "bwrap" and "python" not in st.degraded
     assert st.bwrap.version is not None and st.bwrap.version[0].isdigit()
+    # What the files and user axes depend on: read from the same probe.
+    features = bwrap_probe().features
+    assert st.bwrap.bind_fd is features.bind_fd
+    assert st.bwrap.disable_userns is features.disable_userns
+    assert st.bwrap.tmpfs_size is features.tmpfs_size
 
 
 def test_status_reports_degradation_without_bwrap(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from metnos_exec.errors import HostFault, SandboxDenied, ToolUnavailable
+from metnos_exec.errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from metnos_exec.manifest import load_manifest
 from metnos_exec.sandbox._types import (
     PYTHON_WASM_MODULE,
@@ -39,6 +39,7 @@ from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
 from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
 from metnos_exec.sandbox.wasm import (
     MAX_TABLE_ELEMENTS,
+    WASM_DISK_REASON,
     WASMTIME_PIN_REASON,
     RuntimeMismatch,
     WasmSandbox,
@@ -481,6 +482,78 @@ async def test_read_only_preopen_bypasses_are_closed(py_arm: WasmSandbox, tmp_pa
     assert sorted(p.name for p in rw.iterdir()) == ["mine.txt"]
 
 
+# --- a preopen swapped for a symlink (the wasm arm's side of issue 8's defect 2) ---------
+
+
+@pytest.mark.anyio
+async def test_a_preopen_swapped_for_a_symlink_is_refused_not_followed(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # Planned while `data` was a real folder; swapped for a link to a private folder
+    # before the arm ran. Preopened by path, the guest opened the private file (exit 0)
+    # and the report said files `kept`.
+    data, private = tmp_path / "data", tmp_path / "private"
+    data.mkdir()
+    private.mkdir()
+    (private / "hello.txt").write_text("private")
+    job = wat_job("open_or_7", mounts=(Mount(str(data), "/data"),))
+    data.rmdir()
+    data.symlink_to(private)
+    with pytest.raises(SymlinkedFolder, match="data") as ei:
+        await arm.run(job)
+    assert ei.value.code == "E_SYMLINKED_FOLDER"
+    # A link anywhere on the way is refused too, naming it.
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "real" / "inner" / "hello.txt").write_text("x")
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    with pytest.raises(SymlinkedFolder, match="via"):
+        await arm.run(wat_job("open_or_7", mounts=(Mount(str(tmp_path / "via/inner"), "/d"),)))
+    # The same folder named by its real path runs.
+    real = await arm.run(wat_job("open_or_7", mounts=(Mount(str(tmp_path / "real/inner"), "/d"),)))
+    assert real.exit == Success()
+
+
+_PY_SWAP_VICTIM = """
+import json, os
+seen = sorted(os.listdir(DATA))
+with open(os.path.join(DATA, "planted"), "w") as f:
+    f.write("x")
+print(json.dumps({"seen": seen}))
+"""
+
+
+@pytest.mark.anyio
+async def test_a_swap_after_the_check_preopens_what_was_checked(
+    py_arm: WasmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window: the arm has checked the folder, then it is swapped for a link to a
+    # private folder just before wasmtime opens the preopen. What was checked (moved
+    # away, the same inode) is what the guest gets, never the link's target.
+    assert WT is not None
+    app, data, private = (tmp_path / n for n in ("app", "data", "private"))
+    for d in (app, data, private):
+        d.mkdir()
+    (data / "mine.txt").write_text("the job's own")
+    (private / "secret.txt").write_text("private")
+    real_preopen = WT.WasiConfig.preopen_dir
+
+    def swap_then_preopen(self: object, path: str, guest: str, fs_mutable: bool = True) -> None:
+        if guest == str(data) and not data.is_symlink():
+            data.rename(tmp_path / "moved")
+            data.symlink_to(private)
+        real_preopen(self, path, guest, fs_mutable)
+
+    monkeypatch.setattr(WT.WasiConfig, "preopen_dir", swap_then_preopen)
+    code = f"DATA = {str(data)!r}\n" + _PY_SWAP_VICTIM
+    job = py_job(app, code, mounts=(Mount(str(data), str(data), writable=True),))
+    out = await py_arm.run(job)
+    assert data.is_symlink()  # the swap did happen
+    assert out.exit == Success(), out.stderr
+    assert json.loads(out.stdout) == {"seen": ["mine.txt"]}
+    assert (tmp_path / "moved" / "planted").exists()
+    assert sorted(p.name for p in private.iterdir()) == ["secret.txt"]
+
+
 @pytest.mark.anyio
 async def test_python_env_is_only_the_jobs_and_stdin_is_fed(
     py_arm: WasmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -710,9 +783,18 @@ def test_containment_report() -> None:
     assert rep.sandbox == "wasm"
     assert [rep.files.state, rep.network.state, rep.process_tree.state] == ["kept"] * 3
     assert rep.user.state == "not_kept"
-    assert rep.resources.state == "kept"
     assert "1 of them read-only" in rep.files.reason
-    assert "file sizes in writable preopens are not limited" in rep.resources.reason
+    # A writable preopen writes straight to the host's disk, unbounded: never `kept`.
+    assert rep.resources.state == "partial"
+    assert WASM_DISK_REASON in rep.resources.reason
+    assert "fuel budget and store memory limit both set" in rep.resources.reason
+    read_only = SandboxJob(
+        wasm=WasmProgram("x.wasm"),
+        mounts=(Mount("/a", "/a"),),
+        limits=ResourceLimits(fuel=10, memory_bytes=1 << 20),
+    )
+    rep = arm.containment(read_only)
+    assert rep.resources.state == "kept" and WASM_DISK_REASON not in rep.resources.reason
     no_fuel = SandboxJob(wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=None))
     rep = arm.containment(no_fuel)
     assert rep.resources.state == "partial" and "fuel" in rep.resources.reason
