@@ -333,7 +333,11 @@ class Supervisor:
         self.policy = policy
         # Resolved once, now: ``~`` is this real folder for the worker's whole life, so a
         # link planted in its place later is refused (`sandbox.mount_sources`), not followed.
-        self.home = os.path.realpath(os.fspath(home)) if home is not None else None
+        # The default too (the worker's own home): resolved per job by the planner, it
+        # cost a third of the plan (an ``lstat`` per path component, every job).
+        self.home = os.path.realpath(
+            os.fspath(home) if home is not None else os.path.expanduser("~")
+        )
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
         self.clock = clock
         self.retry_delay = retry_delay
