@@ -14,6 +14,11 @@ file, with real worker processes:
   ``huey_consumer -k thread -w T`` (one process; Huey has no multi-process mode with
   threads, so it runs at 1 process only).
 
+Each peer runs with the thread count that drained no-op jobs fastest here
+(`PEER_THREADS`, from a sweep of 1-64 recorded in bench/RESULTS.md): Dramatiq drains
+three times faster with 32 threads than with 8 (its prefetch grows with them), Huey is
+fastest with 2-4; one count for all (8, before) was unfair to Dramatiq.
+
 The peers store no result; metnos-exec stores one per job and logs every step: the
 comparison favours them.
 
@@ -28,7 +33,8 @@ or in flight), polled every 5 ms, so process start-up is not counted. Rounds rot
 order of the systems; medians are reported.
 
 Usage: python bench/queue_brokers.py [--jobs N] [--rounds R] [--processes 1,2,4]
-       [--concurrency C] [--peers taskiq,dramatiq,huey] [--peer-threads T]
+       [--concurrency C] [--peers taskiq,dramatiq,huey]
+       [--peer-threads huey=2,huey-sqlite=4,dramatiq=32]
 (with ``PYTHONPATH=.`` from the repository root; the peers come from the ``bench``
 extra: ``pip install -e '.[bench]'``.)
 """
@@ -107,6 +113,11 @@ elif KIND in ("huey", "huey-sqlite"):
     def noop() -> None:
         return None
 '''
+
+#: Worker threads per peer (``--peer-threads`` overrides): each one's fastest in a sweep
+#: of 1, 2, 4, 8, 16, 32, 64 threads on this 2-core machine (bench/RESULTS.md).
+#: (taskiq runs its tasks on its event loop: no threads.)
+PEER_THREADS: dict[str, int] = {"huey": 2, "huey-sqlite": 4, "dramatiq": 32}
 
 NOOP_MANIFEST = 'name = "noop"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
 
@@ -419,7 +430,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--concurrency", type=int, default=32, help="metnos-exec slots")
     parser.add_argument("--peers", default="taskiq,dramatiq,huey")
-    parser.add_argument("--peer-threads", type=int, default=8)
+    parser.add_argument(
+        "--peer-threads",
+        default="",
+        help="worker threads: N for every peer, or kind=N,... (default: PEER_THREADS)",
+    )
     parser.add_argument(
         "--peer-modes",
         default="quiet,like",
@@ -428,6 +443,13 @@ def main(argv: list[str]) -> int:
     )
     ns = parser.parse_args(argv)
     counts = [int(x) for x in ns.processes.split(",") if x]
+    threads = dict(PEER_THREADS)
+    for item in (x for x in ns.peer_threads.split(",") if x):
+        if "=" in item:
+            kind, n = item.split("=", 1)
+            threads[kind] = int(n)
+        else:
+            threads = dict.fromkeys(("huey", "huey-sqlite", "dramatiq"), int(item))
     peers = []
     for peer in (p for p in ns.peers.split(",") if p):
         module = {"taskiq": "taskiq_redis"}.get(peer, peer)
@@ -435,6 +457,7 @@ def main(argv: list[str]) -> int:
             print(f"{peer}: not installed, left out (pip install -e '.[bench]')")
         else:
             peers.append(peer)
+    print(f"peer threads: {threads}; metnos-exec concurrency {ns.concurrency}", flush=True)
     medians: dict[str, float] = {}
     cpu_medians: dict[str, float] = {}
     server_medians: dict[str, float] = {}
@@ -466,7 +489,7 @@ def main(argv: list[str]) -> int:
                                 ns.jobs,
                                 url=server.url,
                                 processes=1,
-                                threads=ns.peer_threads,
+                                threads=threads.get(kind, 1),
                                 like=mode == "like",
                             )
                         )
