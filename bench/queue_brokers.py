@@ -34,7 +34,7 @@ order of the systems; medians are reported.
 
 Usage: python bench/queue_brokers.py [--jobs N] [--rounds R] [--processes 1,2,4]
        [--concurrency C] [--peers taskiq,dramatiq,huey]
-       [--peer-threads huey=2,huey-sqlite=4,dramatiq=32]
+       [--peer-threads huey=2,huey-sqlite=4,dramatiq=32] [--baseline TREE]
 (with ``PYTHONPATH=.`` from the repository root; the peers come from the ``bench``
 extra: ``pip install -e '.[bench]'``.)
 """
@@ -156,6 +156,9 @@ def _tree_cpu(pids: list[int]) -> float:
 class Drain:
     """One system's drain: queue jobs, start workers, report jobs/s."""
 
+    #: The source tree whose metnos_exec the worker processes import.
+    root: Path = ROOT
+
     def __init__(self, name: str, tmp: Path, jobs: int) -> None:
         self.name = name
         self.tmp = tmp
@@ -230,7 +233,7 @@ class Drain:
         try:
             return subprocess.Popen(
                 argv,
-                env={**os.environ, "PYTHONPATH": f"{self.tmp}:{ROOT}", **env},
+                env={**os.environ, "PYTHONPATH": f"{self.tmp}:{self.root}", **env},
                 cwd=self.tmp,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -242,10 +245,20 @@ class Drain:
 
 class Metnos(Drain):
     def __init__(
-        self, tmp: Path, jobs: int, *, url: str | None, processes: int, concurrency: int
+        self,
+        tmp: Path,
+        jobs: int,
+        *,
+        url: str | None,
+        processes: int,
+        concurrency: int,
+        root: Path | None = None,
     ) -> None:
         kind = "redis" if url else "sqlite"
-        super().__init__(f"metnos-exec {kind} x{processes}", tmp, jobs)
+        label = "metnos-exec" if root is None else "baseline"
+        super().__init__(f"{label} {kind} x{processes}", tmp, jobs)
+        if root is not None:
+            self.root = root
         self.uses_redis = url is not None
         self.redis_url = url
         self.processes = processes
@@ -423,6 +436,39 @@ class Peer(Drain):
         return [self._spawn(argv, self.env)]
 
 
+def _ratios(medians: dict[str, float], counts: list[int], label: str) -> None:
+    """The acceptance ratios of `label`'s workers ("metnos-exec" or "baseline")."""
+    one_redis = medians[f"{label} redis x1"]
+    one_sqlite = medians[f"{label} sqlite x1"]
+    for mode in ("", " like"):
+        redis_peers = {
+            k: v
+            for k, v in medians.items()
+            if not k.startswith(("metnos", "baseline", "huey-sqlite")) and k.endswith("x1" + mode)
+        }
+        sqlite_peers = {
+            k: v
+            for k, v in medians.items()
+            if k.startswith("huey-sqlite") and k.endswith("x1" + mode)
+        }
+        what = "results stored, default logs" if mode else "quiet"
+        for kind, one, peer_rates in (
+            ("redis", one_redis, redis_peers),
+            ("sqlite", one_sqlite, sqlite_peers),
+        ):
+            if peer_rates:
+                best = max(peer_rates, key=peer_rates.__getitem__)
+                print(
+                    f"  {label} {kind}: 1 process / fastest peer ({what}: {best}) = "
+                    f"{one / peer_rates[best]:.2f}x"
+                )
+    for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
+        for n in counts:
+            if n > 1:
+                ratio = medians[f"{label} {kind} x{n}"] / one
+                print(f"  {label} {kind}: {n} processes / 1 = {ratio:.2f}x")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000)
@@ -430,6 +476,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--concurrency", type=int, default=32, help="metnos-exec slots")
     parser.add_argument("--peers", default="taskiq,dramatiq,huey")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        metavar="TREE",
+        help="also drain with the workers of another source tree (e.g. a `git archive` of "
+        "main), as 'baseline', for before/after side by side in one run",
+    )
     parser.add_argument(
         "--peer-threads",
         default="",
@@ -478,6 +531,18 @@ def main(argv: list[str]) -> int:
                 systems.append(
                     Metnos(tmp, ns.jobs, url=None, processes=n, concurrency=ns.concurrency)
                 )
+                if ns.baseline:
+                    for url in (server.url, None):
+                        systems.append(
+                            Metnos(
+                                tmp,
+                                ns.jobs,
+                                url=url,
+                                processes=n,
+                                concurrency=ns.concurrency,
+                                root=Path(ns.baseline).resolve(),
+                            )
+                        )
             modes = [m for m in ns.peer_modes.split(",") if m]
             for peer in peers:
                 for kind in (peer, "huey-sqlite") if peer == "huey" else (peer,):
@@ -524,35 +589,8 @@ def main(argv: list[str]) -> int:
             "CPU us/job (workers + redis-server)"
         )
     if 1 in counts:
-        one_redis = medians["metnos-exec redis x1"]
-        one_sqlite = medians["metnos-exec sqlite x1"]
-        for mode in ("", " like"):
-            redis_peers = {
-                k: v
-                for k, v in medians.items()
-                if not k.startswith(("metnos", "huey-sqlite")) and k.endswith("x1" + mode)
-            }
-            sqlite_peers = {
-                k: v
-                for k, v in medians.items()
-                if k.startswith("huey-sqlite") and k.endswith("x1" + mode)
-            }
-            what = "results stored, default logs" if mode else "quiet"
-            for kind, one, peer_rates in (
-                ("redis", one_redis, redis_peers),
-                ("sqlite", one_sqlite, sqlite_peers),
-            ):
-                if peer_rates:
-                    best = max(peer_rates, key=peer_rates.__getitem__)
-                    print(
-                        f"  {kind}: 1 process / fastest peer ({what}: {best}) = "
-                        f"{one / peer_rates[best]:.2f}x"
-                    )
-        for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
-            for n in counts:
-                if n > 1:
-                    ratio = medians[f"metnos-exec {kind} x{n}"] / one
-                    print(f"  {kind}: {n} processes / 1 = {ratio:.2f}x")
+        for label in ("metnos-exec", "baseline") if ns.baseline else ("metnos-exec",):
+            _ratios(medians, counts, label)
     return 0
 
 
