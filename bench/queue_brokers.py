@@ -14,6 +14,11 @@ file, with real worker processes:
   ``huey_consumer -k thread -w T`` (one process; Huey has no multi-process mode with
   threads, so it runs at 1 process only).
 
+Each peer runs with the thread count that drained no-op jobs fastest here
+(`PEER_THREADS`, from a sweep of 1-64 recorded in bench/RESULTS.md): Dramatiq drains
+three times faster with 32 threads than with 8 (its prefetch grows with them), Huey is
+fastest with 2-4; one count for all (8, before) was unfair to Dramatiq.
+
 The peers store no result; metnos-exec stores one per job and logs every step: the
 comparison favours them.
 
@@ -28,7 +33,8 @@ or in flight), polled every 5 ms, so process start-up is not counted. Rounds rot
 order of the systems; medians are reported.
 
 Usage: python bench/queue_brokers.py [--jobs N] [--rounds R] [--processes 1,2,4]
-       [--concurrency C] [--peers taskiq,dramatiq,huey] [--peer-threads T]
+       [--concurrency C] [--peers taskiq,dramatiq,huey]
+       [--peer-threads huey=2,huey-sqlite=4,dramatiq=32] [--baseline TREE]
 (with ``PYTHONPATH=.`` from the repository root; the peers come from the ``bench``
 extra: ``pip install -e '.[bench]'``.)
 """
@@ -108,6 +114,11 @@ elif KIND in ("huey", "huey-sqlite"):
         return None
 '''
 
+#: Worker threads per peer (``--peer-threads`` overrides): each one's fastest in a sweep
+#: of 1, 2, 4, 8, 16, 32, 64 threads on this 2-core machine (bench/RESULTS.md).
+#: (taskiq runs its tasks on its event loop: no threads.)
+PEER_THREADS: dict[str, int] = {"huey": 2, "huey-sqlite": 4, "dramatiq": 32}
+
 NOOP_MANIFEST = 'name = "noop"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
 
 
@@ -144,6 +155,9 @@ def _tree_cpu(pids: list[int]) -> float:
 
 class Drain:
     """One system's drain: queue jobs, start workers, report jobs/s."""
+
+    #: The source tree whose metnos_exec the worker processes import.
+    root: Path = ROOT
 
     def __init__(self, name: str, tmp: Path, jobs: int) -> None:
         self.name = name
@@ -219,7 +233,7 @@ class Drain:
         try:
             return subprocess.Popen(
                 argv,
-                env={**os.environ, "PYTHONPATH": f"{self.tmp}:{ROOT}", **env},
+                env={**os.environ, "PYTHONPATH": f"{self.tmp}:{self.root}", **env},
                 cwd=self.tmp,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -231,10 +245,20 @@ class Drain:
 
 class Metnos(Drain):
     def __init__(
-        self, tmp: Path, jobs: int, *, url: str | None, processes: int, concurrency: int
+        self,
+        tmp: Path,
+        jobs: int,
+        *,
+        url: str | None,
+        processes: int,
+        concurrency: int,
+        root: Path | None = None,
     ) -> None:
         kind = "redis" if url else "sqlite"
-        super().__init__(f"metnos-exec {kind} x{processes}", tmp, jobs)
+        label = "metnos-exec" if root is None else "baseline"
+        super().__init__(f"{label} {kind} x{processes}", tmp, jobs)
+        if root is not None:
+            self.root = root
         self.uses_redis = url is not None
         self.redis_url = url
         self.processes = processes
@@ -412,6 +436,39 @@ class Peer(Drain):
         return [self._spawn(argv, self.env)]
 
 
+def _ratios(medians: dict[str, float], counts: list[int], label: str) -> None:
+    """The acceptance ratios of `label`'s workers ("metnos-exec" or "baseline")."""
+    one_redis = medians[f"{label} redis x1"]
+    one_sqlite = medians[f"{label} sqlite x1"]
+    for mode in ("", " like"):
+        redis_peers = {
+            k: v
+            for k, v in medians.items()
+            if not k.startswith(("metnos", "baseline", "huey-sqlite")) and k.endswith("x1" + mode)
+        }
+        sqlite_peers = {
+            k: v
+            for k, v in medians.items()
+            if k.startswith("huey-sqlite") and k.endswith("x1" + mode)
+        }
+        what = "results stored, default logs" if mode else "quiet"
+        for kind, one, peer_rates in (
+            ("redis", one_redis, redis_peers),
+            ("sqlite", one_sqlite, sqlite_peers),
+        ):
+            if peer_rates:
+                best = max(peer_rates, key=peer_rates.__getitem__)
+                print(
+                    f"  {label} {kind}: 1 process / fastest peer ({what}: {best}) = "
+                    f"{one / peer_rates[best]:.2f}x"
+                )
+    for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
+        for n in counts:
+            if n > 1:
+                ratio = medians[f"{label} {kind} x{n}"] / one
+                print(f"  {label} {kind}: {n} processes / 1 = {ratio:.2f}x")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000)
@@ -419,7 +476,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--concurrency", type=int, default=32, help="metnos-exec slots")
     parser.add_argument("--peers", default="taskiq,dramatiq,huey")
-    parser.add_argument("--peer-threads", type=int, default=8)
+    parser.add_argument(
+        "--baseline",
+        default="",
+        metavar="TREE",
+        help="also drain with the workers of another source tree (e.g. a `git archive` of "
+        "main), as 'baseline', for before/after side by side in one run",
+    )
+    parser.add_argument(
+        "--peer-threads",
+        default="",
+        help="worker threads: N for every peer, or kind=N,... (default: PEER_THREADS)",
+    )
     parser.add_argument(
         "--peer-modes",
         default="quiet,like",
@@ -428,6 +496,13 @@ def main(argv: list[str]) -> int:
     )
     ns = parser.parse_args(argv)
     counts = [int(x) for x in ns.processes.split(",") if x]
+    threads = dict(PEER_THREADS)
+    for item in (x for x in ns.peer_threads.split(",") if x):
+        if "=" in item:
+            kind, n = item.split("=", 1)
+            threads[kind] = int(n)
+        else:
+            threads = dict.fromkeys(("huey", "huey-sqlite", "dramatiq"), int(item))
     peers = []
     for peer in (p for p in ns.peers.split(",") if p):
         module = {"taskiq": "taskiq_redis"}.get(peer, peer)
@@ -435,6 +510,7 @@ def main(argv: list[str]) -> int:
             print(f"{peer}: not installed, left out (pip install -e '.[bench]')")
         else:
             peers.append(peer)
+    print(f"peer threads: {threads}; metnos-exec concurrency {ns.concurrency}", flush=True)
     medians: dict[str, float] = {}
     cpu_medians: dict[str, float] = {}
     server_medians: dict[str, float] = {}
@@ -455,6 +531,18 @@ def main(argv: list[str]) -> int:
                 systems.append(
                     Metnos(tmp, ns.jobs, url=None, processes=n, concurrency=ns.concurrency)
                 )
+                if ns.baseline:
+                    for url in (server.url, None):
+                        systems.append(
+                            Metnos(
+                                tmp,
+                                ns.jobs,
+                                url=url,
+                                processes=n,
+                                concurrency=ns.concurrency,
+                                root=Path(ns.baseline).resolve(),
+                            )
+                        )
             modes = [m for m in ns.peer_modes.split(",") if m]
             for peer in peers:
                 for kind in (peer, "huey-sqlite") if peer == "huey" else (peer,):
@@ -466,7 +554,7 @@ def main(argv: list[str]) -> int:
                                 ns.jobs,
                                 url=server.url,
                                 processes=1,
-                                threads=ns.peer_threads,
+                                threads=threads.get(kind, 1),
                                 like=mode == "like",
                             )
                         )
@@ -501,35 +589,8 @@ def main(argv: list[str]) -> int:
             "CPU us/job (workers + redis-server)"
         )
     if 1 in counts:
-        one_redis = medians["metnos-exec redis x1"]
-        one_sqlite = medians["metnos-exec sqlite x1"]
-        for mode in ("", " like"):
-            redis_peers = {
-                k: v
-                for k, v in medians.items()
-                if not k.startswith(("metnos", "huey-sqlite")) and k.endswith("x1" + mode)
-            }
-            sqlite_peers = {
-                k: v
-                for k, v in medians.items()
-                if k.startswith("huey-sqlite") and k.endswith("x1" + mode)
-            }
-            what = "results stored, default logs" if mode else "quiet"
-            for kind, one, peer_rates in (
-                ("redis", one_redis, redis_peers),
-                ("sqlite", one_sqlite, sqlite_peers),
-            ):
-                if peer_rates:
-                    best = max(peer_rates, key=peer_rates.__getitem__)
-                    print(
-                        f"  {kind}: 1 process / fastest peer ({what}: {best}) = "
-                        f"{one / peer_rates[best]:.2f}x"
-                    )
-        for kind, one in (("redis", one_redis), ("sqlite", one_sqlite)):
-            for n in counts:
-                if n > 1:
-                    ratio = medians[f"metnos-exec {kind} x{n}"] / one
-                    print(f"  {kind}: {n} processes / 1 = {ratio:.2f}x")
+        for label in ("metnos-exec", "baseline") if ns.baseline else ("metnos-exec",):
+            _ratios(medians, counts, label)
     return 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
@@ -249,6 +250,92 @@ def _serialize(obj: Any, **_: Any) -> bytes:
     return _ENCODER.encode(obj)
 
 
+#: structlog's registry of the context variables ``bind_contextvars`` made (key prefix
+#: included). Private to structlog, hence the fallback: without it, records are merged by
+#: `structlog.contextvars.merge_contextvars` (the same result, a scan of the whole context).
+_CONTEXT_VARS: Mapping[str, Any] | None = getattr(structlog.contextvars, "_CONTEXT_VARS", None)
+_PREFIX_LEN = len(getattr(structlog.contextvars, "STRUCTLOG_KEY_PREFIX", "structlog_"))
+_STACK_INFO = structlog.processors.StackInfoRenderer()
+_METHOD_LEVELS = {"warn": "warning", "exception": "error"}
+
+
+def _json_line(_: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> bytes:
+    """One record as one JSON line, in one pass.
+
+    The same record as structlog's chain ``merge_contextvars, add_log_level, _timestamp,
+    StackInfoRenderer, dict_tracebacks, _order_keys, JSONRenderer`` (ts, level and event
+    first; the call's fields, then the bound context; a field given in the call wins over
+    the context), without a dict copy and a call per step: a worker logs three records
+    per job, and that chain cost about a fifth of an echo job's CPU.
+    """
+    if "stack_info" in event_dict or "exc_info" in event_dict:
+        event_dict = structlog.processors.dict_tracebacks(
+            None, method_name, _STACK_INFO(None, method_name, event_dict)
+        )
+    # ts, level, event first (a human reading raw lines finds them at the same column);
+    # the processors' ts and level win over a call's own, as in the chain.
+    record: dict[str, Any] = {"ts": None, "level": None, "event": None}
+    record.update(event_dict)
+    if "event" not in event_dict:
+        del record["event"]
+    if _CONTEXT_VARS is None:
+        structlog.contextvars.merge_contextvars(None, method_name, record)
+    else:
+        for name, var in tuple(_CONTEXT_VARS.items()):
+            value = var.get()
+            if value is not Ellipsis:
+                record.setdefault(name[_PREFIX_LEN:], value)
+    record["level"] = _METHOD_LEVELS.get(method_name, method_name)
+    _timestamp(None, "", record)
+    return _ENCODER.encode(record) + b"\n"
+
+
+class _LineLogger:
+    """structlog's wrapped logger for `_json_line`: each record is already a whole line
+    (newline included), written with a single call to `_SafeStream.write`."""
+
+    def __init__(self, file: _SafeStream) -> None:
+        self._file = file
+        self._lock = threading.Lock()
+
+    def msg(self, line: bytes) -> None:
+        with self._lock:  # threads log too (to_thread work): lines never interleave
+            self._file.write(line)
+
+    log = debug = info = warn = warning = msg
+    err = error = critical = exception = fatal = failure = msg
+
+
+def _line_bound_logger(min_level: int) -> type[Any]:
+    """structlog's filtering bound logger for `level`, with a direct path for
+    `_json_line`: no event dict copied, no chain walked, no `(args, kwargs)` tuple built.
+    Any other configuration (``capture_logs`` in tests, a processor added) takes
+    structlog's own path."""
+    base: Any = structlog.make_filtering_bound_logger(min_level)
+
+    class _LineBoundLogger(base):  # type: ignore[misc]
+        def _proxy_to_logger(
+            self, method_name: str, event: str | None = None, **event_kw: Any
+        ) -> Any:
+            processors = self._processors
+            if len(processors) == 1 and processors[0] is _json_line and not self._context:
+                if event is not None:
+                    event_kw["event"] = event
+                return self._logger.msg(_json_line(None, method_name, event_kw))
+            return super()._proxy_to_logger(method_name, event, **event_kw)
+
+    return _LineBoundLogger
+
+
+class _LineLoggerFactory:
+    def __init__(self, file: _SafeStream) -> None:
+        self._file = file  # what `structlog.get_config()["logger_factory"]._file` names
+        self._logger = _LineLogger(file)
+
+    def __call__(self, *args: Any) -> _LineLogger:
+        return self._logger
+
+
 def configure_logging(
     *,
     file: str | os.PathLike[str] | BinaryIO | None = None,
@@ -292,13 +379,11 @@ def configure_logging(
         structlog.processors.StackInfoRenderer(),
         structlog.processors.dict_tracebacks,
     ]
+    wrapper: Any = structlog.make_filtering_bound_logger(_LEVEL_NUMS[level])
     if json:
-        processors = [
-            *shared,
-            _order_keys,
-            structlog.processors.JSONRenderer(serializer=_serialize),
-        ]
-        factory: Any = structlog.BytesLoggerFactory(file=safe)
+        processors: list[Any] = [_json_line]
+        factory: Any = _LineLoggerFactory(safe)
+        wrapper = _line_bound_logger(_LEVEL_NUMS[level])
     else:
         processors = [
             *shared,
@@ -308,7 +393,7 @@ def configure_logging(
         processors.append(lambda _l, _m, s: s.encode() if isinstance(s, str) else s)
     structlog.configure(
         processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMS[level]),
+        wrapper_class=wrapper,
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )

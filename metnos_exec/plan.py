@@ -282,7 +282,6 @@ def plan_invocation(
     # folder below it must be reached without a symlink, so resolving the home again here
     # would follow a link planted in its place since.
     home = os.path.realpath(os.path.expanduser("~")) if home is None else home
-    skills_root = _realpath_fresh(default_skills_root(home) if skills_root is None else skills_root)
     policy = Policy.from_env() if policy is None else policy
 
     final = final_args(manifest, args, text_args=text_args)
@@ -298,12 +297,17 @@ def plan_invocation(
         raise MissingFolder(f"{manifest.name}: its folder {folder} is gone; nothing ran")
     entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
+    if effective.provider_bindings:
+        # Only a provider binding mounts a skill's home: resolved for those jobs alone.
+        skills_root = _realpath_fresh(
+            default_skills_root(home) if skills_root is None else skills_root
+        )
     mounts, write_roots = _mounts(
         folder,
         effective,
         profile,
         home,
-        skills_root,
+        skills_root or "",
         notes,
         dirs_only=manifest.runtime != "python",
         protected=protected,

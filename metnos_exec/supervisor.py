@@ -334,7 +334,11 @@ class Supervisor:
         self.policy = policy
         # Resolved once, now: ``~`` is this real folder for the worker's whole life, so a
         # link planted in its place later is refused (`sandbox.mount_sources`), not followed.
-        self.home = os.path.realpath(os.fspath(home)) if home is not None else None
+        # The default too (the worker's own home): resolved per job by the planner, it
+        # cost a third of the plan (an ``lstat`` per path component, every job).
+        self.home = os.path.realpath(
+            os.fspath(home) if home is not None else os.path.expanduser("~")
+        )
         self.skills_root = os.fspath(skills_root) if skills_root is not None else None
         self.clock = clock
         self.retry_delay = retry_delay
@@ -800,7 +804,12 @@ class Supervisor:
         lease = running.lease
         job = lease.job
         try:
-            with structlog.contextvars.bound_contextvars(
+            # Bound for the rest of this task, which is the job's own: each task runs in
+            # its own copy of the context (asyncio and trio alike), so nothing bound here
+            # reaches another job or the lease loop, and there is nothing to restore
+            # (structlog's `bound_contextvars` scans and restores the whole context: a
+            # twentieth of an echo job's CPU).
+            structlog.contextvars.bind_contextvars(
                 job_id=job.id,
                 executor=job.executor,
                 worker=self.worker_id,
@@ -809,20 +818,20 @@ class Supervisor:
                 # the first record so every record of the job has the key (spec §9).
                 sandbox=None,
                 attempt=lease.attempt,
-            ):
-                if job.correlation_id is not None:
-                    structlog.contextvars.bind_contextvars(correlation_id=job.correlation_id)
-                try:
-                    await self._serve(running)
-                except Exception as exc:
-                    # A bug in our own pipeline must not stop the worker serving others;
-                    # the job is retried like a host fault (the harness broke, not the job).
-                    _log.exception("worker.error", error=f"{type(exc).__name__}: {exc}")
-                    with anyio.CancelScope(shield=True):
-                        await self._retry(
-                            lease,
-                            ErrorInfo(code=HostFault.code, message=f"internal error: {exc}"),
-                        )
+                # Unbound (no key) unless the job has one.
+                **({} if job.correlation_id is None else {"correlation_id": job.correlation_id}),
+            )
+            try:
+                await self._serve(running)
+            except Exception as exc:
+                # A bug in our own pipeline must not stop the worker serving others;
+                # the job is retried like a host fault (the harness broke, not the job).
+                _log.exception("worker.error", error=f"{type(exc).__name__}: {exc}")
+                with anyio.CancelScope(shield=True):
+                    await self._retry(
+                        lease,
+                        ErrorInfo(code=HostFault.code, message=f"internal error: {exc}"),
+                    )
         finally:
             self._running.pop(job.id, None)
             self._slots.drop(running)  # rejected, or stopped while waiting for a slot
@@ -1425,9 +1434,14 @@ class Supervisor:
                     running.launched = True
                     _log.info("job.started", timeout_s=sjob.limits.wall_time_s, degraded=degraded)
                     started_at = self.clock()
+                    # The backstop is this scope's deadline rather than a scope of its
+                    # own (one scope less per job): a run it cuts short ends with no
+                    # outcome and no stop reason, which is how it is told apart.
+                    running.scope.deadline = (
+                        anyio.current_time() + sjob.limits.wall_time_s + self.backstop_margin_s
+                    )
                     try:
-                        with anyio.move_on_after(sjob.limits.wall_time_s + self.backstop_margin_s):
-                            outcome = await arm.run(sjob)
+                        outcome = await arm.run(sjob)
                     except (HostFault, MetnosError) as exc:
                         fault = exc
                 # Before the slot is given back: a heartbeat must not act on a run that
@@ -1447,10 +1461,12 @@ class Supervisor:
             # Twice: trio may run a batch of ready tasks in reverse order, so after one
             # yield this task could still go first; after two, the woken job has run (up
             # to its spawn) either way. Three times when that job was leased ahead: it
-            # yields once itself, in the store call that marks it started. Shielded: the
-            # run is over, and its result must not be lost to a cancel.
-            for _ in range(3 if self._slots.head_waits_for_mark() else 2):
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+            # yields once itself, in the store call that marks it started. Shielded (one
+            # scope for all of them: a scope each cost more than the yields): the run is
+            # over, and its result must not be lost to a cancel.
+            with anyio.CancelScope(shield=True):
+                for _ in range(3 if self._slots.head_waits_for_mark() else 2):
+                    await anyio.lowlevel.checkpoint()
         return outcome, fault, started_at
 
 

@@ -75,6 +75,69 @@ def test_json_lines_with_context_and_structs() -> None:
     assert second["err"] == "ValueError: boom"
 
 
+def _chain_record(method: str, **kw: Any) -> dict[str, Any]:
+    """What structlog's processor chain (the renderer before the one-pass `_json_line`)
+    makes of a call: the reference the fast path must match."""
+    from metnos_exec.logs import _order_keys, _timestamp
+
+    event_dict: Any = dict(kw)
+    for proc in (
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _timestamp,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.dict_tracebacks,
+        _order_keys,
+    ):
+        event_dict = proc(None, method, event_dict)
+    return dict(event_dict)
+
+
+def test_the_one_pass_renderer_writes_what_the_processor_chain_did() -> None:
+    """Same keys, same order (ts, level, event, the call's fields, the context), the
+    call's fields winning over the context, ts and level always the renderer's, and
+    tracebacks rendered: for info, warning, exception and a level given by number."""
+    buf = io.BytesIO()
+    configure_logging(file=buf, level="debug")
+    log = structlog.get_logger("metnos_exec")
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("info", {"event": "job.started", "timeout_s": 3.0, "degraded": False}),
+        ("warning", {"event": "lease.lost", "executor": "call-wins", "visibility_s": 30}),
+        ("info", {"event": "job.finished", "level": "bogus", "ts": "bogus", "n": 1}),
+        ("debug", {"event": "job.received", "usage": Usage(wall_s=0.25)}),
+    ]
+    with structlog.contextvars.bound_contextvars(job_id="j1", executor="e", sandbox=None):
+        for method, kw in calls:
+            getattr(log, method)(**kw)
+        log.log(30, "worker.error", error="by number")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("worker.error", error="x")
+        expected = [_chain_record(m, **kw) for m, kw in calls]
+        calls.append(("warning", {"event": "worker.error", "error": "by number"}))
+        expected.append(_chain_record(*calls[-1][:1], **calls[-1][1]))
+    lines = [msgspec.json.decode(line) for line in buf.getvalue().splitlines()]
+    assert len(lines) == 6
+    context = {"job_id", "executor", "sandbox"}
+    assert len(expected) == 5
+    for got, want, (_, kw) in zip(lines, expected, calls, strict=False):
+        want = msgspec.json.decode(msgspec.json.encode(want))  # Structs as JSON
+        assert TS_RE.match(got.pop("ts")) and TS_RE.match(want.pop("ts"))
+        # The context's own keys come last, in no promised order (the chain's followed
+        # the interpreter's context mapping).
+        own = [k for k in want if k not in context or k in kw]
+        assert list(got)[: len(own)] == own
+        assert got == want
+    assert lines[1]["executor"] == "call-wins"
+    assert lines[2]["level"] == "info"
+    failed = lines[5]
+    assert list(failed)[:3] == ["ts", "level", "event"]
+    assert failed["level"] == "error" and failed["job_id"] == "j1"
+    assert failed["exception"][0]["exc_type"] == "ValueError"
+    assert failed["exception"][0]["exc_value"] == "boom"
+
+
 def test_configure_to_path_creates_parent(tmp_path: Path) -> None:
     target = tmp_path / "sub" / "w.jsonl"
     configure_logging(file=target)

@@ -221,6 +221,12 @@ async def test_context_is_bound_on_every_job_record(
     events = {job_id: [e["event"] for e in records] for job_id, records in by_job.items()}
     assert events[ran] == ["job.received", "job.started", "job.finished"]
     assert all(e["correlation_id"] == "run-1/3" for e in by_job[ran])
+    # A job's context stays its own: no other job's records, nor the worker's, carry it.
+    assert not [
+        e for j, records in by_job.items() if j != ran for e in records if "correlation_id" in e
+    ]
+    worker_records = [e for e in seen if e["event"].startswith("worker.")]
+    assert worker_records and all("job_id" not in e and "attempt" not in e for e in worker_records)
     for job_id in (bad_args, unknown, broken):
         assert events[job_id] == ["job.received", "job.rejected", "job.finished"]
     assert events[malformed] == ["job.bad_message"]
