@@ -1491,6 +1491,12 @@ RESOURCES = [
         """,
         limits={"pids": 16},
         stopped_by=frozenset({"E_KILLED"}),
+        # Unprivileged there is no pids cgroup: RLIMIT_NPROC counts every process of the
+        # worker's uid, set at the job's start to what runs plus the budget, so when the
+        # worker's other jobs end meanwhile this one may fork a few more (seen: 19 of 16;
+        # still refused, EAGAIN). The report says so; as root the slot uid's own holds.
+        through="unprivileged",
+        reason="counted per user",
     ),
     Attempt(
         "resources.raise_own_limits",
