@@ -489,3 +489,26 @@ async def test_an_ack_whose_reply_was_lost_is_reported_stored(redis_server: Redi
         # Another lease's double ack is still refused: the replay is per token.
         assert await b.ack(two, _ok(two))
         assert not await b.ack(two, _ok(two))
+
+
+@pytest.mark.anyio
+async def test_scripts_flushed_under_an_open_broker_are_loaded_again(
+    redis_server: RedisServer,
+) -> None:
+    """The hot scripts run as bare EVALSHA on a pooled connection; a Redis that no longer
+    has them (restarted, or SCRIPT FLUSH) answers NOSCRIPT, and the call loads the script
+    and runs it: no error, each step done once."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        await b.submit(first := Job(executor="echo"))
+        await raw.script_flush()
+        [lease] = await b.lease("w1", visibility_s=10)
+        assert lease.job.id == first.id and lease.attempt == 1
+        await raw.script_flush()
+        assert await b.mark_started(lease)
+        await raw.script_flush()
+        assert await b.ack(lease, _ok(lease))
+        assert not await b.ack(lease, _ok(lease))  # fenced: settled once
+        result = await b.get_result(first.id)
+        assert result is not None and result.status == "succeeded"
+        assert (await b.stats()).done == 1

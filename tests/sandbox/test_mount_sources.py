@@ -59,13 +59,20 @@ def test_missing_is_not_found_and_relative_is_refused(opener: str, tree: Path) -
         open_source("relative/path")
 
 
-def test_check_folder_and_symlink_on_path(tree: Path) -> None:
+def test_check_folder_and_symlink_on_path(opener: str, tree: Path) -> None:
+    # With openat2 the common answer is one syscall; without it (or when it refuses)
+    # the component walk answers: the same answers either way.
     assert check_folder(str(tree / "real" / "inner")) is True
+    assert check_folder(str(tree / "real" / "file")) is True
+    assert check_folder(str(tree / "real" / "file" / "below")) is False
     assert check_folder(str(tree / "real" / "missing" / "deeper")) is False
     assert symlink_on_path(str(tree / "link" / "inner")) == str(tree / "link")
     assert symlink_on_path(str(tree / "real" / "inner")) is None
     with pytest.raises(SymlinkedFolder, match="-> "):
         check_folder(str(tree / "link" / "missing"))
+    for rel in ("link", "link/inner", "real/self", "real/self/x"):
+        with pytest.raises(SymlinkedFolder, match="-> "):
+            check_folder(str(tree / rel))
 
 
 def test_flags_bind_from_the_fds_and_leave_out_what_was_not_opened() -> None:
