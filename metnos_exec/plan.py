@@ -47,6 +47,7 @@ Construction rules (each tested in ``tests/test_plan.py``):
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -151,6 +152,23 @@ def default_skills_root(home: str, environ: Mapping[str, str] | None = None) -> 
     """``$METNOS_SKILLS_ROOT`` or ``<home>/.metnos/skills``."""
     env = os.environ if environ is None else environ
     return env.get("METNOS_SKILLS_ROOT") or os.path.join(home, ".metnos", "skills")
+
+
+def _folder_entry(path: str, entry: str) -> tuple[str, str]:
+    """The executor's folder (normalised, absolute) and its entry file. Pure string work,
+    the same for every job of an executor: cached when `path` is absolute (a relative one
+    depends on the working directory). Nothing on disk is read here; the folder is checked
+    for every job by `check_folder`."""
+    if os.path.isabs(path):
+        return _folder_entry_abs(path, entry)
+    folder = os.path.normpath(os.path.abspath(path))
+    return folder, os.path.join(folder, entry)
+
+
+@functools.lru_cache(maxsize=256)
+def _folder_entry_abs(path: str, entry: str) -> tuple[str, str]:
+    folder = os.path.normpath(path)
+    return folder, os.path.join(folder, entry)
 
 
 def _limits(manifest: Manifest, timeout_s: float | None) -> ResourceLimits:
@@ -292,10 +310,9 @@ def plan_invocation(
     # Real since the registry loaded it: checked, never resolved again (a symlink swapped
     # in since, at the executors root or anywhere on the way, is refused: E_SYMLINKED_FOLDER;
     # the bwrap arm checks again when it opens the folder to bind it).
-    folder = os.path.normpath(os.path.abspath(str(executor.path)))
+    folder, entry = _folder_entry(str(executor.path), manifest.entry)
     if not check_folder(folder):
         raise MissingFolder(f"{manifest.name}: its folder {folder} is gone; nothing ran")
-    entry = os.path.join(folder, manifest.entry)
     notes: list[str] = []
     if effective.provider_bindings:
         # Only a provider binding mounts a skill's home: resolved for those jobs alone.
