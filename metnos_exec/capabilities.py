@@ -132,6 +132,8 @@ class EffectiveCapabilities(msgspec.Struct, frozen=True):
 
     def of(self, kind: str, mode: str | None = None) -> tuple[Capability, ...]:
         """Active capabilities of `kind` (and `mode`, when given)."""
+        if not self.active:  # most executors declare few kinds; none at all is common
+            return ()
         return tuple(c for c in self.active if c.kind == kind and (mode is None or c.mode == mode))
 
     @property
