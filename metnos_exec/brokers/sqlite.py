@@ -716,33 +716,41 @@ class SQLiteBroker(Broker):
             try:
                 limiter.acquire_nowait()
             except anyio.WouldBlock:
-                pass
+                # Another call of ours holds the connection: wait for it, then run inline
+                # all the same. Sent to a thread instead, this call held the connection
+                # across its hop, so the next call found it busy and hopped in turn:
+                # measured, one call sent to a thread (a batch, a lock held by another
+                # process) made nearly every later call of the run take a thread (three
+                # hops per ~64 echo jobs).
+                await limiter.acquire()
+                if self._closed:
+                    limiter.release()
+                    raise BrokerUnavailable(f"the broker on {self.path} is closed") from None
+            try:
+                out = fn(*args)
+            except sqlite3.Error as exc:
+                limiter.release()
+                # Only a lock held elsewhere is redone (in a thread that may wait); a
+                # transaction body either failed at BEGIN or was rolled back, so
+                # redoing it is safe.
+                code = getattr(exc, "sqlite_errorcode", None)
+                if not isinstance(code, int) or code & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise self._error(exc) from None
+            except BaseException:
+                limiter.release()
+                raise
             else:
-                try:
-                    out = fn(*args)
-                except sqlite3.Error as exc:
-                    limiter.release()
-                    # Only a lock held elsewhere is redone (in a thread that may wait); a
-                    # transaction body either failed at BEGIN or was rolled back, so
-                    # redoing it is safe.
-                    code = getattr(exc, "sqlite_errorcode", None)
-                    if not isinstance(code, int) or code & 0xFF != sqlite3.SQLITE_BUSY:
-                        raise self._error(exc) from None
-                except BaseException:
-                    limiter.release()
-                    raise
-                else:
-                    # Released *before* the checkpoint: held across it, the connection
-                    # looked busy to every task that ran meanwhile, which then took the
-                    # thread path (a thread hop per call, and the next call found that
-                    # one busy in turn: measured, every lease of a bwrap run went there).
-                    limiter.release()
-                    # Inline work never yielded: give other tasks a turn, as any async
-                    # call should. Shielded: the work is done (a lease taken, an ack
-                    # committed), and a cancel here would throw its result away; the
-                    # caller sees the cancellation at its next checkpoint.
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
-                    return out
+                # Released *before* the checkpoint: held across it, the connection
+                # looked busy to every task that ran meanwhile, which then took the
+                # thread path (a thread hop per call, and the next call found that
+                # one busy in turn: measured, every lease of a bwrap run went there).
+                limiter.release()
+                # Inline work never yielded: give other tasks a turn, as any async
+                # call should. Shielded: the work is done (a lease taken, an ack
+                # committed), and a cancel here would throw its result away; the
+                # caller sees the cancellation at its next checkpoint.
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+                return out
         try:
             return await anyio.to_thread.run_sync(self._patient, fn, args, limiter=limiter)
         except sqlite3.Error as exc:
