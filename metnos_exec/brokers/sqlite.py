@@ -14,8 +14,10 @@ Within a process, each broker object owns one connection, used by one call at a 
 hop to a worker thread (~120 us here), and that hop alone would cap one worker below 4,000
 acks/s. When another process holds the lock (``SQLITE_BUSY``) the call is redone in a
 worker thread (`anyio.to_thread.run_sync`) with the full busy timeout, so the event loop
-never waits on another process. Large batches (more than 8 submits or acks, leases of more
-than 64 jobs) go straight to the thread so they never stall the loop for milliseconds.
+never waits on another process. Large batches (more than 8 submits, leases of more than 64
+jobs, acks or start marks of more than 128) go straight to the thread so they never stall the
+loop for long; a worker's own batches (at most about its concurrency) stay inline. A call that
+finds the connection busy with another call of ours waits for it, then runs inline too.
 
 Idle waiting (`wait_for_work`, `wait_result`) polls every ``poll_interval_s`` (50 ms by
 default): other processes cannot signal us, and the idle check is a plain read through
@@ -1120,7 +1122,7 @@ class SQLiteBroker(Broker):
                 for lease in leases
             ]
 
-        oks: list[bool] = await self._run(self._txn, work, inline=len(leases) <= 8)
+        oks: list[bool] = await self._run(self._txn, work, inline=len(leases) <= 128)
         return oks
 
     def _ack_one(self, db: sqlite3.Connection, lease: Lease, result: Result, now: float) -> bool:
@@ -1140,7 +1142,7 @@ class SQLiteBroker(Broker):
         def work(db: sqlite3.Connection, now: float) -> list[bool]:
             return [self._ack_one(db, lease, result, now) for lease, result in items]
 
-        oks: list[bool] = await self._run(self._txn, work, inline=len(items) <= 8)
+        oks: list[bool] = await self._run(self._txn, work, inline=len(items) <= 128)
         self._wake_results()
         return oks
 
