@@ -44,6 +44,7 @@ from metnos_exec.sandbox.bwrap import (
 )
 from metnos_exec.sandbox.flags import guest_python
 from tests.conftest import need, need_privileged
+from tests.helpers.kernel import inotify_refused
 from tests.test_process import _reset_peak_rss, _vm_kib
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
@@ -912,18 +913,6 @@ print(json.dumps({"held": held, "error": why}))
 """
 
 
-def _inotify_refused() -> int:
-    """0, or the errno that refused this process (the worker's uid) an inotify instance."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_CLOEXEC)
-    if fd < 0:
-        return ctypes.get_errno()
-    os.close(fd)
-    return 0
-
-
 async def test_per_user_kernel_quotas_are_shared_with_the_worker_unless_a_slot_uid(
     arm: BwrapSandbox, tmp_path: Path
 ) -> None:
@@ -972,7 +961,7 @@ async def test_per_user_kernel_quotas_are_shared_with_the_worker_unless_a_slot_u
                     raise
             await anyio.sleep(0.01)
         try:
-            refused.append(_inotify_refused())
+            refused.append(inotify_refused())
         finally:
             os.close(writer)
     outcome = outcomes[0]

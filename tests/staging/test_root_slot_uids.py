@@ -12,7 +12,6 @@ unprivileged worker's staging is the rest of ``tests/staging``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -33,6 +32,7 @@ from metnos_exec.sandbox.bwrap import ROOT_QUOTAS_REASON
 from metnos_exec.sandbox.staged import IdmapUnavailable, StagedPlacement
 
 from ..conftest import need, need_privileged
+from ..helpers.kernel import inotify_refused
 from ..sandbox.test_bwrap import need_slot_uids
 from .helpers import World, make_world, staging_works, wait_for
 
@@ -234,16 +234,6 @@ def inotify_limit() -> int:
     return int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
 
 
-def root_may_create_an_inotify_instance() -> int:
-    """0, or the errno that refused root (this test process) a new inotify instance."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_CLOEXEC)
-    if fd < 0:
-        return ctypes.get_errno()
-    os.close(fd)
-    return 0
-
-
 async def test_a_staged_job_cannot_use_up_roots_inotify_instances(world: World) -> None:
     # Inotify instances are counted per user, machine-wide (fs.inotify.max_user_instances).
     # As root, a staged job's instances were root's: while it held them every root
@@ -258,7 +248,7 @@ async def test_a_staged_job_cannot_use_up_roots_inotify_instances(world: World) 
         from .helpers import staged_file_seen
 
         await wait_for(lambda: staged_file_seen(world, "held.txt"), 20)
-        refused.append(root_may_create_an_inotify_instance())
+        refused.append(inotify_refused())  # root: this test process
 
     result = await serve_until_done(world, job, look)
     assert result.status == "succeeded", result
