@@ -922,15 +922,29 @@ class _SlotMemory:
             self._write("memory.limit_in_bytes", value)
         self._limit = limit
 
+    def empty(self) -> None:
+        """Reclaim what the cgroup holds and can give back (page cache); best effort."""
+        with contextlib.suppress(OSError):
+            self._write("memory.force_empty", "0")
+
     def begin(self) -> int | None:
         """Reset the peak and return the OOM-kill count before a run (``None``: the kernel
-        keeps none, < 4.13)."""
+        keeps none, < 4.13).
+
+        Raises:
+            OSError: EBUSY when more than a few MiB stay charged that cannot be reclaimed.
+        """
         # Page cache left by earlier runs on this slot counts in this run's peak (and in
         # its limit until reclaimed, which the kernel does before any OOM kill). Dropping
         # it costs ~1.7 ms a job, so only when more than a few MiB are left: a no-op job
         # leaves ~5 MiB, mostly the interpreter's files the next job reads again anyway.
         if int(self._read("memory.usage_in_bytes")) > _STALE_CACHE_BYTES:
-            self._write("memory.force_empty", "0")
+            self.empty()
+            left = int(self._read("memory.usage_in_bytes"))
+            if left > _STALE_CACHE_BYTES:
+                # Not reclaimable (a host tmpfs file an earlier run wrote, without swap):
+                # it would eat into this run's budget. `_run_in_slot` starts a new cgroup.
+                raise OSError(errno.EBUSY, f"{left} bytes left charged by earlier runs")
         self._write("memory.max_usage_in_bytes", "0")
         return self.oom_kills()
 
@@ -956,6 +970,8 @@ class Slot:
         self.spawner = _Spawner(f"metnos-spawner-{index}")
         self.cgroup = cgroup
         self.memory = memory
+        #: How many times `memory` was replaced by an empty one (`_renew_slot_memory`).
+        self.memory_generation = 0
         #: A drain failed: never lent again (see `_run_in_slot`).
         self.retired = False
         self._identity: SlotIdentity | None = None
@@ -1063,12 +1079,17 @@ class _SlotPool:
             self._free.append(slot)
 
 
-def _slot_memory(index: int) -> _SlotMemory | None:
-    """Slot `index`'s memory cgroup, created, or ``None`` when there can be none here."""
+def _slot_memory(index: int, generation: int = 0) -> _SlotMemory | None:
+    """Slot `index`'s memory cgroup, created, or ``None`` when there can be none here.
+
+    `generation` > 0 names a replacement (`_renew_slot_memory`): ``<pid>-slot-<i>.<g>``,
+    still swept by the worker pid before the first ``-``.
+    """
     parent = _memory_parent()
     if parent is None:
         return None
-    path = parent / f"{os.getpid()}-slot-{index}"
+    suffix = f".{generation}" if generation else ""
+    path = parent / f"{os.getpid()}-slot-{index}{suffix}"
     try:
         # parents: another worker sharing our memory cgroup may have removed an empty
         # `metnos` on its way out (see `_remove_slot_memory`).
@@ -1076,6 +1097,40 @@ def _slot_memory(index: int) -> _SlotMemory | None:
     except OSError:
         return None
     return _SlotMemory(path)
+
+
+async def _renew_slot_memory(slot: Slot) -> _SlotMemory | None:
+    """Move `slot`'s thread into a new, empty memory cgroup and remove the old one.
+
+    For a slot whose memory cgroup still holds more than the next run's limit once what
+    can be reclaimed was (`_SlotMemory.set_limit` fails with EBUSY): pages an earlier run
+    left that outlive it and cannot be reclaimed without swap, such as a host tmpfs file
+    it wrote. Lowering the limit is then impossible, and a run that went on without it
+    would have no memory wall at all. The old cgroup's charges pass to the ``metnos``
+    parent when it is removed, so they still count against the worker's own budget.
+
+    Returns:
+        The new memory cgroup (also set as ``slot.memory``), or ``None`` when none could
+        be made or joined (the run then says its memory was not bounded as a whole).
+    """
+    old = slot.memory
+    slot.memory_generation += 1
+    new = _slot_memory(slot.index, slot.memory_generation)
+    if new is not None:
+        try:
+            await _on_spawner(new.join_current_thread, slot.spawner)
+        except OSError:
+            with contextlib.suppress(OSError):
+                new.path.rmdir()
+            new = None
+    if new is None and old is not None:
+        # The thread is still in `old`: keep it (a later run with a larger limit may fit).
+        return None
+    if old is not None:
+        with contextlib.suppress(OSError):
+            old.path.rmdir()
+    slot.memory = new
+    return new
 
 
 _slots = _SlotPool()
@@ -1504,6 +1559,22 @@ async def run_process(
     return await _run(spec, timeout, grace)
 
 
+def _limit_for_run(memory: _SlotMemory, limit: int | None) -> int | None:
+    """Set `memory`'s limit for the next run and begin it (`_SlotMemory.begin`); once
+    more after emptying the cgroup of what can be reclaimed when the kernel refuses.
+
+    Raises:
+        OSError: the limit cannot be set even then (EBUSY: what is left charged cannot be
+            reclaimed).
+    """
+    try:
+        memory.set_limit(limit)
+    except OSError:
+        memory.empty()
+        memory.set_limit(limit)
+    return memory.begin()
+
+
 async def _run_in_slot(
     spec: ProcessSpec, slot: Slot, budget_s: float, grace: float
 ) -> ProcessResult:
@@ -1517,12 +1588,18 @@ async def _run_in_slot(
     oom_before: int | None = None
     if memory is not None:
         try:
-            memory.set_limit(spec.memory_max)
-            oom_before = memory.begin()
+            oom_before = _limit_for_run(memory, spec.memory_max)
         except OSError:
-            # EBUSY: more is charged than the limit and cannot be reclaimed. The run goes
-            # on with its per-process limits only, and says so (memory_limited=False).
-            memory = None
+            # EBUSY: earlier runs left more charged than this limit, or than a few MiB of
+            # it, and it cannot be reclaimed. A new, empty cgroup holds the run
+            # (`_renew_slot_memory`); only when none can be made does it go on with its
+            # per-process limits, and say so (memory_limited=False).
+            memory = await _renew_slot_memory(slot)
+            if memory is not None:
+                try:
+                    oom_before = _limit_for_run(memory, spec.memory_max)
+                except OSError:
+                    memory = None
     try:
         result = await _run(spec, budget_s, grace, slot=slot)
         if memory is None:

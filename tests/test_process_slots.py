@@ -473,6 +473,60 @@ async def test_pooled_run_over_its_memory_is_oom_killed_and_the_worker_lives() -
 
 
 @pytest.mark.anyio
+async def test_a_slot_left_charged_above_the_next_budget_still_bounds_the_next_run() -> None:
+    """Memory an earlier run left charged to the slot (here: pages of a host tmpfs file it
+    wrote, which stay charged while the file lives and, without swap, cannot be reclaimed)
+    must not take the next run's memory wall down: lowering the limit under what is
+    charged fails (EBUSY), and the run then went on with per-process limits only while the
+    report said "no memory cgroup" (CI, tests/adversarial: memory_across_processes)."""
+    need_slots()
+    need_privileged(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    shm = Path("/dev/shm") / f"metnos-test-charge-{os.getpid()}"
+    fill = f"f = open({str(shm)!r}, 'wb'); [f.write(b'x' * (1 << 20)) for _ in range(96)]"
+    try:
+        async with process.pooled_slot() as slot:
+            assert slot is not None and slot.memory is not None
+            first = await run_process(pooled(PY, "-c", fill, pids_max=4), timeout=60, slot=slot)
+            assert first.returncode == 0, first.stderr
+            charged = int(slot.memory._read("memory.usage_in_bytes"))
+            second = await run_process(
+                pooled(PY, "-c", "b = b'\\x01' * (200 << 20)", pids_max=4, memory_max=32 * MiB),
+                timeout=60,
+                slot=slot,
+            )
+        assert second.memory_limited, f"{charged >> 20} MiB left charged took the wall down"
+        assert second.oom_killed and second.returncode == -signal.SIGKILL
+        peak = second.memory_peak_bytes
+        assert peak is not None and peak <= 32 * MiB
+    finally:
+        shm.unlink(missing_ok=True)
+
+
+@pytest.mark.anyio
+async def test_what_an_earlier_run_left_charged_does_not_eat_the_next_runs_budget() -> None:
+    """Left charged under the next limit, it would still count against it: a run using
+    50 of its 64 MiB was OOM-killed for the 40 MiB an earlier run's host tmpfs file held."""
+    need_slots()
+    need_privileged(process.memory_cgroup_available(), "no writable cgroup v1 memory hierarchy")
+    shm = Path("/dev/shm") / f"metnos-test-charge-{os.getpid()}"
+    fill = f"f = open({str(shm)!r}, 'wb'); [f.write(b'x' * (1 << 20)) for _ in range(40)]"
+    use = "b = b'\\x01' * (50 << 20); print(len(b))"
+    try:
+        async with process.pooled_slot() as slot:
+            assert slot is not None and slot.memory is not None
+            first = await run_process(pooled(PY, "-c", fill, pids_max=4), timeout=60, slot=slot)
+            assert first.returncode == 0, first.stderr
+            second = await run_process(
+                pooled(PY, "-c", use, pids_max=4, memory_max=64 * MiB), timeout=60, slot=slot
+            )
+        assert second.memory_limited
+        assert second.returncode == 0 and not second.oom_killed, second
+        assert second.stdout.strip() == str(50 * MiB).encode()
+    finally:
+        shm.unlink(missing_ok=True)
+
+
+@pytest.mark.anyio
 async def test_memory_unbounded_is_said_when_no_memory_cgroup_holds_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
