@@ -6,7 +6,9 @@ to a provider skill (its tokens live on the server). A device worker refuses suc
 when it leases it (``E_SERVER_PINNED``), but by then the producer has long gone. So the
 refusal happens at submit: the producer (`client.Client.submit`, hence ``metnos-exec
 submit``) often has no executors folder, only the broker, so **server workers publish
-their executors' manifests to the broker** when they start (`Broker.publish_executors`)
+their executors' manifests to the broker** when they start (`Broker.publish_executors`),
+again after a failed try, when the store is back after failing, and every five minutes
+(a broker that lost them, such as Redis restarted without persistence, has them back),
 and submit looks the executor up there (`Broker.executor_info`) and refuses a device job
 that `device_refusal` says must stay on the server, before anything is queued.
 

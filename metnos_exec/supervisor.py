@@ -157,6 +157,8 @@ _GATING: Final = frozenset({"lease", "mark_started", "ack", "retry", "release"})
 
 #: How often a worker purges finished jobs past their retention (and once at start).
 _PURGE_EVERY_S: Final = 3600.0
+#: How often a server worker publishes its executors again (`Supervisor._catalog_loop`).
+_CATALOG_EVERY_S: Final = 300.0
 #: ``commit.filtered`` records logged per job at most (the rest are counted, not listed).
 _FILTERED_LOGGED: Final = 100
 #: Paths listed in an ``undo.recorded`` / ``undo.applied`` record at most.
@@ -267,6 +269,8 @@ class Supervisor:
         retention_s: finished jobs older than this are purged (at start, then every
             ``purge_every_s``); ``None`` never purges.
         purge_every_s: how often to purge.
+        catalog_every_s: how often a server worker publishes its executors again (see
+            `_catalog_loop`).
         store_backoff: failures in a row → seconds before trying the store again.
         settle_grace_s: after a drain's grace, how long results still waiting for the
             store may keep the worker before they are given up.
@@ -301,6 +305,7 @@ class Supervisor:
         python: str | None = None,
         retention_s: float | None = DEFAULT_RETENTION_S,
         purge_every_s: float = _PURGE_EVERY_S,
+        catalog_every_s: float = _CATALOG_EVERY_S,
         store_backoff: Callable[[int], float] = store_backoff,
         settle_grace_s: float = _SETTLE_GRACE_S,
     ) -> None:
@@ -353,6 +358,9 @@ class Supervisor:
             raise ValueError("retention_s must be positive (or None: keep forever)")
         self.retention_s = retention_s
         self.purge_every_s = purge_every_s
+        self.catalog_every_s = catalog_every_s
+        #: Set when the store is back after failing: the catalog is published at once.
+        self._republish = anyio.Event()
         self.store_backoff = store_backoff
         self.settle_grace_s = settle_grace_s
         self.fatal_error: BrokerError | None = None
@@ -490,8 +498,8 @@ class Supervisor:
                     _log.warning(
                         "worker.error", error=f"blob collection: {type(exc).__name__}: {exc}"
                     )
-        if self.device == SERVER_DEVICE and self.registry:
-            await self._publish_executors()
+        publishes = self.device == SERVER_DEVICE and bool(self.registry)
+        published = await self._publish_executors() if publishes else False
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
@@ -504,6 +512,8 @@ class Supervisor:
                 tg.start_soon(self._cancel_poll_loop, name="cancel polls")
                 if self.retention_s is not None:
                     tg.start_soon(self._retention_loop, self.retention_s, name="retention")
+                if publishes:
+                    tg.start_soon(self._catalog_loop, published, name="catalog")
                 task_status.started()
                 async with anyio.create_task_group() as jobs:
                     await self._lease_loop(jobs, burst=burst)
@@ -525,10 +535,11 @@ class Supervisor:
                 **self.stats,
             )
 
-    async def _publish_executors(self) -> None:
+    async def _publish_executors(self) -> bool:
         """Tell the broker what this server worker runs (`catalog`): a submit can then
         refuse a device job whose executor must stay on the server. A failure only delays
-        that refusal to the device's lease; it never stops the worker."""
+        that refusal to the device's lease; it never stops the worker (`_catalog_loop`
+        tries again). Returns whether it worked."""
         from .catalog import ExecutorInfo
 
         infos = [
@@ -539,6 +550,24 @@ class Supervisor:
             await self.broker.publish_executors(infos)
         except Exception as exc:
             self._broker_failed("publish_executors", exc)
+            return False
+        return True
+
+    async def _catalog_loop(self, published: bool) -> None:
+        """Publish the executors again: after a failed publication (with the store's
+        backoff), as soon as the store is back after failing, and every
+        ``catalog_every_s`` in any case, so a broker that lost the catalog while the
+        worker ran (Redis restarted without persistence, a queue file replaced) has it
+        back without a restart. Until then a device job for a server-only executor is
+        queued and refused by the device at lease time (`catalog`), never run there."""
+        failures = 0 if published else 1
+        while True:
+            delay = self.store_backoff(failures) if failures else self.catalog_every_s
+            with anyio.move_on_after(delay):
+                await self._republish.wait()
+            if self._republish.is_set():
+                self._republish = anyio.Event()
+            failures = 0 if await self._publish_executors() else failures + 1
 
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
         while not self._draining and self.fatal_error is None:
@@ -667,6 +696,7 @@ class Supervisor:
             )
             self._store_failures = 0
             self._store_down_since = None
+            self._republish.set()
 
     async def _wait_for_store(self) -> None:
         """The lease loop's pause while the store fails (drain cuts it short)."""

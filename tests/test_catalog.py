@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 
 from metnos_exec.brokers import Broker, open_broker
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.brokers.sqlite import SCHEMA_VERSION, SQLiteBroker
-from metnos_exec.catalog import device_refusal
+from metnos_exec.catalog import ExecutorInfo, device_refusal
 from metnos_exec.client import Client
-from metnos_exec.errors import ServerPinned
+from metnos_exec.errors import BrokerUnavailable, ServerPinned
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
@@ -98,6 +99,76 @@ async def test_an_executor_nobody_published_is_queued_and_the_device_refuses_it(
     assert result is not None and result.status == "rejected"
     assert result.error is not None and result.error.code == "E_SERVER_PINNED"
     assert await broker.executor_info("server_only") is None
+
+
+async def lose_catalog(broker: Broker) -> None:
+    """What a broker restart without its data does to the catalog (Redis without
+    persistence, a queue file restored from before the worker started)."""
+    if isinstance(broker, MemoryBroker):
+        broker._catalog.clear()
+    elif isinstance(broker, SQLiteBroker):
+        with contextlib.closing(sqlite3.connect(broker.path)) as db, db:
+            db.execute("DELETE FROM executors")
+    else:
+        from metnos_exec.brokers.redis import RedisBroker
+
+        assert isinstance(broker, RedisBroker)
+        await broker._redis.delete([broker.keys.executors])
+
+
+async def wait_published(broker: Broker, name: str) -> None:
+    with anyio.fail_after(10):
+        while await broker.executor_info(name) is None:  # noqa: ASYNC110 - polls another store
+            await anyio.sleep(0.01)
+
+
+async def test_a_catalog_lost_while_the_worker_runs_is_published_again(
+    broker: Broker, executors: Path
+) -> None:
+    sup = Supervisor(
+        broker,
+        ExecutorRegistry.load(executors),
+        worker_id="srv",
+        arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
+        idle_poll_s=0.05,
+        catalog_every_s=0.05,
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(sup.run)
+        await wait_published(broker, "server_only")
+        await lose_catalog(broker)
+        assert await broker.executor_info("server_only") is None
+        await wait_published(broker, "server_only")
+        with pytest.raises(ServerPinned):
+            await Client(broker).submit("server_only", {}, device="phone")
+        await sup.drain(0)
+
+
+async def test_a_publication_that_failed_at_start_is_tried_again(executors: Path) -> None:
+    class Flaky(MemoryBroker):
+        failures = 2
+
+        async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise BrokerUnavailable("the store restarts")
+            await super().publish_executors(infos)
+
+    broker = Flaky()
+    sup = Supervisor(
+        broker,
+        ExecutorRegistry.load(executors),
+        worker_id="srv",
+        arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
+        idle_poll_s=0.05,
+        store_backoff=lambda n: 0.01 * n,
+    )
+    async with broker, anyio.create_task_group() as tg:
+        await tg.start(sup.run)
+        # The next try is the store's backoff away, not catalog_every_s (5 minutes).
+        await wait_published(broker, "server_only")
+        assert broker.failures == 0 and sup.stats["broker_errors"] == 2
+        await sup.drain(0)
 
 
 def test_device_refusal_mirrors_the_planner(executors: Path) -> None:
