@@ -179,6 +179,8 @@ class WasmEngine:
         self._memory: dict[str, Loaded] = {}
         self._denied: dict[str, str] = {}
         self._source_keys: dict[tuple[str, int, int, int], str] = {}
+        # Compiles and links under way: `close` must not free what they are using.
+        self._busy = 0
         _live_engines.add(self)
 
     # --- keys ---------------------------------------------------------------------------
@@ -232,8 +234,14 @@ class WasmEngine:
                 denied = self._denied.get(key)
             if denied is not None:
                 raise SandboxDenied(denied)
-            module, how = self._from_disk_or_compile(key, data, source, cache_dir)
-            pre, refusal = self._link(module, source)
+            with self._lock:
+                self._busy += 1
+            try:
+                module, how = self._from_disk_or_compile(key, data, source, cache_dir)
+                pre, refusal = self._link(module, source)
+            finally:
+                with self._lock:
+                    self._busy -= 1
             if pre is None:
                 # Remember the verdict, and drop the module before raising: a traceback
                 # kept by the caller would otherwise pin it (and its mapped file) alive.
@@ -305,9 +313,15 @@ class WasmEngine:
         the engine is unusable afterwards). Run for every live engine at interpreter exit
         (`close_engines`): left to their finalizers, wasmtime's objects were freed while
         the interpreter was tearing wasmtime's own modules down, and each printed
-        "Exception ignored in: <function Managed.__del__ ...> TypeError"."""
+        "Exception ignored in: <function Managed.__del__ ...> TypeError".
+
+        An engine with a compile under way is left open (and alive: the compiling thread
+        holds it): a worker stopped during a cold compile abandons it on a daemon thread,
+        and freeing the engine under it crashed the process in wasmtime at exit."""
         self.ticker.stop()
         with self._lock:
+            if self._busy:
+                return
             loaded, self._memory = list(self._memory.values()), {}
             self._denied.clear()
             self._source_keys.clear()

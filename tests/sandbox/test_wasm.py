@@ -985,3 +985,51 @@ def test_engines_are_closed_at_exit_not_left_to_finalizers() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["Success", "Success", "open:"], done
     assert "Managed" not in done.stderr, done.stderr
+
+
+# A worker told to stop during the cold compile of python.wasm (4-8 s) leaves the compile
+# on its daemon thread and exits. The exit hook that closes the engines must not free the
+# engine that compile is using: it did, and the process died in wasmtime with "memory
+# allocation of 18446744073709551615 bytes failed" (SIGABRT) instead of exiting 0.
+_EXIT_DURING_COMPILE = """
+import sys, threading
+from functools import partial
+import anyio
+from wasmtime import _ffi as ffi
+from metnos_exec.sandbox.wasm import WasmSandbox
+
+compiling = threading.Event()
+original = ffi.wasmtime_module_new
+
+def spy(*args):
+    compiling.set()
+    return original(*args)  # the compile proper, in wasmtime, without the GIL
+
+ffi.wasmtime_module_new = spy
+
+async def main():
+    arm = WasmSandbox(cache_dir=sys.argv[1])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(arm.preload, python=True, abandon_on_cancel=True))
+        assert await anyio.to_thread.run_sync(compiling.wait, 60)
+        tg.cancel_scope.cancel()  # the worker stops: the compile is left behind
+    print("left", flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_exiting_during_an_abandoned_cold_compile_does_not_crash(tmp_path: Path) -> None:
+    need(HAVE_RUNTIME, NO_RUNTIME)
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_DURING_COMPILE, str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "left\n", done
+    assert "Managed" not in done.stderr and "memory allocation" not in done.stderr, done.stderr
+    assert time.monotonic() - t0 < 60
