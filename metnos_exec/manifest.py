@@ -306,7 +306,18 @@ class ExecutorRegistry(Mapping[str, Executor]):
     def load(cls, root: str | os.PathLike[str], *, strict: bool = False) -> ExecutorRegistry:
         root_p = Path(root).resolve()
         if not root_p.is_dir():
+            if root_p.exists():
+                raise BadManifest(
+                    f"{root_p}: is not a folder; give the folder that holds the executor "
+                    "folders (each with its manifest.toml)"
+                )
             raise BadManifest(f"{root_p}: executors folder does not exist")
+        if (root_p / "manifest.toml").is_file():
+            # Left to load, it finds no executor and every job is "unknown executor".
+            raise BadManifest(
+                f"{root_p}: this is one executor's folder (it holds manifest.toml); give "
+                f"the folder that holds the executor folders: --executors {root_p.parent}"
+            )
         found: dict[str, Executor] = {}
         errors: dict[str, BadManifest] = {}
         folders: dict[str, str] = {}

@@ -603,3 +603,23 @@ def test_submit_and_status_on_redis(env: dict[str, str], redis_server: object) -
     assert cli(env, "cancel", job_id).returncode == 0
     res = cli(env, "result", job_id, "--json")
     assert json.loads(res.stdout)["status"] == "cancelled"
+
+
+def test_worker_refuses_an_executors_folder_that_is_not_a_folder_of_executors(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A newcomer's slip: `--executors` given one executor's own folder (or a file). The
+    worker started with no executor and rejected every queued job as unknown; now it
+    refuses to start, says why and names the folder to give, and leaves the jobs queued."""
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    one = tmp_path / "ex" / "sleepy"
+    out = cli(env, "worker", "--executors", str(one), "--burst")
+    assert out.returncode == EXIT["usage"], out.stderr
+    line = one_clear_line(out)
+    assert "E_BAD_MANIFEST" in line and "one executor's folder" in line, line
+    assert f"--executors {tmp_path / 'ex'}" in line, line
+    afile = one / "manifest.toml"
+    out = cli(env, "worker", "--executors", str(afile), "--burst")
+    assert out.returncode == EXIT["usage"], out.stderr
+    assert "is not a folder" in one_clear_line(out)
+    assert cli(env, "result", job).returncode == EXIT["pending"]
