@@ -21,11 +21,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from .errors import MetnosError
+
+if TYPE_CHECKING:
+    from .manifest import ExecutorRegistry
 
 __all__ = ("DoctorReport", "Finding", "diagnose")
 
@@ -39,7 +42,7 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
         check: the mechanism (``bwrap``, ``bwrap_bind_fd``, ``bwrap_disable_userns``,
             ``user_namespaces``, ``seccomp``, ``landlock``, ``cgroups``,
             ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``, ``broker``,
-            ``worker_user``, ``trust``).
+            ``executors``, ``worker_user``, ``trust``).
         state: ``ok``; ``weakened`` (works, with less containment); ``missing``; ``info``.
         detail: what was found.
         meaning: what it means for the containment report (or for the worker).
@@ -541,6 +544,51 @@ def _user_finding(st: Any) -> Finding:
     )
 
 
+def _executors_finding(
+    folder: str | os.PathLike[str], registry: ExecutorRegistry | None, error: str
+) -> Finding:
+    fix = (
+        "metnos-exec worker --executors DIR, DIR holding one folder per executor (its "
+        "manifest.toml and code), such as examples/executors"
+    )
+    if registry is None:
+        return Finding(
+            check="executors",
+            state="missing",
+            detail=error,
+            meaning="the worker refuses to start (E_BAD_MANIFEST)",
+            fix=fix,
+            required=True,
+        )
+    if registry.errors:
+        total = len(registry) + len(registry.errors)
+        broken = "; ".join(exc.message for _, exc in sorted(registry.errors.items()))
+        return Finding(
+            check="executors",
+            state="missing",
+            detail=f"{len(registry.errors)} of {total} executor(s) fail to load: {broken}",
+            meaning="the worker starts without them; their jobs are rejected (E_BAD_MANIFEST)",
+            fix="correct each manifest named above (the field and the problem are given)",
+            required=True,
+        )
+    if not len(registry):
+        return Finding(
+            check="executors",
+            state="missing",
+            detail=f"{folder}: no executor folder (no */manifest.toml) in it",
+            meaning="a worker started on it rejects every job (E_UNKNOWN_EXECUTOR)",
+            fix=fix,
+            required=True,
+        )
+    names = ", ".join(sorted(registry))
+    return Finding(
+        check="executors",
+        state="ok",
+        detail=f"{len(registry)} executor(s) load: {names}",
+        meaning="",
+    )
+
+
 def _trust_finding(device: str, trust_keys: Sequence[str], env: Mapping[str, str]) -> Finding:
     from .messages import SERVER_DEVICE
     from .signing import TRUST_KEYS_ENV, load_trust_keys
@@ -617,12 +665,15 @@ async def diagnose(
     except MetnosError:
         required_wall = True
     runtimes: set[str] = set()
+    executors_finding: Finding | None = None
     if executors is not None:
         try:
             registry = ExecutorRegistry.load(executors)
+        except MetnosError as exc:
+            executors_finding = _executors_finding(executors, None, exc.message)
+        else:
             runtimes = {registry[n].manifest.runtime for n in registry}
-        except MetnosError:
-            runtimes = set()
+            executors_finding = _executors_finding(executors, registry, "")
     findings = [
         *_bwrap_findings(st, env, required_wall),
         *_bwrap_feature_findings(st),
@@ -645,6 +696,8 @@ async def diagnose(
     findings.extend(_wasm_findings(st, runtimes))
     if broker_url is not None:
         findings.append(await _broker_finding(broker_url))
+    if executors_finding is not None:
+        findings.append(executors_finding)
     findings.append(_user_finding(st))
     findings.append(_trust_finding(device, trust_keys, env))
     healthy = all(f.state == "ok" for f in findings if f.required)

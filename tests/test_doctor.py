@@ -292,3 +292,32 @@ def test_the_cgroup_advice_is_what_the_code_uses(monkeypatch: pytest.MonkeyPatch
             assert "/sys/fs/cgroup/pids/metnos" in cg.fix and "/sys/fs/cgroup/memory" in cg.fix
         else:
             assert "/sys/fs/cgroup/metnos" in cg.fix and "root" in cg.fix
+
+
+def test_an_executors_folder_the_worker_cannot_use_is_reported(world: Path) -> None:
+    """`doctor --executors DIR` said "healthy" for a folder that does not exist (the worker
+    then refuses to start) and said nothing of manifests that fail to load (their jobs are
+    refused): each is now a required finding, with the fix."""
+    ex = world / "home" / "ex"
+    code, report = doctor(world, "--executors", str(ex), METNOS_REQUIRE_SANDBOX="never")
+    found = finding(report, "executors")
+    assert found["state"] == "missing" and found["required"] is True, found
+    assert "does not exist" in found["detail"] and found["fix"]
+    assert code == 1
+    for name, manifest in (("good", 'name = "good"'), ("bad", 'name = "bad')):
+        (ex / name).mkdir(parents=True)
+        (ex / name / "manifest.toml").write_text(
+            f'{manifest}\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+        )
+        (ex / name / "main.py").write_text("")
+    code, report = doctor(world, "--executors", str(ex), METNOS_REQUIRE_SANDBOX="never")
+    found = finding(report, "executors")
+    assert found["state"] == "missing" and found["required"] is True, found
+    assert "1 of 2" in found["detail"] and "bad" in found["detail"], found
+    assert "not valid TOML" in found["detail"] and "E_BAD_MANIFEST" in found["meaning"]
+    assert code == 1
+    (ex / "bad").rename(world / "home" / "bad")
+    code, report = doctor(world, "--executors", str(ex), METNOS_REQUIRE_SANDBOX="never")
+    found = finding(report, "executors")
+    assert found["state"] == "ok" and "good" in found["detail"], found
+    assert code == 0
