@@ -465,10 +465,13 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     if ns.delay:
         fields["not_before"] = time.time() + ns.delay
 
+    submitted: list[str] = []
+
     async def go() -> int:
         async with _open(ns.broker, create=True) as broker:
             client = Client(broker)
             job_id = await client.submit(ns.executor, args, **fields)
+            submitted.append(job_id)
             if not ns.wait:
                 _print_job_id(job_id, as_json=ns.json)
                 return 0
@@ -481,7 +484,18 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
             _print_result(result, as_json=ns.json, out=sys.stdout)
             return _STATUS_EXIT[result.status]
 
-    return _run(go)
+    try:
+        return _run(go)
+    except KeyboardInterrupt:
+        if not submitted:
+            raise
+        # Ctrl-C stops the waiting, not the job: say where it is and what to do with it.
+        job = submitted[0]
+        raise _Exit(
+            EXIT["interrupted"],
+            f"interrupted the wait; job {job} is not cancelled: a worker runs it "
+            f"(metnos-exec result {job} to see it, metnos-exec cancel {job} to drop it)",
+        ) from None
 
 
 def _cmd_result(ns: argparse.Namespace) -> int:

@@ -623,3 +623,31 @@ def test_worker_refuses_an_executors_folder_that_is_not_a_folder_of_executors(
     assert out.returncode == EXIT["usage"], out.stderr
     assert "is not a folder" in one_clear_line(out)
     assert cli(env, "result", job).returncode == EXIT["pending"]
+
+
+def test_ctrl_c_of_submit_wait_says_the_job_is_not_cancelled(env: dict[str, str]) -> None:
+    """Ctrl-C of `submit --wait` stops the waiting, not the job: the message says so and
+    how to see or drop it, instead of a bare "interrupted"."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metnos_exec", "submit", "sleepy", "--wait"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # "submitted ID": the job is queued, now waiting
+        assert first.startswith("submitted "), first
+        job = first.split()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT["interrupted"], err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"job {job} is not cancelled" in err, err
+    assert f"metnos-exec result {job}" in err and f"metnos-exec cancel {job}" in err, err
+    assert cli(env, "result", job).returncode == EXIT["pending"]
