@@ -365,7 +365,7 @@ async def _demo(root: Path) -> int:
     next_first = "" if on_path or not activate.exists() else f"  source {rel(activate)}\n"
     out.write(
         f"""
-next (in another terminal, from this folder):
+next (in another terminal, from {os.getcwd()}):
 {next_first}  export METNOS_BROKER=sqlite:///{rel(root / "metnos.db")}
   metnos-exec worker --executors {rel(executors)} --home {rel(home)} --log-file {rel(log_path)}
   metnos-exec submit write_note --arg 'path=~/notes/mine.md' --arg 'text=hello' --wait

@@ -651,3 +651,27 @@ def test_ctrl_c_of_submit_wait_says_the_job_is_not_cancelled(env: dict[str, str]
     assert f"job {job} is not cancelled" in err, err
     assert f"metnos-exec result {job}" in err and f"metnos-exec cancel {job}" in err, err
     assert cli(env, "result", job).returncode == EXIT["pending"]
+
+
+def test_dev_demo_takes_its_folder_from_where_it_is_typed(tmp_path: Path) -> None:
+    """`~/metnos-exec/dev demo mydemo` typed in another folder made `mydemo` inside the
+    checkout (the script moves there first), while the steps it printed said "from this
+    folder". The folder is now taken from where the command was typed, and the steps name
+    the folder they are to be typed in."""
+    need(shutil.which("bwrap") is not None, "bubblewrap is not installed")
+    root = Path(__file__).resolve().parents[1]
+    stamp = root / ".venv" / ".installed"
+    need(stamp.exists(), "./dev setup has not been run in this checkout")
+    env = {k: v for k, v in os.environ.items() if k != "METNOS_BROKER"}
+    out = subprocess.run(
+        [str(root / "dev"), "demo", "mydemo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "mydemo" / "metnos.db").exists()
+    assert not (root / "mydemo").exists()
+    assert f"next (in another terminal, from {root}):" in out.stdout, out.stdout[-1500:]
