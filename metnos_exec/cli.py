@@ -1097,6 +1097,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(args[1:])
     parser = build_parser()
     ns = parser.parse_args(args)
+    if argv is None and ns.fn is not _cmd_worker:
+        # The process's entry point: the library's log records (a Redis broker's
+        # `broker.error`, say) are for a worker's log; left to structlog's default they
+        # went to stdout, into what a client command prints. Its failures reach the user
+        # as the one-line error below.
+        from .logs import configure_logging
+
+        configure_logging(level="critical")
     try:
         code: int = ns.fn(ns)
     except _Exit as exc:

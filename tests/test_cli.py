@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -675,3 +676,22 @@ def test_dev_demo_takes_its_folder_from_where_it_is_typed(tmp_path: Path) -> Non
     assert (tmp_path / "mydemo" / "metnos.db").exists()
     assert not (root / "mydemo").exists()
     assert f"next (in another terminal, from {root}):" in out.stdout, out.stdout[-1500:]
+
+
+@pytest.mark.parametrize("command", [("status",), ("submit", "sleepy"), ("result", "01J")])
+def test_an_unreachable_redis_is_one_line_for_a_client_command(
+    env: dict[str, str], command: tuple[str, ...]
+) -> None:
+    """The Redis broker logs `broker.error` for a worker's log; a client command printed
+    that record on stdout (structlog's unconfigured default), where `--json` readers
+    expect a document, next to its own one-line error."""
+    pytest.importorskip("coredis")
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bad = {**env, "METNOS_BROKER": f"redis://127.0.0.1:{port}/0"}
+    out = cli(bad, *command)
+    assert out.returncode == EXIT["broker"], out.stderr
+    line = one_clear_line(out)
+    assert line.startswith("metnos-exec: E_BROKER_UNAVAILABLE: cannot reach Redis"), line
+    assert out.stdout == "", out.stdout
