@@ -210,9 +210,12 @@ def _wall_summary(result: Result) -> str:
 
 
 def _detail(result: Result) -> str:
+    output = msgspec.json.encode(result.output).decode()
     if result.error is not None:
-        return f"{result.error.code}: {result.error.message}"
-    return msgspec.json.encode(result.output).decode()
+        # A failed executor's own output says why (the examples print {"error": ...}).
+        said = f" {output}" if result.output is not None else ""
+        return f"{result.error.code}: {result.error.message}{said}"
+    return output
 
 
 #: What the walls column means, printed under the table.

@@ -173,6 +173,10 @@ def test_demo_runs_and_reruns(tmp_path: Path) -> None:
         # The walls column is explained, and no detail is cut short.
         assert "walls: the five containment axes" in out.stdout
         assert "checked against fs hints ~/notes/**" in out.stdout
+        # The read after the undo fails, and its row says why (the note is gone), not
+        # only "the executor exited with code 1".
+        [gone] = [ln for ln in out.stdout.splitlines() if ln.startswith("read it after undo")]
+        assert "E_EXIT" in gone and "No such file or directory" in gone, gone
         assert not [ln for ln in out.stdout.splitlines() if ln.endswith("...")]
     assert (tmp_path / "demo" / "worker.jsonl").exists()
     # Re-run while the README's background worker serves the demo's queue: refused, with
