@@ -897,6 +897,24 @@ async def test_example_word_count_through_the_planner(py_arm: WasmSandbox, tmp_p
     }
 
 
+@pytest.mark.anyio
+async def test_example_word_count_of_one_note(py_arm: WasmSandbox, tmp_path: Path) -> None:
+    """Given one note rather than a folder it counts that note (it said 0 files, 0 words:
+    `os.walk` of a file yields nothing)."""
+    from metnos_exec.manifest import ExecutorRegistry
+    from metnos_exec.plan import plan_invocation
+
+    home = tmp_path / "home"
+    notes = home / "notes"
+    notes.mkdir(parents=True)
+    (notes / "today.md").write_text("buy milk, buy bread\n")
+    executor = ExecutorRegistry.load(EXAMPLES)["word_count"]
+    inv = plan_invocation(executor, {"path": "~/notes/today.md", "top": 1}, home=str(home))
+    out = await py_arm.run(inv.job)
+    assert out.exit == Success(), out.stderr
+    assert json.loads(out.stdout) == {"files": 1, "words": 4, "top": [["buy", 2]]}
+
+
 def _real(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(path)
 

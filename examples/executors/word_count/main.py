@@ -21,7 +21,9 @@ def main() -> int:
     top = int(args.get("top", 10))
     counts: Counter[str] = Counter()
     files = 0
-    for folder, dirs, names in os.walk(root):
+    # A folder's notes, or one note (os.walk of a file yields nothing).
+    walk = [(os.path.dirname(root), [], [os.path.basename(root)])]
+    for folder, dirs, names in os.walk(root) if os.path.isdir(root) else walk:
         dirs.sort()
         for name in sorted(names):
             if not name.endswith(SUFFIXES):
