@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 import time
@@ -606,8 +607,17 @@ def _cmd_status(ns: argparse.Namespace) -> int:
 
 
 def _cmd_tail(ns: argparse.Namespace) -> int:
-    from .logs import tail
+    from .logs import EVENTS, tail
 
+    if ns.event and not any(name.startswith(ns.event) for name in EVENTS):
+        # A typo would otherwise print nothing, as if no such record had been written.
+        close = difflib.get_close_matches(ns.event, EVENTS, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise _Exit(
+            EXIT["usage"],
+            f"--event {ns.event!r}: no log event has that name or starts with it; {hint}"
+            "the events are listed in metnos_exec/logs.py (EVENTS) and the README",
+        )
     if not os.path.exists(ns.file):
         raise _Exit(EXIT["not_found"], f"no log file {ns.file}")
     color = ns.color if ns.color is not None else sys.stdout.isatty()

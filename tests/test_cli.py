@@ -699,3 +699,17 @@ def test_an_unreachable_redis_is_one_line_for_a_client_command(
     line = one_clear_line(out)
     assert line.startswith("metnos-exec: E_BROKER_UNAVAILABLE: cannot reach Redis"), line
     assert out.stdout == "", out.stdout
+
+
+def test_tail_refuses_an_event_no_record_can_have(env: dict[str, str], tmp_path: Path) -> None:
+    """`tail --event job.finshed` (a typo) printed nothing and exited 0, as if no job had
+    finished; an event name (or prefix) outside the fixed vocabulary is a usage error that
+    names the closest events."""
+    log = tmp_path / "w.jsonl"
+    log.write_text('{"ts":"2026-01-01T00:00:00Z","level":"info","event":"job.finished"}\n')
+    out = cli(env, "tail", str(log), "--event", "job.finshed")
+    assert out.returncode == EXIT["usage"], out.stderr
+    line = one_clear_line(out)
+    assert "job.finshed" in line and "job.finished" in line, line
+    ok = cli(env, "tail", str(log), "--event", "job.", "--json")
+    assert ok.returncode == 0 and '"job.finished"' in ok.stdout
