@@ -526,14 +526,15 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
             outcome = await broker.cancel(ns.job_id)
+        if outcome == "unknown":
+            raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
         messages = {
             "cancelled": "cancelled (it had not started)",
             "cancelling": "cancelling: the worker running it will stop it",
             "finished": "already finished; nothing to cancel",
-            "unknown": "no such job",
         }
         sys.stdout.write(f"{ns.job_id}: {messages[outcome]}\n")
-        return EXIT["not_found"] if outcome == "unknown" else 0
+        return 0
 
     return _run(go)
 

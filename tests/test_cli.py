@@ -125,7 +125,10 @@ def test_submit_wait_exit_codes(env: dict[str, str], tmp_path: Path) -> None:
     # Nobody is serving: --wait gives up with "pending".
     out = cli(env, "submit", "sleepy", "--wait", "0.2")
     assert out.returncode == EXIT["pending"] and "no result" in out.stderr
-    assert cli(env, "cancel", "01NOSUCHJOB").returncode == EXIT["not_found"]
+    gone = cli(env, "cancel", "01NOSUCHJOB")
+    assert gone.returncode == EXIT["not_found"]
+    # An error, like `result`'s and `undo`'s: on stderr, not in the output.
+    assert gone.stdout == "" and one_clear_line(gone) == "metnos-exec: no job 01NOSUCHJOB"
     job = cli(env, "submit", "sleepy").stdout.strip()
     c = cli(env, "cancel", job)
     assert c.returncode == 0 and "cancelled" in c.stdout
