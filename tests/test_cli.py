@@ -292,6 +292,11 @@ def test_readers_do_not_create_a_missing_queue(env: dict[str, str], tmp_path: Pa
     rel = cli(env, "status", "--broker", "sqlite:///work/x.db", cwd=tmp_path)
     assert rel.returncode == EXIT["broker"]
     assert str(tmp_path / "work" / "x.db") in rel.stderr and "four slashes" in rel.stderr
+    # A submit typed in another folder, whose relative queue folder is not there: the
+    # message names the folder it looked in too (it said "demo/metnos.db").
+    sub = cli(env, "submit", "sleepy", "--broker", "sqlite:///demo/x.db", cwd=tmp_path)
+    assert sub.returncode == EXIT["broker"]
+    assert str(tmp_path / "demo" / "x.db") in one_clear_line(sub)
     # Producers and workers still create it.
     assert cli(env, "submit", "sleepy", "--broker", f"sqlite:///{missing}").returncode == 0
     assert missing.exists()

@@ -518,7 +518,7 @@ class SQLiteBroker(Broker):
         self._clock = clock
         self._poll = poll_interval_s
         self._busy_s = busy_timeout_s
-        where = f"the queue database {self.path}"
+        where = f"the queue database {self.path.absolute()}"
         if create:
             # Every job's arguments and results: 0600 whatever the umask (SQLite makes the
             # -wal and -shm with the database's own mode), tightened if it is open to
@@ -699,7 +699,7 @@ class SQLiteBroker(Broker):
         raise self._gone
 
     def _error(self, exc: sqlite3.Error) -> BrokerError:
-        return _store_error(exc, f"the queue database {self.path}", busy_s=self._busy_s)
+        return _store_error(exc, f"the queue database {self.path.absolute()}", busy_s=self._busy_s)
 
     async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = True) -> Any:
         """Run `fn(*args)` against the connection: inline when the connection is free and
