@@ -386,6 +386,18 @@ lists every command; `./dev test` runs the tests.)
 def main(argv: list[str] | None = None) -> int:
     """Run the demo in ``./demo`` (or the folder given as the only argument)."""
     args = sys.argv[1:] if argv is None else argv
+    usage = (
+        "usage: ./dev demo [DIR]   (python -m metnos_exec.demo [DIR])\n"
+        "Runs the embedded default end to end in DIR (default ./demo): a SQLite queue, a "
+        "worker,\nthe example executors; then prints what to try next.\n"
+    )
+    if args[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(usage)
+        return 0
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        # Not a folder to make: `./dev demo --bogus` made one named `--bogus`.
+        sys.stderr.write(f"demo: unexpected {' '.join(args)!r}\n{usage}")
+        return 2
     root = Path(args[0]) if args else DEMO_DIR
     try:
         # As `metnos-exec worker` does: bubblewrap's orphaned inits come back to us, so

@@ -694,6 +694,17 @@ def test_dev_demo_takes_its_folder_from_where_it_is_typed(tmp_path: Path) -> Non
     assert (tmp_path / "mydemo" / "metnos.db").exists()
     assert not (root / "mydemo").exists()
     assert f"next (in another terminal, from {root}):" in out.stdout, out.stdout[-1500:]
+    # An option is not a folder (it was made into one, `--help`, and the demo ran there).
+    helped = subprocess.run(
+        [str(root / "dev"), "demo", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert helped.returncode == 0 and "usage: ./dev demo [DIR]" in helped.stdout, helped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydemo"]
 
 
 @pytest.mark.parametrize("command", [("status",), ("submit", "sleepy"), ("result", "01J")])
@@ -727,3 +738,26 @@ def test_tail_refuses_an_event_no_record_can_have(env: dict[str, str], tmp_path:
     assert "job.finshed" in line and "job.finished" in line, line
     ok = cli(env, "tail", str(log), "--event", "job.", "--json")
     assert ok.returncode == 0 and '"job.finished"' in ok.stdout
+
+
+def test_dev_and_demo_help_say_how_to_use_them(tmp_path: Path) -> None:
+    """`./dev` alone printed its help with a stray "set -euo pipefail" line; `./dev demo
+    --help` ran the demo in a new folder named `--help`."""
+    root = Path(__file__).resolve().parents[1]
+    usage = subprocess.run(
+        ["bash", str(root / "dev")], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert usage.returncode == 2
+    assert "./dev demo" in usage.stdout and "set -euo" not in usage.stdout, usage.stdout
+    for flag, code in (("--help", 0), ("-h", 0), ("--bogus", 2)):
+        out = subprocess.run(
+            [sys.executable, "-m", "metnos_exec.demo", flag],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == code, out
+        assert "usage: ./dev demo [DIR]" in out.stdout + out.stderr, out
+        assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
