@@ -761,3 +761,17 @@ def test_dev_and_demo_help_say_how_to_use_them(tmp_path: Path) -> None:
         assert out.returncode == code, out
         assert "usage: ./dev demo [DIR]" in out.stdout + out.stderr, out
         assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_a_bare_file_path_as_broker_url_is_answered_with_the_url(env: dict[str, str]) -> None:
+    """`--broker demo/metnos.db` (the file, not a URL): the error gives the URL to type."""
+    for given, meant in (
+        ("demo/metnos.db", "sqlite:///demo/metnos.db"),
+        ("/var/q.db", "sqlite:////var/q.db"),
+    ):
+        out = cli(env, "status", "--broker", given)
+        assert out.returncode == EXIT["usage"], out.stderr
+        line = one_clear_line(out)
+        assert "E_BAD_BROKER_URL" in line and f"did you mean {meant}?" in line, line
+    out = cli(env, "status", "--broker", "sqlit:///q.db")
+    assert "did you mean" not in one_clear_line(out)

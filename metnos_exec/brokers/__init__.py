@@ -88,7 +88,9 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     target = _REGISTRY.get(scheme)
     if target is None:
         known = ", ".join(f"{s}://" for s in _REGISTRY)
-        raise BadBrokerURL(f"unknown broker URL {url!r}; use one of {known}")
+        # A queue file's path given where its URL goes: say the URL.
+        meant = f"; did you mean sqlite:///{url}?" if not scheme and url.endswith(".db") else ""
+        raise BadBrokerURL(f"unknown broker URL {url!r}; use one of {known}{meant}")
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
