@@ -61,6 +61,7 @@ from typing import Final, NamedTuple, Protocol
 import msgspec
 
 from .blobs import BlobStore
+from .errors import SymlinkedFolder
 from .messages import (
     Absent,
     DirState,
@@ -74,6 +75,7 @@ from .messages import (
     writes_content,
 )
 from .private import private_dir
+from .sandbox.mount_sources import open_source, symlink_on_path
 
 __all__ = (
     "BlobSource",
@@ -211,10 +213,7 @@ class HostTree:
             return fd
         root = self.root_of(folder)
         if folder == root:
-            try:
-                fd = os.open(root, _DIR_FLAGS)
-            except OSError as exc:
-                raise Blocked(f"root {root} cannot be opened as a plain folder: {exc}") from exc
+            fd = _open_root(root)
         else:
             parent = self.dir_fd(posixpath.dirname(folder))
             try:
@@ -292,6 +291,30 @@ class HostTree:
             return hash_fd(fd)
         finally:
             os.close(fd)
+
+
+def _open_root(root: str) -> int:
+    """A root, opened with no symlink anywhere on its path (not only its last component):
+    a parent swapped for a link after the job started (by another job's commit, which may
+    write the folder above) would send the writes wherever the link points.
+
+    Raises:
+        Blocked: a component of the root is a symlink, or the root is not a folder (or
+            gone).
+    """
+    try:
+        held = open_source(root)
+    except SymlinkedFolder:
+        link = symlink_on_path(root) or root
+        raise Blocked(f"root {root} is now reached through the symlink {link}") from None
+    except OSError as exc:
+        raise Blocked(f"root {root} cannot be opened as a plain folder: {exc}") from exc
+    try:
+        return os.open(".", _DIR_FLAGS, dir_fd=held)
+    except OSError as exc:
+        raise Blocked(f"root {root} cannot be opened as a plain folder: {exc}") from exc
+    finally:
+        os.close(held)
 
 
 def file_state(st: os.stat_result, sha256: str, size: int) -> FileState:

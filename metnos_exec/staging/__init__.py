@@ -545,6 +545,9 @@ class OverlayRun:
         uppers: list[tuple[str, int]] = []
         plan: CommitPlan | None = None
         try:
+            moved = self._moved_roots(tree)
+            if moved:
+                raise CommitConflict(conflict_message("not committed, nothing applied", moved))
             for i, root in enumerate(self.roots):
                 uppers.append(
                     (
@@ -610,6 +613,21 @@ class OverlayRun:
                 os.close(fd)
             if plan is not None:
                 plan.source.close()
+
+    def _moved_roots(self, tree: HostTree) -> list[Conflict]:
+        """The roots that are no longer the folders the job was staged over: reached
+        through a symlink now (a parent swapped by another job's commit), gone, or another
+        folder. The commit would write there, outside what the job was given."""
+        moved: list[Conflict] = []
+        for root, dev, ino in self.found:
+            try:
+                st = os.fstat(tree.dir_fd(root))
+            except Blocked as exc:
+                moved.append(Conflict(root, str(exc)))
+                continue
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                moved.append(Conflict(root, "replaced on the host while the job ran"))
+        return moved
 
     async def settle(self, *, stored: bool) -> None:
         """Keep the commit (its result is stored) or roll it back (it is not)."""
