@@ -152,6 +152,9 @@ class _Planner:
         self.since_ns = since_ns
         self.whiteout_xattr = f"{xattr}overlay.whiteout"
         self.opaque_xattr = f"{xattr}overlay.opaque"
+        self.origin_xattr = f"{xattr}overlay.origin"
+        #: Files copied up from the host that the host no longer holds (`vanished`).
+        self.vanished: list[str] = []
         self.plan = plan
         #: The root being walked (`too_deep`), and the fd of its upper folder.
         self.root = "/"
@@ -211,7 +214,15 @@ class _Planner:
                 ok, host = self.host_stat(path, folder_in_upper=stat.S_ISDIR(st.st_mode))
                 if not ok:
                     continue
-            if self.is_whiteout(upper_fd, entry.name, st):
+            whiteout = self.is_whiteout(upper_fd, entry.name, st)
+            if (
+                host_known
+                and host is None
+                and not whiteout
+                and self.vanished_here(upper_fd, entry.name, path, st)
+            ):
+                continue
+            if whiteout:
                 if not host_known:
                     continue  # nothing below a new folder to delete
                 if host is None:
@@ -228,6 +239,38 @@ class _Planner:
                 self.changed(path, LinkState(target=target), host)
             else:
                 self.filter(path, "special file (fifo, socket or device) not committed")
+
+    def vanished_here(self, folder: int, name: str, path: str, st: os.stat_result) -> bool:
+        """Whether the upper entry `name` was copied up from the host (overlayfs marks a
+        copy-up with its ``overlay.origin`` xattr, empty when the lower file system has no
+        file handles) although the host holds nothing at `path` now: the host removed it
+        while the job ran, and the commit would bring it back.
+
+        A folder cannot have moved in the overlay (``redirect_dir=nofollow``: a rename is
+        ``EXDEV``), so that is a conflict now. A file may have been renamed by the job (the
+        copy keeps its origin); it is kept for `vanished_conflicts`, which decides once the
+        job's deletions are known. A hard-linked file (``nlink`` > 1, here or on the host
+        at copy-up time, which overlayfs then does not mark) cannot be told apart.
+        """
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            return False
+        if self.xattr(folder, name, self.origin_xattr) is None:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            self.conflict(path, "removed from the host while the job ran")
+            return True
+        if st.st_nlink == 1:
+            self.vanished.append(path)
+        return False
+
+    def vanished_conflicts(self) -> None:
+        """Files of `vanished_here` are conflicts when the job deleted nothing from the host:
+        then none of them can be a file the job renamed (a rename leaves a whiteout where
+        it came from). Otherwise they cannot be told from renames and go ahead."""
+        if any(item.upper is None for item in self.items):
+            return
+        for path in self.vanished:
+            self.conflict(path, "removed from the host while the job ran")
 
     def is_whiteout(self, folder: int, name: str, st: os.stat_result) -> bool:
         if stat.S_ISCHR(st.st_mode):
@@ -558,6 +601,7 @@ def plan_commit(
                 planner.items.append(_Item(root, _Upper(DirState(mode=mode)), root_st))
         planner.root, planner.upper_root = root, upper
         planner.walk(upper, root, host_known=True)
+    planner.vanished_conflicts()
     if not plan.conflicts:
         planner.operations()
     return plan

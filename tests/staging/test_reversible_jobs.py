@@ -7,6 +7,7 @@ is in ``test_commit_crash.py``; 8 is the benchmark). Every test runs on both bac
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -338,6 +339,46 @@ async def test_a_host_change_during_the_job_refuses_the_commit(world: World) -> 
     assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT"
     assert "mod.txt" in result.error.message
     assert snapshot(world.notes) == now  # nothing applied: "n" was not created
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("ops", "removed"),
+    [
+        ([["append", "mod.txt", "job\n"]], "mod.txt"),
+        ([["write", "sub/new.txt", "job\n"]], "sub"),
+        ([["append", "sub/deep.txt", "job\n"]], "sub"),
+    ],
+    ids=["file", "folder_written_into", "file_in_folder"],
+)
+async def test_a_host_deletion_during_the_job_refuses_the_commit(
+    world: World, ops: list[list[str]], removed: str
+) -> None:
+    # A path the job changed that the host removed meanwhile "vanished": the commit must
+    # not bring it back (it did, silently, with the job's version).
+    await staging_works(world)
+    seed(world.notes)
+    (world.notes / "go").write_text("wait")
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": [*ops, ["write", "n", "n"], ["waitfor", "go"]]},
+    )
+    await world.broker.submit(job)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(world.burst)
+        await wait_for(lambda: staged_file_seen(world, "n"), 20)
+        gone = world.notes / removed
+        if gone.is_dir():
+            shutil.rmtree(gone)
+        else:
+            gone.unlink()
+        (world.notes / "go").write_text("go")
+        now = snapshot(world.notes)
+    result = await world.broker.get_result(job.id)
+    assert snapshot(world.notes) == now  # nothing applied, nothing brought back
+    assert result is not None and result.status == "failed", result
+    assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT", result.error
+    assert removed in result.error.message
     assert result.undo_ids == () and await world.entries_count() == 0
 
 
