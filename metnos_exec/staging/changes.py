@@ -15,6 +15,9 @@ rule                                              threat
 ================================================  ==========================================
 Folders nested more than `MAX_DEPTH` deep refuse  a job nesting folders without end
 the commit (a conflict)                           crashed the commit (recursion, fds)
+More than `MAX_RECORD_BYTES` of staged names      empty files under long names: a huge
+refuse the commit (a conflict)                    journal and undo entry, the worker's
+                                                  memory in GB
 A path (or link target) that is not valid UTF-8   a name the journal and the undo entry
 refuses the commit (a conflict): nothing is       (JSON) cannot record: the commit used
 applied, the job fails with its own error         to crash as a host fault
@@ -57,6 +60,7 @@ from ..messages import Absent, DirState, FileState, LinkState, Move, PathState, 
 
 __all__ = (
     "MAX_DEPTH",
+    "MAX_RECORD_BYTES",
     "CommitPlan",
     "UpperSource",
     "change_stamp",
@@ -69,6 +73,12 @@ __all__ = (
 #: planner recurses, the host tree holds an fd per folder (1,500 nested folders crashed
 #: the commit as a host fault, tests/adversarial: files.folders_nested_without_end).
 MAX_DEPTH: Final = 128
+#: Bytes of names (host paths and link targets) of the entries a job staged, at most: a
+#: commit refuses more (a conflict). Each is written into the journal and the undo entry
+#: and held several times in the worker's memory meanwhile, and empty files under long
+#: nested names cost the staging tmpfs next to nothing (30,000 made a 940 MB undo entry
+#: and took the worker to 3.7 GB; tests/adversarial: resources.commit_record_size).
+MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
 #: Files up to this size are read into memory while hashed, and written from there.
 _INLINE_MAX: Final = 64 * 1024
 _CHUNK: Final = 1024 * 1024
@@ -160,6 +170,9 @@ class _Planner:
         self.root = "/"
         self.upper_root = -1
         self.items: list[_Item] = []
+        #: Bytes of names of the staged entries seen (`MAX_RECORD_BYTES`).
+        self.recorded = 0
+        self.overflow = False
         #: Folder → owner its new entries get: a host folder's own, or the one given to a
         #: folder the job created.
         self.owners: dict[str, tuple[int | None, int | None]] = {}
@@ -209,6 +222,8 @@ class _Planner:
             self.tree.release()  # (the upper's fds are not the tree's)
             path = posixpath.join(host_dir, entry.name)
             st = entry.stat(follow_symlinks=False)
+            if self.too_large(path, st.st_size if stat.S_ISLNK(st.st_mode) else 0):
+                return
             host: os.stat_result | None = None
             if host_known:
                 ok, host = self.host_stat(path, folder_in_upper=stat.S_ISDIR(st.st_mode))
@@ -380,6 +395,22 @@ class _Planner:
             (posixpath.join(folder, entry.name), entry.stat(follow_symlinks=False))
             for entry in sorted(os.scandir(fd), key=lambda e: e.name)
         ]
+
+    def too_large(self, path: str, target_len: int) -> bool:
+        """Whether the staged names seen so far, `path` included, exceed
+        `MAX_RECORD_BYTES` (a conflict noted once; the walk stops)."""
+        if self.overflow:
+            return True
+        self.recorded += len(path) + target_len
+        if self.recorded <= MAX_RECORD_BYTES:
+            return False
+        self.overflow = True
+        self.conflict(
+            path,
+            f"too many or too long names: the job's changes name more than "
+            f"{MAX_RECORD_BYTES >> 20} MiB of paths, more than a commit records",
+        )
+        return True
 
     def too_deep(self, folder: str) -> bool:
         """Whether `folder` lies deeper than `MAX_DEPTH` below its root (a conflict noted):

@@ -80,6 +80,15 @@ def _no_connection(key: str):  # type: ignore[no-untyped-def]
     return check
 
 
+def _queue_within(budget_mib: int):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        files = [world.db, world.db.with_name(world.db.name + "-wal")]
+        total = sum(p.stat().st_size for p in files if p.exists())
+        return f"the queue holds {total / MiB:.0f} MiB" if total > budget_mib * MiB else None
+
+    return check
+
+
 def _core_pattern_unchanged(world: World, _result: Result | None) -> str | None:
     now = Path("/proc/sys/kernel/core_pattern").read_text()
     return None if now == world.notes["core_pattern"] else f"core_pattern is now {now!r}"
@@ -1565,6 +1574,28 @@ RESOURCES = [
         """,
         limits={"file_size_mb": 1},
         stopped_by=frozenset({"E_KILLED"}),
+    ),
+    Attempt(
+        "resources.commit_record_size",
+        "resources",
+        "the commit refuses a change set it cannot record in bounded memory",
+        r"""
+        # Empty files cost the staging tmpfs an inode each, but their names go into the
+        # journal and the undo entry, held several times in the worker's memory: 4,000
+        # files below 120 folders with 255-byte names are ~120 MB of paths (30,000 made a
+        # 940 MB undo entry and took the worker from 38 MB to 3.7 GB).
+        os.chdir(OWN)
+        for i in range(120):
+            os.mkdir(("D%03d" % i) + "d" * 251)
+            os.chdir(("D%03d" % i) + "d" * 251)
+        for i in range(4000):
+            os.close(os.open(("%06d" % i) + "f" * 249, os.O_CREAT | os.O_WRONLY, 0o600))
+        done(False)  # what the worker stored is what counts
+        """,
+        caps=WRITE_OWN,
+        limits={"timeout_s": 60},
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+        host_check=_queue_within(64),
     ),
     Attempt(
         "resources.open_files",

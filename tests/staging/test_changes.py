@@ -304,3 +304,28 @@ def test_a_root_workers_commit_gives_new_entries_their_folders_owner(
             "mine.txt": (0, 0),
             "new.txt": (0, 0),
         }, owners
+
+
+def test_a_change_set_too_large_to_record_refuses_the_commit(
+    trees: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every path a job creates is written into the journal and the undo entry (and held
+    # several times in the worker's memory meanwhile): 30,000 empty files below 120
+    # folders with 255-byte names (a 30 KiB path each, within any disk budget) made a
+    # 940 MB undo entry and took the worker from 38 MB to 3.7 GB (tests/adversarial:
+    # resources.commit_record_size).
+    from metnos_exec.staging import changes
+
+    monkeypatch.setattr(changes, "MAX_RECORD_BYTES", 64 * 1024)
+    root, upper = trees
+    deep = upper.joinpath(*["d" * 200] * 10)
+    deep.mkdir(parents=True)
+    for i in range(20):
+        (deep / f"{i:03d}").write_text("x")
+    result = plan(root, upper, time.time_ns())  # ~44 KiB of names: committed
+    assert result.conflicts == [] and len(result.ops) == 30
+    for i in range(20, 40):
+        (deep / f"{i:03d}").write_text("x")
+    result = plan(root, upper, time.time_ns())  # ~88 KiB: refused, once
+    [refused] = result.conflicts
+    assert "too many or too long names" in refused.reason and result.ops == ()
