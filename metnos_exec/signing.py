@@ -198,6 +198,13 @@ def _walk(folder: Path) -> Iterable[tuple[str, str, os.stat_result]]:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if "\n" in rel or "\\" in rel:
                 raise _refuse(folder, repr(rel), "a name holding a newline or backslash")
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                # The listing is sorted and signed as UTF-8: such a name cannot be signed
+                # (it crashed a worker with a trust key at start).
+                shown = rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                raise _refuse(folder, f"'{shown}'", "a name that is not valid UTF-8") from None
             path = os.path.join(abs_dir, name)
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):

@@ -158,6 +158,9 @@ def test_a_signed_executor_verifies_and_runs_from_a_private_copy(
         ("other_key", r"signed by key [0-9a-f]{16}, which this worker does not trust"),
         ("forged_listing", r"the signature does not verify"),
         ("manifest", r"manifest\.toml differs"),
+        # A worker with a trust key died at start (E_INTERNAL, UnicodeEncodeError).
+        ("not_utf8", r"'\\xff-added' is a name that is not valid UTF-8"),
+        ("not_utf8_folder", r"'\\xfe-dir' is a name that is not valid UTF-8"),
     ],
 )
 def test_every_alteration_is_refused_naming_the_file(
@@ -188,6 +191,13 @@ def test_every_alteration_is_refused_naming_the_file(
     elif tamper == "manifest":
         with open(folder / "manifest.toml", "a") as f:
             f.write('description = "now with more"\n')
+    elif tamper == "not_utf8":
+        with open(os.path.join(os.fsencode(folder), b"\xff-added"), "w") as f:
+            f.write("")
+    elif tamper == "not_utf8_folder":
+        os.mkdir(os.path.join(os.fsencode(folder), b"\xfe-dir"))
+        with open(os.path.join(os.fsencode(folder), b"\xfe-dir", b"f"), "w") as f:
+            f.write("")
     with pytest.raises(SignatureError, match=message) as info:
         store.verify(executor(folder))
     assert info.value.code == "E_SIGNATURE"
