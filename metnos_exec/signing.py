@@ -52,6 +52,7 @@ package (``pip install 'metnos-exec[device]'``), imported only when keys are use
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import os
 import shutil
@@ -104,6 +105,8 @@ TRUST_KEYS_ENV: Final = "METNOS_TRUST_KEYS"
 RACY_NS: Final = 100_000_000
 #: Folders skipped when hashing and staging (never run: the private copy has none).
 SKIPPED_DIRS: Final = frozenset({"__pycache__"})
+#: A signature file larger than this is refused unread (it lists hashes: ~100 bytes a file).
+MAX_SIGNATURE_BYTES: Final = 16 * 1024 * 1024
 #: A tree larger than this is refused rather than read into memory for hashing.
 MAX_TREE_BYTES: Final = 256 * 1024 * 1024
 
@@ -585,15 +588,33 @@ class TrustStore:
 
     def _signature(self, folder: Path, name: str) -> SignatureFile:
         path = folder / SIGNATURE_FILE
+        not_regular = SignatureError(
+            f"{path}: not a regular file (a link, FIFO, device or folder): refused unread"
+        )
         try:
-            data = path.read_bytes()
+            # Not followed, not waited on: a FIFO here blocked the verification (and the
+            # lock every other executor's waits on) for ever; a link could lead anywhere.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SignatureError(
                 f"{folder}: executor {name!r} is not signed ({SIGNATURE_FILE} is missing); "
                 f"sign it with `metnos-exec sign {folder} --key KEY`"
             ) from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise not_regular from None
             raise SignatureError(f"{path}: cannot read: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular
+            if st.st_size > MAX_SIGNATURE_BYTES:
+                raise SignatureError(f"{path}: larger than {MAX_SIGNATURE_BYTES >> 20} MiB")
+            data = os.read(fd, MAX_SIGNATURE_BYTES + 1)
+        except OSError as exc:
+            raise SignatureError(f"{path}: cannot read: {exc.strerror}") from None
+        finally:
+            os.close(fd)
         try:
             sig = _sig_decoder.decode(data)
         except msgspec.DecodeError as exc:

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import msgspec
@@ -146,6 +147,45 @@ def test_a_signed_executor_verifies_and_runs_from_a_private_copy(
     assert stat.S_IMODE((staged / "main.py").stat().st_mode) == 0o444
     assert stat.S_IMODE(staged.stat().st_mode) == 0o555
     assert checked.manifest == executor(folder).manifest
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
+def test_a_signature_file_that_is_not_a_regular_file_is_refused_unread(
+    tmp_path: Path, key: tuple[Path, Path], store: TrustStore, kind: str
+) -> None:
+    # manifest.sig was read (following a link) before the folder was walked: a FIFO there
+    # blocked the verification forever, holding the lock every other executor's waits on,
+    # and a link to /dev/zero would read without end.
+    folder = make_executor(tmp_path / "ex", "victim")
+    sig = sign_folder(folder, key[0])
+    kept = tmp_path / "kept.sig"
+    os.rename(sig, kept)
+    if kind == "fifo":
+        os.mkfifo(sig)
+    elif kind == "symlink":
+        os.mkfifo(tmp_path / "fifo")  # (a link to /dev/zero read without end)
+        os.symlink(tmp_path / "fifo", sig)
+    else:
+        sig.mkdir()
+    outcome: list[BaseException | None] = []
+
+    def verify() -> None:
+        try:
+            store.verify(executor(folder))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=verify, daemon=True)
+    worker.start()
+    worker.join(10)  # a deadline, not a synchronisation
+    if worker.is_alive():  # blocked on the FIFO: give it an end of file, then fail
+        os.close(os.open(sig, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("verification blocked on a FIFO named manifest.sig")
+    [error] = outcome
+    assert isinstance(error, SignatureError), error
+    assert "manifest.sig" in error.message and "not a regular file" in error.message
 
 
 @pytest.mark.parametrize(
