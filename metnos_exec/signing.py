@@ -249,8 +249,9 @@ def _read_tree(folder: Path) -> _Tree:
             stats.append((rel, _stat_key(st)))
             continue
         # O_NOFOLLOW: the entry was a regular file at lstat; a link swapped in since is
-        # refused rather than followed out of the folder.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # refused rather than followed out of the folder. O_NONBLOCK: a FIFO swapped in
+        # is refused below rather than waited on for ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             before = os.fstat(fd)
             if not stat.S_ISREG(before.st_mode):

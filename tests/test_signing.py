@@ -467,3 +467,39 @@ def test_cli_keygen_and_sign(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "signed 3 files" in capsys.readouterr().out
     store = store_at(tmp_path, (tmp_path / "k" / "srv.key", tmp_path / "k" / "srv.key.pub"))
     assert store.verify(executor(folder)).manifest.name == "ex"
+
+
+def test_a_file_swapped_for_a_fifo_after_its_lstat_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The walk saw a regular file; by the time it is opened, it is a FIFO (an attacker
+    # swapping it in a loop): the open must not wait for a writer that never comes.
+    folder = make_executor(tmp_path / "ex", "victim")
+    real_walk = signing._walk
+
+    def swapping_walk(root: Path):  # type: ignore[no-untyped-def]
+        for rel, path, st in real_walk(root):
+            if rel == "word.txt":
+                os.unlink(path)
+                os.mkfifo(path)
+            yield rel, path, st
+
+    monkeypatch.setattr(signing, "_walk", swapping_walk)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            signing._read_tree(folder)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(10)  # a deadline, not a synchronisation
+    if worker.is_alive():
+        os.close(os.open(folder / "word.txt", os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("reading the tree blocked on a FIFO swapped in after the walk saw a file")
+    [error] = outcome
+    assert isinstance(error, SignatureError) and "word.txt" in error.message, error
