@@ -23,7 +23,7 @@ import anyio.to_thread
 import structlog
 
 from ..blobs import BlobStore
-from ..errors import HostFault
+from ..errors import BadArguments
 from ..journal import (
     BlobSource,
     Blocked,
@@ -193,11 +193,19 @@ def _current(tree: HostTree, path: str) -> PathState | None:
 
 
 def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
-    """The target's state, its content copied into the blob store when it is a file."""
+    """The target's state, its content copied into the blob store when it is a file.
+
+    Raises:
+        BadArguments: the target cannot be backed up (below a file or a link, a FIFO, a
+            socket or a device): the job's own argument, refused before it runs (it was
+            a host fault, retried and dead-lettered).
+    """
     try:
         st = tree.lstat(path)
     except Blocked as exc:
-        raise HostFault(f"declared target {path} cannot be backed up: {exc}") from exc
+        raise BadArguments(
+            f"declared target {path} cannot be backed up, so the job may not write it: {exc}"
+        ) from None
     if st is None:
         return Absent()
     if stat.S_ISREG(st.st_mode):
@@ -208,5 +216,8 @@ def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
             os.close(fd)
     state = tree.state_of(path, st)
     if state is None:
-        raise HostFault(f"declared target {path} is a special file: it cannot be backed up")
+        raise BadArguments(
+            f"declared target {path} is a special file (a FIFO, socket or device): it cannot "
+            "be backed up, so the job may not write it"
+        )
     return state

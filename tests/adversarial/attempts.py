@@ -1887,6 +1887,35 @@ WASM = [
         reason="disk writes unbounded",
     ),
     Attempt(
+        "wasm.target_below_a_file",
+        "files",
+        "a declared target that cannot be backed up is the job's refusal, never a host fault",
+        wat("(func $check (result i32) (i32.const 0))"),
+        caps=WRITE_OWN,
+        runtime="wasm",
+        limits={"fuel": 10**7},
+        # Its own folder holds the file "f": a path argument below it (E_HOST_FAULT, the
+        # job retried and dead-lettered, before).
+        path_arg="~/w/wasm_target_below_a_file/f/x",
+        setup=lambda world: (world.home / "w" / "wasm_target_below_a_file" / "f").write_text(
+            "a file"
+        ),
+        stopped_by=frozenset({"E_BAD_ARGS"}),
+    ),
+    Attempt(
+        "wasm.target_is_a_fifo",
+        "files",
+        "a declared target that cannot be backed up is the job's refusal, never a host fault",
+        wat("(func $check (result i32) (i32.const 0))"),
+        caps=WRITE_OWN,
+        runtime="wasm",
+        limits={"fuel": 10**7},
+        # A FIFO there (left by a job that wrote the folder unstaged, or by anyone).
+        path_arg="~/w/wasm_target_is_a_fifo/p",
+        setup=lambda world: os.mkfifo(world.home / "w" / "wasm_target_is_a_fifo" / "p"),
+        stopped_by=frozenset({"E_BAD_ARGS"}),
+    ),
+    Attempt(
         "wasm.socket_import",
         "network",
         "WASI preview 1 has no sock_connect: link fails",
