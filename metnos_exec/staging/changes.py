@@ -81,6 +81,9 @@ MAX_DEPTH: Final = 128
 MAX_RECORD_BYTES: Final = 64 * 1024 * 1024
 #: Files up to this size are read into memory while hashed, and written from there.
 _INLINE_MAX: Final = 64 * 1024
+#: ... and at most this much in all: past it, small files too are read from their upper
+#: folder when written (they were all held: a worker's memory as large as the disk budget).
+INLINE_TOTAL: Final = 64 * 1024 * 1024
 _CHUNK: Final = 1024 * 1024
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -170,6 +173,8 @@ class _Planner:
         self.root = "/"
         self.upper_root = -1
         self.items: list[_Item] = []
+        #: Bytes of small files held in memory (`INLINE_TOTAL`).
+        self.inline = 0
         #: Bytes of names of the staged entries seen (`MAX_RECORD_BYTES`).
         self.recorded = 0
         self.overflow = False
@@ -356,8 +361,9 @@ class _Planner:
         mode = self.stripped(path, st)
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
         try:
-            if st.st_size <= _INLINE_MAX:
+            if st.st_size <= _INLINE_MAX and self.inline + st.st_size <= INLINE_TOTAL:
                 data = _read_all(fd)
+                self.inline += len(data)
                 digest, size = hashlib.sha256(data).hexdigest(), len(data)
                 self.plan.source._data[path] = data
             else:

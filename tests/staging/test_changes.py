@@ -329,3 +329,34 @@ def test_a_change_set_too_large_to_record_refuses_the_commit(
     result = plan(root, upper, time.time_ns())  # ~88 KiB: refused, once
     [refused] = result.conflicts
     assert "too many or too long names" in refused.reason and result.ops == ()
+
+
+def test_small_files_are_held_in_memory_only_up_to_a_total(
+    trees: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Files up to 64 KiB were all read into the worker's memory for the commit: the
+    # whole disk budget (a manifest's disk_mb of 8 GiB: 8 GiB in the worker). Past
+    # `INLINE_TOTAL` they are read from the upper folder when written, as larger ones are.
+    from metnos_exec.staging import changes
+
+    monkeypatch.setattr(changes, "INLINE_TOTAL", 10 * 1024)
+    root, upper = trees
+    for i in range(8):
+        (upper / f"f{i}").write_bytes(bytes([i]) * 4096)
+    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with HostTree([str(root)]) as tree:
+            result = plan_commit(
+                tree, [(str(root), fd)], since_ns=time.time_ns(), xattr_prefix=XATTR
+            )
+            held = sum(len(d) for d in result.source._data.values())
+            assert held <= 10 * 1024 and len(result.source._data) == 2
+            for i in range(8):  # every one still committed with its content
+                got = result.source.fetch(str(root / f"f{i}"), FileState(sha256="", size=0, mode=0))
+                if isinstance(got, int):
+                    with os.fdopen(got, "rb") as f:
+                        got = f.read()
+                assert got == bytes([i]) * 4096
+            result.source.close()
+    finally:
+        os.close(fd)
