@@ -25,6 +25,9 @@ A symlink is committed as a symlink (its target   a link planted to make the *co
 text), never followed, on either side             or read outside the roots
 setuid and setgid bits are stripped from files    a setuid binary (or setgid folder) left
 and folders (noted as ``commit.filtered``)        for the host's users
+A mode change that makes a host file with file    a root-only tool with capabilities
+capabilities executable by more users refuses     (cap_setuid) made 0755 for every local
+the commit (a conflict)                           user, its capabilities kept
 Fifos, sockets and device nodes are not           device nodes reaching the host; an
 committed (noted); a whiteout (char 0/0) is a     overlay marker mistaken for a file
 deletion, never a node
@@ -478,6 +481,20 @@ class _Planner:
                 isinstance(before, FileState)
                 and isinstance(after, FileState)
                 and before.sha256 == after.sha256
+                and after.mode & 0o111 & ~before.mode
+                and self.has_capabilities(item.path)
+            ):
+                # The mode goes onto the host's own inode, file capabilities and all.
+                self.conflict(
+                    item.path,
+                    "it carries file capabilities (security.capability): a job may not make "
+                    "it executable by more users",
+                )
+                continue
+            if (
+                isinstance(before, FileState)
+                and isinstance(after, FileState)
+                and before.sha256 == after.sha256
                 and before.mode == after.mode
             ):
                 continue  # copied up, not changed
@@ -500,6 +517,20 @@ class _Planner:
                     if fp is not None:
                         plan.destroyed[done.path] = (fp, done.before.sha256)
         plan.ops = order_ops(final)
+
+    def has_capabilities(self, path: str) -> bool:
+        """Whether the host file at `path` carries file capabilities."""
+        try:
+            fd = self.tree.open_file(path)
+        except (Blocked, OSError):
+            return True  # cannot tell: the caller refuses
+        try:
+            os.getxattr(fd, "security.capability")
+        except OSError as exc:
+            return exc.errno not in (errno.ENODATA, errno.ENOTSUP)
+        finally:
+            os.close(fd)
+        return True
 
     def owned(
         self, path: str, after: FileState | DirState, before: PathState

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,30 @@ def _no_capabilities(name: str):  # type: ignore[no-untyped-def]
                 continue
             return f"{p} carries file capabilities on the host"
         return None
+
+    return check
+
+
+def _capability_tool(world: World) -> None:
+    """A root-only file with capabilities (root only can set them: else nothing)."""
+    if os.geteuid() != 0:
+        return
+    tool = world.home / "w" / "files_capability_tool_made_executable" / "tool"
+    tool.write_bytes(b"#!/bin/sh\nid\n")
+    tool.chmod(0o700)
+    # VFS_CAP_REVISION_2, CAP_SETUID permitted + effective
+    os.setxattr(tool, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0))
+
+
+def _tool_not_exposed(name: str):  # type: ignore[no-untyped-def]
+    def check(world: World, _result: Result | None) -> str | None:
+        tool = world.home / "w" / name / "tool"
+        mode = tool.stat().st_mode
+        try:
+            os.getxattr(tool, "security.capability")
+        except OSError:
+            return None
+        return f"{tool} is mode {mode:o} with its capabilities" if mode & 0o011 else None
 
     return check
 
@@ -649,6 +674,23 @@ FILES = [
         """,
         caps=WRITE_OWN,
         host_check=_no_capabilities("files_file_capabilities"),
+    ),
+    Attempt(
+        "files.capability_tool_made_executable",
+        "files",
+        "the commit refuses to widen the exec bits of a file with capabilities",
+        r"""
+        # A root-only tool with file capabilities in the folder (0700, cap_setuid): the
+        # job owns root's files here, so it may chmod it; the commit applied the mode to
+        # the host's inode, capabilities and all, for every local user to run.
+        r = attempt(lambda: os.chmod(OWN + "/tool", 0o755))
+        done(False, chmod=r)  # what reaches the host is what counts
+        """,
+        caps=WRITE_OWN,
+        setup=_capability_tool,
+        needs_root=True,
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+        host_check=_tool_not_exposed("files_capability_tool_made_executable"),
     ),
     Attempt(
         "files.setuid_by_create_mode",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from metnos_exec.journal import HostTree
 from metnos_exec.messages import Absent, DirState, FileState, LinkState, Move, Put
 from metnos_exec.staging.changes import MAX_DEPTH, CommitPlan, change_stamp, plan_commit
+from tests.conftest import need_privileged
 
 XATTR = "user."
 
@@ -360,3 +362,33 @@ def test_small_files_are_held_in_memory_only_up_to_a_total(
             result.source.close()
     finally:
         os.close(fd)
+
+
+def test_a_host_file_with_capabilities_is_not_made_executable_by_a_commit(
+    trees: tuple[Path, Path],
+) -> None:
+    # A root-only tool with file capabilities (0700, cap_setuid) in a writable folder: the
+    # job (owner of root's files there) made it 0755 and the commit applied the mode to
+    # the host inode, capabilities kept, so any local user could run it (setuid bits are
+    # refused and stripped; capabilities were not looked at).
+    need_privileged(os.geteuid() == 0, "setting file capabilities needs root")
+    root, upper = trees
+    tool = root / "tool"
+    tool.write_bytes(b"\x7fELF tool")
+    tool.chmod(0o700)
+    # VFS_CAP_REVISION_2, CAP_SETUID permitted + effective
+    os.setxattr(tool, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0))
+    plain = root / "plain"
+    plain.write_bytes(b"plain")
+    plain.chmod(0o700)
+    since = stamp_after(tool, plain)
+    for name in ("tool", "plain"):
+        (upper / name).write_bytes((root / name).read_bytes())
+        (upper / name).chmod(0o755)
+    result = plan(root, upper, since)
+    [refused] = result.conflicts
+    assert refused.path == str(tool) and "file capabilities" in refused.reason
+    # Taking execute away, or changing a file without capabilities, is no conflict.
+    (upper / "tool").chmod(0o600)
+    result = plan(root, upper, since)
+    assert result.conflicts == [] and len(result.ops) == 2
