@@ -254,6 +254,8 @@ def _capability_tool(world: World) -> None:
 def _tool_not_exposed(name: str):  # type: ignore[no-untyped-def]
     def check(world: World, _result: Result | None) -> str | None:
         tool = world.home / "w" / name / "tool"
+        if not tool.exists():
+            return None  # not planted (an unprivileged run)
         mode = tool.stat().st_mode
         try:
             os.getxattr(tool, "security.capability")
