@@ -88,6 +88,7 @@ _INLINE_MAX: Final = 64 * 1024
 #: folder when written (they were all held: a worker's memory as large as the disk budget).
 INLINE_TOTAL: Final = 64 * 1024 * 1024
 _CHUNK: Final = 1024 * 1024
+_SETID: Final = stat.S_ISUID | stat.S_ISGID
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -334,7 +335,7 @@ class _Planner:
                 raise
             opaque = False
         try:
-            mode = self.stripped(path, st)
+            mode = self.stripped(path, st, host)
             host_is_dir = host is not None and stat.S_ISDIR(host.st_mode)
             if host is None or not host_is_dir:
                 self.changed(path, DirState(mode=mode), host)
@@ -361,7 +362,7 @@ class _Planner:
     def file(
         self, folder: int, name: str, path: str, st: os.stat_result, host: os.stat_result | None
     ) -> None:
-        mode = self.stripped(path, st)
+        mode = self.stripped(path, st, host)
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
         try:
             if st.st_size <= _INLINE_MAX and self.inline + st.st_size <= INLINE_TOTAL:
@@ -380,9 +381,15 @@ class _Planner:
         after = FileState(sha256=digest, size=size, mode=mode)
         self.changed(path, after, host)
 
-    def stripped(self, path: str, st: os.stat_result) -> int:
+    def stripped(self, path: str, st: os.stat_result, host: os.stat_result | None) -> int:
+        """`st`'s permission bits as committed: setuid and setgid go, except those the
+        host's own entry of the same kind has (a folder copied up with its ``g+s``; a file
+        copied up unchanged). Kept on a file whose content the job changed, they go in
+        `operations`."""
         mode = stat.S_IMODE(st.st_mode)
         kept = strip_mode(mode)
+        if host is not None and stat.S_IFMT(host.st_mode) == stat.S_IFMT(st.st_mode):
+            kept |= mode & host.st_mode & _SETID
         if kept != mode:
             self.filter(path, f"setuid/setgid bits removed (mode {mode:o} -> {kept:o})")
         return kept
@@ -475,6 +482,17 @@ class _Planner:
                 plan.expect[item.path] = None
             befores[item.path] = before
             after = Absent() if item.upper is None else item.upper.state
+            if (
+                isinstance(after, FileState)
+                and after.mode & _SETID
+                and not (isinstance(before, FileState) and before.sha256 == after.sha256)
+            ):
+                # The host's bits, kept by `stripped`, on content the job wrote: never.
+                kept = strip_mode(after.mode)
+                self.filter(
+                    item.path, f"setuid/setgid bits removed (mode {after.mode:o} -> {kept:o})"
+                )
+                after = msgspec.structs.replace(after, mode=kept)
             if self.tree.as_root and isinstance(after, FileState | DirState):
                 after = self.owned(item.path, after, before)
             if (
@@ -664,7 +682,7 @@ def plan_commit(
         upper_st = os.fstat(upper)
         root_st = tree.lstat(root)
         if root_st is not None and stat.S_IMODE(upper_st.st_mode) != stat.S_IMODE(root_st.st_mode):
-            mode = planner.stripped(root, upper_st)
+            mode = planner.stripped(root, upper_st, root_st)
             if mode != stat.S_IMODE(root_st.st_mode):
                 planner.items.append(_Item(root, _Upper(DirState(mode=mode)), root_st))
         planner.root, planner.upper_root = root, upper

@@ -122,6 +122,36 @@ def test_setuid_and_special_files_are_filtered(trees: tuple[Path, Path]) -> None
         assert "special file" in what[str(root / "dev")]
 
 
+def test_the_hosts_own_setuid_and_setgid_bits_are_kept(trees: tuple[Path, Path]) -> None:
+    # A job writing into a shared folder with the setgid bit (g+s: new files take the
+    # team's group) took the bit off the host's folder: the overlay copies the folder up
+    # with its mode, and the commit stripped it as if the job had set it. Only bits the
+    # job added go; a file whose content the job changed loses them all the same.
+    root, upper = trees
+    (root / "team").mkdir()
+    os.chmod(root / "team", 0o2775)
+    (root / "tool").write_text("tool")
+    os.chmod(root / "tool", 0o4755)
+    (root / "changed").write_text("old")
+    os.chmod(root / "changed", 0o4755)
+    since = stamp_after(root / "team", root / "tool", root / "changed")
+    (upper / "team").mkdir()
+    os.chmod(upper / "team", 0o2775)  # copied up, as the overlay does
+    (upper / "team" / "new.txt").write_text("n")
+    (upper / "tool").write_text("tool")  # copied up, unchanged
+    os.chmod(upper / "tool", 0o4755)
+    (upper / "changed").write_text("new content")
+    os.chmod(upper / "changed", 0o4755)
+    result = plan(root, upper, since)
+    assert result.conflicts == []
+    after = {op.path: op.after for op in result.ops if isinstance(op, Put)}
+    assert str(root / "team") not in after and str(root / "tool") not in after
+    assert set(after) == {str(root / "team" / "new.txt"), str(root / "changed")}
+    changed = after[str(root / "changed")]
+    assert isinstance(changed, FileState) and changed.mode == 0o755
+    assert "setuid/setgid" in dict(result.filtered)[str(root / "changed")]
+
+
 def test_links_are_committed_as_links(trees: tuple[Path, Path]) -> None:
     root, upper = trees
     os.symlink("/etc/shadow", upper / "evil")
