@@ -382,14 +382,19 @@ class _Planner:
         self.changed(path, after, host)
 
     def stripped(self, path: str, st: os.stat_result, host: os.stat_result | None) -> int:
-        """`st`'s permission bits as committed: setuid and setgid go, except those the
-        host's own entry of the same kind has (a folder copied up with its ``g+s``; a file
-        copied up unchanged). Kept on a file whose content the job changed, they go in
-        `operations`."""
+        """`st`'s permission bits as committed: setuid and setgid go, unless the mode is
+        exactly the host's own entry's (a folder copied up with its ``g+s``, a file copied
+        up unchanged): a job may not add them, nor give a setuid file other bits (with no
+        seccomp filter, ``chmod 4755`` of a root-only ``4700`` tool). Kept on a file whose
+        content the job changed, they go in `operations`."""
         mode = stat.S_IMODE(st.st_mode)
         kept = strip_mode(mode)
-        if host is not None and stat.S_IFMT(host.st_mode) == stat.S_IFMT(st.st_mode):
-            kept |= mode & host.st_mode & _SETID
+        if (
+            host is not None
+            and stat.S_IFMT(host.st_mode) == stat.S_IFMT(st.st_mode)
+            and stat.S_IMODE(host.st_mode) == mode
+        ):
+            kept = mode
         if kept != mode:
             self.filter(path, f"setuid/setgid bits removed (mode {mode:o} -> {kept:o})")
         return kept

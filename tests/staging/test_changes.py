@@ -134,7 +134,9 @@ def test_the_hosts_own_setuid_and_setgid_bits_are_kept(trees: tuple[Path, Path])
     os.chmod(root / "tool", 0o4755)
     (root / "changed").write_text("old")
     os.chmod(root / "changed", 0o4755)
-    since = stamp_after(root / "team", root / "tool", root / "changed")
+    (root / "rootonly").write_text("r")
+    os.chmod(root / "rootonly", 0o4700)
+    since = stamp_after(root / "team", root / "tool", root / "changed", root / "rootonly")
     (upper / "team").mkdir()
     os.chmod(upper / "team", 0o2775)  # copied up, as the overlay does
     (upper / "team" / "new.txt").write_text("n")
@@ -142,14 +144,21 @@ def test_the_hosts_own_setuid_and_setgid_bits_are_kept(trees: tuple[Path, Path])
     os.chmod(upper / "tool", 0o4755)
     (upper / "changed").write_text("new content")
     os.chmod(upper / "changed", 0o4755)
+    (upper / "rootonly").write_text("r")  # made 4755 (only without the seccomp filter)
+    os.chmod(upper / "rootonly", 0o4755)
     result = plan(root, upper, since)
     assert result.conflicts == []
     after = {op.path: op.after for op in result.ops if isinstance(op, Put)}
     assert str(root / "team") not in after and str(root / "tool") not in after
-    assert set(after) == {str(root / "team" / "new.txt"), str(root / "changed")}
-    changed = after[str(root / "changed")]
-    assert isinstance(changed, FileState) and changed.mode == 0o755
-    assert "setuid/setgid" in dict(result.filtered)[str(root / "changed")]
+    assert set(after) == {
+        str(root / "team" / "new.txt"),
+        str(root / "changed"),
+        str(root / "rootonly"),
+    }
+    for name in ("changed", "rootonly"):
+        state = after[str(root / name)]
+        assert isinstance(state, FileState) and state.mode == 0o755, name
+        assert "setuid/setgid" in dict(result.filtered)[str(root / name)]
 
 
 def test_links_are_committed_as_links(trees: tuple[Path, Path]) -> None:
