@@ -560,7 +560,11 @@ class OverlayRun:
                     )
                 )
             plan = plan_commit(
-                tree, uppers, since_ns=self.since_ns, xattr_prefix=self.ns.xattr_prefix
+                tree,
+                uppers,
+                since_ns=self.since_ns,
+                xattr_prefix=self.ns.xattr_prefix,
+                max_bytes=self.job.limits.disk_bytes or DEFAULT_DISK_BYTES,
             )
             if plan.conflicts:
                 raise CommitConflict(

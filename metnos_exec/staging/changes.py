@@ -13,6 +13,9 @@ Commit rules (the staging half of the table in `metnos_exec.journal`):
 ================================================  ==========================================
 rule                                              threat
 ================================================  ==========================================
+Staged files holding more bytes in all than the    sparse files or hard links: the commit
+job's disk budget refuse the commit (a conflict)  writes every byte of every name (GBs on
+                                                  the host from a 256 MiB budget)
 Folders nested more than `MAX_DEPTH` deep refuse  a job nesting folders without end
 the commit (a conflict)                           crashed the commit (recursion, fds)
 More than `MAX_RECORD_BYTES` of staged names      empty files under long names: a huge
@@ -182,6 +185,9 @@ class _Planner:
         #: Bytes of names of the staged entries seen (`MAX_RECORD_BYTES`).
         self.recorded = 0
         self.overflow = False
+        #: Bytes of the staged files seen, and the most the commit may write (`too_many_bytes`).
+        self.staged_bytes = 0
+        self.max_bytes: int | None = None
         #: Folder → owner its new entries get: a host folder's own, or the one given to a
         #: folder the job created.
         self.owners: dict[str, tuple[int | None, int | None]] = {}
@@ -257,6 +263,8 @@ class _Planner:
             if stat.S_ISDIR(st.st_mode):
                 self.dir(upper_fd, entry.name, path, st, host, replaced=replaced)
             elif stat.S_ISREG(st.st_mode):
+                if self.too_many_bytes(path, st.st_size):
+                    return
                 self.file(upper_fd, entry.name, path, st, host)
             elif stat.S_ISLNK(st.st_mode):
                 target = os.readlink(entry.name, dir_fd=upper_fd)
@@ -430,6 +438,24 @@ class _Planner:
             path,
             f"too many or too long names: the job's changes name more than "
             f"{MAX_RECORD_BYTES >> 20} MiB of paths, more than a commit records",
+        )
+        return True
+
+    def too_many_bytes(self, path: str, size: int) -> bool:
+        """Whether the staged files seen so far, `path`'s included, hold more bytes than
+        `max_bytes` (a conflict noted once; the walk stops). A file's holes and its hard
+        links cost the staging tmpfs nothing, but the commit writes every byte of every
+        name: 40 sparse 64 MiB files on a 256 MiB budget wrote 2.6 GB on the host."""
+        if self.overflow:
+            return True
+        self.staged_bytes += size
+        if self.max_bytes is None or self.staged_bytes <= self.max_bytes:
+            return False
+        self.overflow = True
+        self.conflict(
+            path,
+            f"the job's files hold more than its disk budget ({self.max_bytes >> 20} MiB) "
+            "once written out (sparse files, or hard links: each name is a file on the host)",
         )
         return True
 
@@ -670,6 +696,7 @@ def plan_commit(
     *,
     since_ns: int,
     xattr_prefix: str,
+    max_bytes: int | None = None,
 ) -> CommitPlan:
     """Read the staged changes and plan their commit.
 
@@ -680,9 +707,12 @@ def plan_commit(
             host path with a ctime at or after it changed while the job ran, a conflict.
         xattr_prefix: ``"user."`` for an overlay made in a user namespace, else
             ``"trusted."``.
+        max_bytes: the most the staged files may hold in all, as the commit writes them
+            (the job's disk budget); ``None``: no limit.
     """
     plan = CommitPlan()
     planner = _Planner(tree, since_ns, xattr_prefix, plan)
+    planner.max_bytes = max_bytes
     for root, upper in uppers:
         upper_st = os.fstat(upper)
         root_st = tree.lstat(root)

@@ -1642,6 +1642,42 @@ RESOURCES = [
         host_check=_queue_within(64),
     ),
     Attempt(
+        "resources.sparse_files_past_the_disk_budget",
+        "resources",
+        "the commit refuses files larger in all than the disk budget",
+        r"""
+        # Holes cost the staging tmpfs nothing, but the commit copied every byte: 40
+        # files of 64 MiB (the default file size limit) on a 256 MiB budget wrote 2.6 GB
+        # on the host in 8 s (65,536 of them: 4 TiB).
+        for i in range(10):
+            with open(OWN + "/s%d" % i, "wb") as f:
+                f.truncate((4 << 20) - 1)
+        done(False)  # what reaches the host is what counts
+        """,
+        caps=WRITE_OWN,
+        limits={"disk_mb": 16, "file_size_mb": 4},
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+        host_check=_disk_within("resources_sparse_files_past_the_disk_budget", 16),
+    ),
+    Attempt(
+        "resources.hard_links_past_the_disk_budget",
+        "resources",
+        "the commit refuses files larger in all than the disk budget",
+        r"""
+        # One 4 MiB file and 20 more names for it: 4 MiB staged, but the commit writes
+        # each name as a file of its own.
+        with open(OWN + "/f0", "wb") as f:
+            f.write(b"" * (4 << 20))
+        for i in range(1, 21):
+            os.link(OWN + "/f0", OWN + "/f%d" % i)
+        done(False)  # what reaches the host is what counts
+        """,
+        caps=WRITE_OWN,
+        limits={"disk_mb": 16, "file_size_mb": 4},
+        stopped_by=frozenset({"E_COMMIT_CONFLICT"}),
+        host_check=_disk_within("resources_hard_links_past_the_disk_budget", 16),
+    ),
+    Attempt(
         "resources.open_files",
         "resources",
         "RLIMIT_NOFILE",
