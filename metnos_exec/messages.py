@@ -342,6 +342,8 @@ class UndoEntry(msgspec.Struct, frozen=True, kw_only=True):
         ops: apply in this order to undo the job.
         reverses: when this entry was recorded by an undo job, the entry it undid.
         lost: what this entry does not cover (``backup`` entries), for people.
+        seal: HMAC-SHA256 of the rest, with the recording device's key
+            (`metnos_exec.undo_seal`); an undo refuses an entry without a valid one.
     """
 
     v: int = WIRE_VERSION
@@ -355,6 +357,7 @@ class UndoEntry(msgspec.Struct, frozen=True, kw_only=True):
     ops: tuple[UndoOp, ...] = ()
     reverses: str | None = None
     lost: str | None = None
+    seal: str | None = None
 
     def paths(self) -> list[str]:
         """Every path the entry touches, in op order, without repeats."""

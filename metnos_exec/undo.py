@@ -54,6 +54,7 @@ from .messages import (
     UndoOp,
     writes_content,
 )
+from .undo_seal import UndoSeal
 
 __all__ = (
     "AppliedUndo",
@@ -234,8 +235,19 @@ def apply_undo(
 
     Raises:
         UndoConflict: the host changed since the job; nothing was changed.
-        UndoUnavailable: an original to restore is not in `store`; nothing was changed.
+        UndoUnavailable: an entry has no valid seal of this device (`undo_seal`), or an
+            original to restore is not in `store`; nothing was changed.
+        HostFault: the device's undo key cannot be read.
     """
+    seal = UndoSeal(store.root)
+    forged = [entry.id for entry in entries if not seal.holds(entry)]
+    if forged:
+        # Before anything is read on disk: its roots and ops are nobody's word.
+        raise UndoUnavailable(
+            f"undo entry {', '.join(forged)} of job {entries[0].job_id} has no valid seal of "
+            f"this device: it was not recorded by a worker sharing this blob store "
+            f"({store.root}), or it was altered in the broker since; nothing was changed"
+        )
     ops = order_ops(op for entry in entries for op in entry.ops)
     roots = tuple(dict.fromkeys(root for entry in entries for root in entry.roots))
     missing = missing_blobs(ops, store)
@@ -262,15 +274,17 @@ def apply_undo(
                     store.put_fd(fd)
                 finally:
                     os.close(fd)
-        redo = UndoEntry(
-            job_id=undo_job_id,
-            device=device,
-            executor=UNDO_EXECUTOR,
-            method=entries[0].method,
-            roots=roots,
-            ops=reverse_ops(ops),
-            reverses=entries[0].id,
-            lost=entries[0].lost,
+        redo = seal.seal(
+            UndoEntry(
+                job_id=undo_job_id,
+                device=device,
+                executor=UNDO_EXECUTOR,
+                method=entries[0].method,
+                roots=roots,
+                ops=reverse_ops(ops),
+                reverses=entries[0].id,
+                lost=entries[0].lost,
+            )
         )
         handle = journal.begin(
             JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops)

@@ -61,6 +61,7 @@ from ..sandbox import staged
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
 from ..sandbox.mount_sources import idmapped_clone, open_source
 from ..sandbox.staged import IdmapUnavailable, StagedPlacement
+from ..undo_seal import UndoSeal
 from ._types import Committed, Reversible
 from .backup import BackupRun
 from .changes import CommitPlan, change_stamp, plan_commit, store_originals
@@ -135,7 +136,8 @@ class Staging:
         state_dir: default `default_state_dir`; holds ``blobs/``, ``journal/`` and, for
             a worker that is not root, the (empty on the host) ``stage/`` mount base.
         blob_dir: the blob store (default ``<state_dir>/blobs``). An undo reads its blobs
-            here: workers of one device on several machines need a shared one.
+            here, and the key that seals undo entries (``undo.key``): workers of one
+            device on several machines need a shared one.
         overlay: use overlay staging when the arm can (``False``: always back up).
         fsync: flush blobs, journals and committed files (power-loss safety; slower).
     """
@@ -158,6 +160,10 @@ class Staging:
             blob_dir if blob_dir is not None else self.state_dir / "blobs", fsync=fsync
         )
         self.journal = Journal(self.state_dir / "journal", fsync=fsync)
+        #: Seals the undo entries this device records, and checks those it is asked to
+        #: undo (`metnos_exec.undo_seal`). Its key is kept beside the blobs: what the
+        #: workers of one device share for undo to work at all.
+        self.seal = UndoSeal(self.store.root)
         self.fsync = fsync
         # A root worker's base is under /run, where its slots' uids may pass (see
         # `metnos_exec.staging.overlay`); anyone else's is in its state folder.
@@ -577,13 +583,15 @@ class OverlayRun:
                 store_originals(plan, tree, staging.store)
             except Blocked as exc:
                 raise CommitConflict(str(exc)) from None
-            entry = UndoEntry(
-                job_id=self.job_id,
-                device=self.device,
-                executor=self.executor,
-                method="staged",
-                roots=self.roots,
-                ops=reverse_ops(plan.ops),
+            entry = staging.seal.seal(
+                UndoEntry(
+                    job_id=self.job_id,
+                    device=self.device,
+                    executor=self.executor,
+                    method="staged",
+                    roots=self.roots,
+                    ops=reverse_ops(plan.ops),
+                )
             )
             handle = staging.journal.begin(
                 JournalRecord(job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops)

@@ -39,6 +39,7 @@ from ..journal import (
 )
 from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, UndoOp
 from ..sandbox._types import SandboxJob
+from ..undo_seal import UndoSeal
 from ._types import Committed
 from .changes import find_moves
 
@@ -116,14 +117,16 @@ class BackupRun:
         if not ops:
             return Committed(None)
         forward = order_ops(find_moves(ops, deleted, dict(self.targets)))
-        entry = UndoEntry(
-            job_id=self.job_id,
-            device=self.device,
-            executor=self.executor,
-            method="backup",
-            roots=self.roots,
-            ops=reverse_ops(forward),
-            lost=self.lost,
+        entry = UndoSeal(self.store.root).seal(
+            UndoEntry(
+                job_id=self.job_id,
+                device=self.device,
+                executor=self.executor,
+                method="backup",
+                roots=self.roots,
+                ops=reverse_ops(forward),
+                lost=self.lost,
+            )
         )
         return Committed(entry)
 

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from metnos_exec.client import Client
 from metnos_exec.errors import UndoConflict, UndoUnavailable
-from metnos_exec.messages import UNDO_EXECUTOR, Job
+from metnos_exec.messages import UNDO_EXECUTOR, DirState, Job, Put
 from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
@@ -491,21 +491,83 @@ async def test_an_undo_misrouted_by_hand_is_refused_by_the_wrong_device(world: W
 
 
 async def test_an_undo_without_the_originals_is_refused_and_changes_nothing(
-    world: World, tmp_path: Path
+    world: World,
 ) -> None:
     await staging_works(world)
     seed(world.notes)
     result = await world.run([["append", "mod.txt", "job\n"], ["rm", "del.txt"]])
     now = snapshot(world.notes)
+    # The originals pruned from the blob store (by hand: retention never takes a blob an
+    # entry still needs).
+    (record,) = await world.broker.get_undo(result.undo_ids)
+    for digest in record.entry.blobs():
+        world.staging.store.path(digest).unlink()
     undo_id = await Client(world.broker).submit_undo(result.job_id)
-    # A worker of the same device whose blob folder is another (another machine).
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "blob store" in refused.error.message
+    assert "mod.txt" in refused.error.message and "del.txt" in refused.error.message
+    assert snapshot(world.notes) == now
+
+
+async def test_an_entry_not_sealed_by_this_device_is_refused_before_anything_is_read(
+    world: World, tmp_path: Path
+) -> None:
+    """An entry is the broker's word, which whoever can write the store may forge (a
+    producer, a job with network access to an unauthenticated Redis): a forged one made
+    a root worker chmod a folder outside every hint. Undo checks the device's seal
+    (`metnos_exec.undo_seal`) first."""
+    await staging_works(world)
+    seed(world.notes)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    result = await world.run([["append", "mod.txt", "job\n"]])
+    now = snapshot(world.notes)
+    (record,) = await world.broker.get_undo(result.undo_ids)
+    entry = record.entry
+    assert entry.seal is not None
+    forged = msgspec.structs.replace(
+        entry,
+        roots=(*entry.roots, str(victim)),
+        ops=(
+            *entry.ops,
+            # "Undo" to 0777 a folder that is 0700 now: what check_ops finds, so only the
+            # seal stands in the way.
+            Put(path=str(victim), before=DirState(mode=0o700), after=DirState(mode=0o777)),
+        ),
+    )
+    world.broker._undo[entry.id] = msgspec.structs.replace(record, entry=forged)
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "seal" in refused.error.message
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o700
+    assert snapshot(world.notes) == now
+    # Unsealed (an entry from before seals, or written by hand): refused the same way.
+    world.broker._undo[entry.id] = msgspec.structs.replace(
+        record, entry=msgspec.structs.replace(entry, seal=None)
+    )
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None and "seal" in refused.error.message
+    # A worker of the same device with another blob store (another machine): it has
+    # neither the key nor the originals.
+    world.broker._undo[entry.id] = record
     elsewhere = Staging(tmp_path / "elsewhere")
     try:
+        undo_id = await Client(world.broker).submit_undo(result.job_id)
         await world.burst(staging=elsewhere)
     finally:
         await elsewhere.aclose()
     refused = await world.broker.get_result(undo_id)
     assert refused is not None and refused.error is not None
     assert refused.error.code == "E_UNDO_UNAVAILABLE" and "blob store" in refused.error.message
-    assert "mod.txt" in refused.error.message and "del.txt" in refused.error.message
     assert snapshot(world.notes) == now
+    # The genuine entry, on this device: undone.
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    await world.burst()
+    done = await world.broker.get_result(undo_id)
+    assert done is not None and done.status == "succeeded", done
