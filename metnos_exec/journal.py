@@ -46,6 +46,7 @@ before the journal is removed, so they also survive a power loss.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -464,6 +465,20 @@ def _read_umask() -> int | None:
 
 #: Read once: a worker does not change its umask while it runs.
 _UMASK: Final = _read_umask()
+#: A file's POSIX access ACL (named users and groups, the mask), as an extended attribute.
+_ACL: Final = "system.posix_acl_access"
+
+
+def _acl_of(parent: int, name: str) -> bytes | None:
+    """The access ACL of `name` in `parent` (``None``: it has none, or its file system
+    keeps none). Read through the folder's fd, the name not followed: no open of a file
+    the worker may not read."""
+    try:
+        return os.getxattr(f"/proc/self/fd/{parent}/{name}", _ACL, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+            return None
+        raise
 
 
 def _temp_name(tag: str, index: int) -> str:
@@ -514,11 +529,15 @@ class _Applier:
         if isinstance(state, FileState) and state.mtime_ns is not None:
             os.utime(fd, ns=(state.mtime_ns, state.mtime_ns))
 
-    def _new_file(self, parent: int, name: str, path: str, state: FileState) -> None:
+    def _new_file(
+        self, parent: int, name: str, path: str, state: FileState, *, acl: bytes | None = None
+    ) -> None:
+        """Create `name` with `state`'s content and metadata; `acl`: the access ACL of the
+        file it replaces, carried over (it sets the group bits: the mode is set after)."""
         # Created with its final mode when the umask lets it through unchanged: one
         # syscall (and one inode update in the file system's journal) less per file,
         # which is a third of a small file's commit.
-        exact = _UMASK is not None and state.mode & ~_UMASK & 0o777 == state.mode
+        exact = acl is None and _UMASK is not None and state.mode & ~_UMASK & 0o777 == state.mode
         fd = os.open(
             name,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -527,6 +546,8 @@ class _Applier:
         )
         try:
             _write_content(fd, self.source.fetch(path, state))
+            if acl is not None:
+                os.setxattr(fd, _ACL, acl)
             self._meta(fd, state, chmod=not exact)
             if self.fsync:
                 os.fsync(fd)
@@ -583,7 +604,9 @@ class _Applier:
             tmp = _temp_name(self.tag, index)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)  # left by a crash of an earlier attempt
-            self._new_file(parent, tmp, path, after)
+            # New content goes into a new inode: the old one's ACL (named users and
+            # groups) goes with it, or its owning group would gain the mask's rights.
+            self._new_file(parent, tmp, path, after, acl=_acl_of(parent, name))
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
         if self.fsync:
             self.written.add(posixpath.dirname(path))

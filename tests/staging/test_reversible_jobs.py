@@ -23,6 +23,7 @@ from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
 from metnos_exec.staging import Staging
+from tests.conftest import need
 
 from .helpers import (
     World,
@@ -488,6 +489,44 @@ async def test_an_undo_misrouted_by_hand_is_refused_by_the_wrong_device(world: W
     assert refused is not None and refused.error is not None
     assert refused.error.code == "E_UNDO_UNAVAILABLE" and "device 'd'" in refused.error.message
     assert (world.notes / "x").read_text() == "x"
+
+
+def _acl(*entries: tuple[int, int, int]) -> bytes:
+    """A ``system.posix_acl_access`` value: version 2, then (tag, perm, id) entries."""
+    import struct
+
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+#: user::rw-, user:4242:rw-, group::---, mask::rw-, other::---: mode 0660, whose group
+#: bits are the mask, not the owning group's (which has nothing).
+_NAMED_USER_ACL = _acl(
+    (0x01, 6, 0xFFFFFFFF), (0x02, 6, 4242), (0x04, 0, 0xFFFFFFFF), (0x10, 6, 0xFFFFFFFF),
+    (0x20, 0, 0xFFFFFFFF),
+)  # fmt: skip
+
+
+async def test_a_files_access_acl_survives_its_commit_and_its_undo(world: World) -> None:
+    """A commit writes changed content into a new file and renames it over the old one:
+    the old one's ACL went with it, and its owning group gained the mask's rights (a
+    0660 file with ``group::---`` and a named user became a plain 0660 file)."""
+    await staging_works(world)
+    shared = world.notes / "shared.txt"
+    shared.write_text("old\n")
+    os.chmod(shared, 0o660)
+    try:
+        os.setxattr(shared, "system.posix_acl_access", _NAMED_USER_ACL)
+    except OSError as exc:
+        need(False, f"no POSIX ACLs on {world.notes}'s file system: {exc}")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o660
+    result = await world.run([["append", "shared.txt", "job\n"]])
+    assert result.status == "succeeded", result
+    assert shared.read_text() == "old\njob\n"
+    assert os.getxattr(shared, "system.posix_acl_access") == _NAMED_USER_ACL
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o660
+    await api_undo(world, result.job_id)
+    assert shared.read_text() == "old\n"
+    assert os.getxattr(shared, "system.posix_acl_access") == _NAMED_USER_ACL
 
 
 async def test_an_undo_without_the_originals_is_refused_and_changes_nothing(
