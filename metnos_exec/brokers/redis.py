@@ -265,6 +265,12 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _text(value: bytes | str) -> str:
+    """What a producer wrote (an inbox entry's field name or id), as text: bytes that are
+    not UTF-8 are replaced, as the SQLite inbox reads a bad id, never an exception."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
 class RedisBroker(Broker):
     """`Broker` on Redis Streams. Use it as an async context manager (``async with``):
     the connection pool lives in the task that enters it.
@@ -608,16 +614,29 @@ class RedisBroker(Broker):
         # Only server workers open the inbox: a bad message is dead-lettered by the
         # server, and a device never routes jobs for others.
         if inbox and dev == SERVER_DEVICE:
-            await self._admit_inbox(worker_id)
-            if len(leases) < limit:
-                more, _ = await self._lease_once(
-                    worker_id,
-                    visibility_s,
-                    dev,
-                    limit - len(leases),
-                    max(0, start_n - len(leases)),
+            try:
+                await self._admit_inbox(worker_id)
+                if len(leases) < limit:
+                    more, _ = await self._lease_once(
+                        worker_id,
+                        visibility_s,
+                        dev,
+                        limit - len(leases),
+                        max(0, start_n - len(leases)),
+                    )
+                    leases += more
+            except Exception as exc:
+                if not leases:
+                    raise
+                # The leases taken are this worker's already (the first ones count as
+                # started): raising would strand them until they lapse, an attempt used
+                # for nothing. The inbox is tried again at the next lease.
+                _log.error(
+                    "broker.error",
+                    broker=self.where,
+                    op="admit_inbox",
+                    error=f"{type(exc).__name__}: {exc}",
                 )
-                leases += more
         return leases
 
     async def _lease_once(
@@ -733,9 +752,9 @@ class RedisBroker(Broker):
         bad: list[tuple[str, ErrorInfo]] = []
         for entry in entries:
             eid = _s(entry.identifier)
-            fields = {_s(k): v for k, v in entry.field_values.items()}
+            fields = {_text(k): v for k, v in entry.field_values.items()}
             raw = fields.get("job")
-            given = _s(fields["id"]) if "id" in fields else None
+            given = _text(fields["id"]) if "id" in fields else None
             error: ErrorInfo | None = None
             if raw is None:
                 error = ErrorInfo(code=BadMessage.code, message="inbox entry has no `job` field")

@@ -368,6 +368,61 @@ async def test_inbox_entries_are_queued_or_dead_lettered_once(redis_server: Redi
         assert (await b.stats()).dead == 3
 
 
+@pytest.mark.anyio
+async def test_inbox_entries_with_bytes_that_are_not_utf8_are_dead_lettered_once(
+    redis_server: RedisServer,
+) -> None:
+    """Found by the chaos run: one inbox entry whose `id` (or a field name) was not UTF-8
+    stopped every lease with E_HOST_FAULT, and the jobs the lease script had taken
+    meanwhile lapsed until they were dead without having run."""
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        good = Job(executor="echo", args={"a": 1})
+        await b.submit(good)
+        body = b'{"v":1,"id":"x","executor":"echo"}'
+        await raw.xadd(b.keys.inbox, {"id": b"P-BADID\xff", "job": body})
+        await raw.xadd(b.keys.inbox, {b"j\xffob": b'{"v":1,"id":"P-FIELD","executor":"echo"}'})
+        await raw.xadd(b.keys.inbox, {"id": b"", "job": b"garbage"})
+        late = Job(executor="echo", args={"b": 2})
+        await raw.xadd(b.keys.inbox, {"job": encode(late)})
+        with capture_logs() as logs:
+            leases = await b.lease("s", visibility_s=30, limit=10)
+            assert await b.lease("s", visibility_s=30, limit=10) == []
+        assert [le.job.id for le in leases] == [good.id, late.id]
+        assert await raw.xlen(b.keys.inbox) == 0
+        bad = [r["job_id"] for r in logs if r["event"] == "job.bad_message"]
+        assert len(bad) == 3 and "P-BADID\ufffd" in bad
+        assert not [r for r in logs if r["event"] == "broker.error"]
+        letters = {d.job_id: d for d in await b.dead_letters()}
+        assert set(letters) == set(bad)
+        assert all(d.error.code == "E_BAD_MESSAGE" for d in letters.values())
+        assert letters["P-BADID\ufffd"].raw == body
+        assert (await b.stats()).dead == 3
+
+
+@pytest.mark.anyio
+async def test_leases_taken_before_the_inbox_fails_are_handed_out(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease script has started the jobs it hands out (their attempt counts): if the
+    inbox step after it fails, those leases are still the caller's, not lost to lapse."""
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        job = Job(executor="echo", max_attempts=1)
+        await b.submit(job)
+        await raw.xadd(b.keys.inbox, {"job": encode(Job(executor="echo"))})
+
+        async def failing(worker_id: str) -> None:
+            raise BrokerUnavailable("Redis went away between the two calls")
+
+        monkeypatch.setattr(b, "_admit_inbox", failing)
+        with capture_logs() as logs:
+            leases = await b.lease("s", visibility_s=30, limit=10)
+        assert [le.job.id for le in leases] == [job.id]
+        assert [r["event"] for r in logs] == ["broker.error"]
+        # No leases to hand out: the failure is the caller's to see.
+        with pytest.raises(BrokerUnavailable):
+            await b.lease("s", visibility_s=30, limit=10)
+
+
 # --- Redis unreachable or restarting --------------------------------------------------
 
 
