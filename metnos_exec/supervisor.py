@@ -153,7 +153,7 @@ _SETTLE_GRACE_S: Final = 5.0
 
 #: Broker calls on the path of new work: while one of them fails, the lease loop waits
 #: (`Supervisor._wait_for_store`), and one that works again ends the wait.
-_GATING: Final = frozenset({"lease", "mark_started", "ack", "retry", "release"})
+_GATING: Final = frozenset({"lease", "mark_started", "ack", "record_undo", "retry", "release"})
 
 #: How often a worker purges finished jobs past their retention (and once at start).
 _PURGE_EVERY_S: Final = 3600.0
@@ -1249,17 +1249,18 @@ class Supervisor:
             if entry is None:
                 await self._ack(lease, result)
                 return
-            try:
-                recorded = await self.broker.record_undo(lease, [entry])
-            except Exception as exc:
-                self._broker_failed("record_undo", exc, job_id=lease.job.id)
-                recorded = False
+            # A store that fails is tried again with backoff, the lease kept alive, as
+            # for an ack: throwing a good commit away would cost the job an attempt.
+            recorded = await self._settle(
+                "record_undo", lease, lambda: self.broker.record_undo(lease, [entry])
+            )
             if not recorded:
-                # Not ours any more (or the broker failed): the changes go, the job is
-                # delivered again.
+                # Not ours any more (or given up: the worker stops): the changes go, the
+                # job is delivered again.
                 await reversible.settle(stored=False)
-                self.stats["lease_lost"] += 1
-                _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
+                if recorded is False:
+                    self.stats["lease_lost"] += 1
+                    _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
                 return
             try:
                 stored = await self._ack(
@@ -1315,17 +1316,18 @@ class Supervisor:
             await self._retry(lease, ErrorInfo(code=HostFault.code, message=f"undo failed: {exc}"))
             return
         with anyio.CancelScope(shield=True):
-            try:
-                recorded = await self.broker.record_undo(
+            recorded = await self._settle(
+                "record_undo",
+                lease,
+                lambda: self.broker.record_undo(
                     lease, [applied.redo], undoes=[e.id for e in entries]
-                )
-            except Exception as exc:
-                self._broker_failed("record_undo", exc, job_id=lease.job.id)
-                recorded = False
+                ),
+            )
             if not recorded:
                 await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=False))
-                self.stats["lease_lost"] += 1
-                _log.warning("lease.lost", visibility_s=self.visibility_s, during="undo")
+                if recorded is False:
+                    self.stats["lease_lost"] += 1
+                    _log.warning("lease.lost", visibility_s=self.visibility_s, during="undo")
                 return
             paths = applied.redo.paths()
             result = self._result(

@@ -10,14 +10,16 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
 from structlog.testing import capture_logs
 
+from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.client import Client
-from metnos_exec.errors import UndoConflict, UndoUnavailable
+from metnos_exec.errors import BrokerUnavailable, UndoConflict, UndoUnavailable
 from metnos_exec.messages import UNDO_EXECUTOR, DirState, Job, Put
 from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
@@ -610,3 +612,59 @@ async def test_an_entry_not_sealed_by_this_device_is_refused_before_anything_is_
     await world.burst()
     done = await world.broker.get_result(undo_id)
     assert done is not None and done.status == "succeeded", done
+
+
+# --- the store failing while an entry is recorded ---------------------------------------
+
+
+class RecordFailsTwice(MemoryBroker):
+    """`record_undo` fails twice (Redis restarting, a held lock), then works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_failures = 0
+
+    async def record_undo(self, *a: Any, **kw: Any) -> bool:
+        if self.record_failures < 2:
+            self.record_failures += 1
+            raise BrokerUnavailable("cannot reach Redis (test)")
+        return await super().record_undo(*a, **kw)
+
+
+async def test_an_entry_the_store_fails_to_record_is_recorded_once_it_is_back(
+    world: World,
+) -> None:
+    """Found by the chaos run (Redis SIGKILLed under staged jobs): a job whose undo entry
+    met the store failing was rolled back and logged `lease.lost` although its lease
+    stood; with max_attempts = 1 it then ended dead (E_LEASE_EXPIRED) without a fault of
+    its own. Like an ack, the record is kept and tried again with backoff."""
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    world.broker = RecordFailsTwice()
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]},
+        max_attempts=1,
+    )
+    await world.broker.submit(job)
+    with capture_logs() as logs:
+        await world.burst(store_backoff=lambda n: 0.01)
+    result = await world.broker.get_result(job.id)
+    assert result is not None and result.status == "succeeded", result
+    assert len(result.undo_ids) == 1
+    assert (world.notes / "mod.txt").read_text() == "old content\njob\n"
+    events = [r["event"] for r in logs]
+    assert "lease.lost" not in events and events.count("broker.error") == 2
+    assert "broker.recovered" in events
+
+    # The undo's own entry (the redo) meets the same store.
+    world.broker.record_failures = 0
+    undo = Job(executor=UNDO_EXECUTOR, args={"job_id": job.id}, max_attempts=1)
+    await world.broker.submit(undo)
+    with capture_logs() as logs:
+        await world.burst(store_backoff=lambda n: 0.01)
+    undone = await world.broker.get_result(undo.id)
+    assert undone is not None and undone.status == "succeeded", undone
+    assert snapshot(world.notes) == before
+    assert "lease.lost" not in [r["event"] for r in logs]
