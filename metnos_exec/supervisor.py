@@ -462,6 +462,30 @@ class Supervisor:
                 "worker.error", error=f"journal recovery failed: {type(exc).__name__}: {exc}"
             )
 
+    async def _recover_for(self, lease: Lease) -> bool:
+        """Settle the journals of dead workers before a redelivered job touches its
+        folders: its last worker may have died mid-commit, and a run on a half-committed
+        tree would commit its changes a second time. A store that fails is asked again
+        with backoff (the lease is heart-beaten meanwhile). ``False``: the worker gave up
+        (it stops); the job must not run."""
+        failures = 0
+        while True:
+            try:
+                await self.staging.recover(self.broker)
+                return True
+            except BrokerError as exc:
+                failures += 1
+                self._broker_failed("recover", exc, job_id=lease.job.id)
+                if self._give_up.is_set() or self._draining:
+                    return False
+                with anyio.move_on_after(self.store_backoff(failures)):
+                    await self._give_up.wait()
+            except Exception as exc:  # not the store: as at start, said and left
+                _log.error(
+                    "worker.error", error=f"journal recovery failed: {type(exc).__name__}: {exc}"
+                )
+                return True
+
     async def run(
         self,
         *,
@@ -1046,11 +1070,12 @@ class Supervisor:
             _log.info("capability.inactive", detail=item)
         reversible: Reversible | None = None
         if invocation.write_roots:
+            # A redelivery: its last worker may have died mid-commit; settle that first,
+            # so this run starts from a tree that is whole.
+            if lease.attempt > 1 and not await self._recover_for(lease):
+                await self._release(lease, "the store failed while a commit was recovered")
+                return
             try:
-                if lease.attempt > 1:
-                    # A redelivery: its last worker may have died mid-commit; settle that
-                    # first, so this run starts from a tree that is whole.
-                    await self.recover()
                 reversible = await self.staging.prepare(
                     job_id=job.id,
                     executor=job.executor,
@@ -1287,8 +1312,10 @@ class Supervisor:
             )
             return
         staging = self.staging
-        if lease.attempt > 1:
-            await self.recover()  # its last worker may have died mid-undo
+        # Its last worker may have died mid-undo.
+        if lease.attempt > 1 and not await self._recover_for(lease):
+            await self._release(lease, "the store failed while a commit was recovered")
+            return
         try:
             entries = await entries_to_undo(self.broker, target, device=self.device)
         except UndoUnavailable as exc:

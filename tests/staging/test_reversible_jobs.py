@@ -668,3 +668,66 @@ async def test_an_entry_the_store_fails_to_record_is_recorded_once_it_is_back(
     assert undone is not None and undone.status == "succeeded", undone
     assert snapshot(world.notes) == before
     assert "lease.lost" not in [r["event"] for r in logs]
+
+
+class ResultsFailing(MemoryBroker):
+    """`get_result` fails `failing` more times (the store down while a worker starts)."""
+
+    def __init__(self, clock: Any) -> None:
+        super().__init__(clock=clock)
+        self.failing = 0
+
+    async def get_result(self, job_id: str) -> Any:
+        if self.failing:
+            self.failing -= 1
+            raise BrokerUnavailable("cannot reach Redis (test)")
+        return await super().get_result(job_id)
+
+
+async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: World) -> None:
+    """A worker died in the middle of a job's commit; the job comes back to a worker
+    while the store fails. The journal recovery cannot ask the store whether the commit
+    stood, and the job used to run anyway, on the half-committed tree: its append was
+    committed twice. It now waits for the recovery."""
+    from metnos_exec.journal import BlobSource, HostTree, JournalRecord, apply_ops, fingerprints
+    from metnos_exec.messages import FileState, Put
+    from tests.brokers.conformance import VirtualClock
+
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    clock = VirtualClock()
+    world.broker = broker = ResultsFailing(clock)
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]})
+    await broker.submit(job)
+    [dead] = await broker.lease("dead-worker", visibility_s=10)
+    assert await broker.mark_started(dead)
+    # The dead worker's half commit: applied, journalled, its result never stored.
+    store, path = world.staging.store, str(world.notes / "mod.txt")
+    old, new = b"old content\n", b"old content\njob\n"
+    op = Put(
+        path=path,
+        before=FileState(sha256=store.put_bytes(old), size=len(old), mode=0o644),
+        after=FileState(sha256=store.put_bytes(new), size=len(new), mode=0o644),
+    )
+    root = str(world.notes)
+    with HostTree([root]) as tree:
+        expect = fingerprints(tree, {path: None})
+        apply_ops(tree, (op,), source=BlobSource(store), store=store, expect=expect, tag="t")
+    record = JournalRecord(job_id=job.id, entry_id="E-dead", roots=(root,), ops=(op,))
+    world.staging.journal.begin(record).close(remove=False)  # its worker "died"
+    clock.advance(60)  # the dead worker's lease lapses
+
+    broker.failing = 2  # the start's recovery, then the redelivered job's
+    with capture_logs() as logs:
+        await world.burst(store_backoff=lambda n: 0.01)
+    result = await broker.get_result(job.id)
+    assert result is not None and result.status == "succeeded", result
+    assert (world.notes / "mod.txt").read_text() == "old content\njob\n"
+    recovered = [r for r in logs if r["event"] == "journal.recovered"]
+    assert [(r["job_id"], r["action"]) for r in recovered] == [(job.id, "rolled_back")]
+    assert list(world.staging.journal.folder.iterdir()) == []
+    undo = await Client(broker).submit_undo(job.id)
+    await world.burst()
+    assert (await broker.get_result(undo)).status == "succeeded"  # type: ignore[union-attr]
+    assert snapshot(world.notes) == before
