@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -81,8 +82,30 @@ class BlobStore:
         _check_digest(digest)
         return self._objects / digest[:2] / digest
 
-    def has(self, digest: str) -> bool:
-        return self.path(digest).is_file()
+    def has(self, digest: str, *, size: int | None = None) -> bool:
+        """Whether the store holds the blob `digest` (of `size` bytes, when given: a blob
+        of another size is not the content its name says)."""
+        try:
+            st = os.stat(self.path(digest))
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
+
+    def open_checked(self, digest: str, size: int) -> int:
+        """`open`, refusing a blob whose size is not `size`.
+
+        Raises:
+            BlobMissing: absent, or of another size (cut short: its content is wrong).
+        """
+        fd = self.open(digest)
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            os.close(fd)
+            raise BlobMissing(
+                f"blob {digest} in {self.root} holds {actual} bytes, not the {size} it was "
+                "stored with (wrong size: its content is not the original)"
+            )
+        return fd
 
     def put_fd(self, fd: int) -> tuple[str, int]:
         """Store what `fd` holds from its current offset to its end.
@@ -97,7 +120,9 @@ class BlobStore:
             nonlocal size
             while chunk := os.read(fd, _CHUNK):
                 digest.update(chunk)
-                os.write(tmp_fd, chunk)  # regular file: a short write is ENOSPC, raised
+                # A full disk (or a file size limit) first answers with a short count,
+                # not an error: the rest is written, or the error raised, by the loop.
+                _write_all(tmp_fd, chunk)
                 size += len(chunk)
 
         tmp = self._write_temp(copy)

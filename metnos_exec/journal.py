@@ -61,7 +61,7 @@ from typing import Final, NamedTuple, Protocol
 
 import msgspec
 
-from .blobs import BlobStore
+from .blobs import BlobMissing, BlobStore
 from .errors import SymlinkedFolder
 from .messages import (
     Absent,
@@ -444,7 +444,7 @@ class BlobSource:
         self.store = store
 
     def fetch(self, path: str, state: FileState) -> bytes | int:
-        return self.store.open(state.sha256)
+        return self.store.open_checked(state.sha256, state.size)
 
 
 # --- applying -------------------------------------------------------------------------
@@ -745,7 +745,7 @@ def rollback(
         elif undo is not None:
             try:
                 applier.apply(undo, index)
-            except (OSError, Blocked) as exc:
+            except (OSError, Blocked, BlobMissing) as exc:
                 left.append(Conflict(_op_path(op), f"roll-back failed: {exc}"))
     return left
 

@@ -168,12 +168,16 @@ def check_ops(
 def missing_blobs(ops: Sequence[UndoOp], store: BlobStore) -> list[Conflict]:
     """Paths whose original content `ops` restore from a blob this store lacks."""
     return [
-        Conflict(op.path, f"its original (blob {op.after.sha256[:12]}) is not in {store.root}")
+        Conflict(
+            op.path,
+            f"its original (blob {op.after.sha256[:12]}) is not in {store.root}, or has the "
+            "wrong size",
+        )
         for op in ops
         if isinstance(op, Put)
         and isinstance(op.after, FileState)
         and writes_content(op)
-        and not store.has(op.after.sha256)
+        and not store.has(op.after.sha256, size=op.after.size)
     ]
 
 

@@ -62,3 +62,55 @@ def test_collect_keeps_what_entries_need_and_what_is_young(tmp_path: Path) -> No
     # Storing the same content again refreshes its age: it is in use again.
     store.put_bytes(b"needed")
     assert store.collect(set(), min_age_s=3600).removed == 0
+
+
+# Run in a child: the file size limit is per process, and the kernel's answer to a write
+# that crosses it is the one a filling disk gives: a short count first, an error next.
+_PUT_UNDER_A_LIMIT = """
+import os, resource, signal, sys
+from metnos_exec.blobs import BlobStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = BlobStore(sys.argv[1])
+fd = os.open(sys.argv[2], os.O_RDONLY)
+resource.setrlimit(resource.RLIMIT_FSIZE, (49152, resource.RLIM_INFINITY))
+try:
+    digest, size = store.put_fd(fd)
+except OSError as exc:
+    print("refused", exc.errno)
+else:
+    print("stored", digest, size)
+"""
+
+
+@pytest.mark.parametrize("size", [300_000, 3_000_000])  # one read, and several
+def test_a_short_write_never_leaves_a_blob_under_its_name(tmp_path: Path, size: int) -> None:
+    """Found by the chaos run (the state folder on a 2 MiB tmpfs): a blob of 290 kB was
+    stored as its first 48 kB under the SHA-256 of the whole, because a short write was
+    taken for a whole one. An undo would have restored the truncated file, and every later
+    commit of that content reused the truncated blob (deduplicated by name)."""
+    import subprocess
+    import sys
+
+    data = os.urandom(size)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    root = tmp_path / "blobs"
+    out = subprocess.run(
+        [sys.executable, "-c", _PUT_UNDER_A_LIMIT, str(root), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "refused", out
+    store = BlobStore(root)
+    digest = hashlib.sha256(data).hexdigest()
+    assert not store.has(digest)
+    assert list((root / "tmp").iterdir()) == []
+    # Once there is room, the same content is stored whole.
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        assert store.put_fd(fd) == (digest, size)
+    finally:
+        os.close(fd)
+    assert hashlib.sha256(store.path(digest).read_bytes()).hexdigest() == digest

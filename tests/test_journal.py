@@ -206,6 +206,27 @@ def test_rollback_reverts_only_what_the_ops_left(tmp_path: Path) -> None:
     assert [c.path for c in left] == [f"{r}/theirs"]
 
 
+def test_a_rollback_never_restores_a_blob_whose_size_is_wrong(tmp_path: Path) -> None:
+    """A blob cut short (a disk that filled under an older version's store, a disk that
+    lost it) must not be copied over the user's file: the path is left, and said."""
+    root = tmp_path / "root"
+    root.mkdir()
+    store = BlobStore(tmp_path / "blobs")
+    r = str(root)
+    before = file_state(store, b"the original, all of it\n")
+    after = file_state(store, b"the job's\n")
+    op = Put(path=f"{r}/f", before=before, after=after)
+    (root / "f").write_bytes(b"the original, all of it\n")
+    with HostTree([r]) as tree:
+        apply(tree, (op,), store)
+    os.truncate(store.path(before.sha256), 4)
+    with HostTree([r]) as tree:
+        left = rollback(tree, (op,), store=store, tag="t")
+    assert [c.path for c in left] == [f"{r}/f"] and "size" in left[0].reason
+    assert (root / "f").read_bytes() == b"the job's\n"
+    assert not store.has(before.sha256, size=before.size)
+
+
 def _dead_owner(journal: Path, record: JournalRecord) -> None:
     """A process that begins a journal and dies without settling it."""
     code = (

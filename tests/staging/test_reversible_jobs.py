@@ -731,3 +731,25 @@ async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: 
     await world.burst()
     assert (await broker.get_result(undo)).status == "succeeded"  # type: ignore[union-attr]
     assert snapshot(world.notes) == before
+
+
+async def test_an_undo_whose_original_was_cut_short_is_refused_and_changes_nothing(
+    world: World,
+) -> None:
+    """A blob stored short (see tests/test_blobs.py) would have been restored as it is:
+    the user's file replaced by its first bytes."""
+    await staging_works(world)
+    seed(world.notes)
+    result = await world.run([["append", "mod.txt", "job\n"]])
+    assert result.status == "succeeded", result
+    now = snapshot(world.notes)
+    [record] = await world.broker.get_undo(result.undo_ids)
+    [op] = record.entry.ops
+    original = op.after.sha256  # type: ignore[union-attr]
+    os.truncate(world.staging.store.path(original), 3)
+    undo_id = await Client(world.broker).submit_undo(result.job_id)
+    await world.burst()
+    refused = await world.broker.get_result(undo_id)
+    assert refused is not None and refused.error is not None
+    assert refused.error.code == "E_UNDO_UNAVAILABLE" and "mod.txt" in refused.error.message
+    assert snapshot(world.notes) == now
