@@ -69,6 +69,12 @@ local function enqueue(id, dev, prio)
   if redis.call('EXISTS', q) == 0 then
     redis.call('XGROUP', 'CREATE', q, GROUP, '0', 'MKSTREAM')
     redis.call('ZADD', prios_key(dev), prio, prio)
+  elseif not redis.call('ZSCORE', prios_key(dev), prio) then
+    -- A stream we did not make (a producer writing past the inbox): without our group
+    -- and its priority listed, nothing queued here would ever be leased. Its stray
+    -- entries are read as stale and dropped. (BUSYGROUP: the group is there already.)
+    redis.pcall('XGROUP', 'CREATE', q, GROUP, '0')
+    redis.call('ZADD', prios_key(dev), prio, prio)
   end
   local eid = redis.call('XADD', q, '*', 'id', id)
   redis.call('HSET', jkey(id), 'entry', eid)

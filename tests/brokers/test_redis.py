@@ -400,6 +400,26 @@ async def test_inbox_entries_with_bytes_that_are_not_utf8_are_dead_lettered_once
 
 
 @pytest.mark.anyio
+async def test_entries_written_past_the_inbox_never_hide_the_queue(
+    redis_server: RedisServer,
+) -> None:
+    """Found by the chaos run: a producer that XADDs to a job stream itself (not the
+    inbox) before any job of that priority made it left a stream without the workers'
+    group: every job submitted at that priority afterwards was queued and never leased,
+    and nothing said why. The stream gets the group; the stray entries are dropped."""
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        stream = b.keys.stream("server", 0)
+        await raw.xadd(stream, {"id": "no-such-job"})
+        await raw.xadd(stream, {b"\xff": b"\xff"})
+        job = Job(executor="echo")
+        await b.submit(job)
+        leases = await b.lease("w", visibility_s=30, limit=10)
+        assert [le.job.id for le in leases] == [job.id]
+        assert await b.ack(leases[0], Result(job_id=job.id, status="succeeded"))
+        assert await raw.xlen(stream) == 0 or not await raw.exists([stream])
+
+
+@pytest.mark.anyio
 async def test_leases_taken_before_the_inbox_fails_are_handed_out(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
