@@ -1264,8 +1264,9 @@ class Supervisor:
                 return
             except (HostFault, OSError, Blocked) as exc:
                 # Rolled back already (see journal.apply_ops): nothing of it is applied.
+                text = exc.message if isinstance(exc, HostFault) else str(exc)
                 await self._retry(
-                    lease, ErrorInfo(code=HostFault.code, message=f"commit failed: {exc}")
+                    lease, ErrorInfo(code=HostFault.code, message=f"commit failed: {text}")
                 )
                 return
             for path, what in committed.filtered[:_FILTERED_LOGGED]:

@@ -23,6 +23,7 @@ worker killed in the middle is settled by the next start (`Staging.recover`, see
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -322,6 +323,17 @@ class Staging:
         return done
 
 
+def _state_fault(state_dir: Path, exc: OSError) -> OSError | HostFault:
+    """The worker's own folder refused a write before the commit touched anything: a full
+    disk says which folder is full (the job's own folders may have room)."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    return HostFault(
+        f"the worker's state folder {state_dir} is full (the originals kept "
+        f"for undo, the commit journal): {exc.strerror}; nothing was applied"
+    )
+
+
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
     with HostTree(record.roots) as tree:
         return rollback(tree, record.ops, store=store, tag=record.id)
@@ -583,6 +595,8 @@ class OverlayRun:
                 store_originals(plan, tree, staging.store)
             except Blocked as exc:
                 raise CommitConflict(str(exc)) from None
+            except OSError as exc:
+                raise _state_fault(staging.state_dir, exc) from None
             entry = staging.seal.seal(
                 UndoEntry(
                     job_id=self.job_id,
@@ -593,9 +607,14 @@ class OverlayRun:
                     ops=reverse_ops(plan.ops),
                 )
             )
-            handle = staging.journal.begin(
-                JournalRecord(job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops)
-            )
+            try:
+                handle = staging.journal.begin(
+                    JournalRecord(
+                        job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops
+                    )
+                )
+            except OSError as exc:
+                raise _state_fault(staging.state_dir, exc) from None
             try:
                 apply_ops(
                     tree,

@@ -753,3 +753,36 @@ async def test_an_undo_whose_original_was_cut_short_is_refused_and_changes_nothi
     assert refused is not None and refused.error is not None
     assert refused.error.code == "E_UNDO_UNAVAILABLE" and "mod.txt" in refused.error.message
     assert snapshot(world.notes) == now
+
+
+async def test_a_full_state_folder_fails_the_commit_naming_it(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos run's state folder on a full tmpfs: the jobs ended `E_HOST_FAULT:
+    commit failed: [Errno 28] No space left on device`, naming no folder (the job's own
+    folders were not full). Real ENOSPC is in the chaos notes (a root-only tmpfs); here
+    the blob store's write is refused the same way."""
+    import errno
+
+    import metnos_exec.staging as staging_module
+
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+
+    def full(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(staging_module, "store_originals", full)
+    job = Job(
+        executor="mutate",
+        args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]},
+        max_attempts=1,
+    )
+    await world.broker.submit(job)
+    await world.burst()
+    result = await world.broker.get_result(job.id)
+    assert result is not None and result.error is not None, result
+    assert str(world.staging.state_dir) in result.error.message
+    assert "is full" in result.error.message and "nothing was applied" in result.error.message
+    assert snapshot(world.notes) == before
