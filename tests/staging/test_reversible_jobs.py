@@ -500,10 +500,13 @@ def _acl(*entries: tuple[int, int, int]) -> bytes:
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
-#: user::rw-, user:4242:rw-, group::---, mask::rw-, other::---: mode 0660, whose group
-#: bits are the mask, not the owning group's (which has nothing).
+#: user::rw-, user:N:rw-, group::---, mask::rw-, other::---: mode 0660, whose group bits
+#: are the mask, not the owning group's (which has nothing). N: another user as root; the
+#: worker's own uid otherwise, the one uid an unprivileged worker's user namespace maps
+#: (the overlay cannot copy up an ACL naming an unmapped one: the job's write fails).
+_NAMED = 4242 if os.geteuid() == 0 else os.geteuid()
 _NAMED_USER_ACL = _acl(
-    (0x01, 6, 0xFFFFFFFF), (0x02, 6, 4242), (0x04, 0, 0xFFFFFFFF), (0x10, 6, 0xFFFFFFFF),
+    (0x01, 6, 0xFFFFFFFF), (0x02, 6, _NAMED), (0x04, 0, 0xFFFFFFFF), (0x10, 6, 0xFFFFFFFF),
     (0x20, 0, 0xFFFFFFFF),
 )  # fmt: skip
 
