@@ -449,6 +449,7 @@ async def _broker_finding(url: str) -> Finding:
         broker = open_broker(url, create=False)
         async with broker:
             stats = await broker.stats()
+            weak = await broker.durability()
     except (MetnosError, OSError, ValueError) as exc:
         fix = (
             "redis-server --port PORT   # or check host, port and password in the URL"
@@ -463,6 +464,15 @@ async def _broker_finding(url: str) -> Finding:
             meaning="a worker cannot lease jobs and a producer cannot submit",
             fix=fix,
             required=True,
+        )
+    if weak is not None:
+        return Finding(
+            check="broker",
+            state="weakened",
+            detail=f"{url}: reachable ({stats.queued} queued, {stats.running} running); {weak}",
+            meaning="a job a producer was told is queued, or its result, may be lost",
+            fix="redis-cli CONFIG SET appendonly yes, and in its configuration: appendonly "
+            "yes, appendfsync everysec (queue/redis.conf has both)",
         )
     return Finding(
         check="broker",

@@ -65,6 +65,8 @@ EVENTS: Mapping[str, str] = {
     "broker.error": "a broker call failed (the worker: op, code, error, failures, fatal; "
     "job_id, retry_in_s for a result kept to store again; gave_up when it no longer will "
     "be; the Redis broker: broker, error); no new job is leased until the store works",
+    "broker.not_durable": "at start: a restart of the store would lose what it "
+    "acknowledged (detail; e.g. Redis without appendonly); `doctor` says the fix",
     "broker.recovered": "the store works again after failures (op, failures, down_s; Redis: "
     "broker, down_s)",
     "queue.purged": "finished jobs past retention were forgotten (jobs, collected, "

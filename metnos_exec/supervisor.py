@@ -511,6 +511,12 @@ class Supervisor:
         )
         for name, exc in sorted(self.registry.errors.items()):
             _log.warning("executor.load_failed", executor=name, error=exc.message)
+        try:
+            weak = await self.broker.durability()
+        except Exception:
+            weak = None  # the store's own failures are said by the calls that need it
+        if weak is not None:
+            _log.warning("broker.not_durable", detail=weak)
         if self._staging is not None or self._needs_staging():
             # Before the first lease: a commit a dead worker left half-done is completed or
             # rolled back before any job can see it; then the blobs nobody needs go.

@@ -148,6 +148,17 @@ def test_an_unreachable_broker_is_required(world: Path) -> None:
     assert code == 1
 
 
+def test_a_redis_that_would_lose_acknowledged_jobs_is_weakened(
+    world: Path, redis_server: Any
+) -> None:
+    # The suite's server runs queue/redis.conf with --appendonly no and no save points.
+    _, report = doctor(world, broker=redis_server.url, METNOS_REQUIRE_SANDBOX="never")
+    broker = finding(report, "broker")
+    assert broker["state"] == "weakened" and not broker["required"]
+    assert "keeps nothing on disk" in broker["detail"]
+    assert "appendonly yes" in broker["fix"]
+
+
 def test_text_output_names_each_gap_and_its_fix(world: Path) -> None:
     code, out = doctor(world, as_json=False, METNOS_REQUIRE_SANDBOX="always")
     assert code == 1

@@ -500,6 +500,12 @@ class Broker(abc.ABC):
         """Every blob digest some stored entry needs (`UndoEntry.blobs`)."""
         raise NotImplementedError(f"{type(self).__name__} does not store undo entries")
 
+    async def durability(self) -> str | None:
+        """Why a restart of the store would lose what it acknowledged (queued jobs,
+        results), or ``None``: it keeps them, or it cannot be told. Said by the worker at
+        start and by ``doctor``; the default knows nothing."""
+        return None
+
     # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:

@@ -964,6 +964,28 @@ class RedisBroker(Broker):
                 )
         return out
 
+    async def durability(self) -> str | None:
+        """See `Broker.durability`: Redis keeps writes across a restart only with its
+        append-only file (``appendonly yes``; ``queue/redis.conf``). ``None`` when CONFIG
+        is not allowed to this client (a managed Redis): it cannot be told."""
+        try:
+            conf = await self._redis.config_get(["appendonly", "save"])
+        except Exception:
+            return None
+        values = {_s(k): _s(v) for k, v in conf.items()}
+        if values.get("appendonly", "yes") == "yes":
+            return None
+        save = values.get("save", "").strip()
+        if not save:
+            return (
+                "Redis keeps nothing on disk (appendonly no, no save points): every queued "
+                "job and every result is lost when it restarts"
+            )
+        return (
+            f"Redis keeps only snapshots (appendonly no, save {save}): jobs and results "
+            "acknowledged since the last one are lost when it restarts"
+        )
+
     async def stats(self) -> BrokerStats:
         queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
         return BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
