@@ -359,6 +359,8 @@ class Supervisor:
         self.retention_s = retention_s
         self.purge_every_s = purge_every_s
         self.catalog_every_s = catalog_every_s
+        #: A journal recovery failed on the store and is owed (`_owes_recovery`).
+        self._unrecovered = False
         #: Set when the store is back after failing: the catalog is published at once.
         self._republish = anyio.Event()
         self.store_backoff = store_backoff
@@ -458,9 +460,20 @@ class Supervisor:
         try:
             await self.staging.recover(self.broker)
         except Exception as exc:
+            # Owed: until it is done, every job that writes waits for it (`_recover_for`).
+            self._unrecovered = isinstance(exc, BrokerError)
             _log.error(
                 "worker.error", error=f"journal recovery failed: {type(exc).__name__}: {exc}"
             )
+        else:
+            self._unrecovered = False
+
+    def _owes_recovery(self, lease: Lease) -> bool:
+        """Whether `lease`'s job must wait for the journal recovery before it touches its
+        folders: a redelivery (its last worker may have died mid-commit), or any job while
+        a recovery the store cut short is owed (a job run on a half-committed tree has its
+        changes committed under the dead job's, which then cannot be rolled back)."""
+        return lease.attempt > 1 or self._unrecovered
 
     async def _recover_for(self, lease: Lease) -> bool:
         """Settle the journals of dead workers before a redelivered job touches its
@@ -472,6 +485,7 @@ class Supervisor:
         while True:
             try:
                 await self.staging.recover(self.broker)
+                self._unrecovered = False
                 return True
             except BrokerError as exc:
                 failures += 1
@@ -1078,7 +1092,7 @@ class Supervisor:
         if invocation.write_roots:
             # A redelivery: its last worker may have died mid-commit; settle that first,
             # so this run starts from a tree that is whole.
-            if lease.attempt > 1 and not await self._recover_for(lease):
+            if self._owes_recovery(lease) and not await self._recover_for(lease):
                 await self._release(lease, "the store failed while a commit was recovered")
                 return
             try:
@@ -1320,7 +1334,7 @@ class Supervisor:
             return
         staging = self.staging
         # Its last worker may have died mid-undo.
-        if lease.attempt > 1 and not await self._recover_for(lease):
+        if self._owes_recovery(lease) and not await self._recover_for(lease):
             await self._release(lease, "the store failed while a commit was recovered")
             return
         try:

@@ -736,6 +736,54 @@ async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: 
     assert snapshot(world.notes) == before
 
 
+async def test_a_fresh_job_waits_too_while_a_half_commit_is_unsettled(world: World) -> None:
+    """The start's recovery failed (the store was down); a *new* job on the same files
+    then ran on the half-committed tree: the dead job's append was committed under it,
+    could no longer be rolled back, and was made again when that job was redelivered.
+    Every writing job now waits for the recovery while one is owed."""
+    from metnos_exec.journal import BlobSource, HostTree, JournalRecord, apply_ops, fingerprints
+    from metnos_exec.messages import FileState, Put
+    from tests.brokers.conformance import VirtualClock
+
+    await staging_works(world)
+    seed(world.notes)
+    clock = VirtualClock()
+    world.broker = broker = ResultsFailing(clock)
+    job = Job(executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]})
+    await broker.submit(job)
+    [dead] = await broker.lease("dead-worker", visibility_s=10)
+    assert await broker.mark_started(dead)
+    store, path = world.staging.store, str(world.notes / "mod.txt")
+    old, new = b"old content\n", b"old content\njob\n"
+    op = Put(
+        path=path,
+        before=FileState(sha256=store.put_bytes(old), size=len(old), mode=0o644),
+        after=FileState(sha256=store.put_bytes(new), size=len(new), mode=0o644),
+    )
+    root = str(world.notes)
+    with HostTree([root]) as tree:
+        expect = fingerprints(tree, {path: None})
+        apply_ops(tree, (op,), source=BlobSource(store), store=store, expect=expect, tag="t")
+    record = JournalRecord(job_id=job.id, entry_id="E-dead", roots=(root,), ops=(op,))
+    world.staging.journal.begin(record).close(remove=False)  # its worker "died"
+    fresh = Job(
+        executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "fresh\n"]]}
+    )
+    await broker.submit(fresh)  # before the dead worker's lease lapses: it runs first
+
+    broker.failing = 1  # the start's recovery
+    with capture_logs() as logs:
+        await world.burst(store_backoff=lambda n: 0.01)
+    result = await broker.get_result(fresh.id)
+    assert result is not None and result.status == "succeeded", result
+    assert (world.notes / "mod.txt").read_text() == "old content\nfresh\n"
+    recovered = [r for r in logs if r["event"] == "journal.recovered"]
+    assert [(r["job_id"], r["action"], r["left"]) for r in recovered] == [
+        (job.id, "rolled_back", [])
+    ]
+    assert list(world.staging.journal.folder.iterdir()) == []
+
+
 async def test_an_undo_whose_original_was_cut_short_is_refused_and_changes_nothing(
     world: World,
 ) -> None:
