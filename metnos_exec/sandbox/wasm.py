@@ -37,13 +37,14 @@ under-report, never an invented verdict.
 
 Store limits beyond linear memory (`Store.set_limits`): tables hold at most
 `MAX_TABLE_ELEMENTS` elements in all (they live outside linear memory: without the limit a
-guest grew a table to 2^32 elements under a 1 MiB memory limit), one instance, one linear
+guest grew a table to 2^32 elements under a 1 MiB memory limit); wasmtime's limit is per
+table, so each of the `MAX_TABLES` tables gets `MAX_ELEMENTS_PER_TABLE`, one linear
 memory (the memory limit is per memory: a second one, which multi-memory allows, would
 double the budget; such a module fails to instantiate) and `MAX_TABLES` tables. Set for
 every job, whatever its `ResourceLimits`. `table.grow` past the limit returns -1 like
 `memory.grow`; the verdicts follow the memory rule: `MemoryExceeded` when the guest ended
-abnormally while its exported tables held more than the limit minus 65,536 elements, or
-for a module declaring a table over it; else the guest's own exit.
+abnormally while one exported table held more than its share minus 65,536 elements, or
+for a module declaring a table over its share; else the guest's own exit.
 
 What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
 absolute; the planner's are), `job.network` can not be granted (the report says so),
@@ -185,6 +186,9 @@ MAX_TABLE_ELEMENTS = 1 << 20
 _TABLE_STEP = 65536
 #: Tables a store may create (WASI commands built by toolchains have one).
 MAX_TABLES = 4
+#: wasmtime's store limit on table elements is per table, so "in all" holds only with
+#: each table capped at its share: four tables of 1 Mi elements each grew before.
+MAX_ELEMENTS_PER_TABLE = MAX_TABLE_ELEMENTS // MAX_TABLES
 #: Fuel given to a job without a fuel budget; the counter still runs so usage is honest.
 _UNMETERED_FUEL = 2**63 - 1
 
@@ -392,7 +396,8 @@ class WasmSandbox:
             resources = AxisVerdict(
                 "partial" if disk else "kept",
                 "fuel budget and store memory limit both set; one instance, one memory, "
-                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements" + disk,
+                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements in all "
+                f"({MAX_ELEMENTS_PER_TABLE:,} per table)" + disk,
             )
         else:
             missing = [
@@ -585,7 +590,7 @@ class WasmSandbox:
                 isinstance(ty, wt.MemoryType)
                 and lim.memory_bytes is not None
                 and ty.limits.min * _PAGE > lim.memory_bytes
-            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_TABLE_ELEMENTS):
+            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_ELEMENTS_PER_TABLE):
                 return SandboxOutcome(
                     stdout=b"",
                     stderr=b"",
@@ -602,7 +607,7 @@ class WasmSandbox:
             store.set_fuel(fuel)
             store.set_limits(
                 memory_size=-1 if lim.memory_bytes is None else lim.memory_bytes,
-                table_elements=MAX_TABLE_ELEMENTS,
+                table_elements=MAX_ELEMENTS_PER_TABLE,
                 instances=1,
                 tables=MAX_TABLES,
                 memories=1,
@@ -678,14 +683,14 @@ class WasmSandbox:
                 exit_ = MemoryExceeded()
             elif instance is not None and not isinstance(exit_, (Success, FuelExhausted, Timeout)):
                 # The same rule for tables (exported ones: the only ones we can see): a
-                # guest that failed while its tables held more than the limit minus one
-                # growth step could not grow them further.
-                held = sum(
+                # guest that failed while one of its tables held more than its share minus
+                # one growth step could not grow it further.
+                held = [
                     t.size(store)
                     for t in instance.exports(store).values()
                     if isinstance(t, wt.Table)
-                )
-                if held + _TABLE_STEP > MAX_TABLE_ELEMENTS:
+                ]
+                if held and max(held) + _TABLE_STEP > MAX_ELEMENTS_PER_TABLE:
                     exit_ = MemoryExceeded()
         finally:
             store.close()

@@ -1051,3 +1051,33 @@ def test_exiting_during_an_abandoned_cold_compile_does_not_crash(tmp_path: Path)
     assert done.stdout == "left\n", done
     assert "Managed" not in done.stderr and "memory allocation" not in done.stderr, done.stderr
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.anyio
+async def test_table_elements_are_bounded_in_all_not_per_table(arm: WasmSandbox) -> None:
+    # The store limit on table elements is per table: four tables of 1 Mi elements each
+    # grew (4 Mi in all) while the report said "at most 1,048,576 table elements".
+    lim = ResourceLimits(fuel=FUEL, memory_bytes=16 * 65536)
+    out = await arm.run(wat_job("four_tables", limits=lim))
+    assert out.exit != Failure(42), "four tables grew past the total"
+    assert isinstance(out.exit, Failure) and out.exit.code in (11, 12, 13, 14), out
+    assert out.containment.resources.state == "kept"
+
+
+@pytest.mark.anyio
+async def test_a_module_file_over_the_size_cap_is_refused_before_it_is_read(
+    arm: WasmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 1 GB module file was read whole into the worker (2.1 GB RSS, 7 s outside the
+    # wall clock) and then reported as a host fault, retried elsewhere.
+    import metnos_exec.sandbox._wasm_engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_MODULE_BYTES", 1 << 20)
+    big = tmp_path / "big.wasm"
+    with big.open("wb") as f:
+        f.write(b"\0asm\1\0\0\0")
+        f.truncate(2 << 20)  # sparse
+    with pytest.raises(SandboxDenied, match="bytes"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(big)), limits=ResourceLimits(fuel=FUEL)))
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
