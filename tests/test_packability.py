@@ -171,3 +171,38 @@ async def test_a_trust_worker_dry_runs_the_verified_copy(tmp_path: Path) -> None
     assert str(folder) in err.message and "`winreg`" in err.message
     assert str(tmp_path / "verified") not in err.message
     assert registry.error_folders["windows_only"] == str(folder)
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        # Each ran a third-party module on the server yet passed both the load check
+        # and the dry run (which only looks for the names the load check found).
+        ("import builtins\nbuiltins.__import__('ya' + 'ml')\n", "computed"),
+        ("import importlib\nimportlib.__import__('ya' + 'ml')\n", "computed"),
+        ("from importlib import import_module as im\nim('ya' + 'ml')\n", "computed"),
+        ("import importlib\nload = importlib.import_module\nload('yaml')\n", "computed"),
+        ("import importlib\ngetattr(importlib, 'import_module')('yaml')\n", "computed"),
+        ("__builtins__['__import__']('yaml')\n", "computed"),
+        ("eval('__imp' + 'ort__')('yaml')\n", "code computed"),
+        ("exec('imp' + 'ort yaml')\n", "code computed"),
+        ("exec('import yaml')\n", "imports `yaml`"),
+        ("from importlib import import_module as im\nim('yaml')\n", "imports `yaml`"),
+    ],
+)
+def test_dynamic_imports_that_cannot_be_checked_are_refused(
+    tmp_path: Path, code: str, said: str
+) -> None:
+    folder = executor(tmp_path, "ex", code)
+    with pytest.raises(BadManifest, match=said):
+        load_manifest(folder / "manifest.toml")
+
+
+def test_literal_code_and_ordinary_calls_stay_packable(tmp_path: Path) -> None:
+    code = (
+        "import re\nfrom importlib import import_module as im\n"
+        "WORD = re.compile('x')\nim('json')\nexec('import os')\n"
+        "print(eval('1 + 2'))\n"
+    )
+    folder = executor(tmp_path, "ex", code)
+    assert load_manifest(folder / "manifest.toml").packable
