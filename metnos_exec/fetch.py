@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import re
 import stat
@@ -49,13 +50,24 @@ from .errors import MetnosError, ToolUnavailable
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
-__all__ = ("MAX_BYTES", "MAX_COPIES", "RANGE_BYTES", "FetchError", "robust_fetch", "sha256_file")
+__all__ = (
+    "DEADLINE_S",
+    "MAX_BYTES",
+    "MAX_COPIES",
+    "RANGE_BYTES",
+    "FetchError",
+    "robust_fetch",
+    "sha256_file",
+)
 
 #: Bytes asked for per request.
 RANGE_BYTES: Final = 8 * 1024 * 1024
 #: The largest file taken (announced or received): a body that never ends, or a size a
 #: hostile server claims, stops here instead of filling the disk.
 MAX_BYTES: Final = 1 << 30
+#: Seconds a whole download may take (every copy, range and retry): a server that trickles
+#: a byte before each read timeout would otherwise never be given up on.
+DEADLINE_S: Final = 3600.0
 #: Complete copies fetched before giving up on a hash that never matches.
 MAX_COPIES: Final = 4
 #: Tries of one range (or of a whole body from a server without ranges) in a row that
@@ -142,6 +154,7 @@ async def robust_fetch(
     max_bytes: int = MAX_BYTES,
     retry_delay_s: float = 0.5,
     timeout_s: float = 30.0,
+    deadline_s: float | None = DEADLINE_S,
     progress: ProgressFn | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> Path:
@@ -159,6 +172,8 @@ async def robust_fetch(
             on past it, is a `FetchError`.
         retry_delay_s: first backoff after a failed try (doubles, capped at 10 s).
         timeout_s: connect / read timeout per request.
+        deadline_s: the whole download's time (``None``: no bound); past it, a
+            `FetchError`, the ``.part`` kept for a later call to resume.
         progress: ``(done, total)`` callback; default a bar on a terminal, else
             ``fetch.progress`` records.
         client: an httpx client to use (tests); default one per call.
@@ -194,45 +209,25 @@ async def robust_fetch(
     started = time.monotonic()
     _log.info("fetch.started", url=url, dest=str(target), resume_from=_size(part))
     try:
-        copies: list[str] = []
-        while True:
-            transfer = _Transfer(
-                http, url, part, range_bytes, max_tries, retry_delay_s, report, max_bytes
+        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
+            return await _copies(
+                http,
+                url,
+                pinned,
+                target,
+                part,
+                report,
+                started,
+                range_bytes=range_bytes,
+                max_copies=max_copies,
+                max_tries=max_tries,
+                retry_delay_s=retry_delay_s,
+                max_bytes=max_bytes,
             )
-            await transfer.run()
-            got = await anyio.to_thread.run_sync(lambda: sha256_file(part, follow_symlinks=False))
-            if got == pinned:
-                os.replace(part, target)
-                _log.info(
-                    "fetch.finished",
-                    url=url,
-                    dest=str(target),
-                    bytes=(await anyio.Path(target).stat()).st_size,
-                    seconds=round(time.monotonic() - started, 3),
-                    copies=len(copies) + 1,
-                )
-                return target
-            part.unlink()
-            if copies and copies[-1] == got:
-                raise FetchError(
-                    f"{url}: two downloads agree on SHA-256 {got}, but the pinned SHA-256 is "
-                    f"{pinned}: the server serves another file (check the URL and the pin)"
-                )
-            copies.append(got)
-            if len(copies) >= max_copies:
-                raise FetchError(
-                    f"{url}: {len(copies)} downloads never matched the pinned SHA-256 "
-                    f"{pinned} nor each other (got {', '.join(copies)}): the link or the "
-                    "server corrupts the data"
-                )
-            _log.warning(
-                "fetch.retry",
-                url=url,
-                reason="sha256_mismatch",
-                got=got,
-                pinned=pinned,
-                attempt=len(copies) + 1,
-            )
+        raise FetchError(
+            f"{url}: the download did not finish within {deadline_s} s (deadline_s); "
+            f"{_size(part)} bytes are kept in {part.name} for the next try"
+        )
     except FetchError as exc:
         _log.error("fetch.failed", url=url, code=exc.code, error=exc.message)
         raise
@@ -240,6 +235,62 @@ async def robust_fetch(
         if own:
             with anyio.CancelScope(shield=True):
                 await http.aclose()
+
+
+async def _copies(
+    http: httpx.AsyncClient,
+    url: str,
+    pinned: str,
+    target: Path,
+    part: Path,
+    report: ProgressFn,
+    started: float,
+    *,
+    range_bytes: int,
+    max_copies: int,
+    max_tries: int,
+    retry_delay_s: float,
+    max_bytes: int,
+) -> Path:
+    copies: list[str] = []
+    while True:
+        transfer = _Transfer(
+            http, url, part, range_bytes, max_tries, retry_delay_s, report, max_bytes
+        )
+        await transfer.run()
+        got = await anyio.to_thread.run_sync(lambda: sha256_file(part, follow_symlinks=False))
+        if got == pinned:
+            os.replace(part, target)
+            _log.info(
+                "fetch.finished",
+                url=url,
+                dest=str(target),
+                bytes=(await anyio.Path(target).stat()).st_size,
+                seconds=round(time.monotonic() - started, 3),
+                copies=len(copies) + 1,
+            )
+            return target
+        await anyio.Path(part).unlink()
+        if copies and copies[-1] == got:
+            raise FetchError(
+                f"{url}: two downloads agree on SHA-256 {got}, but the pinned SHA-256 is "
+                f"{pinned}: the server serves another file (check the URL and the pin)"
+            )
+        copies.append(got)
+        if len(copies) >= max_copies:
+            raise FetchError(
+                f"{url}: {len(copies)} downloads never matched the pinned SHA-256 "
+                f"{pinned} nor each other (got {', '.join(copies)}): the link or the "
+                "server corrupts the data"
+            )
+        _log.warning(
+            "fetch.retry",
+            url=url,
+            reason="sha256_mismatch",
+            got=got,
+            pinned=pinned,
+            attempt=len(copies) + 1,
+        )
 
 
 def _size(path: Path) -> int:

@@ -84,6 +84,8 @@ EVENTS: Mapping[str, str] = {
     "fetch.retry": "a range or copy is fetched again (url, reason, attempt)",
     "fetch.finished": "a download matched its pinned SHA-256 (url, dest, bytes, seconds)",
     "fetch.failed": "a download gave up (url, code, error)",
+    "fetch.part_discarded": "a .part that is not a regular file (a symlink) was removed, "
+    "not written through (part, reason)",
     "worker.preloaded": "a wasm module made ready before the first job (module, how, seconds)",
     "worker.preload_failed": "a wasm module could not be preloaded (module, code, error)",
     "job.received": "a job was leased (attempt, max_attempts)",

@@ -214,3 +214,28 @@ async def test_a_part_file_planted_as_a_symlink_is_not_written_through(
         out = await robust_fetch(url, hashlib.sha256(data).hexdigest(), dest)
     assert victim.read_bytes() == b"precious"
     assert not out.is_symlink() and out.read_bytes() == data
+
+
+async def test_a_server_trickling_below_every_timeout_is_cut_at_the_deadline(
+    hostile: Callable[[Handler], str], tmp_path: Path
+) -> None:
+    # One byte every 50 ms: no read ever times out, and every range makes progress, so
+    # without a deadline the retries never end (30 MB would take weeks).
+    stop = threading.Event()
+
+    def answer(conn: socket.socket, request: str) -> None:
+        conn.sendall(
+            b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-999999/1000000\r\n"
+            b"Content-Length: 1000000\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.05):
+                conn.sendall(b"x")
+
+    url = hostile(answer)
+    try:
+        with anyio.fail_after(20), pytest.raises(FetchError, match=r"within 1\.0 s"):
+            await robust_fetch(url, "0" * 64, tmp_path / "rt.bin", timeout_s=5, deadline_s=1.0)
+    finally:
+        stop.set()
+    assert (tmp_path / "rt.bin.part").exists()  # kept: a later call resumes it
