@@ -16,8 +16,9 @@ remote device, which has nothing but a Python and the executor's own folder (spe
    Not seen (by this check nor the dry run, which looks up only the names found here):
    a file loaded by path (``spec_from_file_location``, ``runpy.run_path``, a ``sys.path``
    edit) and native libraries through ``ctypes``. This is a routing check against
-   mistakes, not a wall; the device's sandbox is the wall. A violation is `BadManifest` (``E_BAD_MANIFEST``) naming the file, the line
-   and the import, with the fix (make it stdlib-only, or ``packable = false``).
+   mistakes, not a wall; the device's sandbox is the wall. A violation is `BadManifest`
+   (``E_BAD_MANIFEST``) naming the file, the line and the import, with the fix (make it
+   stdlib-only, or ``packable = false``).
 2. **At worker start, by a dry run in the sandbox** (`dry_run`): the worker's native arm
    runs ``python -I -S`` in the executor's folder and asks `importlib.util.find_spec` for
    each imported top-level module, without importing anything. ``-I -S`` keep every
