@@ -7,11 +7,13 @@ compile (4-8 s).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,7 @@ from metnos_exec.sandbox._types import (
 from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
 from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
 from metnos_exec.sandbox.wasm import (
+    ABANDON_AFTER_S,
     MAX_TABLE_ELEMENTS,
     WASM_DISK_REASON,
     WASMTIME_PIN_REASON,
@@ -1079,5 +1082,45 @@ async def test_a_module_file_over_the_size_cap_is_refused_before_it_is_read(
         f.truncate(2 << 20)  # sparse
     with pytest.raises(SandboxDenied, match="bytes"):
         await arm.run(SandboxJob(wasm=WasmProgram(str(big)), limits=ResourceLimits(fuel=FUEL)))
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_a_guest_blocked_in_a_host_call_is_abandoned_at_its_wall_time(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # Opening a FIFO without a writer blocks inside wasmtime's host code (a tokio
+    # thread in openat), where no epoch tick reaches: the run never returned, and a
+    # cancelled caller waited for it too. A FIFO may sit in any folder a job reads
+    # (a bwrap job sharing the folder can leave one).
+    folder = tmp_path / "in"
+    folder.mkdir()
+    os.mkfifo(folder / "fifo")
+    job = SandboxJob(
+        wasm=WasmProgram(str(WAT / "open_fifo.wat"), ("open_fifo",)),
+        mounts=(Mount(str(folder), "/in", writable=False),),
+        limits=ResourceLimits(fuel=FUEL, memory_bytes=65536 * 4, wall_time_s=0.5),
+    )
+    threads = set(threading.enumerate())
+    t0 = time.monotonic()
+    try:
+        with anyio.fail_after(20):
+            out = await arm.run(job)
+        assert out.exit == Timeout(), out
+        assert time.monotonic() - t0 < 0.5 + ABANDON_AFTER_S + 2
+        # The wall did hold for the job, but what it holds stays in the worker until the
+        # call returns: not `kept`.
+        assert out.containment.resources.state == "partial"
+        assert "abandoned" in out.containment.resources.reason
+    finally:
+        # Give the open its writer: the abandoned guest then ends (stopped by the
+        # sticky timeout at its next tick) and its thread with it.
+        with contextlib.suppress(OSError):  # ENXIO: nobody is waiting in the open
+            os.close(os.open(folder / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+        for t in set(threading.enumerate()) - threads:
+            if t.name == "metnos-wasm-guest":
+                await anyio.to_thread.run_sync(t.join, 10)
+                assert not t.is_alive()
     nxt = await arm.run(wat_job("ok"))
     assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
