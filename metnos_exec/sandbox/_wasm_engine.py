@@ -219,9 +219,9 @@ class WasmEngine:
         """The compiled module for `source` (`.wasm` or `.wat`), from the cheapest cache.
 
         Raises:
-            SandboxDenied: the module imports something the sandbox does not provide, or
-                its file is over `MAX_MODULE_BYTES`.
-            HostFault: the module cannot be read, compiled, or the cache cannot be written.
+            SandboxDenied: the module imports something the sandbox does not provide, does
+                not compile, or its file is over `MAX_MODULE_BYTES`.
+            HostFault: the module cannot be read, or the cache cannot be written.
         """
         t0 = time.perf_counter()
         try:
@@ -287,7 +287,11 @@ class WasmEngine:
             else:
                 module = wt.Module(self.engine, data)
         except (wt.WasmtimeError, UnicodeDecodeError) as exc:
-            raise HostFault(f"wasm module {source}: does not compile: {exc}") from exc
+            # The executor's module, the same on every worker: a refusal, not a fault of
+            # this host to be retried elsewhere.
+            raise SandboxDenied(
+                f"wasm module {source.name} is not valid WebAssembly (does not compile): {exc}"
+            ) from None
         if target is not None:
             _write_atomically(target, module.serialize())
         return module, "compiled"

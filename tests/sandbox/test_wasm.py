@@ -1124,3 +1124,18 @@ async def test_a_guest_blocked_in_a_host_call_is_abandoned_at_its_wall_time(
                 assert not t.is_alive()
     nxt = await arm.run(wat_job("ok"))
     assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_a_module_that_is_not_webassembly_is_refused_not_a_host_fault(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # The executor's fault, the same on every worker: a host fault was retried on each.
+    bad = tmp_path / "bad.wasm"
+    bad.write_bytes(b"\0asm\1\0\0\0" + os.urandom(64))
+    with pytest.raises(SandboxDenied, match="not valid WebAssembly"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(bad)), limits=ResourceLimits(fuel=FUEL)))
+    text = tmp_path / "bad.wat"
+    text.write_text("(module (func $f (unknown_instruction)))")
+    with pytest.raises(SandboxDenied, match="not valid WebAssembly"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(text)), limits=ResourceLimits(fuel=FUEL)))
