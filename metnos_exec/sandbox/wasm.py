@@ -50,7 +50,9 @@ What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths shou
 absolute; the planner's are), `job.network` can not be granted (the report says so),
 `pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
 preopen are not size-limited, nor is their total: a job with one reports resources
-`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written). Output past
+`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written), and the
+files a guest opens are the worker's own descriptors, unbounded (a job with any preopen
+reports resources `partial`, `WASM_FD_REASON`). Output past
 `limits.output_bytes` is accepted from the guest and dropped, like a drained pipe.
 """
 
@@ -120,6 +122,7 @@ __all__ = (
     "MAX_TABLE_ELEMENTS",
     "WASMTIME_PIN_REASON",
     "WASM_DISK_REASON",
+    "WASM_FD_REASON",
     "RuntimeMismatch",
     "WasmSandbox",
     "python_program",
@@ -179,6 +182,13 @@ def _hides_stdlib(guest: str) -> bool:
 WASM_DISK_REASON: Final[str] = (
     "disk not bounded: writes to writable preopens go straight to the host folders, with "
     "no per-file or total size limit (no staging in the wasm arm)"
+)
+
+#: Any preopen: each file the guest opens is a descriptor of the worker's own process, and
+#: wasmtime bounds neither their number nor (so) the worker's RLIMIT_NOFILE they use up.
+WASM_FD_REASON: Final[str] = (
+    "open files not bounded: each file the guest opens is a descriptor of the worker's "
+    "own process, shared with its broker connection and other jobs"
 )
 
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
@@ -434,6 +444,8 @@ class WasmSandbox:
         ro = sum(1 for m in job.mounts if not m.writable)
         lim = job.limits
         disk = f"; {WASM_DISK_REASON}" if n > ro else ""
+        if n:
+            disk += f"; {WASM_FD_REASON}"
         if lim.fuel is not None and lim.memory_bytes is not None:
             resources = AxisVerdict(
                 "partial" if disk else "kept",

@@ -43,6 +43,7 @@ from metnos_exec.sandbox.wasm import (
     ABANDON_AFTER_S,
     MAX_TABLE_ELEMENTS,
     WASM_DISK_REASON,
+    WASM_FD_REASON,
     WASMTIME_PIN_REASON,
     RuntimeMismatch,
     WasmSandbox,
@@ -797,7 +798,13 @@ def test_containment_report() -> None:
         limits=ResourceLimits(fuel=10, memory_bytes=1 << 20),
     )
     rep = arm.containment(read_only)
-    assert rep.resources.state == "kept" and WASM_DISK_REASON not in rep.resources.reason
+    # Not the disk, but the worker's descriptors: any preopen lets the guest hold them.
+    assert rep.resources.state == "partial" and WASM_DISK_REASON not in rep.resources.reason
+    assert WASM_FD_REASON in rep.resources.reason
+    no_preopen = SandboxJob(
+        wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=10, memory_bytes=1 << 20)
+    )
+    assert arm.containment(no_preopen).resources.state == "kept"
     no_fuel = SandboxJob(wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=None))
     rep = arm.containment(no_fuel)
     assert rep.resources.state == "partial" and "fuel" in rep.resources.reason
@@ -1139,3 +1146,27 @@ async def test_a_module_that_is_not_webassembly_is_refused_not_a_host_fault(
     text.write_text("(module (func $f (unknown_instruction)))")
     with pytest.raises(SandboxDenied, match="not valid WebAssembly"):
         await arm.run(SandboxJob(wasm=WasmProgram(str(text)), limits=ResourceLimits(fuel=FUEL)))
+
+
+@pytest.mark.anyio
+async def test_a_guest_holding_worker_descriptors_is_not_reported_kept(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # Every file a guest opens is a descriptor of the worker's process, and nothing
+    # bounds how many: one opened 19,984 (the worker's whole RLIMIT_NOFILE, so its
+    # broker connection and every concurrent job failed to open anything) under a
+    # read-only preopen reported resources `kept`.
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "f").write_text("x")
+    job = SandboxJob(
+        wasm=WasmProgram(str(WAT / "open_many.wat"), ("open_many",)),
+        mounts=(Mount(str(folder), "/in", writable=False),),
+        limits=ResourceLimits(fuel=FUEL * 100, memory_bytes=65536 * 4),
+    )
+    out = await arm.run(job)
+    assert out.exit == Success(), out  # 2,000 descriptors held at once
+    assert out.containment.resources.state == "partial"
+    assert WASM_FD_REASON in out.containment.resources.reason
+    # Without a preopen there is nothing to open.
+    assert arm.containment(wat_job("ok")).resources.state == "kept"
