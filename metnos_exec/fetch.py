@@ -389,6 +389,10 @@ class _Transfer:
             raise FetchError(f"{self.url}: {exc}") from None
         except httpx.TooManyRedirects as exc:
             raise FetchError(f"{self.url}: too many redirects ({exc})") from None
+        except httpx.UnsupportedProtocol as exc:
+            # A redirect to another scheme through a caller's client (ours refuses it in
+            # `_check_redirect`): an answer, not a dropped link.
+            raise FetchError(f"{self.url}: {exc}") from None
         except httpx.TransportError as exc:
             raise _Drop(f"{type(exc).__name__}: {exc}") from None
 

@@ -239,3 +239,24 @@ async def test_a_server_trickling_below_every_timeout_is_cut_at_the_deadline(
     finally:
         stop.set()
     assert (tmp_path / "rt.bin.part").exists()  # kept: a later call resumes it
+
+
+async def test_a_redirect_to_file_through_the_callers_client_is_not_retried(
+    hostile: Callable[[Handler], str], tmp_path: Path
+) -> None:
+    import httpx
+
+    requests: list[str] = []
+
+    def answer(conn: socket.socket, request: str) -> None:
+        requests.append(request)
+        conn.sendall(
+            b"HTTP/1.1 302 Found\r\nLocation: file:///etc/passwd\r\n"
+            b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+
+    url = hostile(answer)
+    async with httpx.AsyncClient(follow_redirects=True) as client:
+        with anyio.fail_after(20), pytest.raises(FetchError, match="file://"):
+            await robust_fetch(url, "0" * 64, tmp_path / "rt.bin", client=client)
+    assert len(requests) == 1
