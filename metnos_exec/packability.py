@@ -26,8 +26,9 @@ remote device, which has nothing but a Python and the executor's own folder (spe
    interpreter lacks) fails here and the executor is refused the same way.
 
 ``wasm`` executors import nothing but WASI (the arm links nothing else): always packable.
-``wasm-python`` executors get the static check (their stdlib is CPython 3.12's); their dry
-run would need the 5 s runtime compile and is left out.
+``wasm-python`` executors get the static check, with the modules the pinned python.wasm
+lacks refused by name (`PYTHON_WASM_ABSENT`: ``ctypes``, ``ssl``, ``multiprocessing``,
+...); their dry run would need the 5 s runtime compile and is left out.
 
 A non-packable executor is server-only: `plan.plan_invocation` pins its jobs to the server
 and `client.Client.submit` refuses to queue one for a device.
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = (
     "DRY_RUN_SCRIPT",
+    "PYTHON_WASM_ABSENT",
     "check_packable",
     "dry_run",
     "dry_run_job",
@@ -68,6 +70,20 @@ DRY_RUN_SCRIPT: Final = (
 )
 
 _SKIPPED_DIRS = frozenset({"__pycache__"})
+
+#: Standard-library modules (public names of `sys.stdlib_module_names`) that the pinned
+#: python.wasm (CPython 3.12.0 for WASI, `PYTHON_WASM_SHA256`) does not have or cannot
+#: import, measured by `find_spec` and `import_module` inside it. A ``wasm-python``
+#: executor gets no dry run, so its load check refuses these by name.
+PYTHON_WASM_ABSENT: Final = frozenset(
+    {
+        "antigravity", "asynchat", "asyncore", "ctypes", "curses", "distutils", "ensurepip",
+        "fcntl", "grp", "idlelib", "imp", "lib2to3", "lzma", "mmap", "msilib", "msvcrt",
+        "multiprocessing", "nis", "nt", "ossaudiodev", "pwd", "pydoc_data", "readline",
+        "resource", "rlcompleter", "smtpd", "spwd", "ssl", "syslog", "termios", "tkinter",
+        "turtle", "turtledemo", "uu", "venv", "webbrowser", "winreg", "winsound", "xdrlib",
+    }
+)  # fmt: skip
 
 
 def _python_files(folder: Path) -> Iterator[Path]:
@@ -211,7 +227,17 @@ def check_packable(manifest: Manifest, folder: str | os.PathLike[str]) -> list[s
     tops: dict[str, None] = {}
     for rel, line, module in imported_modules(root):
         top = module.partition(".")[0]
-        if top in sys.stdlib_module_names or _is_local(root, top):
+        if _is_local(root, top):
+            tops.setdefault(top, None)
+            continue
+        if manifest.runtime == "wasm-python" and top in PYTHON_WASM_ABSENT:
+            raise BadManifest(
+                f"{root}/manifest.toml: field `packable`: {rel}:{line} imports `{module}`, "
+                "which python.wasm (CPython 3.12 for WASI, the runtime of `wasm-python`) "
+                "does not have, so no device could run it; use another module, runtime "
+                '"python", or packable = false'
+            )
+        if top in sys.stdlib_module_names:
             tops.setdefault(top, None)
             continue
         raise BadManifest(

@@ -206,3 +206,21 @@ def test_literal_code_and_ordinary_calls_stay_packable(tmp_path: Path) -> None:
     )
     folder = executor(tmp_path, "ex", code)
     assert load_manifest(folder / "manifest.toml").packable
+
+
+@pytest.mark.parametrize("module", ["ctypes", "ssl", "multiprocessing", "lzma", "fcntl", "imp"])
+def test_a_wasm_python_executor_importing_what_python_wasm_lacks_is_refused(
+    tmp_path: Path, module: str
+) -> None:
+    # Standard library for the worker's CPython, absent from the pinned python.wasm (no
+    # dry run there): such an executor passed the load check and failed on every device.
+    folder = executor(tmp_path, "ex", f"import json\nimport {module}\n")
+    manifest = folder / "manifest.toml"
+    manifest.write_text(manifest.read_text().replace('"python"', '"wasm-python"'))
+    with pytest.raises(BadManifest, match=f"imports `{module}`.*python.wasm"):
+        load_manifest(manifest)
+
+
+def test_a_native_executor_may_still_import_ctypes(tmp_path: Path) -> None:
+    folder = executor(tmp_path, "ex", "import ctypes\n")
+    assert load_manifest(folder / "manifest.toml").packable
