@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -48,10 +50,24 @@ from .errors import MetnosError, ToolUnavailable
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
-__all__ = ("MAX_COPIES", "RANGE_BYTES", "FetchError", "robust_fetch", "sha256_file")
+__all__ = (
+    "DEADLINE_S",
+    "MAX_BYTES",
+    "MAX_COPIES",
+    "RANGE_BYTES",
+    "FetchError",
+    "robust_fetch",
+    "sha256_file",
+)
 
 #: Bytes asked for per request.
 RANGE_BYTES: Final = 8 * 1024 * 1024
+#: The largest file taken (announced or received): a body that never ends, or a size a
+#: hostile server claims, stops here instead of filling the disk.
+MAX_BYTES: Final = 1 << 30
+#: Seconds a whole download may take (every copy, range and retry): a server that trickles
+#: a byte before each read timeout would otherwise never be given up on.
+DEADLINE_S: Final = 3600.0
 #: Complete copies fetched before giving up on a hash that never matches.
 MAX_COPIES: Final = 4
 #: Tries of one range (or of a whole body from a server without ranges) in a row that
@@ -72,14 +88,20 @@ class FetchError(MetnosError):
     code = "E_FETCH"
 
 
+class _Redirected(Exception):
+    """A redirect that cannot be followed (another scheme, a loop): not retried."""
+
+
 class _Drop(Exception):
     """A transfer ended early (connection dropped, short body, server error)."""
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """SHA-256 (hex) of a file, read in 1 MiB blocks."""
+def sha256_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> str:
+    """SHA-256 (hex) of a file, read in 1 MiB blocks (a symlink refused with `ELOOP` when
+    `follow_symlinks` is false)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with open(os.open(path, flags), "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
@@ -129,8 +151,10 @@ async def robust_fetch(
     range_bytes: int = RANGE_BYTES,
     max_copies: int = MAX_COPIES,
     max_tries: int = MAX_TRIES,
+    max_bytes: int = MAX_BYTES,
     retry_delay_s: float = 0.5,
     timeout_s: float = 30.0,
+    deadline_s: float | None = DEADLINE_S,
     progress: ProgressFn | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> Path:
@@ -144,8 +168,12 @@ async def robust_fetch(
         range_bytes: bytes per ``Range`` request.
         max_copies: complete copies fetched before giving up on the hash.
         max_tries: tries without progress (per range) before giving up.
+        max_bytes: the largest file accepted; a larger announced size, or a body that goes
+            on past it, is a `FetchError`.
         retry_delay_s: first backoff after a failed try (doubles, capped at 10 s).
         timeout_s: connect / read timeout per request.
+        deadline_s: the whole download's time (``None``: no bound); past it, a
+            `FetchError`, the ``.part`` kept for a later call to resume.
         progress: ``(done, total)`` callback; default a bar on a terminal, else
             ``fetch.progress`` records.
         client: an httpx client to use (tests); default one per call.
@@ -170,49 +198,36 @@ async def robust_fetch(
         ) from None
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(target.name + ".part")
+    _drop_if_not_regular(part)
     report = progress if progress is not None else _Progress(url)
     own = client is None
-    http = client or httpx.AsyncClient(timeout=timeout_s, follow_redirects=True)
+    http = client or httpx.AsyncClient(
+        timeout=timeout_s,
+        follow_redirects=True,
+        event_hooks={"response": [_check_redirect]},
+    )
     started = time.monotonic()
     _log.info("fetch.started", url=url, dest=str(target), resume_from=_size(part))
     try:
-        copies: list[str] = []
-        while True:
-            transfer = _Transfer(http, url, part, range_bytes, max_tries, retry_delay_s, report)
-            await transfer.run()
-            got = await anyio.to_thread.run_sync(sha256_file, part)
-            if got == pinned:
-                os.replace(part, target)
-                _log.info(
-                    "fetch.finished",
-                    url=url,
-                    dest=str(target),
-                    bytes=(await anyio.Path(target).stat()).st_size,
-                    seconds=round(time.monotonic() - started, 3),
-                    copies=len(copies) + 1,
-                )
-                return target
-            part.unlink()
-            if copies and copies[-1] == got:
-                raise FetchError(
-                    f"{url}: two downloads agree on SHA-256 {got}, but the pinned SHA-256 is "
-                    f"{pinned}: the server serves another file (check the URL and the pin)"
-                )
-            copies.append(got)
-            if len(copies) >= max_copies:
-                raise FetchError(
-                    f"{url}: {len(copies)} downloads never matched the pinned SHA-256 "
-                    f"{pinned} nor each other (got {', '.join(copies)}): the link or the "
-                    "server corrupts the data"
-                )
-            _log.warning(
-                "fetch.retry",
-                url=url,
-                reason="sha256_mismatch",
-                got=got,
-                pinned=pinned,
-                attempt=len(copies) + 1,
+        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
+            return await _copies(
+                http,
+                url,
+                pinned,
+                target,
+                part,
+                report,
+                started,
+                range_bytes=range_bytes,
+                max_copies=max_copies,
+                max_tries=max_tries,
+                retry_delay_s=retry_delay_s,
+                max_bytes=max_bytes,
             )
+        raise FetchError(
+            f"{url}: the download did not finish within {deadline_s} s (deadline_s); "
+            f"{_size(part)} bytes are kept in {part.name} for the next try"
+        )
     except FetchError as exc:
         _log.error("fetch.failed", url=url, code=exc.code, error=exc.message)
         raise
@@ -222,11 +237,91 @@ async def robust_fetch(
                 await http.aclose()
 
 
+async def _copies(
+    http: httpx.AsyncClient,
+    url: str,
+    pinned: str,
+    target: Path,
+    part: Path,
+    report: ProgressFn,
+    started: float,
+    *,
+    range_bytes: int,
+    max_copies: int,
+    max_tries: int,
+    retry_delay_s: float,
+    max_bytes: int,
+) -> Path:
+    copies: list[str] = []
+    while True:
+        transfer = _Transfer(
+            http, url, part, range_bytes, max_tries, retry_delay_s, report, max_bytes
+        )
+        await transfer.run()
+        got = await anyio.to_thread.run_sync(lambda: sha256_file(part, follow_symlinks=False))
+        if got == pinned:
+            os.replace(part, target)
+            _log.info(
+                "fetch.finished",
+                url=url,
+                dest=str(target),
+                bytes=(await anyio.Path(target).stat()).st_size,
+                seconds=round(time.monotonic() - started, 3),
+                copies=len(copies) + 1,
+            )
+            return target
+        await anyio.Path(part).unlink()
+        if copies and copies[-1] == got:
+            raise FetchError(
+                f"{url}: two downloads agree on SHA-256 {got}, but the pinned SHA-256 is "
+                f"{pinned}: the server serves another file (check the URL and the pin)"
+            )
+        copies.append(got)
+        if len(copies) >= max_copies:
+            raise FetchError(
+                f"{url}: {len(copies)} downloads never matched the pinned SHA-256 "
+                f"{pinned} nor each other (got {', '.join(copies)}): the link or the "
+                "server corrupts the data"
+            )
+        _log.warning(
+            "fetch.retry",
+            url=url,
+            reason="sha256_mismatch",
+            got=got,
+            pinned=pinned,
+            attempt=len(copies) + 1,
+        )
+
+
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return 0
+
+
+def _drop_if_not_regular(part: Path) -> None:
+    """A ``.part`` that is a symlink (or anything but a regular file) is removed, never
+    written through: the download must not land outside `dest`."""
+    try:
+        st = part.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        _log.warning("fetch.part_discarded", part=str(part), reason="not a regular file")
+        if stat.S_ISDIR(st.st_mode):
+            raise FetchError(f"{part} is a folder, not a partial download: remove it")
+        part.unlink()
+
+
+async def _check_redirect(resp: httpx.Response) -> None:
+    """httpx follows redirects; one to another scheme (``file://``, ...) or a loop is an
+    answer, not a bad link: it ends the download at once with a clear error."""
+    if resp.is_redirect:
+        location = resp.headers.get("location", "")
+        scheme = location.split(":", 1)[0].lower() if ":" in location.split("/", 1)[0] else ""
+        if scheme and scheme not in ("http", "https"):
+            raise _Redirected(f"redirected to {location!r}: only http(s) is followed")
 
 
 class _Transfer:
@@ -241,6 +336,7 @@ class _Transfer:
         max_tries: int,
         retry_delay_s: float,
         report: ProgressFn,
+        max_bytes: int = MAX_BYTES,
     ) -> None:
         self.http = http
         self.url = url
@@ -249,6 +345,7 @@ class _Transfer:
         self.max_tries = max_tries
         self.retry_delay_s = retry_delay_s
         self.report = report
+        self.max_bytes = max_bytes
         self.total: int | None = None
         self.etag: str | None = None
 
@@ -288,6 +385,14 @@ class _Transfer:
         try:
             async with self.http.stream("GET", self.url, headers=headers) as resp:
                 return await self._receive(resp, offset, end)
+        except _Redirected as exc:
+            raise FetchError(f"{self.url}: {exc}") from None
+        except httpx.TooManyRedirects as exc:
+            raise FetchError(f"{self.url}: too many redirects ({exc})") from None
+        except httpx.UnsupportedProtocol as exc:
+            # A redirect to another scheme through a caller's client (ours refuses it in
+            # `_check_redirect`): an answer, not a dropped link.
+            raise FetchError(f"{self.url}: {exc}") from None
         except httpx.TransportError as exc:
             raise _Drop(f"{type(exc).__name__}: {exc}") from None
 
@@ -308,43 +413,72 @@ class _Transfer:
         if status != 206:
             raise FetchError(f"{self.url}: HTTP {status} {resp.reason_phrase}")
         m = _CONTENT_RANGE.match(resp.headers.get("content-range", ""))
-        if m is None or int(m.group(1)) != offset:
+        if (
+            m is None
+            or int(m.group(1)) != offset
+            or int(m.group(2)) < offset
+            or (m.group(3) != "*" and int(m.group(2)) >= int(m.group(3)))
+        ):
             raise _Drop(f"unexpected Content-Range {resp.headers.get('content-range')!r}")
         if m.group(3) != "*":
-            self.total = int(m.group(3))
+            self.total = self._bounded(int(m.group(3)))
+        self._bounded(int(m.group(2)) + 1)
         if self.etag is None:
             self.etag = _strong_etag(resp)
         want = int(m.group(2)) - offset + 1
         got = 0
         # aclosing: a generator left by a drop is closed now, not by the GC (trio warns).
-        with await _open(self.part, "ab") as f:
+        # The cut scope stops a body that goes on past its range (no Content-Length, never
+        # ending): cancelling unwinds httpx's nested generators from the inside, where a
+        # `break` would leave them to the GC (a warning under trio).
+        with await _open(self.part, "ab") as f, anyio.CancelScope() as cut:
             async with contextlib.aclosing(_raw(resp)) as body:
                 async for chunk in body:
-                    # Not `break` at `want`: leaving httpx's nested generators before
-                    # their end gets them finalised by the GC (a warning under trio).
-                    chunk = chunk[: want - got]
-                    f.write(chunk)
-                    f.flush()
-                    got += len(chunk)
-                    self.report(offset + got, self.total)
+                    chunk = chunk[: max(want - got, 0)]
+                    if chunk:
+                        f.write(chunk)
+                        f.flush()
+                        got += len(chunk)
+                        self.report(offset + got, self.total)
+                    if got >= want:
+                        cut.cancel()
         if got < want:
             raise _Drop(f"range ended after {got} of {want} bytes")
         return offset + got
+
+    def _bounded(self, size: int) -> int:
+        if size > self.max_bytes:
+            raise FetchError(
+                f"{self.url}: the server announces {size} bytes, more than {self.max_bytes}, "
+                "the most taken (max_bytes)"
+            )
+        return size
 
     async def _whole(self, resp: httpx.Response, offset: int) -> int:
         """A ``200``: the server ignored ``Range``; take the whole body from byte 0."""
         if offset:
             _log.warning("fetch.retry", url=self.url, reason="range_ignored", offset=0, attempt=1)
         length = resp.headers.get("content-length")
-        self.total = int(length) if length is not None and length.isdigit() else None
+        self.total = self._bounded(int(length)) if length is not None and length.isdigit() else None
         got = 0
-        with await _open(self.part, "wb") as f:
+        over = False
+        with await _open(self.part, "wb") as f, anyio.CancelScope() as cut:
             async with contextlib.aclosing(_raw(resp)) as body:
                 async for chunk in body:
+                    if got + len(chunk) > self.max_bytes:
+                        over = True
+                        cut.cancel()  # see _receive: unwinds httpx's generators cleanly
+                        continue
                     f.write(chunk)
                     got += len(chunk)
                     self.report(got, self.total)
             f.flush()
+        if over:
+            self.part.unlink(missing_ok=True)
+            raise FetchError(
+                f"{self.url}: the body goes on past {self.max_bytes} bytes, the most taken "
+                "(max_bytes); the partial file was discarded"
+            )
         if self.total is not None and got < self.total:
             raise _Drop(f"body ended after {got} of {self.total} bytes (no Range: from 0)")
         self.total = got
@@ -352,10 +486,20 @@ class _Transfer:
 
 
 async def _open(path: Path, mode: Literal["ab", "wb"]) -> BinaryIO:
-    """Open in a thread (a slow file system must not stall the loop). The writes that
-    follow stay inline: a chunk goes to the page cache in microseconds, far less than a
-    thread hop per chunk would cost."""
-    return await anyio.to_thread.run_sync(lambda: open(path, mode))
+    """Open in a thread (a slow file system must not stall the loop), never through a
+    symlink (``O_NOFOLLOW``: one planted meanwhile is an error, not a write elsewhere).
+    The writes that follow stay inline: a chunk goes to the page cache in microseconds,
+    far less than a thread hop per chunk would cost."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    flags |= os.O_APPEND if mode == "ab" else os.O_TRUNC
+
+    def opened() -> BinaryIO:
+        try:
+            return open(os.open(path, flags, 0o600), mode)
+        except OSError as exc:
+            raise FetchError(f"cannot write the partial download {path}: {exc}") from None
+
+    return await anyio.to_thread.run_sync(opened)
 
 
 def _raw(resp: httpx.Response) -> AsyncGenerator[bytes, None]:

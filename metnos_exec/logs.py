@@ -84,6 +84,8 @@ EVENTS: Mapping[str, str] = {
     "fetch.retry": "a range or copy is fetched again (url, reason, attempt)",
     "fetch.finished": "a download matched its pinned SHA-256 (url, dest, bytes, seconds)",
     "fetch.failed": "a download gave up (url, code, error)",
+    "fetch.part_discarded": "a .part that is not a regular file (a symlink) was removed, "
+    "not written through (part, reason)",
     "worker.preloaded": "a wasm module made ready before the first job (module, how, seconds)",
     "worker.preload_failed": "a wasm module could not be preloaded (module, code, error)",
     "job.received": "a job was leased (attempt, max_attempts)",
@@ -91,6 +93,8 @@ EVENTS: Mapping[str, str] = {
     "capability.inactive": "a declared capability grants nothing for this job (detail)",
     "job.started": "the sandbox arm was chosen and the executor launched (timeout_s)",
     "sandbox.degraded": "the kernel wall is down; requested/used arm, reason, axes_lost",
+    "sandbox.guest_abandoned": "a wasm guest blocked in a host call past its wall time was "
+    "left behind; the job is a Timeout (module, wall_time_s, waited_s)",
     "job.finished": "the job reached a final result (status, exit, usage, containment)",
     "job.cancelled": "a running job was cancelled on request (before job.finished)",
     "job.retry_scheduled": "a transient failure; redelivery after delay_s (code, attempt)",

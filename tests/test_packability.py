@@ -171,3 +171,56 @@ async def test_a_trust_worker_dry_runs_the_verified_copy(tmp_path: Path) -> None
     assert str(folder) in err.message and "`winreg`" in err.message
     assert str(tmp_path / "verified") not in err.message
     assert registry.error_folders["windows_only"] == str(folder)
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        # Each ran a third-party module on the server yet passed both the load check
+        # and the dry run (which only looks for the names the load check found).
+        ("import builtins\nbuiltins.__import__('ya' + 'ml')\n", "computed"),
+        ("import importlib\nimportlib.__import__('ya' + 'ml')\n", "computed"),
+        ("from importlib import import_module as im\nim('ya' + 'ml')\n", "computed"),
+        ("import importlib\nload = importlib.import_module\nload('yaml')\n", "computed"),
+        ("import importlib\ngetattr(importlib, 'import_module')('yaml')\n", "computed"),
+        ("__builtins__['__import__']('yaml')\n", "computed"),
+        ("eval('__imp' + 'ort__')('yaml')\n", "code computed"),
+        ("exec('imp' + 'ort yaml')\n", "code computed"),
+        ("exec('import yaml')\n", "imports `yaml`"),
+        ("from importlib import import_module as im\nim('yaml')\n", "imports `yaml`"),
+    ],
+)
+def test_dynamic_imports_that_cannot_be_checked_are_refused(
+    tmp_path: Path, code: str, said: str
+) -> None:
+    folder = executor(tmp_path, "ex", code)
+    with pytest.raises(BadManifest, match=said):
+        load_manifest(folder / "manifest.toml")
+
+
+def test_literal_code_and_ordinary_calls_stay_packable(tmp_path: Path) -> None:
+    code = (
+        "import re\nfrom importlib import import_module as im\n"
+        "WORD = re.compile('x')\nim('json')\nexec('import os')\n"
+        "print(eval('1 + 2'))\n"
+    )
+    folder = executor(tmp_path, "ex", code)
+    assert load_manifest(folder / "manifest.toml").packable
+
+
+@pytest.mark.parametrize("module", ["ctypes", "ssl", "multiprocessing", "lzma", "fcntl", "imp"])
+def test_a_wasm_python_executor_importing_what_python_wasm_lacks_is_refused(
+    tmp_path: Path, module: str
+) -> None:
+    # Standard library for the worker's CPython, absent from the pinned python.wasm (no
+    # dry run there): such an executor passed the load check and failed on every device.
+    folder = executor(tmp_path, "ex", f"import json\nimport {module}\n")
+    manifest = folder / "manifest.toml"
+    manifest.write_text(manifest.read_text().replace('"python"', '"wasm-python"'))
+    with pytest.raises(BadManifest, match=f"imports `{module}`.*python.wasm"):
+        load_manifest(manifest)
+
+
+def test_a_native_executor_may_still_import_ctypes(tmp_path: Path) -> None:
+    folder = executor(tmp_path, "ex", "import ctypes\n")
+    assert load_manifest(folder / "manifest.toml").packable

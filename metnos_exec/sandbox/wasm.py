@@ -37,19 +37,22 @@ under-report, never an invented verdict.
 
 Store limits beyond linear memory (`Store.set_limits`): tables hold at most
 `MAX_TABLE_ELEMENTS` elements in all (they live outside linear memory: without the limit a
-guest grew a table to 2^32 elements under a 1 MiB memory limit), one instance, one linear
+guest grew a table to 2^32 elements under a 1 MiB memory limit); wasmtime's limit is per
+table, so each of the `MAX_TABLES` tables gets `MAX_ELEMENTS_PER_TABLE`, one linear
 memory (the memory limit is per memory: a second one, which multi-memory allows, would
 double the budget; such a module fails to instantiate) and `MAX_TABLES` tables. Set for
 every job, whatever its `ResourceLimits`. `table.grow` past the limit returns -1 like
 `memory.grow`; the verdicts follow the memory rule: `MemoryExceeded` when the guest ended
-abnormally while its exported tables held more than the limit minus 65,536 elements, or
-for a module declaring a table over it; else the guest's own exit.
+abnormally while one exported table held more than its share minus 65,536 elements, or
+for a module declaring a table over its share; else the guest's own exit.
 
 What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
 absolute; the planner's are), `job.network` can not be granted (the report says so),
 `pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
 preopen are not size-limited, nor is their total: a job with one reports resources
-`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written). Output past
+`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written), and the
+files a guest opens are the worker's own descriptors, unbounded (a job with any preopen
+reports resources `partial`, `WASM_FD_REASON`). Output past
 `limits.output_bytes` is accepted from the guest and dropped, like a drained pipe.
 """
 
@@ -70,6 +73,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, final
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import msgspec
+import structlog
 
 from ..errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from ._types import (
@@ -104,6 +109,8 @@ from ._wasm_runtime import (
 )
 from .mount_sources import open_source
 
+_log = structlog.get_logger("metnos_exec")
+
 if TYPE_CHECKING:
     import wasmtime
 
@@ -115,6 +122,7 @@ __all__ = (
     "MAX_TABLE_ELEMENTS",
     "WASMTIME_PIN_REASON",
     "WASM_DISK_REASON",
+    "WASM_FD_REASON",
     "RuntimeMismatch",
     "WasmSandbox",
     "python_program",
@@ -176,6 +184,13 @@ WASM_DISK_REASON: Final[str] = (
     "no per-file or total size limit (no staging in the wasm arm)"
 )
 
+#: Any preopen: each file the guest opens is a descriptor of the worker's own process, and
+#: wasmtime bounds neither their number nor (so) the worker's RLIMIT_NOFILE they use up.
+WASM_FD_REASON: Final[str] = (
+    "open files not bounded: each file the guest opens is a descriptor of the worker's "
+    "own process, shared with its broker connection and other jobs"
+)
+
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
 _PAGE = 65536
@@ -185,6 +200,14 @@ MAX_TABLE_ELEMENTS = 1 << 20
 _TABLE_STEP = 65536
 #: Tables a store may create (WASI commands built by toolchains have one).
 MAX_TABLES = 4
+#: wasmtime's store limit on table elements is per table, so "in all" holds only with
+#: each table capped at its share: four tables of 1 Mi elements each grew before.
+MAX_ELEMENTS_PER_TABLE = MAX_TABLE_ELEMENTS // MAX_TABLES
+#: Seconds past its wall time (or past a cancellation) after which a guest that still has
+#: not returned is abandoned: it is blocked inside a host call (opening a FIFO without a
+#: writer blocks in wasmtime's own threads, where no epoch tick reaches), and the worker
+#: must go on. Its thread and store stay until the call returns.
+ABANDON_AFTER_S: Final = 2.0
 #: Fuel given to a job without a fuel budget; the counter still runs so usage is honest.
 _UNMETERED_FUEL = 2**63 - 1
 
@@ -236,6 +259,8 @@ class _Control:
         self.cancel = threading.Event()
         self.done = threading.Event()
         self.stopped_by: str | None = None  # "timeout" | "cancel"
+        #: The guest's stdout and stderr, set by the guest thread (read if abandoned).
+        self.captures: tuple[_Capture, _Capture] | None = None
 
     def start_clock(self) -> None:
         self.deadline = time.monotonic() + self.wall_time_s
@@ -293,6 +318,37 @@ def _get_engine(wt: ModuleType) -> WasmEngine:
 
 
 _T = TypeVar("_T")
+
+
+async def _wait_for_guest(done_r: int, ctl: _Control) -> bool:
+    """Wait until the guest thread closes its end of the pipe; True when it is abandoned
+    instead: `ABANDON_AFTER_S` past its wall time, or past the caller's cancellation once
+    the guest has started (a compile before the start is waited for: it always ends).
+
+    A cancelled caller asks the guest to stop, waits for it (shielded, bounded as above),
+    then sees its cancellation."""
+    cancelled: BaseException | None = None
+    cancelled_at = math.inf
+    while not ctl.done.is_set():
+        limit = ctl.deadline + ABANDON_AFTER_S
+        if cancelled is not None and ctl.deadline != math.inf:
+            started_at = ctl.deadline - ctl.wall_time_s
+            limit = min(limit, max(cancelled_at, started_at) + ABANDON_AFTER_S)
+        left = limit - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with (
+                anyio.CancelScope(shield=cancelled is not None),
+                anyio.move_on_after(min(left, 0.5)),
+            ):
+                await anyio.wait_readable(done_r)
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled, cancelled_at = exc, time.monotonic()
+            ctl.cancel.set()
+    if cancelled is not None:
+        raise cancelled
+    return not ctl.done.is_set()
 
 
 async def _in_daemon_thread(fn: Callable[[], _T]) -> _T:
@@ -388,11 +444,14 @@ class WasmSandbox:
         ro = sum(1 for m in job.mounts if not m.writable)
         lim = job.limits
         disk = f"; {WASM_DISK_REASON}" if n > ro else ""
+        if n:
+            disk += f"; {WASM_FD_REASON}"
         if lim.fuel is not None and lim.memory_bytes is not None:
             resources = AxisVerdict(
                 "partial" if disk else "kept",
                 "fuel budget and store memory limit both set; one instance, one memory, "
-                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements" + disk,
+                f"tables at most {MAX_TABLE_ELEMENTS:,} table elements in all "
+                f"({MAX_ELEMENTS_PER_TABLE:,} per table)" + disk,
             )
         else:
             missing = [
@@ -436,41 +495,63 @@ class WasmSandbox:
         ctl = _Control(job.limits.wall_time_s)
         result: list[SandboxOutcome] = []
         failed: list[Exception] = []
+        # The guest runs on a daemon thread of its own (not anyio's, which asyncio joins
+        # at exit), so that one blocked in a host call can be abandoned; it closes the
+        # pipe's write end when done.
+        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        t0 = time.monotonic()
 
         def work() -> None:
-            # Exceptions are carried out of the task group by hand so the caller sees a
-            # `HostFault` or verdict itself, not wrapped in an ExceptionGroup.
             try:
                 result.append(self._run_blocking(engine, job, is_python, ctl))
             except Exception as exc:
                 failed.append(exc)
             finally:
                 ctl.done.set()
+                os.close(done_w)
 
-        async with anyio.create_task_group() as tg:
-
-            async def relay_cancel() -> None:
-                # Runs until the guest is done; if the caller's scope is cancelled first,
-                # ask the guest to stop at its next epoch tick.
-                try:
-                    await anyio.sleep_forever()
-                finally:
-                    if not ctl.done.is_set():
-                        ctl.cancel.set()
-
-            tg.start_soon(relay_cancel)
-            try:
-                # abandon_on_cancel=False: a cancelled caller still waits for the thread,
-                # which `relay_cancel` has just told to stop; no thread outlives the call.
-                await anyio.to_thread.run_sync(work, abandon_on_cancel=False)
-            finally:
-                tg.cancel_scope.cancel()
-        # A cancelled caller must see its cancellation, not an outcome: trio raises it at
-        # the task group's exit, asyncio only at the next checkpoint, so take one.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            threading.Thread(target=work, name="metnos-wasm-guest", daemon=True).start()
+        except BaseException:
+            os.close(done_w)
+            os.close(done_r)
+            raise
+        try:
+            abandoned = await _wait_for_guest(done_r, ctl)
+        finally:
+            os.close(done_r)
+        if abandoned:
+            _log.warning(
+                "sandbox.guest_abandoned",
+                module=job.wasm.module,
+                wall_time_s=job.limits.wall_time_s,
+                waited_s=round(time.monotonic() - t0, 3),
+            )
+            return self._abandoned_outcome(job, ctl, time.monotonic() - t0)
         if failed:
             raise failed[0]
         return result[0]
+
+    def _abandoned_outcome(self, job: SandboxJob, ctl: _Control, wall: float) -> SandboxOutcome:
+        report = self.containment(job)
+        report = msgspec.structs.replace(
+            report,
+            resources=AxisVerdict(
+                "partial",
+                "the guest was blocked in a host call past its wall time and was abandoned; "
+                "its thread and memory stay in the worker until the call returns",
+            ),
+        )
+        out, err = ctl.captures or (_Capture(0), _Capture(0))
+        return SandboxOutcome(
+            stdout=out.value(),
+            stderr=err.value(),
+            exit=Timeout(),
+            usage=Usage(wall_s=wall),
+            containment=report,
+            stdout_truncated=out.dropped > 0,
+            stderr_truncated=err.dropped > 0,
+        )
 
     async def preload(
         self,
@@ -574,6 +655,7 @@ class WasmSandbox:
             else list(job.wasm.args or (Path(job.wasm.module).stem,))
         )
         out, err = _Capture(lim.output_bytes), _Capture(lim.output_bytes)
+        ctl.captures = (out, err)
         containment = self.containment(job)
 
         # A module whose initial memory (or table) is over the limit can not even be
@@ -585,7 +667,7 @@ class WasmSandbox:
                 isinstance(ty, wt.MemoryType)
                 and lim.memory_bytes is not None
                 and ty.limits.min * _PAGE > lim.memory_bytes
-            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_TABLE_ELEMENTS):
+            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_ELEMENTS_PER_TABLE):
                 return SandboxOutcome(
                     stdout=b"",
                     stderr=b"",
@@ -602,7 +684,7 @@ class WasmSandbox:
             store.set_fuel(fuel)
             store.set_limits(
                 memory_size=-1 if lim.memory_bytes is None else lim.memory_bytes,
-                table_elements=MAX_TABLE_ELEMENTS,
+                table_elements=MAX_ELEMENTS_PER_TABLE,
                 instances=1,
                 tables=MAX_TABLES,
                 memories=1,
@@ -678,14 +760,14 @@ class WasmSandbox:
                 exit_ = MemoryExceeded()
             elif instance is not None and not isinstance(exit_, (Success, FuelExhausted, Timeout)):
                 # The same rule for tables (exported ones: the only ones we can see): a
-                # guest that failed while its tables held more than the limit minus one
-                # growth step could not grow them further.
-                held = sum(
+                # guest that failed while one of its tables held more than its share minus
+                # one growth step could not grow it further.
+                held = [
                     t.size(store)
                     for t in instance.exports(store).values()
                     if isinstance(t, wt.Table)
-                )
-                if held + _TABLE_STEP > MAX_TABLE_ELEMENTS:
+                ]
+                if held and max(held) + _TABLE_STEP > MAX_ELEMENTS_PER_TABLE:
                     exit_ = MemoryExceeded()
         finally:
             store.close()

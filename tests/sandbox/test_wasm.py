@@ -7,11 +7,13 @@ compile (4-8 s).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +40,10 @@ from metnos_exec.sandbox._types import (
 from metnos_exec.sandbox._wasm_engine import WasmEngine, load_wasmtime
 from metnos_exec.sandbox._wasm_runtime import find_python_wasm, verified_python_wasm
 from metnos_exec.sandbox.wasm import (
+    ABANDON_AFTER_S,
     MAX_TABLE_ELEMENTS,
     WASM_DISK_REASON,
+    WASM_FD_REASON,
     WASMTIME_PIN_REASON,
     RuntimeMismatch,
     WasmSandbox,
@@ -794,7 +798,13 @@ def test_containment_report() -> None:
         limits=ResourceLimits(fuel=10, memory_bytes=1 << 20),
     )
     rep = arm.containment(read_only)
-    assert rep.resources.state == "kept" and WASM_DISK_REASON not in rep.resources.reason
+    # Not the disk, but the worker's descriptors: any preopen lets the guest hold them.
+    assert rep.resources.state == "partial" and WASM_DISK_REASON not in rep.resources.reason
+    assert WASM_FD_REASON in rep.resources.reason
+    no_preopen = SandboxJob(
+        wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=10, memory_bytes=1 << 20)
+    )
+    assert arm.containment(no_preopen).resources.state == "kept"
     no_fuel = SandboxJob(wasm=WasmProgram("x.wasm"), limits=ResourceLimits(fuel=None))
     rep = arm.containment(no_fuel)
     assert rep.resources.state == "partial" and "fuel" in rep.resources.reason
@@ -1051,3 +1061,112 @@ def test_exiting_during_an_abandoned_cold_compile_does_not_crash(tmp_path: Path)
     assert done.stdout == "left\n", done
     assert "Managed" not in done.stderr and "memory allocation" not in done.stderr, done.stderr
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.anyio
+async def test_table_elements_are_bounded_in_all_not_per_table(arm: WasmSandbox) -> None:
+    # The store limit on table elements is per table: four tables of 1 Mi elements each
+    # grew (4 Mi in all) while the report said "at most 1,048,576 table elements".
+    lim = ResourceLimits(fuel=FUEL, memory_bytes=16 * 65536)
+    out = await arm.run(wat_job("four_tables", limits=lim))
+    assert out.exit != Failure(42), "four tables grew past the total"
+    assert isinstance(out.exit, Failure) and out.exit.code in (11, 12, 13, 14), out
+    assert out.containment.resources.state == "kept"
+
+
+@pytest.mark.anyio
+async def test_a_module_file_over_the_size_cap_is_refused_before_it_is_read(
+    arm: WasmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 1 GB module file was read whole into the worker (2.1 GB RSS, 7 s outside the
+    # wall clock) and then reported as a host fault, retried elsewhere.
+    import metnos_exec.sandbox._wasm_engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_MODULE_BYTES", 1 << 20)
+    big = tmp_path / "big.wasm"
+    with big.open("wb") as f:
+        f.write(b"\0asm\1\0\0\0")
+        f.truncate(2 << 20)  # sparse
+    with pytest.raises(SandboxDenied, match="bytes"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(big)), limits=ResourceLimits(fuel=FUEL)))
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_a_guest_blocked_in_a_host_call_is_abandoned_at_its_wall_time(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # Opening a FIFO without a writer blocks inside wasmtime's host code (a tokio
+    # thread in openat), where no epoch tick reaches: the run never returned, and a
+    # cancelled caller waited for it too. A FIFO may sit in any folder a job reads
+    # (a bwrap job sharing the folder can leave one).
+    folder = tmp_path / "in"
+    folder.mkdir()
+    os.mkfifo(folder / "fifo")
+    job = SandboxJob(
+        wasm=WasmProgram(str(WAT / "open_fifo.wat"), ("open_fifo",)),
+        mounts=(Mount(str(folder), "/in", writable=False),),
+        limits=ResourceLimits(fuel=FUEL, memory_bytes=65536 * 4, wall_time_s=0.5),
+    )
+    threads = set(threading.enumerate())
+    t0 = time.monotonic()
+    try:
+        with anyio.fail_after(20):
+            out = await arm.run(job)
+        assert out.exit == Timeout(), out
+        assert time.monotonic() - t0 < 0.5 + ABANDON_AFTER_S + 2
+        # The wall did hold for the job, but what it holds stays in the worker until the
+        # call returns: not `kept`.
+        assert out.containment.resources.state == "partial"
+        assert "abandoned" in out.containment.resources.reason
+    finally:
+        # Give the open its writer: the abandoned guest then ends (stopped by the
+        # sticky timeout at its next tick) and its thread with it.
+        with contextlib.suppress(OSError):  # ENXIO: nobody is waiting in the open
+            os.close(os.open(folder / "fifo", os.O_WRONLY | os.O_NONBLOCK))
+        for t in set(threading.enumerate()) - threads:
+            if t.name == "metnos-wasm-guest":
+                await anyio.to_thread.run_sync(t.join, 10)
+                assert not t.is_alive()
+    nxt = await arm.run(wat_job("ok"))
+    assert (nxt.exit, nxt.stdout) == (Success(), b"ok\n")
+
+
+@pytest.mark.anyio
+async def test_a_module_that_is_not_webassembly_is_refused_not_a_host_fault(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # The executor's fault, the same on every worker: a host fault was retried on each.
+    bad = tmp_path / "bad.wasm"
+    bad.write_bytes(b"\0asm\1\0\0\0" + os.urandom(64))
+    with pytest.raises(SandboxDenied, match="not valid WebAssembly"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(bad)), limits=ResourceLimits(fuel=FUEL)))
+    text = tmp_path / "bad.wat"
+    text.write_text("(module (func $f (unknown_instruction)))")
+    with pytest.raises(SandboxDenied, match="not valid WebAssembly"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(text)), limits=ResourceLimits(fuel=FUEL)))
+
+
+@pytest.mark.anyio
+async def test_a_guest_holding_worker_descriptors_is_not_reported_kept(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # Every file a guest opens is a descriptor of the worker's process, and nothing
+    # bounds how many: one opened 19,984 (the worker's whole RLIMIT_NOFILE, so its
+    # broker connection and every concurrent job failed to open anything) under a
+    # read-only preopen reported resources `kept`.
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "f").write_text("x")
+    job = SandboxJob(
+        wasm=WasmProgram(str(WAT / "open_many.wat"), ("open_many",)),
+        mounts=(Mount(str(folder), "/in", writable=False),),
+        limits=ResourceLimits(fuel=FUEL * 100, memory_bytes=65536 * 4),
+    )
+    out = await arm.run(job)
+    assert out.exit == Success(), out  # 2,000 descriptors held at once
+    assert out.containment.resources.state == "partial"
+    assert WASM_FD_REASON in out.containment.resources.reason
+    # Without a preopen there is nothing to open.
+    assert arm.containment(wat_job("ok")).resources.state == "kept"
