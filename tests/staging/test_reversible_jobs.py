@@ -687,25 +687,20 @@ class ResultsFailing(MemoryBroker):
         return await super().get_result(job_id)
 
 
-async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: World) -> None:
-    """A worker died in the middle of a job's commit; the job comes back to a worker
-    while the store fails. The journal recovery cannot ask the store whether the commit
-    stood, and the job used to run anyway, on the half-committed tree: its append was
-    committed twice. It now waits for the recovery."""
+async def half_committed(world: World) -> tuple[ResultsFailing, Any, Job]:
+    """A job leased and started by a worker that died in the middle of its commit (an
+    append to ``mod.txt`` applied and journalled, its result never stored), on a broker
+    whose results can be made to fail; ``(broker, its clock, the job)``."""
     from metnos_exec.journal import BlobSource, HostTree, JournalRecord, apply_ops, fingerprints
-    from metnos_exec.messages import FileState, Put
+    from metnos_exec.messages import FileState
     from tests.brokers.conformance import VirtualClock
 
-    await staging_works(world)
-    seed(world.notes)
-    before = snapshot(world.notes)
     clock = VirtualClock()
     world.broker = broker = ResultsFailing(clock)
     job = Job(executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]})
     await broker.submit(job)
     [dead] = await broker.lease("dead-worker", visibility_s=10)
     assert await broker.mark_started(dead)
-    # The dead worker's half commit: applied, journalled, its result never stored.
     store, path = world.staging.store, str(world.notes / "mod.txt")
     old, new = b"old content\n", b"old content\njob\n"
     op = Put(
@@ -719,6 +714,18 @@ async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: 
         apply_ops(tree, (op,), source=BlobSource(store), store=store, expect=expect, tag="t")
     record = JournalRecord(job_id=job.id, entry_id="E-dead", roots=(root,), ops=(op,))
     world.staging.journal.begin(record).close(remove=False)  # its worker "died"
+    return broker, clock, job
+
+
+async def test_a_redelivered_job_waits_for_its_half_commit_to_be_settled(world: World) -> None:
+    """A worker died in the middle of a job's commit; the job comes back to a worker
+    while the store fails. The journal recovery cannot ask the store whether the commit
+    stood, and the job used to run anyway, on the half-committed tree: its append was
+    committed twice. It now waits for the recovery."""
+    await staging_works(world)
+    seed(world.notes)
+    before = snapshot(world.notes)
+    broker, clock, job = await half_committed(world)
     clock.advance(60)  # the dead worker's lease lapses
 
     broker.failing = 2  # the start's recovery, then the redelivered job's
@@ -741,31 +748,9 @@ async def test_a_fresh_job_waits_too_while_a_half_commit_is_unsettled(world: Wor
     then ran on the half-committed tree: the dead job's append was committed under it,
     could no longer be rolled back, and was made again when that job was redelivered.
     Every writing job now waits for the recovery while one is owed."""
-    from metnos_exec.journal import BlobSource, HostTree, JournalRecord, apply_ops, fingerprints
-    from metnos_exec.messages import FileState, Put
-    from tests.brokers.conformance import VirtualClock
-
     await staging_works(world)
     seed(world.notes)
-    clock = VirtualClock()
-    world.broker = broker = ResultsFailing(clock)
-    job = Job(executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "job\n"]]})
-    await broker.submit(job)
-    [dead] = await broker.lease("dead-worker", visibility_s=10)
-    assert await broker.mark_started(dead)
-    store, path = world.staging.store, str(world.notes / "mod.txt")
-    old, new = b"old content\n", b"old content\njob\n"
-    op = Put(
-        path=path,
-        before=FileState(sha256=store.put_bytes(old), size=len(old), mode=0o644),
-        after=FileState(sha256=store.put_bytes(new), size=len(new), mode=0o644),
-    )
-    root = str(world.notes)
-    with HostTree([root]) as tree:
-        expect = fingerprints(tree, {path: None})
-        apply_ops(tree, (op,), source=BlobSource(store), store=store, expect=expect, tag="t")
-    record = JournalRecord(job_id=job.id, entry_id="E-dead", roots=(root,), ops=(op,))
-    world.staging.journal.begin(record).close(remove=False)  # its worker "died"
+    broker, _, job = await half_committed(world)
     fresh = Job(
         executor="mutate", args={"root": "~/notes", "ops": [["append", "mod.txt", "fresh\n"]]}
     )
