@@ -145,6 +145,12 @@ _BWRAP_PIDS = 2
 _MAX_SIGNAL = 64
 #: Bound on waiting for bubblewrap's orphaned init to finish exiting (normally microseconds).
 _INIT_REAP_S = 2.0
+#: How long bubblewrap may take to reach its block fd, at least, whatever the job's
+#: budget: the budget runs from the spawn (`process.run` kills the guest the moment it is
+#: released when the budget is gone, a ``Timeout``), so a budget shorter than
+#: bubblewrap's own set-up (``--timeout 0.001``) is the job's timeout, not a host fault
+#: that would be retried to the same end on every attempt.
+_GATE_MIN_WAIT_S = 10.0
 
 
 class BwrapSetupFailed(HostFault):
@@ -1028,7 +1034,7 @@ class BwrapSandbox:
                     rlimits,
                     status_r,
                     status_w,
-                    job.limits.wall_time_s,
+                    max(job.limits.wall_time_s, _GATE_MIN_WAIT_S),
                     as_user=place.slot.run_as if place.as_slot_user and place.slot else None,
                 )
             try:
