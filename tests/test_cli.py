@@ -775,3 +775,17 @@ def test_a_bare_file_path_as_broker_url_is_answered_with_the_url(env: dict[str, 
         assert "E_BAD_BROKER_URL" in line and f"did you mean {meant}?" in line, line
     out = cli(env, "status", "--broker", "sqlit:///q.db")
     assert "did you mean" not in one_clear_line(out)
+
+
+def test_wait_refuses_negative_and_nan_seconds_and_zero_looks_once(env: dict[str, str]) -> None:
+    # `--wait -1` said "no worker has leased it: is a worker running?" at once, `--wait nan`
+    # waited forever, and `submit --wait 0` did not wait at all (it printed the id, exit 0).
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    for command in (("submit", "sleepy"), ("result", job)):
+        for bad in ("-1", "nan", "-inf"):
+            out = cli(env, *command, f"--wait={bad}")
+            assert out.returncode == EXIT["usage"], (command, bad, out.stderr)
+            assert "--wait" in out.stderr and "Traceback" not in out.stderr
+    once = cli(env, "submit", "sleepy", "--wait", "0")
+    assert once.returncode == EXIT["pending"] and "no result" in once.stderr
+    assert cli(env, "result", job, "--wait", "0").returncode == EXIT["pending"]
