@@ -541,8 +541,10 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
         if outcome == "unknown":
             raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
         messages = {
-            "cancelled": "cancelled (it had not started)",
-            "cancelling": "cancelling: the worker running it will stop it",
+            "cancelled": "cancelled: it was waiting in the queue and will not run",
+            "cancelling": (
+                "cancelling: the worker running it will stop it (a result it stores first stands)"
+            ),
             "finished": "already finished; nothing to cancel",
         }
         sys.stdout.write(f"{ns.job_id}: {messages[outcome]}\n")

@@ -132,6 +132,7 @@ __all__ = (
     "SubmitReceipt",
     "UndoRecord",
     "check_idempotent_reuse",
+    "queued_cancel_message",
 )
 
 #: How long finished jobs are kept unless an operator says otherwise (7 days): finite, so
@@ -160,6 +161,14 @@ def _canonical_args(args: dict[str, object]) -> object:
     # Through JSON, as the wire sees them: a tuple and a list are the same argument, and a
     # job read back from a store compares equal to the one submitted.
     return msgspec.json.decode(msgspec.json.encode(args))
+
+
+def queued_cancel_message(attempt: int) -> str:
+    """The message of the ``cancelled`` result a queued job gets: ``attempt`` deliveries
+    had started (a job waiting for a retry), or none. (``redis.lua`` says the same.)"""
+    if attempt <= 0:
+        return "cancelled before it started"
+    return f"cancelled while waiting to be retried, after {attempt} attempt(s)"
 
 
 def check_idempotent_reuse(original: Job, new: Job) -> None:

@@ -47,6 +47,7 @@ from .base import (
     SubmitReceipt,
     UndoRecord,
     check_idempotent_reuse,
+    queued_cancel_message,
 )
 
 __all__ = ("MemoryBroker",)
@@ -453,7 +454,7 @@ class MemoryBroker(Broker):
                 Result(
                     job_id=job_id,
                     status="cancelled",
-                    error=ErrorInfo(code=E_CANCELLED, message="cancelled before it started"),
+                    error=ErrorInfo(code=E_CANCELLED, message=queued_cancel_message(entry.attempt)),
                     device=entry.device,
                     attempt=entry.attempt,
                     finished_at=self._clock(),

@@ -422,10 +422,16 @@ local h = redis.call('HMGET', jk, 'state', 'device', 'attempt')
 if not h[1] then return 'unknown' end
 if h[1] == 'queued' then
   redis.call('ZREM', DELAYED, id)
+  local attempt = tonumber(h[3]) or 0
+  -- As `base.queued_cancel_message` says it.
+  local message = 'cancelled before it started'
+  if attempt > 0 then
+    message = 'cancelled while waiting to be retried, after ' .. attempt .. ' attempt(s)'
+  end
   local result = cjson.encode({
     v = 1, job_id = id, status = 'cancelled', device = h[2], attempt = tonumber(h[3]),
     finished_at = NOW,
-    error = {code = 'E_CANCELLED', message = 'cancelled before it started'},
+    error = {code = 'E_CANCELLED', message = message},
   })
   finish(id, 'done', result, nil, 'queued', nil, nil)
   return 'cancelled'

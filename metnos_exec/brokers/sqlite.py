@@ -102,6 +102,7 @@ from .base import (
     SubmitReceipt,
     UndoRecord,
     check_idempotent_reuse,
+    queued_cancel_message,
 )
 
 __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
@@ -1224,7 +1225,7 @@ class SQLiteBroker(Broker):
                     Result(
                         job_id=job_id,
                         status="cancelled",
-                        error=ErrorInfo(code=E_CANCELLED, message="cancelled before it started"),
+                        error=ErrorInfo(code=E_CANCELLED, message=queued_cancel_message(attempt)),
                         device=device,
                         attempt=attempt,
                         finished_at=now,

@@ -531,6 +531,29 @@ class BrokerConformance:
             assert await b.cancel(queued.id) == "finished"
             assert await b.cancel("no-such-job") == "unknown"
 
+    async def test_cancel_during_a_retry_delay_says_the_job_ran(self) -> None:
+        # It said "cancelled before it started" of a job that had run (and failed) once.
+        async with self.broker() as (b, _clock):
+            j = job(max_attempts=3)
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert await b.mark_started(lease)
+            err = ErrorInfo(code="E_TRANSIENT", message="try 1")
+            assert await b.retry(lease, error=err, delay_s=60.0) == "scheduled"
+            assert await b.cancel(j.id) == "cancelled"
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "cancelled"
+            assert result.error is not None and result.error.code == E_CANCELLED
+            assert result.attempt == 1
+            assert "before it started" not in result.error.message
+            assert "retried" in result.error.message and "1 attempt" in result.error.message
+            fresh = job()
+            await b.submit(fresh)
+            assert await b.cancel(fresh.id) == "cancelled"
+            first = await b.get_result(fresh.id)
+            assert first is not None and first.error is not None
+            assert first.error.message == "cancelled before it started"
+
     async def test_cancel_requested_names_running_jobs_with_a_pending_cancel(self) -> None:
         async with self.broker() as (b, _clock):
             a, c, queued = job(), job(), job()
