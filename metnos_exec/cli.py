@@ -608,7 +608,10 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             _dump_json(doc, sys.stdout)
             return 0
         out = [f"broker {ns.broker}"]
-        out.append("  " + "  ".join(f"{k}={v}" for k, v in msgspec.to_builtins(stats).items()))
+        # `delayed` is the part of `queued` not yet due: shown inside it, not beside it.
+        counts = [f"queued={stats.queued} ({stats.delayed} delayed)"]
+        counts += [f"{k}={getattr(stats, k)}" for k in ("running", "done", "dead")]
+        out.append("  " + "  ".join(counts))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
         if dead:

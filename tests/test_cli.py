@@ -789,3 +789,15 @@ def test_wait_refuses_negative_and_nan_seconds_and_zero_looks_once(env: dict[str
     once = cli(env, "submit", "sleepy", "--wait", "0")
     assert once.returncode == EXIT["pending"] and "no result" in once.stderr
     assert cli(env, "result", job, "--wait", "0").returncode == EXIT["pending"]
+
+
+def test_status_counts_delayed_jobs_inside_queued_and_says_so(env: dict[str, str]) -> None:
+    # "queued=2  delayed=1  running=0" read as three jobs; delayed is a part of queued.
+    assert cli(env, "submit", "sleepy").returncode == 0
+    assert cli(env, "submit", "sleepy", "--delay", "3600").returncode == 0
+    out = cli(env, "status")
+    assert out.returncode == 0, out.stderr
+    counts = out.stdout.splitlines()[1]
+    assert "queued=2 (1 delayed)" in counts and " delayed=" not in counts, counts
+    doc = json.loads(cli(env, "status", "--json").stdout)["broker"]
+    assert (doc["queued"], doc["delayed"]) == (2, 1)
