@@ -537,6 +537,8 @@ def test_a_locked_or_read_only_queue_is_one_clear_line_and_exit_4(
         other.execute("ROLLBACK")
     assert locked.returncode == EXIT["broker"]
     assert "E_BROKER_BUSY" in one_clear_line(locked)
+    # It read "cannot use the queue database /.../q.db is locked by another process".
+    assert "q.db: the file is locked by another process" in one_clear_line(locked)
     with read_only(db):
         ro = cli(env, "submit", "sleepy")
     assert ro.returncode == EXIT["broker"] and "E_BROKER_READONLY" in one_clear_line(ro)

@@ -418,7 +418,7 @@ def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerErro
     text = f"{where}: {exc}"
     if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return BrokerBusy(
-            f"{where} is locked by another process (waited {busy_s:g} s; the "
+            f"{where}: the file is locked by another process (waited {busy_s:g} s; the "
             "busy_timeout_s option sets how long): try again"
         )
     if primary == sqlite3.SQLITE_FULL:
