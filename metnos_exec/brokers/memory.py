@@ -272,6 +272,9 @@ class MemoryBroker(Broker):
                     check_idempotent_reuse(entry_.job, job)
                 return SubmitReceipt(original, duplicate=True)
             if job.id in self._entries:
+                known = self._entries[job.id].job
+                if known is not None:
+                    check_idempotent_reuse(known, job, by_id=True)
                 return SubmitReceipt(job.id, duplicate=True)
             if key is not None:
                 self._idem[key] = job.id

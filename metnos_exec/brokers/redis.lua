@@ -132,7 +132,7 @@ end
 -- that stands, and (for a known key) the original's body, for the caller's conflict check.
 local function admit(id, body, dev, prio, maxa, ikey, nb)
   local jk = jkey(id)
-  if redis.call('EXISTS', jk) == 1 then return {'dup', id, ''} end
+  if redis.call('EXISTS', jk) == 1 then return {'dup', id, redis.call('HGET', jk, 'body') or ''} end
   if ikey ~= '' then
     local orig = redis.call('GET', idem_key(ikey))
     if orig then return {'dup', orig, redis.call('HGET', jkey(orig), 'body') or ''} end

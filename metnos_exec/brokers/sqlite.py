@@ -265,6 +265,7 @@ _INSERT = (
 # The other-language producers' door; its trigger derives the columns from the body.
 _INSERT_INBOX = "INSERT INTO job_inbox (id, body) VALUES (?, ?)"
 _FIND_BY_KEY = "SELECT id, CAST(body AS BLOB) FROM jobs WHERE idempotency_key = ?"
+_FIND_BY_ID = "SELECT CAST(body AS BLOB) FROM jobs WHERE id = ?"
 _DUE = "coalesce(due_at, not_before, 0) <= :now"
 # A lease is lost once its time is up, or when it has no time at all (a row left
 # 'running' with no lease_until can only have been written by hand or by a bug: it would
@@ -888,6 +889,12 @@ class SQLiteBroker(Broker):
                 if isinstance(original, Job):
                     check_idempotent_reuse(original, job)
                 return SubmitReceipt(original_id, duplicate=True)
+        # The id is known: the same job again is a duplicate, another one a conflict.
+        row = db.execute(_FIND_BY_ID, (job.id,)).fetchone()
+        if row is not None:
+            known = SQLiteBroker._decode_body(job.id, row[0])
+            if isinstance(known, Job):
+                check_idempotent_reuse(known, job, by_id=True)
         return SubmitReceipt(job.id, duplicate=True)
 
     async def submit(self, job: Job) -> SubmitReceipt:
