@@ -223,6 +223,18 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _wait_seconds(text: str) -> float:
+    """``--wait S``: 0 looks once, ``inf`` waits as long as it takes; a negative or NaN
+    wait is refused (it gave up at once, blaming a missing worker, or never ended)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if value != value or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def _run(fn: Callable[[], Awaitable[int]]) -> int:
     try:
         return anyio.run(fn)
@@ -473,7 +485,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
             client = Client(broker)
             job_id = await client.submit(ns.executor, args, **fields)
             submitted.append(job_id)
-            if not ns.wait:
+            if ns.wait is False:
                 _print_job_id(job_id, as_json=ns.json)
                 return 0
             if not ns.json:
@@ -529,8 +541,10 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
         if outcome == "unknown":
             raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
         messages = {
-            "cancelled": "cancelled (it had not started)",
-            "cancelling": "cancelling: the worker running it will stop it",
+            "cancelled": "cancelled: it was waiting in the queue and will not run",
+            "cancelling": (
+                "cancelling: the worker running it will stop it (a result it stores first stands)"
+            ),
             "finished": "already finished; nothing to cancel",
         }
         sys.stdout.write(f"{ns.job_id}: {messages[outcome]}\n")
@@ -594,7 +608,10 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             _dump_json(doc, sys.stdout)
             return 0
         out = [f"broker {ns.broker}"]
-        out.append("  " + "  ".join(f"{k}={v}" for k, v in msgspec.to_builtins(stats).items()))
+        # `delayed` is the part of `queued` not yet due: shown inside it, not beside it.
+        counts = [f"queued={stats.queued} ({stats.delayed} delayed)"]
+        counts += [f"{k}={getattr(stats, k)}" for k in ("running", "done", "dead")]
+        out.append("  " + "  ".join(counts))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
         if dead:
@@ -941,7 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const=True,
         default=False,
-        type=float,
+        type=_wait_seconds,
         metavar="S",
         help="wait for the result (at most S seconds if given) and exit by its status",
     )
@@ -950,7 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = add("result", "show a job's result")
     r.add_argument("job_id")
-    r.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds")
+    r.add_argument(
+        "--wait", type=_wait_seconds, default=0.0, metavar="S", help="wait up to S seconds"
+    )
     r.add_argument("--json", action="store_true", help="the Result as JSON")
     r.set_defaults(fn=_cmd_result)
 

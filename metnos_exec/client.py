@@ -122,8 +122,9 @@ class Client:
         Raises:
             BadMessage: a field of the wrong type or range (the message names it), or a
                 job over ``MAX_JOB_BYTES`` encoded or ``MAX_ARGS_DEPTH`` deep.
-            IdempotencyConflict: the ``idempotency_key`` already names a job with another
-                executor or other arguments (its id is ``original_job_id``).
+            IdempotencyConflict: the ``idempotency_key`` (or the ``id``) already names a
+                job with another executor or other arguments (its id is
+                ``original_job_id``).
             ServerPinned: the job targets a device, and the executor as published by the
                 server workers must stay on the server (not packable, or provider
                 authority for these arguments); nothing is queued (see `catalog`).

@@ -1193,6 +1193,9 @@ class Supervisor:
                     "cancelled",
                     error=ErrorInfo(code="E_CANCELLED", message="the job was cancelled"),
                     containment=contained(arm.containment(sjob)),
+                    # What is known of a run cut short: its wall time (none if it never
+                    # launched, e.g. leased ahead), as for a run the backstop ended.
+                    usage=None if started_at is None else Usage(wall_s=self.clock() - started_at),
                     started_at=started_at,
                 ),
             )

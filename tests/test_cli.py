@@ -537,6 +537,8 @@ def test_a_locked_or_read_only_queue_is_one_clear_line_and_exit_4(
         other.execute("ROLLBACK")
     assert locked.returncode == EXIT["broker"]
     assert "E_BROKER_BUSY" in one_clear_line(locked)
+    # It read "cannot use the queue database /.../q.db is locked by another process".
+    assert "q.db: the file is locked by another process" in one_clear_line(locked)
     with read_only(db):
         ro = cli(env, "submit", "sleepy")
     assert ro.returncode == EXIT["broker"] and "E_BROKER_READONLY" in one_clear_line(ro)
@@ -775,3 +777,29 @@ def test_a_bare_file_path_as_broker_url_is_answered_with_the_url(env: dict[str, 
         assert "E_BAD_BROKER_URL" in line and f"did you mean {meant}?" in line, line
     out = cli(env, "status", "--broker", "sqlit:///q.db")
     assert "did you mean" not in one_clear_line(out)
+
+
+def test_wait_refuses_negative_and_nan_seconds_and_zero_looks_once(env: dict[str, str]) -> None:
+    # `--wait -1` said "no worker has leased it: is a worker running?" at once, `--wait nan`
+    # waited forever, and `submit --wait 0` did not wait at all (it printed the id, exit 0).
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    for command in (("submit", "sleepy"), ("result", job)):
+        for bad in ("-1", "nan", "-inf"):
+            out = cli(env, *command, f"--wait={bad}")
+            assert out.returncode == EXIT["usage"], (command, bad, out.stderr)
+            assert "--wait" in out.stderr and "Traceback" not in out.stderr
+    once = cli(env, "submit", "sleepy", "--wait", "0")
+    assert once.returncode == EXIT["pending"] and "no result" in once.stderr
+    assert cli(env, "result", job, "--wait", "0").returncode == EXIT["pending"]
+
+
+def test_status_counts_delayed_jobs_inside_queued_and_says_so(env: dict[str, str]) -> None:
+    # "queued=2  delayed=1  running=0" read as three jobs; delayed is a part of queued.
+    assert cli(env, "submit", "sleepy").returncode == 0
+    assert cli(env, "submit", "sleepy", "--delay", "3600").returncode == 0
+    out = cli(env, "status")
+    assert out.returncode == 0, out.stderr
+    counts = out.stdout.splitlines()[1]
+    assert "queued=2 (1 delayed)" in counts and " delayed=" not in counts, counts
+    doc = json.loads(cli(env, "status", "--json").stdout)["broker"]
+    assert (doc["queued"], doc["delayed"]) == (2, 1)

@@ -383,6 +383,9 @@ async def test_cancel_running_job(registry: ExecutorRegistry) -> None:
             r = await broker.wait_result(job_id, timeout=None)
     assert r is not None and r.status == "cancelled"
     assert r.error is not None and r.error.code == "E_CANCELLED"
+    # It ran: its wall time is known, as for a job the backstop cut short (usage was null).
+    assert r.started_at is not None and r.usage is not None and r.usage.wall_s >= 0
+    assert r.finished_at is not None and r.usage.wall_s <= r.finished_at - r.started_at
 
 
 async def test_cancel_of_a_running_job_lands_within_a_second_not_a_heartbeat(
@@ -744,6 +747,7 @@ async def test_cancel_of_a_prefetched_job_never_launches_it(registry: ExecutorRe
                 r = await broker.wait_result(ahead, timeout=None)
             gate.set()
     assert r is not None and r.status == "cancelled" and r.started_at is None
+    assert r.usage is None  # it never ran
     assert len(arm.jobs) == 1  # only `first` ever reached the arm
     assert [e["event"] for e in logs].count("job.started") == 1
     done = await broker.get_result(first)

@@ -47,6 +47,7 @@ from .base import (
     SubmitReceipt,
     UndoRecord,
     check_idempotent_reuse,
+    queued_cancel_message,
 )
 
 __all__ = ("MemoryBroker",)
@@ -271,6 +272,9 @@ class MemoryBroker(Broker):
                     check_idempotent_reuse(entry_.job, job)
                 return SubmitReceipt(original, duplicate=True)
             if job.id in self._entries:
+                known = self._entries[job.id].job
+                if known is not None:
+                    check_idempotent_reuse(known, job, by_id=True)
                 return SubmitReceipt(job.id, duplicate=True)
             if key is not None:
                 self._idem[key] = job.id
@@ -453,7 +457,7 @@ class MemoryBroker(Broker):
                 Result(
                     job_id=job_id,
                     status="cancelled",
-                    error=ErrorInfo(code=E_CANCELLED, message="cancelled before it started"),
+                    error=ErrorInfo(code=E_CANCELLED, message=queued_cancel_message(entry.attempt)),
                     device=entry.device,
                     attempt=entry.attempt,
                     finished_at=self._clock(),

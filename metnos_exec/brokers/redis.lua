@@ -132,7 +132,7 @@ end
 -- that stands, and (for a known key) the original's body, for the caller's conflict check.
 local function admit(id, body, dev, prio, maxa, ikey, nb)
   local jk = jkey(id)
-  if redis.call('EXISTS', jk) == 1 then return {'dup', id, ''} end
+  if redis.call('EXISTS', jk) == 1 then return {'dup', id, redis.call('HGET', jk, 'body') or ''} end
   if ikey ~= '' then
     local orig = redis.call('GET', idem_key(ikey))
     if orig then return {'dup', orig, redis.call('HGET', jkey(orig), 'body') or ''} end
@@ -422,10 +422,16 @@ local h = redis.call('HMGET', jk, 'state', 'device', 'attempt')
 if not h[1] then return 'unknown' end
 if h[1] == 'queued' then
   redis.call('ZREM', DELAYED, id)
+  local attempt = tonumber(h[3]) or 0
+  -- As `base.queued_cancel_message` says it.
+  local message = 'cancelled before it started'
+  if attempt > 0 then
+    message = 'cancelled while waiting to be retried, after ' .. attempt .. ' attempt(s)'
+  end
   local result = cjson.encode({
     v = 1, job_id = id, status = 'cancelled', device = h[2], attempt = tonumber(h[3]),
     finished_at = NOW,
-    error = {code = 'E_CANCELLED', message = 'cancelled before it started'},
+    error = {code = 'E_CANCELLED', message = message},
   })
   finish(id, 'done', result, nil, 'queued', nil, nil)
   return 'cancelled'

@@ -547,11 +547,12 @@ class RedisBroker(Broker):
         status, job_id, original = _s(reply[0]), _s(reply[1]), reply[2]
         if status == "new":
             return SubmitReceipt(job_id)
-        if original and job.idempotency_key is not None:
+        if original:
             decoded = SQLiteBroker._decode_body(job_id, original)
             # A stored body that no longer decodes cannot be compared (as with SQLite).
+            # The key matched, or else the id did (`admit` checks the id first).
             if isinstance(decoded, Job):
-                check_idempotent_reuse(decoded, job)
+                check_idempotent_reuse(decoded, job, by_id=job_id == job.id)
         return SubmitReceipt(job_id, duplicate=True)
 
     async def submit(self, job: Job) -> SubmitReceipt:

@@ -102,6 +102,7 @@ from .base import (
     SubmitReceipt,
     UndoRecord,
     check_idempotent_reuse,
+    queued_cancel_message,
 )
 
 __all__ = ("SCHEMA_SQL", "SCHEMA_VERSION", "BrokerUnavailable", "SQLiteBroker")
@@ -264,6 +265,7 @@ _INSERT = (
 # The other-language producers' door; its trigger derives the columns from the body.
 _INSERT_INBOX = "INSERT INTO job_inbox (id, body) VALUES (?, ?)"
 _FIND_BY_KEY = "SELECT id, CAST(body AS BLOB) FROM jobs WHERE idempotency_key = ?"
+_FIND_BY_ID = "SELECT CAST(body AS BLOB) FROM jobs WHERE id = ?"
 _DUE = "coalesce(due_at, not_before, 0) <= :now"
 # A lease is lost once its time is up, or when it has no time at all (a row left
 # 'running' with no lease_until can only have been written by hand or by a bug: it would
@@ -417,7 +419,7 @@ def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerErro
     text = f"{where}: {exc}"
     if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return BrokerBusy(
-            f"{where} is locked by another process (waited {busy_s:g} s; the "
+            f"{where}: the file is locked by another process (waited {busy_s:g} s; the "
             "busy_timeout_s option sets how long): try again"
         )
     if primary == sqlite3.SQLITE_FULL:
@@ -887,6 +889,12 @@ class SQLiteBroker(Broker):
                 if isinstance(original, Job):
                     check_idempotent_reuse(original, job)
                 return SubmitReceipt(original_id, duplicate=True)
+        # The id is known: the same job again is a duplicate, another one a conflict.
+        row = db.execute(_FIND_BY_ID, (job.id,)).fetchone()
+        if row is not None:
+            known = SQLiteBroker._decode_body(job.id, row[0])
+            if isinstance(known, Job):
+                check_idempotent_reuse(known, job, by_id=True)
         return SubmitReceipt(job.id, duplicate=True)
 
     async def submit(self, job: Job) -> SubmitReceipt:
@@ -1224,7 +1232,7 @@ class SQLiteBroker(Broker):
                     Result(
                         job_id=job_id,
                         status="cancelled",
-                        error=ErrorInfo(code=E_CANCELLED, message="cancelled before it started"),
+                        error=ErrorInfo(code=E_CANCELLED, message=queued_cancel_message(attempt)),
                         device=device,
                         attempt=attempt,
                         finished_at=now,

@@ -145,6 +145,17 @@ _BWRAP_PIDS = 2
 _MAX_SIGNAL = 64
 #: Bound on waiting for bubblewrap's orphaned init to finish exiting (normally microseconds).
 _INIT_REAP_S = 2.0
+#: How long bubblewrap may take to reach its block fd, at least, whatever the job's
+#: budget: a budget shorter than bubblewrap's own set-up (``--timeout 0.001``) is the
+#: job's timeout (the gate does not release a guest whose budget is spent,
+#: `_BudgetSpent`), not a host fault that would be retried to the same end on every
+#: attempt.
+_GATE_MIN_WAIT_S = 10.0
+
+
+class _BudgetSpent(Exception):
+    """The job's whole budget went by before bubblewrap reached its block fd: the gate
+    killed the blocked tree instead of releasing the guest (the run is a ``Timeout``)."""
 
 
 class BwrapSetupFailed(HostFault):
@@ -437,8 +448,10 @@ class _LimitGate:
         status_w: int,
         wait_s: float,
         as_user: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
+        budget_s: float | None = None,
     ):
         self._as_user = as_user
+        self._budget_s = budget_s
         self._rlimits = rlimits
         self._status_r = status_r
         self.status_w = status_w
@@ -495,6 +508,8 @@ class _LimitGate:
 
     async def __call__(self, pid: int, members: Callable[[], list[int]] | None) -> None:
         doomed: set[int] = {pid}  # killed if anything goes wrong
+        # Called right after the spawn: the budget runs from here, as `process.run`'s.
+        deadline = None if self._budget_s is None else time.monotonic() + self._budget_s
         try:
             child = await self._child_pid()
             if child is None:
@@ -515,6 +530,9 @@ class _LimitGate:
                 raise HostFault(f"cannot set the job's rlimits on bubblewrap: {exc}") from exc
             if await self._tree(pid, members) != tree:
                 raise HostFault("bubblewrap's tree changed while blocked")
+            if deadline is not None and time.monotonic() >= deadline:
+                # Nothing of the budget is left: the guest would be killed as it starts.
+                raise _BudgetSpent
             os.write(self.block_w, b"g")
         except BaseException:
             for proc in doomed:
@@ -1028,8 +1046,9 @@ class BwrapSandbox:
                     rlimits,
                     status_r,
                     status_w,
-                    job.limits.wall_time_s,
+                    max(job.limits.wall_time_s, _GATE_MIN_WAIT_S),
                     as_user=place.slot.run_as if place.as_slot_user and place.slot else None,
+                    budget_s=job.limits.wall_time_s,
                 )
             try:
                 argv = derive_bwrap_argv(
@@ -1098,7 +1117,24 @@ class BwrapSandbox:
                 as_slot_user=place.as_slot_user and not place.enter,
                 drops_to_slot_user=place.as_slot_user and bool(place.enter),
             )
-            result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
+            spawned = time.monotonic()
+            try:
+                result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
+            except _BudgetSpent:
+                # The gate killed bubblewrap before the guest existed (`process.run` reaped
+                # it): the job's timeout, with nothing run.
+                result = ProcessResult(
+                    returncode=-signal.SIGKILL,
+                    stdout=b"",
+                    stderr=b"",
+                    stdout_truncated=False,
+                    stderr_truncated=False,
+                    timed_out=True,
+                    wall_s=time.monotonic() - spawned,
+                    cpu_s=0.0,
+                    peak_rss_bytes=0,
+                    pids_limited=False,
+                )
             if gate is not None:
                 gate.close()  # our copy of status_w, if the gate did not run
             else:

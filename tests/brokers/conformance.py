@@ -243,6 +243,33 @@ class BrokerConformance:
                 await b.submit(Job(executor="echo", args={"n": 2}, idempotency_key="k"))
             assert (await b.stats()).done == 1
 
+    async def test_an_id_reused_for_another_job_is_a_conflict(self) -> None:
+        # The same id twice is a duplicate, like a key; another job under a known id was
+        # answered with the original's id and silently dropped (`submit(..., id=...)`).
+        async with self.broker() as (b, _clock):
+            first = Job(id="step-3", executor="echo", args={"n": 1})
+            await b.submit(first)
+            same = Job(id="step-3", executor="echo", args={"n": 1}, priority=5)
+            assert await b.submit(same) == SubmitReceipt(first.id, duplicate=True)
+            for other in (
+                Job(id="step-3", executor="echo", args={"n": 2}),
+                Job(id="step-3", executor="other", args={"n": 1}),
+                Job(id="step-3", executor="echo", args={"n": 2}, idempotency_key="fresh"),
+            ):
+                with pytest.raises(IdempotencyConflict) as info:
+                    await b.submit(other)
+                assert info.value.original_job_id == first.id
+                assert "job id 'step-3'" in info.value.message
+                assert "idempotency key" not in info.value.message
+            with pytest.raises(IdempotencyConflict):
+                await b.submit_raw(encode(Job(id="step-3", executor="echo", args={"n": 3})))
+            with pytest.raises(IdempotencyConflict):
+                await b.submit_many([Job(id="step-3", executor="echo", args={"n": 4})])
+            [lease] = await b.lease("w1", visibility_s=VIS, limit=10)
+            assert lease.job == first
+            stats = await b.stats()
+            assert (stats.queued, stats.running) == (0, 1)
+
     async def test_submit_raw_accepts_a_valid_json_job(self) -> None:
         async with self.broker() as (b, _clock):
             j = job(idempotency_key="k")
@@ -530,6 +557,29 @@ class BrokerConformance:
             assert await b.cancel(running.id) == "finished"
             assert await b.cancel(queued.id) == "finished"
             assert await b.cancel("no-such-job") == "unknown"
+
+    async def test_cancel_during_a_retry_delay_says_the_job_ran(self) -> None:
+        # It said "cancelled before it started" of a job that had run (and failed) once.
+        async with self.broker() as (b, _clock):
+            j = job(max_attempts=3)
+            await b.submit(j)
+            [lease] = await b.lease("w1", visibility_s=VIS)
+            assert await b.mark_started(lease)
+            err = ErrorInfo(code="E_TRANSIENT", message="try 1")
+            assert await b.retry(lease, error=err, delay_s=60.0) == "scheduled"
+            assert await b.cancel(j.id) == "cancelled"
+            result = await b.get_result(j.id)
+            assert result is not None and result.status == "cancelled"
+            assert result.error is not None and result.error.code == E_CANCELLED
+            assert result.attempt == 1
+            assert "before it started" not in result.error.message
+            assert "retried" in result.error.message and "1 attempt" in result.error.message
+            fresh = job()
+            await b.submit(fresh)
+            assert await b.cancel(fresh.id) == "cancelled"
+            first = await b.get_result(fresh.id)
+            assert first is not None and first.error is not None
+            assert first.error.message == "cancelled before it started"
 
     async def test_cancel_requested_names_running_jobs_with_a_pending_cancel(self) -> None:
         async with self.broker() as (b, _clock):

@@ -233,11 +233,29 @@ async def check_budget(arm: ArmUnderTest, tmp: Path) -> None:
     assert elapsed <= bound, f"timed out after {elapsed:.2f}s, bound {bound:.2f}s"
 
 
+async def check_tiny_budget(arm: ArmUnderTest, tmp: Path) -> None:
+    """A budget shorter than the arm's own start-up (``--timeout 0.001``) is the job's
+    timeout, never a host fault: a host fault is retried, and the same budget would fail
+    the same way on every attempt."""
+    assert arm.over_budget is not None
+    sandbox = await _arm(arm, "tiny_budget")
+    over = arm.over_budget(tmp)
+    job = msgspec.structs.replace(
+        over, limits=msgspec.structs.replace(over.limits, wall_time_s=0.001)
+    )
+    start = time.monotonic()
+    outcome = await _run(sandbox, job, arm.name)
+    elapsed = time.monotonic() - start
+    assert isinstance(outcome.exit, Timeout), _describe(outcome)
+    assert elapsed <= arm.budget_slack_s, f"timed out after {elapsed:.2f}s"
+
+
 CHECKS: dict[str, Callable[[ArmUnderTest, Path], Awaitable[None]]] = {
     "no_poisoning": check_no_poisoning,
     "well_formed": check_well_formed,
     "denial": check_denial,
     "budget": check_budget,
+    "tiny_budget": check_tiny_budget,
 }
 
 
@@ -247,7 +265,7 @@ def applicable(arm: ArmUnderTest, check: str) -> str | None:
         return arm.not_applicable[check]
     if check == "denial" and arm.forbidden is None:
         return f"{arm.name}: no forbidden job described"
-    if check == "budget" and arm.over_budget is None:
+    if check in ("budget", "tiny_budget") and arm.over_budget is None:
         return f"{arm.name}: no over-budget job described"
     return None
 
