@@ -351,16 +351,35 @@ async def _wait_for_guest(done_r: int, ctl: _Control) -> bool:
     return not ctl.done.is_set()
 
 
+def _start_daemon(fn: Callable[[], None], name: str) -> int:
+    """Run `fn()` on a new daemon thread; return the read end of a pipe whose write end
+    the thread closes when `fn` returns (end of file: done). The thread owns the write
+    end and closes it itself: nothing it writes can reach an fd the caller closed and the
+    process reused. The caller closes the read end."""
+    done_r, done_w = os.pipe2(os.O_CLOEXEC)
+
+    def work() -> None:
+        try:
+            fn()
+        finally:
+            os.close(done_w)
+
+    try:
+        threading.Thread(target=work, name=name, daemon=True).start()
+    except BaseException:
+        os.close(done_w)
+        os.close(done_r)
+        raise
+    return done_r
+
+
 async def _in_daemon_thread(fn: Callable[[], _T]) -> _T:
     """`fn()` on a new daemon thread; a cancelled caller returns at once and leaves it.
 
     Not anyio's worker threads: on asyncio they are not daemons, so an interpreter exiting
     while one still compiled would wait for it (measured: a worker told to stop during a
-    cold compile of python.wasm exited 3 s late on asyncio, at once on trio). The thread
-    owns the pipe's write end and closes it itself: nothing it writes can reach an fd the
-    caller closed and the process reused.
+    cold compile of python.wasm exited 3 s late on asyncio, at once on trio).
     """
-    done_r, done_w = os.pipe2(os.O_CLOEXEC)
     box: list[Any] = []
 
     def work() -> None:
@@ -368,15 +387,8 @@ async def _in_daemon_thread(fn: Callable[[], _T]) -> _T:
             box.append((True, fn()))
         except BaseException as exc:  # handed over to the waiting caller
             box.append((False, exc))
-        finally:
-            os.close(done_w)  # end of file: done
 
-    try:
-        threading.Thread(target=work, name="metnos-wasm-preload", daemon=True).start()
-    except BaseException:
-        os.close(done_w)
-        os.close(done_r)
-        raise
+    done_r = _start_daemon(work, "metnos-wasm-preload")
     try:
         await anyio.wait_readable(done_r)
     finally:
@@ -496,9 +508,7 @@ class WasmSandbox:
         result: list[SandboxOutcome] = []
         failed: list[Exception] = []
         # The guest runs on a daemon thread of its own (not anyio's, which asyncio joins
-        # at exit), so that one blocked in a host call can be abandoned; it closes the
-        # pipe's write end when done.
-        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        # at exit), so that one blocked in a host call can be abandoned.
         t0 = time.monotonic()
 
         def work() -> None:
@@ -508,14 +518,8 @@ class WasmSandbox:
                 failed.append(exc)
             finally:
                 ctl.done.set()
-                os.close(done_w)
 
-        try:
-            threading.Thread(target=work, name="metnos-wasm-guest", daemon=True).start()
-        except BaseException:
-            os.close(done_w)
-            os.close(done_r)
-            raise
+        done_r = _start_daemon(work, "metnos-wasm-guest")
         try:
             abandoned = await _wait_for_guest(done_r, ctl)
         finally:
