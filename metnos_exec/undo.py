@@ -243,7 +243,7 @@ def apply_undo(
             original to restore is not in `store`; nothing was changed.
         HostFault: the device's undo key cannot be read.
     """
-    seal = UndoSeal(store.root)
+    seal = UndoSeal.beside(store.root)
     forged = [entry.id for entry in entries if not seal.holds(entry)]
     if forged:
         # Before anything is read on disk: its roots and ops are nobody's word.

@@ -42,6 +42,8 @@ KEY_FILE: Final = "undo.key"
 _KEY_BYTES: Final = 32
 
 _encoder = msgspec.json.Encoder()
+#: `UndoSeal.beside`'s seals, by folder.
+_seals: dict[Path, UndoSeal] = {}
 
 
 class UndoSeal:
@@ -50,6 +52,16 @@ class UndoSeal:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.path = Path(folder) / KEY_FILE
         self._key: bytes | None = None
+
+    @classmethod
+    def beside(cls, folder: str | os.PathLike[str]) -> UndoSeal:
+        """The seal of the blob store in `folder`, one per folder in this process: its key
+        is read once, not at every commit and undo."""
+        path = Path(folder)
+        seal = _seals.get(path)
+        if seal is None:
+            seal = _seals.setdefault(path, cls(path))
+        return seal
 
     @property
     def key(self) -> bytes:

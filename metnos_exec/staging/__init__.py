@@ -164,7 +164,7 @@ class Staging:
         #: Seals the undo entries this device records, and checks those it is asked to
         #: undo (`metnos_exec.undo_seal`). Its key is kept beside the blobs: what the
         #: workers of one device share for undo to work at all.
-        self.seal = UndoSeal(self.store.root)
+        self.seal = UndoSeal.beside(self.store.root)
         self.fsync = fsync
         # A root worker's base is under /run, where its slots' uids may pass (see
         # `metnos_exec.staging.overlay`); anyone else's is in its state folder.

@@ -117,7 +117,7 @@ class BackupRun:
         if not ops:
             return Committed(None)
         forward = order_ops(find_moves(ops, deleted, dict(self.targets)))
-        entry = UndoSeal(self.store.root).seal(
+        entry = UndoSeal.beside(self.store.root).seal(
             UndoEntry(
                 job_id=self.job_id,
                 device=self.device,
