@@ -6,6 +6,7 @@ import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -57,15 +58,19 @@ async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         yield b
 
 
-async def publish(broker: Broker, executors: Path, device: str = "server") -> None:
-    sup = Supervisor(
+def server(broker: Broker, executors: Path, **kw: Any) -> Supervisor:
+    """A worker on the echo double (``device="server"`` unless given)."""
+    return Supervisor(
         broker,
         ExecutorRegistry.load(executors),
         worker_id="srv",
-        device=device,
         arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
+        **kw,
     )
-    await sup.run(burst=True)
+
+
+async def publish(broker: Broker, executors: Path, device: str = "server") -> None:
+    await server(broker, executors, device=device).run(burst=True)
 
 
 async def test_a_device_job_for_a_non_packable_executor_is_refused_at_submit(
@@ -125,14 +130,7 @@ async def wait_published(broker: Broker, name: str) -> None:
 async def test_a_catalog_lost_while_the_worker_runs_is_published_again(
     broker: Broker, executors: Path
 ) -> None:
-    sup = Supervisor(
-        broker,
-        ExecutorRegistry.load(executors),
-        worker_id="srv",
-        arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
-        idle_poll_s=0.05,
-        catalog_every_s=0.05,
-    )
+    sup = server(broker, executors, idle_poll_s=0.05, catalog_every_s=0.05)
     async with anyio.create_task_group() as tg:
         await tg.start(sup.run)
         await wait_published(broker, "server_only")
@@ -155,14 +153,7 @@ async def test_a_publication_that_failed_at_start_is_tried_again(executors: Path
             await super().publish_executors(infos)
 
     broker = Flaky()
-    sup = Supervisor(
-        broker,
-        ExecutorRegistry.load(executors),
-        worker_id="srv",
-        arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
-        idle_poll_s=0.05,
-        store_backoff=lambda n: 0.01 * n,
-    )
+    sup = server(broker, executors, idle_poll_s=0.05, store_backoff=lambda n: 0.01 * n)
     async with broker, anyio.create_task_group() as tg:
         await tg.start(sup.run)
         # The next try is the store's backoff away, not catalog_every_s (5 minutes).
