@@ -62,7 +62,7 @@ from ..sandbox import staged
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
 from ..sandbox.mount_sources import idmapped_clone, open_source
 from ..sandbox.staged import IdmapUnavailable, StagedPlacement
-from ..undo_seal import UndoSeal
+from ..undo_seal import UndoLedger, UndoSeal
 from ._types import Committed, Reversible
 from .backup import BackupRun
 from .changes import CommitPlan, change_stamp, plan_commit, store_originals
@@ -165,6 +165,8 @@ class Staging:
         #: undo (`metnos_exec.undo_seal`). Its key is kept beside the blobs: what the
         #: workers of one device share for undo to work at all.
         self.seal = UndoSeal.beside(self.store.root)
+        #: Which entries this device undid (`metnos_exec.undo_seal.UndoLedger`).
+        self.ledger = UndoLedger.beside(self.store.root)
         self.fsync = fsync
         # A root worker's base is under /run, where its slots' uids may pass (see
         # `metnos_exec.staging.overlay`); anyone else's is in its state folder.
@@ -307,6 +309,8 @@ class Staging:
                 else:
                     action = "rolled_back"
                     left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
+                # An undo's marks in the device's ledger follow its journal's fate.
+                self.ledger.settled(record.entry_id, kept=action == "kept")
                 handles.pop(0).close()
                 done.append((record.job_id, action))
                 _log.log(
