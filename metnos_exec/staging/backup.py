@@ -23,7 +23,7 @@ import anyio.to_thread
 import structlog
 
 from ..blobs import BlobStore
-from ..errors import BadArguments
+from ..errors import BadArguments, CommitConflict
 from ..journal import (
     BlobSource,
     Blocked,
@@ -31,6 +31,7 @@ from ..journal import (
     HostTree,
     OpConflict,
     apply_ops,
+    conflict_message,
     file_state,
     fingerprints,
     order_ops,
@@ -41,7 +42,7 @@ from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, 
 from ..sandbox._types import SandboxJob
 from ..undo_seal import UndoSeal
 from ._types import Committed
-from .changes import find_moves
+from .changes import find_moves, unreadable
 
 __all__ = ("BackupRun",)
 
@@ -107,7 +108,23 @@ class BackupRun:
         deleted: dict[tuple[str, int], list[str]] = {}
         with HostTree(self.roots) as tree:
             for path, before in self.targets.items():
-                after = _current(tree, path)
+                try:
+                    after = _current(tree, path)
+                except PermissionError as exc:
+                    # The job left its target unreadable to the worker (chmod 0): its new
+                    # state cannot be recorded, so the change could not be undone. The
+                    # job's verdict, named (the targets are put back as for a failure).
+                    raise CommitConflict(
+                        conflict_message(
+                            "not recorded, the declared targets are put back",
+                            [
+                                Conflict(
+                                    path,
+                                    unreadable(exc, "the job left it unreadable to the worker"),
+                                )
+                            ],
+                        )
+                    ) from None
                 if after is None or same_state(after, before):
                     continue
                 ops.append(Put(path=path, before=before, after=after))
@@ -158,8 +175,13 @@ class BackupRun:
     def _restore_sync(self) -> list[Conflict]:
         with HostTree(self.roots) as tree:
             ops: list[UndoOp] = []
+            left: list[Conflict] = []
             for path, before in self.targets.items():
-                now = _current(tree, path)
+                try:
+                    now = _current(tree, path)
+                except PermissionError as exc:
+                    left.append(Conflict(path, unreadable(exc, "cannot be read to put it back")))
+                    continue
                 if now is None:
                     continue
                 if not same_state(now, before):
@@ -176,10 +198,10 @@ class BackupRun:
                     tag=f"restore-{os.urandom(4).hex()}",
                 )
             except OpConflict as exc:
-                return list(exc.conflicts)
+                return left + list(exc.conflicts)
             except (OSError, Blocked) as exc:
-                return [Conflict(", ".join(self.targets), str(exc))]
-        return []
+                return [*left, Conflict(", ".join(self.targets), str(exc))]
+        return left
 
 
 def _key(state: FileState | LinkState) -> tuple[str, int]:
@@ -205,14 +227,22 @@ def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
     """
     try:
         st = tree.lstat(path)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            fd = tree.open_file(path, st)
     except Blocked as exc:
         raise BadArguments(
             f"declared target {path} cannot be backed up, so the job may not write it: {exc}"
         ) from None
+    except PermissionError as exc:
+        # A root-owned 0600 file under an unprivileged worker: the job's own argument
+        # names what cannot be kept for undo (it was a host fault, retried).
+        raise BadArguments(
+            f"declared target {path} cannot be read by the worker ({exc.strerror}), so it "
+            "cannot be backed up and the job may not write it"
+        ) from None
     if st is None:
         return Absent()
     if stat.S_ISREG(st.st_mode):
-        fd = tree.open_file(path, st)
         try:
             return file_state(st, *store.put_fd(fd))
         finally:
