@@ -8,11 +8,17 @@ the undo entry (``method = "backup"``, with `BackupRun.lost` saying what it does
 cover); after a failure they are put back at once. Other files the job writes are neither
 recorded nor put back: that, and an unbounded disk, is the degradation
 (``sandbox.degraded``, reason ``no_staging``).
+
+A ``fs:write`` hint naming one file is bound alone (bubblewrap binds that file, nothing
+beside it), never staged: that file is a declared target whether or not an argument names
+it (it is all the job can write there), and it is reached from its folder, which becomes
+the entry's root (a root is walked as a folder; the entry's ops touch only the file).
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +68,8 @@ class BackupRun:
     no_staging: str | None
     targets: dict[str, PathState] = field(default_factory=dict)
     method: Literal["staged", "backup"] = "backup"
+    #: What the job was given (a hint naming one file: that file; `roots` has its folder).
+    given: tuple[str, ...] = ()
     _committed: bool = False
 
     @classmethod
@@ -76,8 +84,11 @@ class BackupRun:
         targets: Sequence[str],
         why: str,
     ) -> BackupRun:
-        run = cls(store, job_id, executor, device, tuple(roots), job, why)
-        run.targets = await anyio.to_thread.run_sync(run._back_up, tuple(targets))
+        files = [root for root in roots if _is_file_root(root)]
+        folders = tuple(dict.fromkeys(posixpath.dirname(r) if r in files else r for r in roots))
+        run = cls(store, job_id, executor, device, folders, job, why, given=tuple(roots))
+        wanted = tuple(dict.fromkeys([*targets, *files]))
+        run.targets = await anyio.to_thread.run_sync(run._back_up, wanted)
         return run
 
     @property
@@ -85,8 +96,9 @@ class BackupRun:
         return (
             f"no staging ({self.no_staging}): only the {len(self.targets)} declared target(s) "
             "were backed up (restored on failure and by undo); other writes under "
-            f"{', '.join(self.roots)} are not recorded and stay after a failure, folders the "
-            "job created around a target are not removed, a folder target is restored only "
+            f"{', '.join(self.given or self.roots)} are not recorded and stay after a failure, "
+            "folders the job created around a target are not removed, a folder target is "
+            "restored only "
             "as a folder (not its content), and the disk is not bounded"
         )
 
@@ -202,6 +214,14 @@ class BackupRun:
             except (OSError, Blocked) as exc:
                 return [*left, Conflict(", ".join(self.targets), str(exc))]
         return left
+
+
+def _is_file_root(root: str) -> bool:
+    """Whether a writable mount is one file (a hint naming it), not a folder."""
+    try:
+        return not stat.S_ISDIR(os.lstat(root).st_mode)
+    except OSError:
+        return False  # gone: the tree refuses it with the reason
 
 
 def _key(state: FileState | LinkState) -> tuple[str, int]:

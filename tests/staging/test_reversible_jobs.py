@@ -983,3 +983,108 @@ async def test_a_job_deleting_a_root_owned_file_gets_a_conflict_not_a_host_fault
     finally:
         os.rename(notes, prepared)  # for the other backend's run
         await world.staging.aclose()
+
+
+# --- a hint naming one file: bound alone, backed up, undone -----------------------------
+
+ONE_FILE_MANIFEST = """\
+name = "edit_one"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.path]
+type = "string"
+format = "{path_format}"
+default = "~/notes/todo.txt"
+[args.text]
+type = "string"
+default = ""
+[args.fail]
+type = "boolean"
+default = false
+[[capabilities]]
+name = "fs:write"
+hints = ["~/notes/todo.txt"]
+[limits]
+timeout_s = 20
+"""
+
+# Appends `text` to `path`, then tries to write beside it (the hint gives one file, and
+# the host folder around it is not mounted).
+ONE_FILE_MAIN = """\
+import json, os, sys
+a = json.load(sys.stdin)
+with open(os.path.expanduser(a["path"]), "a") as f:
+    f.write(a["text"])
+try:
+    with open(os.path.join(os.path.dirname(os.path.expanduser(a["path"])), "beside.txt"), "w") as f:
+        f.write("x")
+    beside = "written"
+except OSError as exc:
+    beside = type(exc).__name__
+print(json.dumps({"beside": beside}))
+sys.exit(3 if a["fail"] else 0)
+"""
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["path_argument", "text_argument"])
+async def test_a_hint_naming_one_file_binds_it_alone_and_undo_restores_it(
+    tmp_path: Path, named: bool
+) -> None:
+    """Issue 15 item 15: the README says a hint naming one file binds it alone, not
+    staged; a job whose path argument named that file was refused ``E_BAD_ARGS``
+    ("cannot be opened as a plain folder"). Now the file is backed up (named by an
+    argument or not: it is all the job can write), written in place, restored when the
+    job fails, recorded for undo; undo and redo are exact; nothing beside it is
+    writable."""
+    bwrap_works()
+    world = make_world(tmp_path)
+    folder = tmp_path / "executors" / "edit_one"
+    folder.mkdir(parents=True)
+    # Named by a path argument (vetted against the hint, a declared target), or only
+    # by a text one the executor reads as a path (no declared target: the file is one
+    # anyway, all the job can write there).
+    (folder / "manifest.toml").write_text(
+        ONE_FILE_MANIFEST.format(path_format="path" if named else "text")
+    )
+    (folder / "main.py").write_text(ONE_FILE_MAIN)
+    from metnos_exec.manifest import ExecutorRegistry
+
+    world.registry = ExecutorRegistry.load(folder.parent)
+    todo = world.notes / "todo.txt"
+    todo.write_text("old\n")
+    os.chmod(todo, 0o640)
+    before = snapshot(world.notes)
+    args: dict[str, Any] = {"path": "~/notes/todo.txt"}
+
+    async def run(**more: Any) -> Any:
+        job = Job(executor="edit_one", args={**args, **more})
+        await world.broker.submit(job)
+        await world.burst()
+        return await world.broker.get_result(job.id)
+
+    try:
+        failed = await run(text="half\n", fail=True)
+        assert failed is not None and failed.status == "failed", failed
+        assert snapshot(world.notes) == before  # put back at once
+        done = await run(text="new\n")
+        assert done is not None and done.status == "succeeded", done
+        # Beside it the sandbox has no host folder (a write there, if any, is the
+        # sandbox's own scratch): the host has only the file.
+        assert todo.read_text() == "old\nnew\n" and not (world.notes / "beside.txt").exists()
+        after = snapshot(world.notes)
+        (record,) = await world.broker.get_undo(done.undo_ids)
+        assert record.entry.method == "backup"
+        assert record.entry.paths() == [str(todo)]
+        client = Client(world.broker)
+        undo_id = await client.submit_undo(done.job_id)
+        await world.burst()
+        undone = await world.broker.get_result(undo_id)
+        assert undone is not None and undone.status == "succeeded", undone
+        assert snapshot(world.notes) == before
+        redo_id = await client.submit_undo(undo_id)
+        await world.burst()
+        assert (await world.broker.get_result(redo_id)).status == "succeeded"  # type: ignore[union-attr]
+        assert snapshot(world.notes) == after
+    finally:
+        await world.staging.aclose()
