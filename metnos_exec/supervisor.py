@@ -1353,6 +1353,7 @@ class Supervisor:
                     functools.partial(
                         apply_undo,
                         entries,
+                        job_id=target,
                         undo_job_id=job.id,
                         device=self.device,
                         store=staging.store,

@@ -5,9 +5,13 @@ An undo is a job on the queue (``executor = "metnos:undo"``, ``args = {"job_id":
 worker that leases it:
 
 1. finds X's entries (`entries_to_undo`): X's result must be ``succeeded`` and list them
-   in ``undo_ids``; none may be undone already (an entry undone by an undo job Y stays
-   undone while Y's own entry is not undone in turn: so "undo the undo" brings X's result
-   back, and X can then be undone again); they must have been made on this device;
+   in ``undo_ids``; each must be X's own (its ``job_id``), made on this device, and not
+   undone already (an entry undone by an undo job Y stays undone while Y's own entry is
+   not undone in turn: so "undo the undo" brings X's result back, and X can then be
+   undone again). The broker's word on that (``undone_by``) can only refuse: before
+   reading the disk, `apply_undo` checks each entry's seal and its job, and asks the
+   device's own ledger (`metnos_exec.undo_seal.UndoLedger`), which a rewritten broker
+   cannot reset;
 2. checks every path against what X left there (`check_ops`): content by SHA-256, kind,
    link target, mode; a folder X created must hold nothing X did not put there. Any
    difference refuses the undo with ``E_UNDO_CONFLICT`` naming the files, and nothing
@@ -15,7 +19,8 @@ worker that leases it:
 3. stores what the undo destroys (X's results) as blobs, writes the commit journal and
    applies the ops (`apply_undo`, with `metnos_exec.journal`'s rules);
 4. records its own entry, the *redo* (the same ops reversed, ``reverses`` = X's entry),
-   marks X's entries as undone by it, and acks its result; ``undo.applied`` is logged.
+   marks X's entries as undone by it (in the ledger before the first op, in the broker
+   after), and acks its result; ``undo.applied`` is logged.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from .messages import (
     UndoOp,
     writes_content,
 )
-from .undo_seal import UndoSeal
+from .undo_seal import UndoClaim, UndoLedger, UndoSeal
 
 __all__ = (
     "AppliedUndo",
@@ -105,6 +110,12 @@ async def entries_to_undo(broker: Broker, job_id: str, *, device: str) -> list[U
     if len(records) != len(result.undo_ids):
         raise UndoUnavailable(f"the undo entries of job {job_id} are gone (purged)")
     for record in records:
+        if record.entry.job_id != job_id:
+            # Sealed, but another job's: a result pointed at it in the store.
+            raise UndoUnavailable(
+                f"undo entry {record.entry.id} listed by job {job_id}'s result belongs to job "
+                f"{record.entry.job_id} (altered in the broker?); nothing was changed"
+            )
         if record.entry.device != device:
             raise UndoUnavailable(
                 f"job {job_id} changed files on device {record.entry.device!r}; its undo runs "
@@ -211,6 +222,7 @@ class AppliedUndo:
     tree: HostTree
     ops: tuple[UndoOp, ...]
     store: BlobStore
+    claim: UndoClaim
 
     def settle(self, *, stored: bool) -> list[Conflict]:
         """Keep (the result is stored) or roll back; returns paths a roll-back left."""
@@ -220,6 +232,9 @@ class AppliedUndo:
         try:
             if not stored:
                 left = rollback(self.tree, self.ops, store=self.store, tag=self.handle.record.id)
+                self.claim.release()
+            else:
+                self.claim.keep()
         finally:
             self.handle.close()
             self.tree.close()
@@ -229,29 +244,47 @@ class AppliedUndo:
 def apply_undo(
     entries: Sequence[UndoEntry],
     *,
+    job_id: str,
     undo_job_id: str,
     device: str,
     store: BlobStore,
     journal: Journal,
     fsync: bool = False,
 ) -> AppliedUndo:
-    """Check and apply `entries` (blocking; run it in a thread).
+    """Check and apply `entries`, job `job_id`'s (blocking; run it in a thread).
 
     Raises:
         UndoConflict: the host changed since the job; nothing was changed.
-        UndoUnavailable: an entry has no valid seal of this device (`undo_seal`), or an
-            original to restore is not in `store`; nothing was changed.
-        HostFault: the device's undo key cannot be read.
+        UndoUnavailable: an entry has no valid seal of this device (`undo_seal`), is not
+            `job_id`'s or not this device's, is undone already (the device's ledger), or
+            an original to restore is not in `store`; nothing was changed.
+        HostFault: the device's undo key or ledger cannot be read.
     """
     seal = UndoSeal.beside(store.root)
-    forged = [entry.id for entry in entries if not seal.holds(entry)]
+    forged = [
+        entry.id
+        for entry in entries
+        if not seal.holds(entry) or entry.job_id != job_id or entry.device != device
+    ]
     if forged:
-        # Before anything is read on disk: its roots and ops are nobody's word.
+        # Before anything is read on disk: its roots and ops are nobody's word. The seal
+        # covers job_id and device: a genuine entry of another job (or device) is one the
+        # broker's result for `job_id` should not list.
         raise UndoUnavailable(
-            f"undo entry {', '.join(forged)} of job {entries[0].job_id} has no valid seal of "
-            f"this device: it was not recorded by a worker sharing this blob store "
-            f"({store.root}), or it was altered in the broker since; nothing was changed"
+            f"undo entry {', '.join(forged)} listed for job {job_id} has no valid seal of "
+            f"this device for that job: it was not recorded by a worker sharing this blob "
+            f"store ({store.root}) for job {job_id} on device {device!r}, or it was altered "
+            "in the broker since; nothing was changed"
         )
+    ledger = UndoLedger.beside(store.root)
+    for entry in entries:
+        mark = ledger.undone_by(entry.id)
+        if mark is not None and mark.undo_job != undo_job_id:
+            # The broker said it was not (its mark reset?): the device's record says it was.
+            raise UndoUnavailable(
+                f"job {job_id} was already undone by job {mark.undo_job} on this device "
+                f"(recorded in {ledger.folder}); undo that job to bring its changes back"
+            )
     ops = order_ops(op for entry in entries for op in entry.ops)
     roots = tuple(dict.fromkeys(root for entry in entries for root in entry.roots))
     missing = missing_blobs(ops, store)
@@ -290,9 +323,16 @@ def apply_undo(
                 lost=entries[0].lost,
             )
         )
-        handle = journal.begin(
-            JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops)
-        )
+        # Marked undone before the first op: a crash from here on leaves it marked (the
+        # journal's recovery settles it, `Staging.recover`), never replayable.
+        claim = ledger.claim(entries, undo_job=undo_job_id, redo=redo.id)
+        try:
+            handle = journal.begin(
+                JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops)
+            )
+        except BaseException:
+            claim.release()
+            raise
         try:
             apply_ops(
                 tree,
@@ -304,15 +344,17 @@ def apply_undo(
                 fsync=fsync,
             )
         except OpConflict as exc:
+            claim.release()
             handle.close()
             raise UndoConflict(_conflict_text(entries[0].job_id, exc.conflicts)) from None
         except BaseException:
+            claim.release()
             handle.close()
             raise
     except BaseException:
         tree.close()
         raise
-    return AppliedUndo(redo, tuple(entries), handle, tree, ops, store)
+    return AppliedUndo(redo, tuple(entries), handle, tree, ops, store, claim)
 
 
 def _conflict_text(job_id: str, conflicts: Sequence[Conflict]) -> str:

@@ -10,7 +10,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from metnos_exec.errors import AutonomyDenied, BadArguments, CapabilityDenied, SymlinkedFolder
+from metnos_exec.errors import (
+    AutonomyDenied,
+    BadArguments,
+    CapabilityDenied,
+    MetnosError,
+    SymlinkedFolder,
+)
 from metnos_exec.manifest import CapabilitySpec, Executor, load_manifest
 from metnos_exec.plan import default_skills_root, plan_invocation
 from metnos_exec.policy import Policy
@@ -377,3 +383,54 @@ def test_missing_hint_folder_is_refused_before_launch(tmp_path: Path) -> None:
     (h / "notes").mkdir()
     inv = plan_invocation(ex, {"path": "~/notes/today.md"}, home=str(h))
     assert Mount(host=str(h / "notes"), guest=str(h / "notes"), writable=True) in inv.job.mounts
+
+
+ONE_PATH = """
+[args.path]
+type = "string"
+format = "path"
+required = true
+[[capabilities]]
+name = "fs:write"
+hints = ["{hint}"]
+"""
+
+#: Hint and argument shapes (issue 15 item 15): (hint, what the host has at
+#: ~/notes/todo.txt, the argument) -> the writable mount, or the refusal's code. A hint
+#: naming one file binds that file alone (the job sees nothing beside it; its writes are
+#: backed up, not staged: tests/staging/test_reversible_jobs.py); a literal hint admits
+#: only itself; a glob hint mounts the folder before its first glob segment.
+SHAPES = [
+    ("~/notes/todo.txt", "file", "~/notes/todo.txt", "~/notes/todo.txt"),
+    ("~/notes/todo.txt", "file", "~/notes/other.txt", "E_CAPABILITY_DENIED"),
+    ("~/notes/todo.txt", "file", "~/notes", "E_CAPABILITY_DENIED"),
+    ("~/notes/todo.txt", "file", "~/notes/todo.txt/x", "E_CAPABILITY_DENIED"),
+    ("~/notes/todo.txt", "nothing", "~/notes/todo.txt", "E_MISSING_FOLDER"),
+    ("~/notes/todo.txt", "folder", "~/notes/todo.txt", "~/notes/todo.txt"),
+    ("~/notes/todo.txt", "folder", "~/notes/todo.txt/a", "E_CAPABILITY_DENIED"),
+    ("~/notes/**", "file", "~/notes/todo.txt", "~/notes"),
+    ("~/notes/*.txt", "file", "~/notes/todo.txt", "~/notes"),
+    ("~/notes/*.txt", "file", "~/notes/a.md", "E_CAPABILITY_DENIED"),
+]
+
+
+@pytest.mark.parametrize(("hint", "has", "arg", "outcome"), SHAPES)
+def test_hint_and_argument_shapes(
+    tmp_path: Path, home: Path, hint: str, has: str, arg: str, outcome: str
+) -> None:
+    target = home / "notes" / "todo.txt"
+    if has == "file":
+        target.write_text("x")
+    elif has == "folder":
+        target.mkdir()
+    ex = make_executor(tmp_path, ONE_PATH.format(hint=hint))
+    if outcome.startswith("E_"):
+        with pytest.raises(MetnosError) as refused:
+            plan_invocation(ex, {"path": arg}, home=str(home))
+        assert refused.value.code == outcome
+        return
+    inv = plan_invocation(ex, {"path": arg}, home=str(home))
+    mounted = outcome.replace("~", str(home))
+    assert inv.write_roots == (mounted,)
+    assert Mount(host=mounted, guest=mounted, writable=True) in inv.job.mounts
+    assert inv.write_targets == (arg.replace("~", str(home)),)

@@ -62,10 +62,10 @@ from ..sandbox import staged
 from ..sandbox._types import AxisVerdict, ContainmentReport, Mount, SandboxJob
 from ..sandbox.mount_sources import idmapped_clone, open_source
 from ..sandbox.staged import IdmapUnavailable, StagedPlacement
-from ..undo_seal import UndoSeal
+from ..undo_seal import UndoLedger, UndoSeal
 from ._types import Committed, Reversible
 from .backup import BackupRun
-from .changes import CommitPlan, change_stamp, plan_commit, store_originals
+from .changes import CommitPlan, change_stamp, plan_commit, store_originals, unreadable
 from .overlay import HelperGone, OverlayNamespace, StagingUnavailable
 
 __all__ = (
@@ -165,6 +165,8 @@ class Staging:
         #: undo (`metnos_exec.undo_seal`). Its key is kept beside the blobs: what the
         #: workers of one device share for undo to work at all.
         self.seal = UndoSeal.beside(self.store.root)
+        #: Which entries this device undid (`metnos_exec.undo_seal.UndoLedger`).
+        self.ledger = UndoLedger.beside(self.store.root)
         self.fsync = fsync
         # A root worker's base is under /run, where its slots' uids may pass (see
         # `metnos_exec.staging.overlay`); anyone else's is in its state folder.
@@ -307,6 +309,8 @@ class Staging:
                 else:
                     action = "rolled_back"
                     left = await anyio.to_thread.run_sync(_rollback_record, record, self.store)
+                # An undo's marks in the device's ledger follow its journal's fate.
+                self.ledger.settled(record.entry_id, kept=action == "kept")
                 handles.pop(0).close()
                 done.append((record.job_id, action))
                 _log.log(
@@ -566,24 +570,41 @@ class OverlayRun:
             moved = self._moved_roots(tree)
             if moved:
                 raise CommitConflict(conflict_message("not committed, nothing applied", moved))
-            for i, root in enumerate(self.roots):
-                uppers.append(
-                    (
-                        root,
-                        os.open(
-                            f"u{i}",
-                            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                            dir_fd=self.tmpfs_fd,
-                        ),
+            try:
+                for i, root in enumerate(self.roots):
+                    uppers.append(
+                        (
+                            root,
+                            os.open(
+                                f"u{i}",
+                                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                dir_fd=self.tmpfs_fd,
+                            ),
+                        )
                     )
+                plan = plan_commit(
+                    tree,
+                    uppers,
+                    since_ns=self.since_ns,
+                    xattr_prefix=self.ns.xattr_prefix,
+                    max_bytes=self.job.limits.disk_bytes or DEFAULT_DISK_BYTES,
                 )
-            plan = plan_commit(
-                tree,
-                uppers,
-                since_ns=self.since_ns,
-                xattr_prefix=self.ns.xattr_prefix,
-                max_bytes=self.job.limits.disk_bytes or DEFAULT_DISK_BYTES,
-            )
+            except PermissionError as exc:
+                # Planning reads only the job's folders and its staged layer: what the
+                # worker may not read there is the job's doing (a root it closed), and the
+                # planner names the paths it can; never retried as a host fault.
+                where = self.roots[len(uppers)] if len(uppers) < len(self.roots) else None
+                raise CommitConflict(
+                    conflict_message(
+                        "not committed, nothing applied",
+                        [
+                            Conflict(
+                                where or ", ".join(self.roots),
+                                unreadable(exc, "the worker cannot read the job's changes here"),
+                            )
+                        ],
+                    )
+                ) from None
             if plan.conflicts:
                 raise CommitConflict(
                     conflict_message("not committed, nothing applied", plan.conflicts)

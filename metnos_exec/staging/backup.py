@@ -8,11 +8,17 @@ the undo entry (``method = "backup"``, with `BackupRun.lost` saying what it does
 cover); after a failure they are put back at once. Other files the job writes are neither
 recorded nor put back: that, and an unbounded disk, is the degradation
 (``sandbox.degraded``, reason ``no_staging``).
+
+A ``fs:write`` hint naming one file is bound alone (bubblewrap binds that file, nothing
+beside it), never staged: that file is a declared target whether or not an argument names
+it (it is all the job can write there), and it is reached from its folder, which becomes
+the entry's root (a root is walked as a folder; the entry's ops touch only the file).
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ import anyio.to_thread
 import structlog
 
 from ..blobs import BlobStore
-from ..errors import BadArguments
+from ..errors import BadArguments, CommitConflict
 from ..journal import (
     BlobSource,
     Blocked,
@@ -31,6 +37,7 @@ from ..journal import (
     HostTree,
     OpConflict,
     apply_ops,
+    conflict_message,
     file_state,
     fingerprints,
     order_ops,
@@ -41,7 +48,7 @@ from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, 
 from ..sandbox._types import SandboxJob
 from ..undo_seal import UndoSeal
 from ._types import Committed
-from .changes import find_moves
+from .changes import find_moves, unreadable
 
 __all__ = ("BackupRun",)
 
@@ -61,6 +68,8 @@ class BackupRun:
     no_staging: str | None
     targets: dict[str, PathState] = field(default_factory=dict)
     method: Literal["staged", "backup"] = "backup"
+    #: What the job was given (a hint naming one file: that file; `roots` has its folder).
+    given: tuple[str, ...] = ()
     _committed: bool = False
 
     @classmethod
@@ -75,8 +84,11 @@ class BackupRun:
         targets: Sequence[str],
         why: str,
     ) -> BackupRun:
-        run = cls(store, job_id, executor, device, tuple(roots), job, why)
-        run.targets = await anyio.to_thread.run_sync(run._back_up, tuple(targets))
+        files = [root for root in roots if _is_file_root(root)]
+        folders = tuple(dict.fromkeys(posixpath.dirname(r) if r in files else r for r in roots))
+        run = cls(store, job_id, executor, device, folders, job, why, given=tuple(roots))
+        wanted = tuple(dict.fromkeys([*targets, *files]))
+        run.targets = await anyio.to_thread.run_sync(run._back_up, wanted)
         return run
 
     @property
@@ -84,8 +96,9 @@ class BackupRun:
         return (
             f"no staging ({self.no_staging}): only the {len(self.targets)} declared target(s) "
             "were backed up (restored on failure and by undo); other writes under "
-            f"{', '.join(self.roots)} are not recorded and stay after a failure, folders the "
-            "job created around a target are not removed, a folder target is restored only "
+            f"{', '.join(self.given or self.roots)} are not recorded and stay after a failure, "
+            "folders the job created around a target are not removed, a folder target is "
+            "restored only "
             "as a folder (not its content), and the disk is not bounded"
         )
 
@@ -107,7 +120,23 @@ class BackupRun:
         deleted: dict[tuple[str, int], list[str]] = {}
         with HostTree(self.roots) as tree:
             for path, before in self.targets.items():
-                after = _current(tree, path)
+                try:
+                    after = _current(tree, path)
+                except PermissionError as exc:
+                    # The job left its target unreadable to the worker (chmod 0): its new
+                    # state cannot be recorded, so the change could not be undone. The
+                    # job's verdict, named (the targets are put back as for a failure).
+                    raise CommitConflict(
+                        conflict_message(
+                            "not recorded, the declared targets are put back",
+                            [
+                                Conflict(
+                                    path,
+                                    unreadable(exc, "the job left it unreadable to the worker"),
+                                )
+                            ],
+                        )
+                    ) from None
                 if after is None or same_state(after, before):
                     continue
                 ops.append(Put(path=path, before=before, after=after))
@@ -158,8 +187,13 @@ class BackupRun:
     def _restore_sync(self) -> list[Conflict]:
         with HostTree(self.roots) as tree:
             ops: list[UndoOp] = []
+            left: list[Conflict] = []
             for path, before in self.targets.items():
-                now = _current(tree, path)
+                try:
+                    now = _current(tree, path)
+                except PermissionError as exc:
+                    left.append(Conflict(path, unreadable(exc, "cannot be read to put it back")))
+                    continue
                 if now is None:
                     continue
                 if not same_state(now, before):
@@ -176,10 +210,18 @@ class BackupRun:
                     tag=f"restore-{os.urandom(4).hex()}",
                 )
             except OpConflict as exc:
-                return list(exc.conflicts)
+                return left + list(exc.conflicts)
             except (OSError, Blocked) as exc:
-                return [Conflict(", ".join(self.targets), str(exc))]
-        return []
+                return [*left, Conflict(", ".join(self.targets), str(exc))]
+        return left
+
+
+def _is_file_root(root: str) -> bool:
+    """Whether a writable mount is one file (a hint naming it), not a folder."""
+    try:
+        return not stat.S_ISDIR(os.lstat(root).st_mode)
+    except OSError:
+        return False  # gone: the tree refuses it with the reason
 
 
 def _key(state: FileState | LinkState) -> tuple[str, int]:
@@ -205,14 +247,22 @@ def _backed_up_state(tree: HostTree, path: str, store: BlobStore) -> PathState:
     """
     try:
         st = tree.lstat(path)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            fd = tree.open_file(path, st)
     except Blocked as exc:
         raise BadArguments(
             f"declared target {path} cannot be backed up, so the job may not write it: {exc}"
         ) from None
+    except PermissionError as exc:
+        # A root-owned 0600 file under an unprivileged worker: the job's own argument
+        # names what cannot be kept for undo (it was a host fault, retried).
+        raise BadArguments(
+            f"declared target {path} cannot be read by the worker ({exc.strerror}), so it "
+            "cannot be backed up and the job may not write it"
+        ) from None
     if st is None:
         return Absent()
     if stat.S_ISREG(st.st_mode):
-        fd = tree.open_file(path, st)
         try:
             return file_state(st, *store.put_fd(fd))
         finally:

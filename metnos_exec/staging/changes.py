@@ -73,6 +73,7 @@ __all__ = (
     "find_moves",
     "plan_commit",
     "store_originals",
+    "unreadable",
 )
 
 #: Folders nested deeper than this below a root refuse the commit (a conflict): the
@@ -230,7 +231,19 @@ class _Planner:
     ) -> None:
         """`host_known`: the host folder exists (else every entry below is new).
         `replaced`: the folder was deleted and made again by the job (opaque, or inside
-        an opaque one): what the host holds below it goes, whatever the upper holds."""
+        an opaque one): what the host holds below it goes, whatever the upper holds.
+
+        What the worker may not read below (a folder the job closed, ``chmod 0``; a
+        file the worker cannot read, on an unprivileged worker) is a conflict naming the
+        folder: the job's doing, never a host fault (retried for nothing)."""
+        try:
+            self._walk(upper_fd, host_dir, host_known=host_known, replaced=replaced)
+        except PermissionError as exc:
+            self.conflict(host_dir, unreadable(exc, "the worker cannot read what is in it"))
+
+    def _walk(
+        self, upper_fd: int, host_dir: str, *, host_known: bool, replaced: bool = False
+    ) -> None:
         if self.too_deep(host_dir):
             return
         for entry in sorted(os.scandir(upper_fd), key=lambda e: e.name):
@@ -318,6 +331,11 @@ class _Planner:
         except OSError as exc:
             if exc.errno in (errno.ENODATA, errno.ENOTSUP):
                 return None
+            if exc.errno == errno.EACCES:
+                # A file or folder the job made unreadable to the worker (user xattrs
+                # need read access): no marker can be told here, and reading the entry
+                # itself, next, refuses it as a conflict naming it.
+                return None
             raise
         finally:
             os.close(fd)
@@ -332,7 +350,13 @@ class _Planner:
         *,
         replaced: bool = False,
     ) -> None:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=folder)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=folder)
+        except PermissionError as exc:
+            self.conflict(
+                path, unreadable(exc, "the job left this folder unreadable to the worker")
+            )
+            return
         try:
             # Inside a folder the job made again, the overlay looks nothing up below:
             # a sub-folder there replaces the host's whole, marked or not.
@@ -371,7 +395,11 @@ class _Planner:
         self, folder: int, name: str, path: str, st: os.stat_result, host: os.stat_result | None
     ) -> None:
         mode = self.stripped(path, st, host)
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        except PermissionError as exc:
+            self.conflict(path, unreadable(exc, "the job left it unreadable to the worker"))
+            return
         try:
             if st.st_size <= _INLINE_MAX and self.inline + st.st_size <= INLINE_TOTAL:
                 data = _read_all(fd)
@@ -484,6 +512,14 @@ class _Planner:
             return self.tree.state_of(path, st)
         except (Blocked, FileNotFoundError):
             self.conflict(path, "changed on the host while the commit read it")
+            return None
+        except PermissionError as exc:
+            # A file in the job's folder the worker may not read (root's 0600 under an
+            # unprivileged worker): its original cannot be kept, so the change cannot be
+            # undone. The job's verdict, named: not a host fault.
+            self.conflict(
+                path, unreadable(exc, "the worker cannot read it to keep its original for undo")
+            )
             return None
 
     def operations(self) -> None:
@@ -607,6 +643,11 @@ class _Planner:
         if isinstance(after, DirState):
             self.owners[path] = (uid, gid)
         return msgspec.structs.replace(after, uid=uid, gid=gid)
+
+
+def unreadable(exc: OSError, what: str) -> str:
+    """The reason of a conflict on a path the worker may not read (`exc`: its error)."""
+    return f"{what} ({exc.strerror})"
 
 
 def shown_path(path: str) -> str:
@@ -736,7 +777,14 @@ def store_originals(plan: CommitPlan, tree: HostTree, store: BlobStore) -> None:
     """
     for path, (fp, sha256) in plan.destroyed.items():
         tree.release()
-        fd = tree.open_file(path)
+        try:
+            fd = tree.open_file(path)
+        except FileNotFoundError:
+            raise Blocked(f"{path} changed on the host while the commit read it") from None
+        except PermissionError as exc:
+            raise Blocked(
+                f"{path}: {unreadable(exc, 'the worker cannot read it to keep its original')}"
+            ) from None
         try:
             got = Fingerprint.of(os.fstat(fd))
             if got != fp:

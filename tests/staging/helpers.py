@@ -213,10 +213,13 @@ class World:
         return len(self.broker._undo)
 
 
-def make_world(tmp: Path, *, disk_mb: int = 64, overlay: bool = True) -> World:
+def make_world(
+    tmp: Path, *, disk_mb: int = 64, overlay: bool = True, existing: bool = False
+) -> World:
+    """`existing`: ``<tmp>/home/notes`` is there already (made by the test)."""
     home = tmp / "home"
     notes = home / "notes"
-    notes.mkdir(parents=True)
+    notes.mkdir(parents=True, exist_ok=existing)
     registry = ExecutorRegistry.load(write_executor(tmp, disk_mb=disk_mb))
     return World(
         tmp=tmp,

@@ -822,3 +822,269 @@ async def test_a_full_state_folder_fails_the_commit_naming_it(
     assert str(world.staging.state_dir) in result.error.message
     assert "is full" in result.error.message and "nothing was applied" in result.error.message
     assert snapshot(world.notes) == before
+
+
+# --- a file the worker cannot read: the job's verdict, not the host's -------------------
+
+
+def _unreadable_by_the_worker(path: Path) -> None:
+    # The issue's instance is a root-owned 0600 file under an unprivileged worker; a 000
+    # file of the worker's own is the same to it (no CAP_DAC_OVERRIDE), and needs no root
+    # to make. A root worker reads every file: there is no such case to test.
+    if os.geteuid() == 0:
+        pytest.skip(
+            "root reads every file: a file the worker cannot read needs an "
+            "unprivileged worker (the unprivileged half runs this)"
+        )
+    os.chmod(path, 0)
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry's kind, mode and inode: readable whatever the modes."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (
+                stat.S_IFMT(st.st_mode),
+                stat.S_IMODE(st.st_mode),
+                st.st_ino,
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("ops", "named"),
+    [
+        ([["rm", "secret"]], "secret"),
+        ([["write", "new.txt", "x"], ["mv", "new.txt", "secret"]], "secret"),
+        ([["write", "made.txt", "x"], ["chmod", "made.txt", "000"]], "made.txt"),
+        (
+            [["mkdir", "d"], ["write", "d/f", "x"], ["chmod", "d", "000"]],
+            "d",
+        ),
+    ],
+    ids=["host_file_deleted", "host_file_replaced", "job_file_unreadable", "job_folder_closed"],
+)
+async def test_a_change_the_worker_cannot_read_is_the_jobs_conflict(
+    world: World, ops: list[list[str]], named: str
+) -> None:
+    """Issue 15 item 12: an unprivileged worker, a file in the job's own folder that it
+    cannot read (the job deleted or replaced it, or made its own file unreadable): the
+    commit cannot keep the original for undo, or cannot read what to commit. It died as
+    a host fault, retried and dead-lettered ``E_HOST_FAULT``; it is the job's own
+    ``E_COMMIT_CONFLICT``, naming the path, nothing applied."""
+    await staging_works(world)
+    seed(world.notes)
+    secret = world.notes / "secret"
+    secret.write_text("not for the worker\n")
+    _unreadable_by_the_worker(secret)
+    before = _listing(world.notes)
+    result = await world.run(ops)
+    assert result.status == "failed", result
+    assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT", result.error
+    assert f"notes/{named} (" in result.error.message and "read" in result.error.message
+    assert result.attempt == 1  # not retried
+    assert _listing(world.notes) == before
+    assert result.undo_ids == () and await world.entries_count() == 0
+
+
+@pytest.mark.parametrize("how", ["direct_arm", "no_overlay"])
+async def test_a_declared_target_the_worker_cannot_read_is_refused_before_the_job(
+    tmp_path: Path, how: str
+) -> None:
+    """Without staging the declared targets are backed up before the job runs: one the
+    worker cannot read is the job's refused argument (``E_BAD_ARGS``, named), not a
+    host fault."""
+    world = make_world(tmp_path, overlay=how != "no_overlay")
+    kw = {"arm_chooser": _direct_chooser} if how == "direct_arm" else {}
+    if how == "no_overlay":
+        bwrap_works()
+    try:
+        target = world.notes / "target.txt"
+        target.write_text("precious\n")
+        _unreadable_by_the_worker(target)
+        before = _listing(world.notes)
+        job = Job(executor="mutate", args={"root": "~/notes", "ops": [["rm", "target.txt"]]})
+        await world.broker.submit(job)
+        await world.burst(**kw)
+        result = await world.broker.get_result(job.id)
+        assert result is not None and result.status == "rejected", result
+        assert result.error is not None and result.error.code == "E_BAD_ARGS", result.error
+        assert "target.txt" in result.error.message and "read" in result.error.message
+        assert _listing(world.notes) == before
+    finally:
+        await world.staging.aclose()
+
+
+@pytest.mark.parametrize("how", ["direct_arm", "no_overlay"])
+async def test_a_declared_target_the_job_leaves_unreadable_fails_the_job_naming_it(
+    tmp_path: Path, how: str
+) -> None:
+    """Without staging: a target the job made unreadable to the worker (``chmod 0``)
+    cannot be recorded for undo. The job's ``E_COMMIT_CONFLICT`` naming it, no entry;
+    it was a host fault, retried."""
+    if os.geteuid() == 0:
+        pytest.skip("root reads every file: an unreadable target needs an unprivileged worker")
+    world = make_world(tmp_path, overlay=how != "no_overlay")
+    kw = {"arm_chooser": _direct_chooser} if how == "direct_arm" else {}
+    if how == "no_overlay":
+        bwrap_works()
+    try:
+        (world.notes / "target.txt").write_text("precious\n")
+        job = Job(
+            executor="mutate", args={"root": "~/notes", "ops": [["chmod", "target.txt", "000"]]}
+        )
+        await world.broker.submit(job)
+        await world.burst(**kw)
+        result = await world.broker.get_result(job.id)
+        assert result is not None and result.status == "failed", result
+        assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT", result.error
+        assert "notes/target.txt (" in result.error.message and "read" in result.error.message
+        assert result.attempt == 1 and result.undo_ids == ()
+        assert await world.entries_count() == 0
+    finally:
+        await world.staging.aclose()
+
+
+#: A folder the unprivileged user owns, holding ``secret``: root's, 0600. Only root can
+#: make it, and only an unprivileged worker cannot read it: `.ci/run` makes one before
+#: its unprivileged half. The test borrows it (moved into its home, and back).
+ROOT_OWNED_ENV = "METNOS_TEST_ROOT_OWNED_DIR"
+
+
+async def test_a_job_deleting_a_root_owned_file_gets_a_conflict_not_a_host_fault(
+    tmp_path: Path,
+) -> None:
+    """Issue 15 item 12 as found: an unprivileged worker, a root-owned 0600 file in the
+    job's own writable folder, the job deletes it."""
+    if os.geteuid() == 0:
+        pytest.skip("a root worker reads root's files: the case needs an unprivileged worker")
+    prepared = os.environ.get(ROOT_OWNED_ENV, "")
+    need(
+        bool(prepared) and (Path(prepared) / "secret").exists(),
+        f"a root-owned 0600 file made by root beforehand ({ROOT_OWNED_ENV}; .ci/run makes it)",
+    )
+    (tmp_path / "home").mkdir()
+    notes = tmp_path / "home" / "notes"
+    os.rename(prepared, notes)
+    world = make_world(tmp_path, existing=True)
+    try:
+        st = os.lstat(notes / "secret")
+        assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+        await staging_works(world)
+        before = _listing(notes)
+        result = await world.run([["rm", "secret"]])
+        assert result.status == "failed", result
+        assert result.error is not None and result.error.code == "E_COMMIT_CONFLICT", result.error
+        assert "notes/secret (" in result.error.message and "read" in result.error.message
+        assert result.attempt == 1 and result.undo_ids == ()
+        assert _listing(notes) == before
+    finally:
+        os.rename(notes, prepared)  # for the other backend's run
+        await world.staging.aclose()
+
+
+# --- a hint naming one file: bound alone, backed up, undone -----------------------------
+
+ONE_FILE_MANIFEST = """\
+name = "edit_one"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.path]
+type = "string"
+format = "{path_format}"
+default = "~/notes/todo.txt"
+[args.text]
+type = "string"
+default = ""
+[args.fail]
+type = "boolean"
+default = false
+[[capabilities]]
+name = "fs:write"
+hints = ["~/notes/todo.txt"]
+[limits]
+timeout_s = 20
+"""
+
+# Appends `text` to `path`, then tries to write beside it (the hint gives one file, and
+# the host folder around it is not mounted).
+ONE_FILE_MAIN = """\
+import json, os, sys
+a = json.load(sys.stdin)
+with open(os.path.expanduser(a["path"]), "a") as f:
+    f.write(a["text"])
+try:
+    with open(os.path.join(os.path.dirname(os.path.expanduser(a["path"])), "beside.txt"), "w") as f:
+        f.write("x")
+    beside = "written"
+except OSError as exc:
+    beside = type(exc).__name__
+print(json.dumps({"beside": beside}))
+sys.exit(3 if a["fail"] else 0)
+"""
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["path_argument", "text_argument"])
+async def test_a_hint_naming_one_file_binds_it_alone_and_undo_restores_it(
+    tmp_path: Path, named: bool
+) -> None:
+    """Issue 15 item 15: the README says a hint naming one file binds it alone, not
+    staged; a job whose path argument named that file was refused ``E_BAD_ARGS``
+    ("cannot be opened as a plain folder"). Now the file is backed up (named by an
+    argument or not: it is all the job can write), written in place, restored when the
+    job fails, recorded for undo; undo and redo are exact; nothing beside it is
+    writable."""
+    bwrap_works()
+    world = make_world(tmp_path)
+    folder = tmp_path / "executors" / "edit_one"
+    folder.mkdir(parents=True)
+    # Named by a path argument (vetted against the hint, a declared target), or only
+    # by a text one the executor reads as a path (no declared target: the file is one
+    # anyway, all the job can write there).
+    (folder / "manifest.toml").write_text(
+        ONE_FILE_MANIFEST.format(path_format="path" if named else "text")
+    )
+    (folder / "main.py").write_text(ONE_FILE_MAIN)
+    from metnos_exec.manifest import ExecutorRegistry
+
+    world.registry = ExecutorRegistry.load(folder.parent)
+    todo = world.notes / "todo.txt"
+    todo.write_text("old\n")
+    os.chmod(todo, 0o640)
+    before = snapshot(world.notes)
+    args: dict[str, Any] = {"path": "~/notes/todo.txt"}
+
+    async def run(**more: Any) -> Any:
+        job = Job(executor="edit_one", args={**args, **more})
+        await world.broker.submit(job)
+        await world.burst()
+        return await world.broker.get_result(job.id)
+
+    try:
+        failed = await run(text="half\n", fail=True)
+        assert failed is not None and failed.status == "failed", failed
+        assert snapshot(world.notes) == before  # put back at once
+        done = await run(text="new\n")
+        assert done is not None and done.status == "succeeded", done
+        # Beside it the sandbox has no host folder (a write there, if any, is the
+        # sandbox's own scratch): the host has only the file.
+        assert todo.read_text() == "old\nnew\n" and not (world.notes / "beside.txt").exists()
+        after = snapshot(world.notes)
+        (record,) = await world.broker.get_undo(done.undo_ids)
+        assert record.entry.method == "backup"
+        assert record.entry.paths() == [str(todo)]
+        client = Client(world.broker)
+        undo_id = await client.submit_undo(done.job_id)
+        await world.burst()
+        undone = await world.broker.get_result(undo_id)
+        assert undone is not None and undone.status == "succeeded", undone
+        assert snapshot(world.notes) == before
+        redo_id = await client.submit_undo(undo_id)
+        await world.burst()
+        assert (await world.broker.get_result(redo_id)).status == "succeeded"  # type: ignore[union-attr]
+        assert snapshot(world.notes) == after
+    finally:
+        await world.staging.aclose()
