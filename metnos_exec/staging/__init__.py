@@ -42,6 +42,7 @@ import structlog
 from ..blobs import BlobStore
 from ..brokers.base import Broker
 from ..errors import CommitConflict, HostFault
+from ..folder_lock import FolderLock, wait_settled
 from ..identities import SlotIdentity
 from ..journal import (
     Blocked,
@@ -335,7 +336,7 @@ def _state_fault(state_dir: Path, exc: OSError) -> OSError | HostFault:
 
 
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
-    with HostTree(record.roots) as tree:
+    with FolderLock(record.roots), HostTree(record.roots) as tree:
         return rollback(tree, record.ops, store=store, tag=record.id)
 
 
@@ -399,6 +400,8 @@ class OverlayRun:
     no_staging: str | None = None
     _handle: JournalHandle | None = None
     _tree: HostTree | None = None
+    #: Held from the commit's first check until it is settled (`metnos_exec.folder_lock`).
+    _held: FolderLock | None = None
     _ops: tuple[UndoOp, ...] = ()
     _closed: bool = False
 
@@ -519,6 +522,12 @@ class OverlayRun:
     async def _stage(
         self, lowers: Sequence[int], sources: Sequence[int], gid: int | None
     ) -> list[int]:
+        # Never over a folder another commit (this worker's, another's, a redelivered
+        # job's predecessor's) has half applied or may still roll back: the job would
+        # start from, and commit on top of, a tree that is neither before nor after.
+        await anyio.to_thread.run_sync(
+            functools.partial(wait_settled, self.roots), abandon_on_cancel=True
+        )
         size = self.job.limits.disk_bytes or DEFAULT_DISK_BYTES
         fd, attached = await self.ns.stage(
             self.stage_id,
@@ -556,9 +565,25 @@ class OverlayRun:
             return await anyio.to_thread.run_sync(self._commit)
 
     def _commit(self) -> Committed:
-        staging = self.staging
         if self.tmpfs_fd is None:
             raise HostFault(f"staged job {self.stage_id} was never staged, so never ran")
+        # From the first check to the settlement: the check and the replace are one step
+        # for every committer of these folders, in any process.
+        lock = FolderLock(self.roots)
+        try:
+            committed = self._commit_locked()
+        except BaseException:
+            lock.release()
+            raise
+        if self._handle is None:
+            lock.release()  # nothing applied: nothing to settle
+        else:
+            self._held = lock
+        return committed
+
+    def _commit_locked(self) -> Committed:
+        staging = self.staging
+        assert self.tmpfs_fd is not None
         tree = HostTree(self.roots)
         uppers: list[tuple[str, int]] = []
         plan: CommitPlan | None = None
@@ -662,8 +687,8 @@ class OverlayRun:
 
     async def settle(self, *, stored: bool) -> None:
         """Keep the commit (its result is stored) or roll it back (it is not)."""
-        handle, tree, ops = self._handle, self._tree, self._ops
-        self._handle, self._tree = None, None
+        handle, tree, ops, lock = self._handle, self._tree, self._ops, self._held
+        self._handle, self._tree, self._held = None, None, None
         try:
             if handle is not None and not stored and tree is not None:
                 await anyio.to_thread.run_sync(
@@ -674,19 +699,26 @@ class OverlayRun:
                 handle.close()
             if tree is not None:
                 tree.close()
+            if lock is not None:
+                lock.release()
             await self.discard()
 
     async def abandon(self) -> None:
-        handle, tree = self._handle, self._tree
-        self._handle, self._tree = None, None
+        handle, tree, lock = self._handle, self._tree, self._held
+        self._handle, self._tree, self._held = None, None, None
         if handle is not None:
             handle.close(remove=False)
         if tree is not None:
             tree.close()
+        if lock is not None:
+            lock.release()  # the journal's recovery (any worker's) takes it in turn
         await self.discard()
 
     async def discard(self, *, restore: bool = True) -> None:
         """Drop the staged writes (idempotent)."""
+        if self._held is not None:  # committed, never settled: the journal decides
+            self._held.release()
+            self._held = None
         if self._closed:
             return
         self._closed = True

@@ -12,6 +12,7 @@ recorded nor put back: that, and an unbounded disk, is the degradation
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Sequence
@@ -23,7 +24,8 @@ import anyio.to_thread
 import structlog
 
 from ..blobs import BlobStore
-from ..errors import BadArguments
+from ..errors import BadArguments, HostFault
+from ..folder_lock import FolderLock, wait_settled
 from ..journal import (
     BlobSource,
     Blocked,
@@ -76,6 +78,11 @@ class BackupRun:
         why: str,
     ) -> BackupRun:
         run = cls(store, job_id, executor, device, tuple(roots), job, why)
+        # Not over a half-applied commit (another job's, a predecessor's): its backups
+        # would record, and its failure restore, a state that never stood.
+        await anyio.to_thread.run_sync(
+            functools.partial(wait_settled, run.roots), abandon_on_cancel=True
+        )
         run.targets = await anyio.to_thread.run_sync(run._back_up, tuple(targets))
         return run
 
@@ -156,7 +163,12 @@ class BackupRun:
             )
 
     def _restore_sync(self) -> list[Conflict]:
-        with HostTree(self.roots) as tree:
+        # As a commit: the check and the replace one step for every committer.
+        try:
+            lock = FolderLock(self.roots)
+        except HostFault as exc:
+            return [Conflict(", ".join(self.targets), exc.message)]
+        with lock, HostTree(self.roots) as tree:
             ops: list[UndoOp] = []
             for path, before in self.targets.items():
                 now = _current(tree, path)
