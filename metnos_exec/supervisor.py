@@ -458,14 +458,20 @@ class Supervisor:
     def staging(self) -> Staging:
         """The worker's `Staging` (made at first use when none was given)."""
         if self._staging is None:
-            self._staging = Staging()
+            self._staging = Staging(default_state_dir(queue=self.broker.queue_id))
+        journal = self._staging.journal
+        if not journal.queue:
+            # Its journals name this queue: no other queue's worker settles them; and
+            # its blobs are noted as this queue's (no other queue's worker collects them).
+            journal.queue = self.broker.queue_id
+            self._staging.serves(journal.queue)
         return self._staging
 
     async def recover(self) -> None:
         """Settle the commit journals of workers that died mid-commit (see
         `Staging.recover`); a broker that fails now is tried again at the next call."""
         try:
-            await self.staging.recover(self.broker)
+            await self.staging.recover(self.broker, device=self.device)
         except Exception as exc:
             # Owed: until it is done, every job that writes waits for it (`_recover_for`).
             self._unrecovered = isinstance(exc, BrokerError)
@@ -491,7 +497,7 @@ class Supervisor:
         failures = 0
         while True:
             try:
-                await self.staging.recover(self.broker)
+                await self.staging.recover(self.broker, device=self.device)
                 self._unrecovered = False
                 return True
             except BrokerError as exc:

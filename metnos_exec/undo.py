@@ -291,7 +291,7 @@ def apply_undo(
             )
         )
         handle = journal.begin(
-            JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops)
+            JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops, device=device)
         )
         try:
             apply_ops(
