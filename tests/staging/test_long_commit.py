@@ -131,3 +131,37 @@ async def test_a_job_is_staged_only_once_a_commit_on_its_folder_is_settled(
         assert mod.read_text() == "old content\njob\n"
     finally:
         await world.staging.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_undo_waits_for_another_committer_of_its_folder(tmp_path: Path) -> None:
+    """An undo checks and replaces like a commit: while another process's commit of the
+    folder holds it (here: its lock taken, the file being replaced), the undo must not
+    check and apply in between; it applies once the other is settled."""
+    world = make_world(tmp_path)
+    try:
+        await staging_works(world)
+        seed(world.notes)
+        before = snapshot(world.notes)
+        done = await world.run([["append", "mod.txt", "job\n"]])
+        assert done.status == "succeeded", done
+        undo = Job(executor="metnos:undo", args={"job_id": done.job_id})
+        sup = world.supervisor(idle_poll_s=0.01)
+        async with anyio.create_task_group() as tg:
+            await tg.start(sup.run)
+            lock = FolderLock([str(world.notes)])
+            try:
+                await world.broker.submit(undo)
+                with anyio.move_on_after(3 * VISIBILITY_S):  # it must not finish meanwhile
+                    await wait_for(lambda: world.broker._results.get(undo.id), 10)
+                assert await world.broker.get_result(undo.id) is None
+                assert (world.notes / "mod.txt").read_text() == "old content\njob\n"
+            finally:
+                lock.release()
+            await wait_for(lambda: world.broker._results.get(undo.id), 20)
+            await sup.drain(0)
+        result = await world.broker.get_result(undo.id)
+        assert result is not None and result.status == "succeeded", result
+        assert snapshot(world.notes) == before
+    finally:
+        await world.staging.aclose()
