@@ -897,8 +897,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         metavar="DIR",
         help="blobs (originals kept for undo), commit journals, staging mount points "
-        "(default: $METNOS_STATE_DIR, else $XDG_STATE_HOME/metnos-exec, else "
-        "~/.local/state/metnos-exec); an undo needs the blobs of the worker that committed",
+        "(default: $METNOS_STATE_DIR, else the queue's own folder in "
+        "$XDG_STATE_HOME/metnos-exec/queues, else in ~/.local/state/metnos-exec/queues; "
+        "an install from before keeps its one folder); an undo needs the blobs of the "
+        "worker that committed",
     )
     w.add_argument(
         "--trust-key",

@@ -29,6 +29,9 @@ through a temp file and ``rename``; moves are          file; a move clobbering a
 ``link`` + ``unlink`` (never replace)                  appeared meanwhile
 A journal is owned by the process holding its          recovering a commit that is still
 ``flock``; recovery takes only unlocked journals       running in another worker
+A journal names its queue and device; recovery         another queue's worker, looking the
+settles only its own queue's and device's              job up in its own queue, rolling back
+                                                       a commit acknowledged there
 =====================================================  ======================================
 
 Order (`order_ops`): type changes are split into a removal and a creation, then: removals of
@@ -810,6 +813,10 @@ class JournalRecord(msgspec.Struct, frozen=True, kw_only=True):
         roots: the folders the ops lie in.
         ops: the ops, in the order applied.
         pid: the process that applies them.
+        queue: the queue of the job (`Broker.queue_id`; empty in journals written before
+            journals named it): only a worker of that queue settles it.
+        device: the device the job ran on (empty: not recorded): only its workers
+            settle it (their blob store holds what a roll-back puts back).
     """
 
     v: int = 1
@@ -819,6 +826,8 @@ class JournalRecord(msgspec.Struct, frozen=True, kw_only=True):
     roots: tuple[str, ...]
     ops: tuple[UndoOp, ...]
     pid: int = msgspec.field(default_factory=os.getpid)
+    queue: str = ""
+    device: str = ""
 
 
 _record_encoder = msgspec.json.Encoder()
@@ -859,9 +868,14 @@ class Journal:
         self.folder = Path(folder)
         self.fsync = fsync
         private_dir(self.folder)
+        #: The queue whose jobs' journals are written here (`JournalRecord.queue`): set
+        #: by the worker serving it; a record naming none is stamped with it.
+        self.queue = ""
 
     def begin(self, record: JournalRecord) -> JournalHandle:
         """Write `record` durably enough (see the module docstring), lock it, return it."""
+        if self.queue and not record.queue:
+            record = msgspec.structs.replace(record, queue=self.queue)
         final = self.folder / f"{record.id}.journal"
         tmp = self.folder / f".{record.id}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

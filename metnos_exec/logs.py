@@ -110,7 +110,8 @@ EVENTS: Mapping[str, str] = {
     "commit.filtered": "part of a staged change was not committed as is (path, what: a "
     "stripped setuid/setgid bit, a fifo/socket/device left out)",
     "journal.recovered": "a commit a dead worker left half-done was settled at start "
-    "(job_id, action: kept|rolled_back, ops, left)",
+    "(job_id, action: kept|rolled_back, ops, left), or left for the queue or device that "
+    "wrote it (action: skipped, reason; once per journal)",
     "blobs.collected": "blobs no stored undo entry needs were deleted at worker start "
     "(removed, removed_bytes, kept)",
     "staging.unavailable": "overlay staging cannot work on this worker (reason); writing "

@@ -24,7 +24,10 @@ Per job, in order:
    ``cancel_poll_s`` (one `Broker.cancel_requested` call for all running jobs), so a
    cancel lands within about a second rather than at the next heartbeat; a job found
    cancelled is stopped and a ``cancelled`` result is acked;
-6. map the outcome to a result and ack it (``job.finished``), or schedule a retry.
+6. map the outcome to a result and ack it (``job.finished``), or schedule a retry. A
+   staged success is committed first; its lease is heart-beaten through the commit until
+   its result is stored, however long that takes (a lease lapsing mid-commit handed the
+   job to another worker while its folders were half changed).
 
 Store failures (spec §7: a worker survives its store failing). Every broker call that
 fails is logged as ``broker.error`` (op, code, error). A settlement (ack, retry, release)
@@ -89,6 +92,7 @@ from .errors import (
     SignatureError,
     UndoUnavailable,
 )
+from .folder_lock import FolderLock
 from .journal import Blocked
 from .logs import finished_level
 from .manifest import ExecutorRegistry
@@ -220,6 +224,9 @@ class _Running:
     in_line: bool = False
     #: Its settlement is waiting for the store: keep its lease alive meanwhile.
     storing: bool = False
+    #: Its changes are being committed (and settled): keep its lease alive meanwhile, or
+    #: another worker is handed the job while its folders are half changed.
+    committing: bool = False
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -451,14 +458,20 @@ class Supervisor:
     def staging(self) -> Staging:
         """The worker's `Staging` (made at first use when none was given)."""
         if self._staging is None:
-            self._staging = Staging()
+            self._staging = Staging(default_state_dir(queue=self.broker.queue_id))
+        journal = self._staging.journal
+        if not journal.queue:
+            # Its journals name this queue: no other queue's worker settles them; and
+            # its blobs are noted as this queue's (no other queue's worker collects them).
+            journal.queue = self.broker.queue_id
+            self._staging.serves(journal.queue)
         return self._staging
 
     async def recover(self) -> None:
         """Settle the commit journals of workers that died mid-commit (see
         `Staging.recover`); a broker that fails now is tried again at the next call."""
         try:
-            await self.staging.recover(self.broker)
+            await self.staging.recover(self.broker, device=self.device)
         except Exception as exc:
             # Owed: until it is done, every job that writes waits for it (`_recover_for`).
             self._unrecovered = isinstance(exc, BrokerError)
@@ -484,7 +497,7 @@ class Supervisor:
         failures = 0
         while True:
             try:
-                await self.staging.recover(self.broker)
+                await self.staging.recover(self.broker, device=self.device)
                 self._unrecovered = False
                 return True
             except BrokerError as exc:
@@ -1258,7 +1271,11 @@ class Supervisor:
                 )
             await self._ack(lease, result)
             return
-        await self._commit(lease, result, reversible)
+        running.committing = True
+        try:
+            await self._commit(lease, result, reversible)
+        finally:
+            running.committing = False
 
     async def _commit(self, lease: Lease, result: Result, reversible: Reversible) -> None:
         """Commit a succeeded job's changes, record their undo entry, ack the result."""
@@ -1347,8 +1364,13 @@ class Supervisor:
             return
         _log.info("job.started", undo_of=target, entries=[e.id for e in entries])
         started_at = self.clock()
+        # An undo is a committer of its folders like a commit: from its first check to its
+        # settlement no other commit, undo or roll-back of them runs (`folder_lock`).
+        held: FolderLock | None = None
         try:
             async with staging.commit_lock:
+                roots = tuple(dict.fromkeys(root for e in entries for root in e.roots))
+                held = await anyio.to_thread.run_sync(FolderLock, roots)
                 applied = await anyio.to_thread.run_sync(
                     functools.partial(
                         apply_undo,
@@ -1362,12 +1384,21 @@ class Supervisor:
                     )
                 )
         except MetnosError as exc:  # UndoConflict: nothing changed
+            if held is not None:
+                held.release()
             await self._reject(lease, exc)
             return
         except (HostFault, OSError, Blocked) as exc:
+            if held is not None:
+                held.release()
             await self._retry(lease, ErrorInfo(code=HostFault.code, message=f"undo failed: {exc}"))
             return
-        with anyio.CancelScope(shield=True):
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        assert held is not None
+        with held, anyio.CancelScope(shield=True):
             recorded = await self._settle(
                 "record_undo",
                 lease,
@@ -1449,10 +1480,13 @@ class Supervisor:
         while True:
             await anyio.sleep(self.heartbeat_s)
             for running in list(self._running.values()):
-                if running.stop is not None or (running.settling and not running.storing):
+                if running.stop is not None or (
+                    running.settling and not (running.storing or running.committing)
+                ):
                     # Stopped, or finished and being stored. A result waiting for the
                     # store keeps its lease alive, so it is still ours when the store
-                    # comes back.
+                    # comes back; so does a commit, however long it takes, until its
+                    # result is stored.
                     continue
                 try:
                     reply = await self.broker.heartbeat(running.lease)

@@ -328,7 +328,9 @@ def apply_undo(
         claim = ledger.claim(entries, undo_job=undo_job_id, redo=redo.id)
         try:
             handle = journal.begin(
-                JournalRecord(job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops)
+                JournalRecord(
+                    job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops, device=device
+                )
             )
         except BaseException:
             claim.release()

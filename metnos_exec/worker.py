@@ -59,7 +59,7 @@ from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
 from .signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
-from .staging import Staging
+from .staging import STATE_DIR_ENV, Staging, default_state_dir
 from .supervisor import Supervisor
 
 __all__ = (
@@ -511,7 +511,7 @@ def run_worker(
     ``retention_s``: finished jobs older than this are purged (``None``: never); the
     default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
     ``state_dir``: blobs, commit journals and staging mount points (default
-    `metnos_exec.staging.default_state_dir`).
+    `metnos_exec.staging.default_state_dir` of the queue: its own folder).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -609,12 +609,14 @@ def _start(
     # Caches made by earlier runs, maybe under another umask: private from here on.
     for cache in (default_verified_dir(), default_cache_dir()):
         tighten(cache)
-    try:
-        staging = Staging(state_dir)
-    except OSError as exc:
-        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+    # A folder named (else the queue's own, known once the broker is open): checked
+    # before anything is served.
+    staging: Staging | None = None
+    if state_dir is not None or os.environ.get(STATE_DIR_ENV):
+        staging = _open_staging(state_dir if state_dir is not None else default_state_dir())
 
     async def main() -> None:
+        nonlocal staging
         from .runtimes import obtain_device_python
 
         # A standalone CPython for native executors, when configured (downloaded once,
@@ -623,13 +625,18 @@ def _start(
         python = str(exe) if exe is not None else None
         broker = await open_when_free(broker_url, stop=lambda: bool(early))
         if broker is None:  # told to stop while waiting to open: nothing was served
-            with anyio.CancelScope(shield=True):
-                await staging.aclose()
+            if staging is not None:
+                with anyio.CancelScope(shield=True):
+                    await staging.aclose()
             return
         try:
             # Entered, not just closed at the end: a broker may hold resources that live
             # in the task that opens it (the Redis client's connection tasks).
             async with broker:
+                if staging is None:
+                    # The queue's own folder: another queue's worker never settles (or
+                    # collects) what this one keeps there.
+                    staging = _open_staging(default_state_dir(queue=broker.queue_id))
                 await serve(
                     broker,
                     registry,
@@ -651,8 +658,16 @@ def _start(
                     python=python,
                 )
         finally:
-            with anyio.CancelScope(shield=True):
-                await staging.aclose()
+            if staging is not None:
+                with anyio.CancelScope(shield=True):
+                    await staging.aclose()
 
     anyio.run(main, backend=backend)
     return 0
+
+
+def _open_staging(state_dir: str | os.PathLike[str]) -> Staging:
+    try:
+        return Staging(state_dir)
+    except OSError as exc:
+        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None

@@ -314,6 +314,14 @@ class Broker(abc.ABC):
     #: URL scheme this broker is opened by (``memory``, ``sqlite``, ``redis``).
     scheme: str = ""
 
+    @property
+    def queue_id(self) -> str:
+        """Which queue this is, the same for every broker object open on it (the store's
+        location; the key prefix too on Redis): commit journals record it, so a worker
+        never settles another queue's (`metnos_exec.staging.Staging.recover`), and a
+        worker's default state folder is its queue's."""
+        return f"{self.scheme}:{id(self):x}"  # a store no other process can open
+
     def add_purge_hook(self, hook: PurgeHook) -> None:
         """Make `purge` hand every batch of forgotten job ids to `hook` (see `PurgeHook`)."""
         # In the instance dict rather than set by an __init__: a subclass need not

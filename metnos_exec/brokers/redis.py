@@ -319,6 +319,9 @@ class RedisBroker(Broker):
         self._patience = settle_patience_s
         # For messages and logs: never the password.
         self.where = f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}"
+        db = parts.path.strip("/") or "0"
+        self._queue_id = f"redis://{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}"
+        self._queue_id += f"/{db}?prefix={prefix}"
         self._redis: coredis.Redis[bytes] = coredis.Redis.from_url(
             urlunsplit(parts._replace(query="")),
             decode_responses=False,
@@ -340,6 +343,10 @@ class RedisBroker(Broker):
         #: Lease tokens whose last settle failed with its outcome unknown (see `_settle`).
         self._unsure: set[str] = set()
         self._wake_key = f"{self.where}/{parts.path}/{self.keys.base}"
+
+    @property
+    def queue_id(self) -> str:
+        return self._queue_id
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBroker:

@@ -585,6 +585,10 @@ class SQLiteBroker(Broker):
         self._wake_key = str(self.path.resolve())
         self._closed = False
 
+    @property
+    def queue_id(self) -> str:
+        return f"sqlite:{self._wake_key}"
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBroker:
         """``sqlite:///relative.db`` or ``sqlite:////absolute.db``; query options

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import logging
 import os
 import stat
@@ -42,6 +43,7 @@ import structlog
 from ..blobs import BlobStore
 from ..brokers.base import Broker
 from ..errors import CommitConflict, HostFault
+from ..folder_lock import FolderLock, wait_settled
 from ..identities import SlotIdentity
 from ..journal import (
     Blocked,
@@ -96,16 +98,30 @@ _FULL_SLACK_BYTES: Final = 64 * 1024
 _log = structlog.get_logger("metnos_exec")
 
 
-def default_state_dir() -> Path:
-    """``$METNOS_STATE_DIR``, else ``$XDG_STATE_HOME/metnos-exec``, else
-    ``~/.local/state/metnos-exec``."""
+def default_state_dir(queue: str | None = None) -> Path:
+    """``$METNOS_STATE_DIR``, else the queue's folder in ``$XDG_STATE_HOME/metnos-exec``
+    (else ``~/.local/state/metnos-exec``): ``queues/<scheme>-<hash of queue>``.
+
+    Args:
+        queue: `Broker.queue_id` (``None``: the folder above every queue's). Workers of
+            two queues on one machine then keep apart their journals (one queue's must
+            never be settled by the other's worker, which does not know its jobs) and
+            their blobs (collected by what one queue's entries need). An install from
+            before keeps its one folder (``blobs/`` or ``journal/`` in it): its blobs
+            and key hold the undo entries already recorded; its journals are recovered
+            by the queue that wrote them (`Staging.recover`).
+    """
     explicit = os.environ.get(STATE_DIR_ENV)
     if explicit:
         return Path(explicit)
     xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(
         os.path.expanduser("~"), ".local", "state"
     )
-    return Path(xdg) / "metnos-exec"
+    base = Path(xdg) / "metnos-exec"
+    if queue is None or (base / "blobs").is_dir() or (base / "journal").is_dir():
+        return base
+    scheme = queue.partition(":")[0] or "queue"
+    return base / "queues" / f"{scheme}-{hashlib.sha256(queue.encode()).hexdigest()[:16]}"
 
 
 def disk_verdict(
@@ -175,6 +191,8 @@ class Staging:
         self._unavailable: str | None = None if overlay else "overlay staging switched off"
         self._failed_at = 0.0
         self._lock = anyio.Lock()
+        #: Journals of other queues or devices already said (`recover`): said once.
+        self._foreign: set[str] = set()
         #: One commit (or undo) applied at a time by this worker: two jobs changing the
         #: same file then conflict at planning, not in between one op's check and write.
         self.commit_lock = anyio.Lock()
@@ -270,10 +288,42 @@ class Staging:
             self.store, job_id, executor, device, job, roots, write_targets, why
         )
 
+    def serves(self, queue: str) -> None:
+        """Note that a worker of `queue` (`Broker.queue_id`) keeps its blobs here: one
+        file per queue in ``<blob_dir>/queues`` (see `collect`)."""
+        notes = private_dir(self.store.root / "queues")
+        note = notes / hashlib.sha256(queue.encode()).hexdigest()[:16]
+        if not note.exists():
+            tmp = notes / f".{os.getpid()}-{os.urandom(4).hex()}"
+            tmp.write_text(queue)
+            tmp.chmod(0o600)
+            os.replace(tmp, note)
+
+    def _other_queues(self, queue: str) -> list[str]:
+        notes = self.store.root / "queues"
+        try:
+            found = [p.read_text() for p in notes.iterdir() if not p.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+        return sorted(q for q in found if q != queue)
+
     async def collect(self, broker: Broker, *, min_age_s: float = BLOB_MIN_AGE_S) -> None:
         """Delete blobs no stored undo entry needs (retention follows the results': an
         entry goes with its job's result, see `Broker.purge`), older than `min_age_s`.
-        Logged as ``blobs.collected``."""
+        Logged as ``blobs.collected``.
+
+        Only in a blob store no other queue's worker noted (`serves`): this queue's
+        entries do not say what another's need, and its undo would find its originals
+        gone. A shared one is said (``worker.error``) and left to grow."""
+        others = await anyio.to_thread.run_sync(self._other_queues, broker.queue_id)
+        if others:
+            _log.warning(
+                "worker.error",
+                error=f"blobs not collected: the blob store {self.store.root} is also used "
+                f"by the queue(s) {', '.join(others)}, whose undo entries this queue cannot "
+                "see; give each queue its own state folder (the default) to collect them",
+            )
+            return
         keep = await broker.undo_blobs()
         stats = await anyio.to_thread.run_sync(
             functools.partial(self.store.collect, keep, min_age_s=min_age_s)
@@ -285,11 +335,17 @@ class Staging:
             kept=stats.kept,
         )
 
-    async def recover(self, broker: Broker) -> list[tuple[str, str]]:
+    async def recover(self, broker: Broker, *, device: str | None = None) -> list[tuple[str, str]]:
         """Settle the journals of commits whose worker died (see `metnos_exec.journal`).
 
-        A commit whose job's stored result lists its entry stands (the journal is just
-        removed); any other is rolled back. Each is logged as ``journal.recovered``.
+        Only journals of `broker`'s queue (and of `device`, when given) are settled: a
+        commit whose job's stored result lists its entry stands (the journal is just
+        removed); any other is rolled back. Another queue's or device's is left for its
+        own workers, as is one written before journals named their queue whose job this
+        queue does not know (another queue's worker would look it up in vain and roll
+        back a commit its own queue acknowledged). Each is logged as
+        ``journal.recovered`` (action ``kept``, ``rolled_back``, or ``skipped`` with the
+        reason, once per journal).
 
         Returns:
             ``(job_id, "kept" | "rolled_back")`` for each journal settled.
@@ -303,6 +359,19 @@ class Staging:
             while handles:
                 handle = handles[0]
                 record = handle.record
+                why_not = await _not_ours(record, broker, device)
+                if why_not is not None:
+                    handles.pop(0).close(remove=False)
+                    if record.id not in self._foreign:
+                        self._foreign.add(record.id)
+                        _log.info(
+                            "journal.recovered",
+                            job_id=record.job_id,
+                            action="skipped",
+                            reason=why_not,
+                            ops=len(record.ops),
+                        )
+                    continue
                 result = await broker.get_result(record.job_id)
                 if result is not None and record.entry_id in result.undo_ids:
                     action, left = "kept", []
@@ -327,6 +396,20 @@ class Staging:
         return done
 
 
+async def _not_ours(record: JournalRecord, broker: Broker, device: str | None) -> str | None:
+    """Why `record` is not this worker's to settle (``None``: it is)."""
+    if record.queue and record.queue != broker.queue_id:
+        return f"a journal of another queue ({record.queue}), left for its workers"
+    if device is not None and record.device and record.device != device:
+        return f"a journal of device {record.device}, left for its workers"
+    if not record.queue and await broker.get_job_state(record.job_id) is None:
+        return (
+            "a journal that names no queue (written before journals did), of a job this "
+            "queue does not know: left for the queue that wrote it"
+        )
+    return None
+
+
 def _state_fault(state_dir: Path, exc: OSError) -> OSError | HostFault:
     """The worker's own folder refused a write before the commit touched anything: a full
     disk says which folder is full (the job's own folders may have room)."""
@@ -339,7 +422,7 @@ def _state_fault(state_dir: Path, exc: OSError) -> OSError | HostFault:
 
 
 def _rollback_record(record: JournalRecord, store: BlobStore) -> list[Conflict]:
-    with HostTree(record.roots) as tree:
+    with FolderLock(record.roots), HostTree(record.roots) as tree:
         return rollback(tree, record.ops, store=store, tag=record.id)
 
 
@@ -403,6 +486,8 @@ class OverlayRun:
     no_staging: str | None = None
     _handle: JournalHandle | None = None
     _tree: HostTree | None = None
+    #: Held from the commit's first check until it is settled (`metnos_exec.folder_lock`).
+    _held: FolderLock | None = None
     _ops: tuple[UndoOp, ...] = ()
     _closed: bool = False
 
@@ -523,6 +608,12 @@ class OverlayRun:
     async def _stage(
         self, lowers: Sequence[int], sources: Sequence[int], gid: int | None
     ) -> list[int]:
+        # Never over a folder another commit (this worker's, another's, a redelivered
+        # job's predecessor's) has half applied or may still roll back: the job would
+        # start from, and commit on top of, a tree that is neither before nor after.
+        await anyio.to_thread.run_sync(
+            functools.partial(wait_settled, self.roots), abandon_on_cancel=True
+        )
         size = self.job.limits.disk_bytes or DEFAULT_DISK_BYTES
         fd, attached = await self.ns.stage(
             self.stage_id,
@@ -560,9 +651,25 @@ class OverlayRun:
             return await anyio.to_thread.run_sync(self._commit)
 
     def _commit(self) -> Committed:
-        staging = self.staging
         if self.tmpfs_fd is None:
             raise HostFault(f"staged job {self.stage_id} was never staged, so never ran")
+        # From the first check to the settlement: the check and the replace are one step
+        # for every committer of these folders, in any process.
+        lock = FolderLock(self.roots)
+        try:
+            committed = self._commit_locked()
+        except BaseException:
+            lock.release()
+            raise
+        if self._handle is None:
+            lock.release()  # nothing applied: nothing to settle
+        else:
+            self._held = lock
+        return committed
+
+    def _commit_locked(self) -> Committed:
+        staging = self.staging
+        assert self.tmpfs_fd is not None
         tree = HostTree(self.roots)
         uppers: list[tuple[str, int]] = []
         plan: CommitPlan | None = None
@@ -631,7 +738,11 @@ class OverlayRun:
             try:
                 handle = staging.journal.begin(
                     JournalRecord(
-                        job_id=self.job_id, entry_id=entry.id, roots=self.roots, ops=plan.ops
+                        job_id=self.job_id,
+                        entry_id=entry.id,
+                        roots=self.roots,
+                        ops=plan.ops,
+                        device=self.device,
                     )
                 )
             except OSError as exc:
@@ -683,8 +794,8 @@ class OverlayRun:
 
     async def settle(self, *, stored: bool) -> None:
         """Keep the commit (its result is stored) or roll it back (it is not)."""
-        handle, tree, ops = self._handle, self._tree, self._ops
-        self._handle, self._tree = None, None
+        handle, tree, ops, lock = self._handle, self._tree, self._ops, self._held
+        self._handle, self._tree, self._held = None, None, None
         try:
             if handle is not None and not stored and tree is not None:
                 await anyio.to_thread.run_sync(
@@ -695,19 +806,26 @@ class OverlayRun:
                 handle.close()
             if tree is not None:
                 tree.close()
+            if lock is not None:
+                lock.release()
             await self.discard()
 
     async def abandon(self) -> None:
-        handle, tree = self._handle, self._tree
-        self._handle, self._tree = None, None
+        handle, tree, lock = self._handle, self._tree, self._held
+        self._handle, self._tree, self._held = None, None, None
         if handle is not None:
             handle.close(remove=False)
         if tree is not None:
             tree.close()
+        if lock is not None:
+            lock.release()  # the journal's recovery (any worker's) takes it in turn
         await self.discard()
 
     async def discard(self, *, restore: bool = True) -> None:
         """Drop the staged writes (idempotent)."""
+        if self._held is not None:  # committed, never settled: the journal decides
+            self._held.release()
+            self._held = None
         if self._closed:
             return
         self._closed = True

@@ -17,6 +17,7 @@ the entry's root (a root is walked as a folder; the entry's ops touch only the f
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import stat
@@ -29,7 +30,8 @@ import anyio.to_thread
 import structlog
 
 from ..blobs import BlobStore
-from ..errors import BadArguments, CommitConflict
+from ..errors import BadArguments, CommitConflict, HostFault
+from ..folder_lock import FolderLock, wait_settled
 from ..journal import (
     BlobSource,
     Blocked,
@@ -87,6 +89,11 @@ class BackupRun:
         files = [root for root in roots if _is_file_root(root)]
         folders = tuple(dict.fromkeys(posixpath.dirname(r) if r in files else r for r in roots))
         run = cls(store, job_id, executor, device, folders, job, why, given=tuple(roots))
+        # Not over a half-applied commit (another job's, a predecessor's): its backups
+        # would record, and its failure restore, a state that never stood.
+        await anyio.to_thread.run_sync(
+            functools.partial(wait_settled, run.roots), abandon_on_cancel=True
+        )
         wanted = tuple(dict.fromkeys([*targets, *files]))
         run.targets = await anyio.to_thread.run_sync(run._back_up, wanted)
         return run
@@ -185,7 +192,12 @@ class BackupRun:
             )
 
     def _restore_sync(self) -> list[Conflict]:
-        with HostTree(self.roots) as tree:
+        # As a commit: the check and the replace one step for every committer.
+        try:
+            lock = FolderLock(self.roots)
+        except HostFault as exc:
+            return [Conflict(", ".join(self.targets), exc.message)]
+        with lock, HostTree(self.roots) as tree:
             ops: list[UndoOp] = []
             left: list[Conflict] = []
             for path, before in self.targets.items():
