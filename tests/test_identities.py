@@ -213,3 +213,31 @@ async def test_serve_refuses_a_malformed_slot_uid_range(
     monkeypatch.setenv(SLOT_UIDS_ENV, "off")
     async with open_broker("memory://") as broker:
         await serve(broker, registry, burst=True, handle_signals=False, worker_id="w")
+
+
+# --- every libc call typed ---------------------------------------------------------------
+
+
+def test_no_libc_call_in_the_package_goes_through_an_untyped_function() -> None:
+    # The class of the defect: a ctypes function called without argument types passes
+    # each Python int as a C int (a pointer so passed is cut to 32 bits). Every libc call
+    # of the package is a typed prototype (`metnos_exec._libc`, or CFUNCTYPE in the
+    # scripts run by path); none is an attribute call on a CDLL object.
+    import re
+    from pathlib import Path
+
+    import metnos_exec
+
+    root = Path(metnos_exec.__file__).parent
+    untyped: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        names = set(re.findall(r"(\w+)\s*=\s*ctypes\.CDLL\(", text))
+        calls = [rf"\b{re.escape(n)}\.(?!argtypes|restype)\w+\s*\(" for n in names]
+        calls.append(r"CDLL\([^)]*\)\.\w+\s*\(")  # ctypes.CDLL(None).fn(...)
+        for pattern in calls:
+            untyped += [
+                f"{path.relative_to(root)}: {m.group(0)}" for m in re.finditer(pattern, text)
+            ]
+    assert untyped == []
+    assert (root / "_libc.py").exists()
