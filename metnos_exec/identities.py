@@ -225,7 +225,7 @@ def switched(identity: SlotIdentity) -> Iterator[None]:
             (`RuntimeError`), never silently running as the slot's uid.
     """
     calls = identity._switch
-    uids, gids = os.getresuid(), os.getresgid()  # this thread's (raw calls, not glibc's)
+    uids, gids = os.getresuid(), os.getresgid()  # this thread's own (kept per thread)
     groups = os.getgroups()
     _raw(calls.setgroups, 0, None)
     try:
