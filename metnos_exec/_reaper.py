@@ -50,11 +50,25 @@ import signal
 import sys
 import time
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports only what it runs (no typing, no collections)
+    from collections.abc import Callable
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 #: Exit status when the shim could not set itself up; the status fd says why.
 SETUP_FAILED = 125
+
+
+def _prctl() -> Callable[..., int]:
+    """libc's ``prctl``, its arguments typed (an undeclared int goes in as a C ``int``;
+    prctl's are unsigned longs). This file is run by path: `metnos_exec._libc` is out of
+    reach."""
+    ulong = ctypes.c_ulong
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ulong, ulong, ulong, ulong, use_errno=True)
+    return proto(("prctl", ctypes.CDLL(None, use_errno=True)))
+
 
 _WATCHED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
 _TERMINATING = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
@@ -128,14 +142,19 @@ def _kill_tree(me: int, target: int, status: list[int]) -> None:
     _reap_all(target, status)
 
 
-def _exec_target(argv: list[str], env: dict[str, str], cfg: dict[str, object], report: int) -> None:
+def _exec_target(
+    argv: list[str],
+    env: dict[str, str],
+    cfg: dict[str, object],
+    report: int,
+    prctl: Callable[..., int],
+) -> None:
     """Child side of the fork: never returns."""
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         rlimits = cfg.get("rlimits")
         assert isinstance(rlimits, list)
         for res, soft, hard in rlimits:
@@ -192,13 +211,13 @@ def main(argv: list[str]) -> None:
         os.write(status_fd, f"H {text}\n".encode())
         os._exit(SETUP_FAILED)
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = _prctl()
     if cfg["pdeathsig"]:
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             fault(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
         if os.getppid() != cfg["parent"]:
             os._exit(SETUP_FAILED)  # the worker is already gone: nobody wants this job
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         fault(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
     cgroup_procs = cfg.get("cgroup_procs")
     if cgroup_procs:
@@ -219,7 +238,7 @@ def main(argv: list[str]) -> None:
         raise  # unreachable; keeps type checkers calm
     if target == 0:
         os.close(report_r)
-        _exec_target(target_argv, env, cfg, report_w)
+        _exec_target(target_argv, env, cfg, report_w, prctl)
     os.close(report_w)
     with os.fdopen(report_r, "rb") as f:
         exec_report = f.read()  # EOF as soon as exec succeeds (or the child exits)

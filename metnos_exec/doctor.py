@@ -42,7 +42,7 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
         check: the mechanism (``bwrap``, ``bwrap_bind_fd``, ``bwrap_disable_userns``,
             ``user_namespaces``, ``seccomp``, ``landlock``, ``cgroups``,
             ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``, ``broker``,
-            ``executors``, ``worker_user``, ``trust``).
+            ``executors``, ``worker_user``, ``slot_uids``, ``trust``).
         state: ``ok``; ``weakened`` (works, with less containment); ``missing``; ``info``.
         detail: what was found.
         meaning: what it means for the containment report (or for the worker).
@@ -554,6 +554,26 @@ def _user_finding(st: Any) -> Finding:
     )
 
 
+def _slot_uids_finding(env: Mapping[str, str]) -> Finding | None:
+    """A ``METNOS_SLOT_UIDS`` a worker refuses to start on (``None``: it reads it)."""
+    from .identities import SLOT_UIDS_ENV, slot_uid_range
+
+    try:
+        slot_uid_range(env)
+    except MetnosError as exc:
+        return Finding(
+            check="slot_uids",
+            state="missing",
+            detail=exc.message,
+            meaning="a worker refuses to start (E_CONFIG): with it, a root worker's jobs "
+            "would run as host root",
+            fix=f"unset {SLOT_UIDS_ENV} (the default range), set it to BASE:COUNT, or to "
+            "off on purpose",
+            required=True,
+        )
+    return None
+
+
 def _executors_finding(
     folder: str | os.PathLike[str], registry: ExecutorRegistry | None, error: str
 ) -> Finding:
@@ -709,6 +729,9 @@ async def diagnose(
     if executors_finding is not None:
         findings.append(executors_finding)
     findings.append(_user_finding(st))
+    slot_uids = _slot_uids_finding(env)
+    if slot_uids is not None:
+        findings.append(slot_uids)
     findings.append(_trust_finding(device, trust_keys, env))
     healthy = all(f.state == "ok" for f in findings if f.required)
     return DoctorReport(

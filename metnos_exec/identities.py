@@ -10,7 +10,9 @@ per concurrent job) runs as a uid of its own that owns nothing on the host.
 How, in the process layer (`metnos_exec.process`, "Pooled cgroups"): a slot's spawner
 thread is the only thread that forks that slot's jobs. Around each fork of a job that asks
 for it (`ProcessSpec.as_slot_user`), that thread alone switches to the slot's uid and gid
-with *raw* ``setresuid``/``setresgid``/``setgroups`` system calls and back right after:
+with *raw* ``setresuid``/``setresgid``/``setgroups`` system calls (typed, `metnos_exec._libc`)
+and back right after, to exactly the ids it had (a worker started from a login session has
+supplementary groups and maybe a primary gid other than 0):
 Linux credentials belong to a thread, and glibc's wrappers would change every thread of
 the worker (they broadcast with a signal), the raw calls do not. The saved uid stays 0
 during the switch, so the thread can come back; the child keeps the slot's uid and, at
@@ -20,10 +22,12 @@ kernel does that on any uid change), so no process of a slot's uid can ptrace it
 
 The uids: ``METNOS_SLOT_UIDS=BASE:COUNT`` (default ``1879048192:65536``, i.e.
 ``0x70000000`` up: above the ranges systemd gives to users, dynamic users and
-containers, below 2^31), or ``off``. A slot takes the lowest uid of the range that no
-other worker holds (a lock file under ``/run/metnos-exec/uids``, held for the worker's
-life: two workers never share one), that has no ``passwd`` or ``group`` entry and that
-runs no process; its gid is the same number.
+containers, below 2^31), or ``off``; a worker refuses to start on anything else
+(``E_CONFIG``, `slot_uid_range`), never serves with a typo as host root. A slot takes
+the lowest uid of the range that no other worker holds (a lock file under
+``/run/metnos-exec/uids``, held for the worker's life: two workers never share one), that
+has no ``passwd`` or ``group`` entry, is none of the worker's own ids and runs no process;
+its gid is the same number.
 
 What the guest of a slot may touch on the host is then what that uid may: the read-only
 system folders as any local user, and its own mounts. Those are root's files (the root
@@ -44,12 +48,14 @@ import grp
 import os
 import platform
 import pwd
+import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Final
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, NamedTuple
 
+from . import _libc
 from .errors import BadConfig
 
 __all__ = (
@@ -76,33 +82,74 @@ _SYSCALLS: Final[dict[str, tuple[int, int, int]]] = {
     "aarch64": (159, 147, 149),
 }
 _CLONE_NEWUSER: Final = 0x10000000
+_uid_t = _gid_t = ctypes.c_uint
 
-_libc = ctypes.CDLL(None, use_errno=True)
+
+class _Switch(NamedTuple):
+    """The raw, per-thread credential calls, typed (`metnos_exec._libc`: an untyped
+    variadic ``syscall`` cut the group list's address to 32 bits)."""
+
+    setgroups: Callable[..., int]  # (int size, const gid_t *list)
+    setresuid: Callable[..., int]  # (uid_t ruid, uid_t euid, uid_t suid)
+    setresgid: Callable[..., int]  # (gid_t rgid, gid_t egid, gid_t sgid)
+
+
+def _switch_calls() -> _Switch | None:
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None:
+        return None
+    setgroups, setresuid, setresgid = numbers
+    ids = (_uid_t, _uid_t, _uid_t)
+    return _Switch(
+        _libc.syscall(setgroups, ctypes.c_int, ctypes.POINTER(_gid_t)),
+        _libc.syscall(setresuid, *ids),
+        _libc.syscall(setresgid, *ids),
+    )
+
+
+_SWITCH: Final = _switch_calls()
+
+
+#: The lowest slot uid: below are the system's own users (and uid 0, root).
+_FIRST_SLOT_UID: Final = 1000
+#: The highest: ``(uid_t) -1`` is no id, ``-2`` the last a user namespace may map.
+_LAST_SLOT_UID: Final = 2**32 - 3
+#: One number: decimal or ``0x`` hexadecimal, nothing else (no sign, no ``_``).
+_NUMBER: Final = re.compile(r"0x[0-9a-f]+|[0-9]+")
+
+
+def _number(text: str) -> int:
+    return int(text, 16) if text.startswith("0x") else int(text, 10)
 
 
 def slot_uid_range(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """``(base, count)`` from ``METNOS_SLOT_UIDS``, the default, or ``None`` for ``off``.
 
+    Unset or empty is the default; ``off`` (any case) is the only way to turn them off.
+    Anything else that is not ``BASE:COUNT`` within range is refused: a root worker that
+    started on a typo would run every job as host root (issue 15).
+
     Raises:
-        BadConfig: the variable is neither ``off`` nor ``BASE:COUNT`` with both in range.
+        BadConfig: (``E_CONFIG``) the variable is neither ``off`` nor ``BASE:COUNT``,
+            both numbers, COUNT at least 1, uids from 1000 (never root's 0) to 4294967293.
     """
     env = os.environ if environ is None else environ
     raw = env.get(SLOT_UIDS_ENV, "").strip().lower()
     if not raw:
         return DEFAULT_SLOT_UIDS
-    if raw in ("off", "0", "false", "none"):
+    if raw == "off":
         return None
     base_s, sep, count_s = raw.partition(":")
-    try:
-        base, count = int(base_s, 0), int(count_s, 0)
-    except ValueError:
-        base = count = -1
-    if not sep or base < 1000 or count < 1 or base + count > 2**32 - 2:
-        raise BadConfig(
-            f"{SLOT_UIDS_ENV}={raw!r}: expected 'off' or BASE:COUNT (uids BASE to "
-            "BASE+COUNT-1, none below 1000, none past 4294967293)"
-        )
-    return base, count
+    if sep and _NUMBER.fullmatch(base_s) and _NUMBER.fullmatch(count_s):
+        base, count = _number(base_s), _number(count_s)
+        if base >= _FIRST_SLOT_UID and count >= 1 and base + count - 1 <= _LAST_SLOT_UID:
+            return base, count
+    raise BadConfig(
+        f"{SLOT_UIDS_ENV}={raw!r} is not a range of slot uids; set it to BASE:COUNT (uids "
+        f"BASE to BASE+COUNT-1, none below {_FIRST_SLOT_UID}, none past {_LAST_SLOT_UID}; "
+        f"default {DEFAULT_SLOT_UIDS[0]}:{DEFAULT_SLOT_UIDS[1]}), or to 'off' to run a root "
+        "worker's jobs as root"
+    )
 
 
 def slot_uids_unavailable(environ: Mapping[str, str] | None = None) -> str | None:
@@ -115,7 +162,7 @@ def slot_uids_unavailable(environ: Mapping[str, str] | None = None) -> str | Non
         return "the worker is not root (its jobs run as its own uid)"
     if slot_uid_range(environ) is None:
         return f"{SLOT_UIDS_ENV}=off"
-    if platform.machine() not in _SYSCALLS:
+    if _SWITCH is None:
         return f"no per-thread credential switch for {platform.machine()} yet"
     return None
 
@@ -135,7 +182,8 @@ class SlotIdentity:
         self.gid = uid
         self.userns_fd = userns_fd
         self._lock_fd = lock_fd
-        self._switch = _SYSCALLS[platform.machine()]
+        assert _SWITCH is not None  # `allocate` checked `slot_uids_unavailable`
+        self._switch = _SWITCH
         _held.update((lock_fd, userns_fd))
 
     def close(self) -> None:
@@ -159,48 +207,52 @@ def held_fds() -> frozenset[int]:
     return frozenset(_held)
 
 
-def _raw(number: int, *args: int | None) -> None:
-    if _libc.syscall(number, *args) != 0:
+def _raw(call: Callable[..., int], *args: Any) -> None:
+    if call(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
 @contextlib.contextmanager
 def switched(identity: SlotIdentity) -> Iterator[None]:
-    """The calling *thread* runs as `identity` inside the block (see the module doc).
+    """The calling *thread* runs as `identity` inside the block (see the module doc), and
+    comes back with exactly the ids it had: its uids, gids and supplementary groups (a
+    worker started from a login or ``su``/``runuser`` session has some, and a primary gid
+    that may not be 0).
 
     Raises:
         OSError: a switch failed; if coming back failed, the thread is left unusable
             (`RuntimeError`), never silently running as the slot's uid.
     """
-    setgroups, setresuid, setresgid = identity._switch
+    calls = identity._switch
+    uids, gids = os.getresuid(), os.getresgid()  # this thread's own (kept per thread)
     groups = os.getgroups()
-    _raw(setgroups, 0, None)
+    _raw(calls.setgroups, 0, None)
     try:
-        _raw(setresgid, identity.gid, identity.gid, 0)
+        _raw(calls.setresgid, identity.gid, identity.gid, 0)
         try:
-            _raw(setresuid, identity.uid, identity.uid, 0)
+            _raw(calls.setresuid, identity.uid, identity.uid, uids[1])
         except BaseException:
-            _raw(setresgid, 0, 0, 0)
+            _raw(calls.setresgid, *gids)
             raise
     except BaseException:
-        _restore_groups(setgroups, groups)
+        _restore_groups(calls, groups)
         raise
     try:
         yield
     finally:
         try:
             # uid first: back to euid 0 restores the effective capabilities the rest needs.
-            _raw(setresuid, 0, 0, 0)
-            _raw(setresgid, 0, 0, 0)
-            _restore_groups(setgroups, groups)
+            _raw(calls.setresuid, *uids)
+            _raw(calls.setresgid, *gids)
+            _restore_groups(calls, groups)
         except OSError as exc:  # pragma: no cover - the kernel refusing root its own ids
             raise RuntimeError(f"cannot switch thread back to root: {exc}") from exc
 
 
-def _restore_groups(setgroups: int, groups: list[int]) -> None:
-    arr = (ctypes.c_uint * len(groups))(*groups)
-    _raw(setgroups, len(groups), ctypes.addressof(arr) if groups else None)
+def _restore_groups(calls: _Switch, groups: list[int]) -> None:
+    arr = (_gid_t * len(groups))(*groups)
+    _raw(calls.setgroups, len(groups), arr if groups else None)
 
 
 # --- allocation ---------------------------------------------------------------------------
@@ -279,7 +331,9 @@ def _userns(uid: int) -> int:
             "-S",
             "-c",
             "import ctypes, sys\n"
-            f"if ctypes.CDLL(None).unshare({_CLONE_NEWUSER}) != 0: sys.exit(1)\n"
+            "unshare = ctypes.CDLL(None).unshare\n"
+            "unshare.argtypes, unshare.restype = (ctypes.c_int,), ctypes.c_int\n"
+            f"if unshare({_CLONE_NEWUSER}) != 0: sys.exit(1)\n"
             "sys.stdout.write('u'); sys.stdout.flush(); sys.stdin.read()\n",
         ],
         stdin=subprocess.PIPE,
@@ -318,10 +372,15 @@ def allocate(environ: Mapping[str, str] | None = None) -> SlotIdentity:
     uid_range = slot_uid_range(environ)
     assert uid_range is not None
     base, count = uid_range
+    # Never an id the worker itself holds (a gid of its session's groups, unnamed in
+    # /etc/group, inside the range): the slot's gid would give the job that group.
+    own = {*os.getresuid(), *os.getresgid(), *os.getgroups()}
     with _alloc_lock:
         private_dir(RUN_DIR, 0o711)
         private_dir(os.path.join(RUN_DIR, "uids"), 0o700)
         for uid in range(base, base + count):
+            if uid in own:
+                continue
             lock = os.open(
                 os.path.join(RUN_DIR, "uids", f"{uid}.lock"),
                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,

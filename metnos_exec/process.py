@@ -130,7 +130,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from metnos_exec import _reaper
+from metnos_exec import _libc, _reaper
 from metnos_exec.errors import BadConfig, HostFault
 from metnos_exec.identities import SlotIdentity, allocate, slot_uids_unavailable, switched
 
@@ -160,9 +160,14 @@ _SHIM_MARGIN_S: Final = 2.0
 _KILL_WAIT_S: Final = 10.0
 
 _REAPER_PATH: Final = str(Path(_reaper.__file__).resolve())
-_libc = ctypes.CDLL(None, use_errno=True)
 # Resolved now, in the parent: a dlsym inside preexec_fn could take the loader's lock.
-_prctl = _libc.prctl
+# Typed (`metnos_exec._libc`): prctl is variadic, its arguments unsigned longs.
+_ulong = ctypes.c_ulong
+_prctl = _libc.function("prctl", ctypes.c_int, ctypes.c_int, _ulong, _ulong, _ulong, _ulong)
+#: The same call for the options that write an int through their second argument.
+_prctl_get = _libc.function(
+    "prctl", ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), _ulong, _ulong, _ulong
+)
 
 
 class ProcessSpec(msgspec.Struct, frozen=True):
@@ -450,7 +455,8 @@ def become_subreaper() -> bool:
 def _is_subreaper() -> bool:
     flag = ctypes.c_int(0)
     return (
-        bool(_prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0) and flag.value != 0
+        bool(_prctl_get(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0)
+        and flag.value != 0
     )
 
 

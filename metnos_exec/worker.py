@@ -15,9 +15,10 @@ SIGKILL cannot be handled: the sandboxed children die with the worker (die-with-
 and the broker redelivers the jobs once their leases expire.
 
 Configuration is checked once, before anything is served (`check_worker_config`): bad
-numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE``, ``METNOS_RETENTION_DAYS``
-and an explicit ``METNOS_BWRAP`` that names no executable make the worker refuse to start
-with `BadConfig` (``E_CONFIG``) — rather than start and fail every job it leases. So does
+numbers, ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE``, ``METNOS_RETENTION_DAYS``,
+``METNOS_SLOT_UIDS`` and an explicit ``METNOS_BWRAP`` that names no executable make the
+worker refuse to start with `BadConfig` (``E_CONFIG``) — rather than start and fail every
+job it leases, or, for ``METNOS_SLOT_UIDS``, run every job as host root. So does
 a store it cannot write (``E_BROKER_READONLY``, from the broker itself).
 
 The store failing while the worker serves never stops it (see `Supervisor`): results are
@@ -50,6 +51,7 @@ from .errors import (
     MetnosError,
     SignatureError,
 )
+from .identities import slot_uid_range
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
@@ -162,7 +164,7 @@ def check_worker_config(
 
     Raises:
         BadConfig: a number out of range, or a bad ``METNOS_REQUIRE_SANDBOX``,
-            ``METNOS_ARM_OVERRIDE`` or ``METNOS_BWRAP``.
+            ``METNOS_ARM_OVERRIDE``, ``METNOS_SLOT_UIDS`` or ``METNOS_BWRAP``.
     """
     env = os.environ if environ is None else environ
     if concurrency < 1:
@@ -175,6 +177,8 @@ def check_worker_config(
     if ARM_OVERRIDE_ENV in env:
         _override_chooser(env[ARM_OVERRIDE_ENV])
     check_bwrap_setting(env)
+    # Checked whoever runs the worker: a typo is one, and for root it would weaken a wall.
+    slot_uid_range(env)
     retention_from_env(env)
     from .runtimes import device_python_source
 
@@ -214,7 +218,8 @@ async def serve(
             without a ``policy``, `Policy.from_env` is read once, here.
 
     Raises:
-        BadConfig: a bad ``METNOS_REQUIRE_SANDBOX`` or ``METNOS_ARM_OVERRIDE``.
+        BadConfig: a bad ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` or
+            ``METNOS_SLOT_UIDS``.
         BrokerError: a fatal store error stopped the worker (``Supervisor.fatal_error``,
             e.g. the queue file was deleted under it), raised once it has stopped.
     """
@@ -225,6 +230,9 @@ async def serve(
     if supervisor_kw.get("policy") is None:
         # Once, here: read per job, a bad variable would fail every job instead.
         supervisor_kw["policy"] = _policy_from_env(os.environ)
+    # Read per job after this (``off`` takes effect at once), but a malformed value must
+    # stop the worker here, not leave each job as host root with the error in its report.
+    slot_uid_range(os.environ)
     sup = Supervisor(broker, registry, **supervisor_kw)
 
     async def on_signals(

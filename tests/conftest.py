@@ -140,6 +140,35 @@ def need_privileged(available: bool, reason: str) -> None:
     need(False, reason)
 
 
+@contextlib.contextmanager
+def free_descriptors(count: int) -> Iterator[None]:
+    """This process may open `count` more descriptors inside the block: its soft
+    RLIMIT_NOFILE raised (a login session's is 1024), up to the hard limit (as root, the
+    hard limit too), and put back after. Skips with the reason when the hard limit is too
+    low and cannot be raised (an unprivileged user: ``ulimit -Hn``).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(open_fds()) + count
+    if soft >= want:
+        yield
+        return
+    if hard < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+        except (ValueError, OSError):
+            need_privileged(
+                False, f"{count} free descriptors past a hard open-file limit of {hard}"
+            )
+    else:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def need_import(module: str, extra: str) -> None:
     """`need` for an optional dependency: `module`, from the `extra` of metnos-exec."""
     try:

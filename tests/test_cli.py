@@ -253,6 +253,14 @@ def test_worker_refuses_bad_numbers(
         ("METNOS_ARM_OVERRIDE", "direct"),
         ("METNOS_REQUIRE_SANDBOX", "sometimes"),
         ("METNOS_BWRAP", "/nonexistent/bwrap"),
+        # Issue 15: each of these started a root worker whose every job ran as host root.
+        ("METNOS_SLOT_UIDS", "abc"),
+        ("METNOS_SLOT_UIDS", "1879048192"),
+        ("METNOS_SLOT_UIDS", "-5:10"),
+        ("METNOS_SLOT_UIDS", "1879048192:0"),
+        ("METNOS_SLOT_UIDS", "0:65536"),
+        ("METNOS_SLOT_UIDS", "4294967295:2"),
+        ("METNOS_SLOT_UIDS", "0"),
     ],
 )
 def test_worker_refuses_bad_settings_before_serving(
@@ -266,6 +274,15 @@ def test_worker_refuses_bad_settings_before_serving(
     assert variable in line and "E_CONFIG" in line
     # Nothing was leased: the job did not end dead as a host fault.
     assert cli(env, "result", job).returncode == EXIT["pending"]
+
+
+def test_worker_serves_with_slot_uids_off(env: dict[str, str], tmp_path: Path) -> None:
+    # ``off`` stays the explicit way (the others are refused above).
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    off = {**env, "METNOS_SLOT_UIDS": "Off"}
+    out = cli(off, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert out.returncode == 0, out.stderr
+    assert cli(env, "result", job).returncode == 0
 
 
 def test_check_worker_config_resolves_the_policy_once() -> None:

@@ -332,3 +332,17 @@ def test_an_executors_folder_the_worker_cannot_use_is_reported(world: Path) -> N
     found = finding(report, "executors")
     assert found["state"] == "ok" and "good" in found["detail"], found
     assert code == 0
+
+
+@pytest.mark.parametrize("unprivileged", [False, True], ids=["root", "unprivileged"])
+def test_a_malformed_slot_uid_setting_is_a_required_finding(
+    world: Path, unprivileged: bool
+) -> None:
+    # Issue 15: a worker refuses to start on it (E_CONFIG); doctor says so, with the fix.
+    code, report = doctor(world, unprivileged=unprivileged, METNOS_SLOT_UIDS="abc")
+    found = finding(report, "slot_uids")
+    assert found["state"] == "missing" and found["required"] is True
+    assert "METNOS_SLOT_UIDS='abc'" in found["detail"] and "E_CONFIG" in found["meaning"]
+    assert code == 1 and report["healthy"] is False
+    _, fine = doctor(world, unprivileged=unprivileged, METNOS_SLOT_UIDS="off")
+    assert [f for f in fine["findings"] if f["check"] == "slot_uids"] == []

@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from metnos_exec.backoff import retry_delay
+from metnos_exec.brokers.base import HeartbeatReply, Lease
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.errors import (
     BrokerBusy,
@@ -440,7 +441,23 @@ async def test_worker_started_names_the_backend(
 
 async def test_lost_lease_cancels_run_and_acks_nothing(registry: ExecutorRegistry) -> None:
     clock = Clock()
-    broker = MemoryBroker(clock=clock)
+    stalled = anyio.Event()  # the worker's heartbeats stop reaching the store...
+    parked = anyio.Event()  # ...and its next one is held before it did anything
+    taken = anyio.Event()  # another worker holds the job
+
+    class StallingBroker(MemoryBroker):
+        async def heartbeat(
+            self, lease: Lease, *, visibility_s: float | None = None
+        ) -> HeartbeatReply:
+            # A heartbeat while the window lapses would renew it (the store has not
+            # swept it yet): the takeover below raced with one every ~100 runs. Held
+            # here, the worker's beat only arrives once the job is another's.
+            if stalled.is_set() and not taken.is_set():
+                parked.set()
+                await taken.wait()
+            return await super().heartbeat(lease, visibility_s=visibility_s)
+
+    broker = StallingBroker(clock=clock)
     started = anyio.Event()
     cancelled = anyio.Event()
 
@@ -458,9 +475,13 @@ async def test_lost_lease_cancels_run_and_acks_nothing(registry: ExecutorRegistr
             tg.start_soon(functools.partial(sup.run, burst=True))
             await started.wait()
             # The worker "stalled" past its window; another worker takes the job over.
+            stalled.set()
+            with anyio.fail_after(5):
+                await parked.wait()  # no beat of the worker is under way
             clock.now += 10
             [thief] = await broker.lease("w2", visibility_s=30)
             assert thief.attempt == 2
+            taken.set()
             with anyio.fail_after(5):
                 await cancelled.wait()
     assert "lease.lost" in [e["event"] for e in logs]

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,9 +26,10 @@ import anyio
 import pytest
 
 from metnos_exec.brokers import Broker, BrokerStats, open_broker
+from metnos_exec.identities import slot_uid_range, slot_uids_unavailable
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import Job, Result
-from tests.conftest import need
+from tests.conftest import need, need_privileged
 from tests.helpers.worker_cli import wait_for_event, worker_argv
 
 pytestmark = pytest.mark.slow
@@ -651,3 +653,170 @@ def test_a_worker_process_freezes_start_up_objects_and_collects_young_garbage_le
     threshold, frozen = json.loads(out.stdout)
     assert threshold == 10_000
     assert frozen > 10_000  # every module, class and function loaded so far
+
+
+# --- a worker started from a login session (issue 15, item 2) ----------------------------
+
+WHOAMI_MAIN = """\
+import json
+with open("/proc/self/status") as f:
+    fields = dict(line.split(":", 1) for line in f if ":" in line)
+print(json.dumps({"groups": fields["Groups"].split()}))
+"""
+#: Many supplementary groups, none named in /etc/group (what setpriv, a service manager
+#: or a container runtime may give), the list well past a page of the kernel's.
+MANY_GROUPS = [4, 27, *range(3000, 3062)]
+#: A user of no account for the unprivileged worker (a copy of what it reads is its own).
+WORKER_USER = 4243
+
+
+def _ids(pid: int) -> dict[int, dict[str, list[int]]]:
+    """Each thread of `pid` → its ``Uid``, ``Gid`` and ``Groups`` (the kernel's view)."""
+    found: dict[int, dict[str, list[int]]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+            found[int(tid)] = {
+                k: [int(x) for x in fields[k].split()] for k in ("Uid", "Gid", "Groups")
+            }
+    return found
+
+
+def _descendant_worker(pid: int) -> int:
+    """`pid`, or its descendant that runs the worker (runuser forks it, setpriv execs)."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[1:3] == [b"-m", b"metnos_exec"]:
+                    return p
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    raise AssertionError(f"no worker below {pid}")
+
+
+def _interpreter_for_anyone(env: dict[str, str]) -> str:
+    """An interpreter an unprivileged user's sandbox can run (this one may sit below
+    ``/root``, which bubblewrap does not show it), with this one's packages."""
+    import sysconfig
+
+    here = os.path.realpath(sys.executable)
+    if all(os.stat(d).st_mode & 0o001 for d in Path(here).parents):
+        return sys.executable
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    need(
+        system is not None
+        and subprocess.run(
+            [system, "-c", f"import sys; sys.exit(sys.version_info[:2] != {sys.version_info[:2]})"],
+            check=False,
+        ).returncode
+        == 0,
+        f"no Python {sys.version_info[0]}.{sys.version_info[1]} outside {here}'s folders",
+    )
+    assert system is not None
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = f"{repo}:{sysconfig.get_paths()['purelib']}"
+    return system
+
+
+def _login_nofile() -> None:
+    # A login session's soft limit (PAM's default), whatever this test process has.
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+
+
+@pytest.mark.parametrize(
+    "session",
+    [
+        pytest.param("runuser -G adm", id="runuser, one group, primary gid adm"),
+        pytest.param("setpriv 64 groups", id="setpriv, 64 groups"),
+        pytest.param("unprivileged 64 groups", id="an unprivileged user with 64 groups"),
+    ],
+)
+def test_a_worker_started_with_supplementary_groups_runs_its_jobs(
+    workers: Workers, tmp_path: Path, session: str
+) -> None:
+    # Issue 15: a root worker from a login or su/runuser session died at its first job
+    # ("cannot switch thread back to root: [Errno 14] Bad address", exit 70): restoring
+    # the spawner thread's groups passed their address to an untyped variadic syscall().
+    # As whoever operators start it as; the soft open-file limit of a login (1024) too.
+    need(_bwrap_ok(), "bubblewrap is not installed")
+    need_privileged(os.geteuid() == 0, "giving a worker supplementary groups")
+    as_root = not session.startswith("unprivileged")
+    if as_root:
+        need_privileged(slot_uids_unavailable() is None, f"{slot_uids_unavailable()}")
+        folder = tmp_path
+    else:
+        # Everything the user's worker reads or writes is its own (tmp_path's parents
+        # are root's only): home, queue, log, state, executors.
+        folder = Path(tempfile.mkdtemp(prefix="metnos-groups-"))
+        workers.tmp = folder  # its teardown removes it (below)
+    try:
+        _run_whoami_in_session(workers, folder, session, as_root)
+    finally:
+        if not as_root:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_whoami_in_session(workers: Workers, folder: Path, session: str, as_root: bool) -> None:
+    executors = folder / "executors" if not as_root else workers.executors
+    (executors / "whoami").mkdir(parents=True)
+    (executors / "whoami" / "manifest.toml").write_text(
+        'name = "whoami"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+    )
+    (executors / "whoami" / "main.py").write_text(WHOAMI_MAIN)
+    url = f"sqlite:///{folder / 'q.db'}"
+    env = {**os.environ, "HOME": str(folder)}
+    if session.startswith("runuser"):
+        need(shutil.which("runuser") is not None, "runuser (util-linux) is not installed")
+        prefix = ["runuser", "-u", "root", "-G", "adm", "--"]
+        expected = {"Uid": [0] * 4, "Gid": [4] * 4, "Groups": [4]}
+    else:
+        need(shutil.which("setpriv") is not None, "setpriv (util-linux) is not installed")
+        groups = ",".join(map(str, MANY_GROUPS))
+        uid = 0 if as_root else WORKER_USER
+        prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={groups}", "--"]
+        expected = {"Uid": [uid] * 4, "Gid": [uid] * 4, "Groups": sorted(MANY_GROUPS)}
+    job_id = with_broker(url, lambda b: b.submit(Job(executor="whoami", max_attempts=1))).job_id
+    if not as_root:
+        env["METNOS_STATE_DIR"] = str(folder / "state")
+        folder.chmod(0o755)
+        for path in [folder, *folder.rglob("*")]:
+            os.chown(path, WORKER_USER, WORKER_USER)
+    log = folder / "W.jsonl"
+    argv = worker_argv(url, executors, log, "--concurrency", "1")
+    if not as_root:
+        argv[0] = _interpreter_for_anyone(env)
+    proc = subprocess.Popen(
+        [*prefix, *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_login_nofile,
+    )
+    workers.procs.append(proc)
+    wait_for_event(log, "worker.started", proc, timeout=30)
+    wpid = _descendant_worker(proc.pid)
+    assert _ids(wpid)[wpid] == expected  # the session's ids, as given
+
+    result: Result | None = with_broker(url, lambda b: b.wait_result(job_id, timeout=60))
+    assert result is not None and result.status == "succeeded", (result.error, proc.poll())
+    assert result.containment is not None
+    user = result.containment.user.reason
+    if as_root:
+        assert result.output == {"groups": []}  # none of the session's groups reached it
+        uid_range = slot_uid_range()
+        assert uid_range is not None
+        slot = int(user.split("host uid ")[1].split(" ")[0].rstrip(","))
+        assert uid_range[0] <= slot < sum(uid_range), user  # its slot's own uid
+    else:
+        # No slot uid tried: the job runs as the worker, its groups unmapped inside.
+        assert "host uid" not in user, user
+        assert set(result.output["groups"]) <= {"65534"}, result.output
+    # Every thread, the slot's spawner that switched included, is back to the session's
+    # ids: its uid, its primary gid (not 0 for runuser -G) and every group.
+    assert all(ids == expected for ids in _ids(wpid).values()), _ids(wpid)
+    os.kill(wpid, signal.SIGTERM)
+    assert proc.wait(30) == 0

@@ -69,6 +69,9 @@ def _landlock(ct: "ModuleType", scope: int, rules: "list[tuple[int, str]]") -> i
     import posix
 
     libc: int = ct.dlopen(None, 0)
+    # Untyped calls, on purpose (no prototype classes to build at each start), and safe:
+    # every argument below is a small int (a C int, sign-extended) or a bytes object or
+    # None (passed as a pointer); never an address as an int, which a C int would cut.
     call = getattr(ct, "call_function", None)
     if call is None:  # an interpreter without it: a minimal function pointer type
 

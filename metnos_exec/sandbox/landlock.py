@@ -59,6 +59,7 @@ from pathlib import Path
 
 import msgspec
 
+from .. import _libc
 from ._types import SandboxJob
 from .flags import PYTHON_FLAGS, SYSTEM_PATHS, guest_python
 
@@ -126,10 +127,10 @@ def landlock_abi() -> tuple[int | None, str | None]:
     Returns:
         ``(abi, None)`` when supported, else ``(None, reason)``.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = libc.syscall(
-        _SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), _LANDLOCK_CREATE_RULESET_VERSION
+    create_ruleset = _libc.syscall(
+        _SYS_LANDLOCK_CREATE_RULESET, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32
     )
+    abi = create_ruleset(None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
     if abi < 0:
         err = ctypes.get_errno()
         return None, f"landlock_create_ruleset: {os.strerror(err)}"

@@ -37,6 +37,7 @@ import os
 import stat
 import threading
 
+from .. import _libc
 from ..errors import SymlinkedFolder
 
 __all__ = (
@@ -53,8 +54,6 @@ _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 class _OpenHow(ctypes.Structure):
     _fields_ = (
@@ -64,6 +63,22 @@ class _OpenHow(ctypes.Structure):
     )
 
 
+# Typed (`metnos_exec._libc`): an untyped syscall() takes every int as a C int.
+_sys_openat2 = _libc.syscall(
+    _SYS_OPENAT2, ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(_OpenHow), ctypes.c_size_t
+)
+_umount2 = _libc.function("umount2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+_mount = _libc.function(
+    "mount",
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+)
+
+
 #: Whether this kernel has openat2 (probed on first use; ``None``: not yet).
 _have_openat2: list[bool] = []
 
@@ -71,7 +86,7 @@ _have_openat2: list[bool] = []
 def _openat2(path: str, flags: int, resolve: int) -> int:
     how = _OpenHow(flags, 0, resolve)
     fd = int(
-        _libc.syscall(_SYS_OPENAT2, -100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+        _sys_openat2(-100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
     )  # -100: AT_FDCWD (the path is absolute)
     if fd < 0:
         err = ctypes.get_errno()
@@ -221,6 +236,20 @@ class _MountAttr(ctypes.Structure):
     )
 
 
+_sys_open_tree = _libc.syscall(_SYS_OPEN_TREE, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+_sys_mount_setattr = _libc.syscall(
+    _SYS_MOUNT_SETATTR,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+    ctypes.POINTER(_MountAttr),
+    ctypes.c_size_t,
+)
+_sys_move_mount = _libc.syscall(
+    _SYS_MOVE_MOUNT, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+)
+
+
 def _check(result: int, what: str) -> int:
     if result < 0:
         err = ctypes.get_errno()
@@ -237,7 +266,7 @@ def _mount_points() -> list[str]:
 
 def _umount(path: str) -> None:
     # MNT_DETACH: never EBUSY; EINVAL: nothing mounted there (already gone).
-    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+    if _umount2(os.fsencode(path), _MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
         err = ctypes.get_errno()
         raise OSError(err, f"umount {path}: {os.strerror(err)}")
 
@@ -298,9 +327,9 @@ def _stage_dir(uid: int, gid: int) -> str:
             if STAGE_ROOT not in _mount_points():
                 # A private mount point of its own: what we attach below it is never
                 # propagated to other mount namespaces (a shared /run would).
-                _check(_libc.mount(os.fsencode(STAGE_ROOT), os.fsencode(STAGE_ROOT), None,
+                _check(_mount(os.fsencode(STAGE_ROOT), os.fsencode(STAGE_ROOT), None,
                                    _MS_BIND, None), f"bind {STAGE_ROOT}")  # fmt: skip
-            _check(_libc.mount(None, os.fsencode(STAGE_ROOT), None, _MS_PRIVATE, None),
+            _check(_mount(None, os.fsencode(STAGE_ROOT), None, _MS_PRIVATE, None),
                    f"make {STAGE_ROOT} private")  # fmt: skip
             _sweep(STAGE_ROOT)
             _stage_ready.append(STAGE_ROOT)
@@ -345,14 +374,12 @@ def idmapped_clone(fd: int, userns_fd: int, *, recursive: bool = True, what: str
     flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH
     if recursive:
         flags |= _AT_RECURSIVE
-    clone = _check(_libc.syscall(_SYS_OPEN_TREE, fd, b"", flags), f"open_tree {what}")
+    clone = _check(_sys_open_tree(fd, b"", flags), f"open_tree {what}")
     try:
         attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
         at = _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)
         _check(
-            _libc.syscall(
-                _SYS_MOUNT_SETATTR, clone, b"", at, ctypes.byref(attr), ctypes.sizeof(attr)
-            ),
+            _sys_mount_setattr(clone, b"", at, ctypes.byref(attr), ctypes.sizeof(attr)),
             f"idmapped mount of {what}",
         )
     except BaseException:
@@ -394,9 +421,8 @@ class StagedSources:
                 clone = idmapped_clone(fd, userns_fd, what=path)
                 try:
                     _check(
-                        _libc.syscall(
-                            _SYS_MOVE_MOUNT, clone, b"", -100, os.fsencode(point),
-                            _MOVE_MOUNT_F_EMPTY_PATH,
+                        _sys_move_mount(
+                            clone, b"", -100, os.fsencode(point), _MOVE_MOUNT_F_EMPTY_PATH
                         ),
                         f"attach {path}",
                     )  # fmt: skip

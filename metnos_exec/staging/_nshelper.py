@@ -59,7 +59,8 @@ def _open_no_symlinks(path: str) -> int:
     with ``RESOLVE_NO_SYMLINKS``, else one ``O_NOFOLLOW`` component at a time."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
     how = _OpenHow(flags, 0, 0x04 | 0x02)  # RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
-    fd = int(_libc.syscall(437, -100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how)))
+    # openat2(2): 437 on every architecture; -100: AT_FDCWD (the path is absolute).
+    fd = int(_sys_openat2(437, -100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how)))
     if fd >= 0:
         return fd
     err = ctypes.get_errno()
@@ -95,12 +96,36 @@ _SYS_MOVE_MOUNT = 429
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = (
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
+
+
+def _fn(name: str, restype: Any, *argtypes: Any) -> Any:
+    """libc's `name`, every argument typed: an undeclared int goes in as a C ``int``
+    (what `metnos_exec._libc` does for the worker; this file is run by path)."""
+    return ctypes.CFUNCTYPE(restype, *argtypes, use_errno=True)((name, _libc))
+
+
+_c_str = ctypes.c_char_p
+_mount_fn = _fn("mount", ctypes.c_int, _c_str, _c_str, _c_str, ctypes.c_ulong, _c_str)
+_umount2 = _fn("umount2", ctypes.c_int, _c_str, ctypes.c_int)
+_unshare = _fn("unshare", ctypes.c_int, ctypes.c_int)
+_sys_openat2 = _fn(
+    "syscall",
+    ctypes.c_long,
+    ctypes.c_long,
+    ctypes.c_int,
+    _c_str,
+    ctypes.POINTER(_OpenHow),
+    ctypes.c_size_t,
+)
+_sys_move_mount = _fn(
+    "syscall",
+    ctypes.c_long,
+    ctypes.c_long,
+    ctypes.c_int,
+    _c_str,
+    ctypes.c_int,
+    _c_str,
+    ctypes.c_uint,
 )
 
 
@@ -114,7 +139,7 @@ def _mount(
     source: str | None, target: str, fstype: str | None, flags: int, data: str | None
 ) -> None:
     _check(
-        _libc.mount(
+        _mount_fn(
             source.encode() if source else None,
             target.encode(),
             fstype.encode() if fstype else None,
@@ -126,13 +151,13 @@ def _mount(
 
 
 def _umount(target: str) -> None:
-    _libc.umount2(target.encode(), _MNT_DETACH)
+    _umount2(target.encode(), _MNT_DETACH)
 
 
 def _attach(mount_fd: int, target: str) -> None:
     """Attach the detached mount `mount_fd` (made by the worker, in its own namespace)
     at `target`, here."""
-    ret = _libc.syscall(
+    ret = _sys_move_mount(
         _SYS_MOVE_MOUNT, mount_fd, b"", -100, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH
     )
     _check(0 if ret == 0 else -1, f"attach a mount at {target}")
@@ -148,7 +173,7 @@ def _enter_namespaces() -> bool:
     namespace was made (overlay then keeps its metadata in ``user.`` xattrs)."""
     uid, gid = os.getuid(), os.getgid()
     userns = os.geteuid() != 0
-    _check(_libc.unshare(_CLONE_NEWNS | (_CLONE_NEWUSER if userns else 0)), "unshare")
+    _check(_unshare(_CLONE_NEWNS | (_CLONE_NEWUSER if userns else 0)), "unshare")
     if userns:
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
