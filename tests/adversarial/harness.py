@@ -221,8 +221,9 @@ class World:
 
     def listen_tcp(self, key: str, host: str = "127.0.0.1") -> int:
         """A TCP listener of the host on `host` (loopback only: see `_loopback`)."""
+        addr = _loopback(host)
         s = socket.socket(_family(host), socket.SOCK_STREAM)
-        s.bind((_loopback(host), 0))
+        s.bind((addr, 0))
         s.listen(16)
         s.setblocking(False)
         self.listeners[key] = s
@@ -231,8 +232,9 @@ class World:
 
     def listen_udp(self, key: str, host: str = "127.0.0.1") -> int:
         """A UDP socket of the host on `host`; `received` counts what reached it."""
+        addr = _loopback(host)
         s = socket.socket(_family(host), socket.SOCK_DGRAM)
-        s.bind((_loopback(host), 0))
+        s.bind((addr, 0))
         s.setblocking(False)
         self.listeners[key] = s
         port: int = s.getsockname()[1]
