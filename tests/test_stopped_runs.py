@@ -14,10 +14,15 @@ the test finds its processes from the host). Four ways its run ends:
 Each must carry the containment the run measured (the same as the control's: no axis
 "known once it runs" or "unknown until run") and its usage: CPU time and peak memory,
 as the control has them.
+
+Then the supervisor's side in process, with an arm that leaves a measured outcome when
+stopped (as the bwrap and direct arms do): the backstop's ``timed_out`` result, a
+cancelled result, and a host fault after the run (a ``job.stopped`` record) use it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -26,18 +31,31 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
+from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.brokers.sqlite import SQLiteBroker
+from metnos_exec.errors import HostFault
 from metnos_exec.logs import iter_records
+from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, Result
+from metnos_exec.sandbox._types import (
+    AxisVerdict,
+    ContainmentReport,
+    Killed,
+    SandboxJob,
+    SandboxOutcome,
+    Usage,
+    record_stopped,
+)
 from metnos_exec.sandbox.bwrap import bwrap_probe
+from metnos_exec.supervisor import Supervisor
 from tests.conftest import need
-
-pytestmark = pytest.mark.bwrap
 
 VISIBILITY_S = 3
 MiB = 1 << 20
@@ -104,6 +122,8 @@ class Runs:
 
     backend: str
     results: dict[str, Result] = field(default_factory=dict)
+    #: CPU seconds each run was seen to have burnt before it was stopped.
+    burnt: dict[str, float] = field(default_factory=dict)
     stopped: dict[str, dict[str, Any]] = field(default_factory=dict)
     log: list[dict[str, Any]] = field(default_factory=list)
 
@@ -134,12 +154,19 @@ def _serve(tmp: Path, backend: str) -> Runs:
         return anyio.run(go, backend=backend)
 
     def start(name: str, **kw: Any) -> str:
+        """Submit a run; return once it has burnt 0.3 s of CPU (noted in `Runs.burnt`:
+        the least its report may say), or has ended."""
         token = f"{stem}-{name}"
         job = Job(executor="burn", args={"token": token}, max_attempts=3, **kw)
         job_id: str = call(lambda b: b.submit(job)).job_id
         # Running, and it has burnt some CPU: a report of the run has figures to give.
         pid = _wait_until(lambda: _pids_with(token), 30, f"{name}'s process")[0]
-        _wait_until(lambda: _cpu_s(pid) >= 0.3, 30, f"{name}'s CPU time")
+
+        def burnt() -> bool:
+            runs.burnt[name] = max(runs.burnt.get(name, 0.0), _cpu_s(pid))
+            return runs.burnt[name] >= 0.3 or not os.path.exists(f"/proc/{pid}")
+
+        _wait_until(burnt, 30, f"{name}'s CPU time")
         return job_id
 
     def result(job_id: str) -> Result:
@@ -160,9 +187,7 @@ def _serve(tmp: Path, backend: str) -> Runs:
 
     try:
         # 1. The control: its own timeout.
-        job = call(lambda b: b.submit(Job(executor="burn", args={"token": f"{stem}-t"},
-                                          timeout_s=2)))  # fmt: skip
-        runs.results["timeout"] = result(job.job_id)
+        runs.results["timeout"] = result(start("timeout", timeout_s=3))
         # 2. Cancelled while it runs.
         job_id = start("cancel")
         assert call(lambda b: b.cancel(job_id)) == "cancelling"
@@ -208,17 +233,20 @@ def _states(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if k != "sandbox"}
 
 
+@pytest.mark.bwrap
 def test_the_control_times_out_with_the_measured_report(runs: Runs) -> None:
     r = runs.results["timeout"]
     assert r.status == "timed_out", r
     assert r.containment is not None and r.containment.sandbox == "bwrap"
     for axis, verdict in r.containment.axes().items():
         assert not any(w in verdict.reason for w in PLANNED), (axis, verdict)
-    assert r.usage is not None and r.usage.cpu_s is not None and r.usage.cpu_s > 0.5, r.usage
+    assert r.usage is not None and r.usage.cpu_s is not None, r.usage
+    assert r.usage.cpu_s >= runs.burnt["timeout"] > 0.1, (r.usage, runs.burnt)
     assert r.usage.peak_memory_bytes is not None, r.usage
     assert r.usage.peak_memory_bytes >= HELD_MIB * MiB, r.usage
 
 
+@pytest.mark.bwrap
 def test_a_cancelled_run_carries_what_it_measured(runs: Runs) -> None:
     control, r = runs.results["timeout"], runs.results["cancel"]
     assert r.status == "cancelled" and r.error is not None and r.error.code == "E_CANCELLED"
@@ -229,12 +257,13 @@ def test_a_cancelled_run_carries_what_it_measured(runs: Runs) -> None:
         assert not any(w in verdict.reason for w in PLANNED), (axis, verdict)
         assert verdict.state == control.containment.axes()[axis].state, (axis, verdict)
     assert r.usage is not None and control.usage is not None
-    assert r.usage.cpu_s is not None and r.usage.cpu_s >= 0.3, r.usage
+    assert r.usage.cpu_s is not None and r.usage.cpu_s >= runs.burnt["cancel"] >= 0.3, r.usage
     assert r.usage.peak_memory_bytes is not None, r.usage
     assert r.usage.peak_memory_bytes >= HELD_MIB * MiB, r.usage
     assert r.started_at is not None and r.usage.wall_s > 0
 
 
+@pytest.mark.bwrap
 @pytest.mark.parametrize("reason", ["lease_lost", "drain"])
 def test_a_run_stopped_without_a_result_says_what_it_measured(runs: Runs, reason: str) -> None:
     control = runs.results["timeout"]
@@ -245,7 +274,8 @@ def test_a_run_stopped_without_a_result_says_what_it_measured(runs: Runs, reason
     assert summary["sandbox"] == "bwrap"
     assert _states(summary) == {k: v.state for k, v in control.containment.axes().items()}
     usage = record["usage"]
-    assert usage["cpu_s"] is not None and usage["cpu_s"] >= 0.3, usage
+    key = "lease" if reason == "lease_lost" else reason
+    assert usage["cpu_s"] is not None and usage["cpu_s"] >= runs.burnt[key] >= 0.3, usage
     assert usage["peak_memory_bytes"] is not None, usage
     assert usage["peak_memory_bytes"] >= HELD_MIB * MiB, usage
     # Nothing else was said for it: no result of this worker.
@@ -253,3 +283,109 @@ def test_a_run_stopped_without_a_result_says_what_it_measured(runs: Runs, reason
         e for e in runs.log if e.get("job_id") == record["job_id"] and e["event"] == "job.finished"
     ]
     assert finished == []
+
+
+# --- the supervisor's side, in process: every stop uses what the arm measured ------------
+
+_KEPT = AxisVerdict("kept", "measured")
+MEASURED = SandboxOutcome(
+    stdout=b"",
+    stderr=b"",
+    exit=Killed(signal=9),
+    usage=Usage(wall_s=1.5, cpu_s=1.25, peak_memory_bytes=7 * MiB),
+    containment=ContainmentReport("measured", _KEPT, _KEPT, _KEPT, _KEPT, _KEPT),
+)
+PLAN = ContainmentReport(
+    "measured", *(AxisVerdict("partial", "unknown until run") for _ in range(5))
+)
+
+
+class StoppedArm:
+    """An arm whose run blocks until stopped, then leaves `MEASURED` (as the bwrap arm
+    does), or leaves it and raises a host fault (`fault`)."""
+
+    name = "measured"
+
+    def __init__(self, *, fault: bool = False) -> None:
+        self.fault = fault
+        self.started = anyio.Event()
+
+    def containment(self, job: SandboxJob) -> ContainmentReport:
+        return PLAN
+
+    async def run(self, job: SandboxJob) -> SandboxOutcome:
+        self.started.set()
+        if self.fault:
+            record_stopped(MEASURED)
+            raise HostFault("the status pipe broke after the run")
+        try:
+            await anyio.sleep_forever()
+        finally:
+            record_stopped(MEASURED)
+        raise AssertionError("unreachable")
+
+
+def _supervisor(tmp: Path, broker: MemoryBroker, arm: Any, **kw: Any) -> Supervisor:
+    root = tmp / "executors" / "echo"
+    root.mkdir(parents=True)
+    (root / "manifest.toml").write_text(
+        'name = "echo"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
+    )
+    (root / "main.py").write_text("print('{}')\n")
+
+    def choose(runtime: str, **_: Any) -> Any:
+        return SimpleNamespace(sandbox=arm, degraded=False)
+
+    return Supervisor(
+        broker,
+        ExecutorRegistry.load(tmp / "executors"),
+        worker_id="w1",
+        arm_chooser=choose,
+        predict_arm=lambda runtime: arm.name,
+        home="/nonexistent",
+        **kw,
+    )
+
+
+@pytest.mark.anyio
+async def test_the_backstop_result_carries_what_the_arm_measured(tmp_path: Path) -> None:
+    broker = MemoryBroker()
+    sup = _supervisor(tmp_path, broker, StoppedArm(), backstop_margin_s=0.05)
+    job_id = (await broker.submit(Job(executor="echo", timeout_s=0.05))).job_id
+    with anyio.fail_after(10):
+        await sup.run(burst=True)
+    r = await broker.get_result(job_id)
+    assert r is not None and r.status == "timed_out"
+    assert r.containment == MEASURED.containment and r.usage == MEASURED.usage
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_result_carries_what_the_arm_measured(tmp_path: Path) -> None:
+    broker = MemoryBroker()
+    arm = StoppedArm()
+    sup = _supervisor(tmp_path, broker, arm, heartbeat_s=0.01)
+    job_id = (await broker.submit(Job(executor="echo"))).job_id
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(sup.run, burst=True))
+        await arm.started.wait()
+        assert await broker.cancel(job_id) == "cancelling"
+        with anyio.fail_after(10):
+            r = await broker.wait_result(job_id, timeout=None)
+    assert r is not None and r.status == "cancelled"
+    assert r.containment == MEASURED.containment and r.usage == MEASURED.usage
+
+
+@pytest.mark.anyio
+async def test_a_host_fault_after_the_run_logs_what_it_measured(tmp_path: Path) -> None:
+    broker = MemoryBroker()
+    sup = _supervisor(tmp_path, broker, StoppedArm(fault=True))
+    await broker.submit(Job(executor="echo", max_attempts=1))
+    with capture_logs() as logs, anyio.fail_after(10):
+        await sup.run(burst=True)
+    [stopped] = [e for e in logs if e["event"] == "job.stopped"]
+    assert stopped["reason"] == "host_fault"
+    assert stopped["usage"] == MEASURED.usage
+    assert stopped["containment"]["sandbox"] == "measured"
+    assert {k: v for k, v in stopped["containment"].items() if k != "sandbox"} == dict.fromkeys(
+        ("files", "network", "process_tree", "user", "resources"), "kept"
+    )
