@@ -4,7 +4,8 @@ bubblewrap loads the program (``--seccomp FD``) as the very last step before it 
 guest, so it binds every process of the job and cannot be removed (seccomp filters only
 ever stack). The policy is a deny list on top of the namespaces: a call it does not name
 is allowed, and the walls around it (mounts, namespaces, no capabilities) still apply.
-A denied call fails with ``EPERM`` (``ENOSYS`` where libc needs it to fall back), so a
+A denied call fails with ``EPERM`` (``ENOSYS`` where libc needs it to fall back,
+``EACCES`` where the kernel's own rule for it answers so), so a
 guest gets a clean error rather than a kill; only a foreign ABI is killed, because its
 numbers mean other calls and no row below would apply to it.
 
