@@ -97,6 +97,8 @@ EVENTS: Mapping[str, str] = {
     "left behind; the job is a Timeout (module, wall_time_s, waited_s)",
     "job.finished": "the job reached a final result (status, exit, usage, containment)",
     "job.cancelled": "a running job was cancelled on request (before job.finished)",
+    "job.stopped": "a launched run was stopped and gets no result from this worker "
+    "(reason: drain, lease_lost, host_fault), with what it measured (usage, containment)",
     "job.retry_scheduled": "a transient failure; redelivery after delay_s (code, attempt)",
     "job.dead_lettered": "max_attempts reached; the last error is kept (code, message)",
     "job.released": "a running job was handed back un-attempted during drain",

@@ -138,6 +138,7 @@ __all__ = (
     "ProcessResult",
     "ProcessSpec",
     "Slot",
+    "Stopped",
     "become_subreaper",
     "pids_cgroup_available",
     "pooled_slot",
@@ -252,6 +253,11 @@ class ProcessResult(msgspec.Struct, frozen=True):
             ``None`` without a memory cgroup.
         oom_killed: the kernel OOM-killed a process of the tree at the memory limit.
         uid: the host uid the child ran as (a slot's own, or the worker's).
+        killed_cpu_s: for a tree that was killed (a timeout, the caller's stop): the CPU
+            time of its processes alive just before the kill, their reaped children's
+            included (``None``: it was not killed). What dies of the kill leaves no
+            rusage to anyone here; a lower bound, with `cpu_s`, of what the tree used.
+        killed_peak_rss_bytes: the same moment's largest resident high-water mark.
     """
 
     returncode: int
@@ -269,6 +275,20 @@ class ProcessResult(msgspec.Struct, frozen=True):
     memory_peak_bytes: int | None = None
     oom_killed: bool = False
     uid: int | None = None
+    killed_cpu_s: float | None = None
+    killed_peak_rss_bytes: int | None = None
+
+
+class Stopped:
+    """What was measured of a run its caller stopped (a cancelled scope, an exception)
+    after the child was spawned: `run_process` kills and reaps the tree, fills `result`
+    (``timed_out`` false; its output so far) and lets the exception go on. ``None`` when
+    nothing was spawned, or the run had ended already."""
+
+    __slots__ = ("result",)
+
+    def __init__(self) -> None:
+        self.result: ProcessResult | None = None
 
 
 # --- the spawner thread -----------------------------------------------------------------
@@ -1208,6 +1228,8 @@ class _Child:
         self.term_sent = False
         self.kill_sent = False
         self.exec_error: str | None = None
+        #: The tree's usage read just before it was killed (`_tree_usage`).
+        self.killed_usage: tuple[float, int] | None = None
 
     def close_fd(self, name: str) -> None:
         fd = self.fds.pop(name, None)
@@ -1451,10 +1473,59 @@ def _signal_tree(child: _Child, sig: int, cgroup: _Cgroup | None, *, shim: bool)
         cgroup.signal_all(sig)
 
 
+def _tree_usage(child: _Child, cgroup: _Cgroup | None) -> tuple[float, int]:
+    """CPU seconds and the largest resident high-water mark of the tree's live processes.
+
+    Read just before the tree is killed: what the processes that die of it used is lost
+    with them otherwise (a killed sandbox's init reaps nothing, so no rusage carries
+    them). Each process counts its own CPU and that of the children it reaped; the peak is
+    the largest single process (``VmHWM``), as ``ru_maxrss`` would say. The tree is the
+    cgroup's members, else the child and its descendants.
+    """
+    pids = cgroup.pids() if cgroup is not None else _descendants_of(child.pid)
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu, peak = 0.0, 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            with open(f"/proc/{pid}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue  # gone meanwhile: reaped by its parent, which counts it
+        # utime, stime, cutime, cstime: fields 14-17 of stat(5), 12-15 after the name.
+        cpu += sum(int(x) for x in fields[11:15]) / tick
+        for line in status.splitlines():
+            if line.startswith(b"VmHWM:"):
+                peak = max(peak, int(line.split()[1]) * 1024)
+                break
+    return cpu, peak
+
+
+def _descendants_of(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rpartition(b")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
 async def _terminate(child: _Child, grace: float, cgroup: _Cgroup | None, shim: bool) -> None:
     """SIGTERM the tree, wait `grace`, SIGKILL it, wait for the child to exit."""
     if child.exited:
         return
+    if child.killed_usage is None:
+        child.killed_usage = _tree_usage(child, cgroup)
     if not child.term_sent:
         child.term_sent = True
         _signal_tree(child, signal.SIGTERM, cgroup, shim=shim)
@@ -1538,6 +1609,7 @@ async def run_process(
     timeout: float,  # noqa: ASYNC109
     grace: float = 0.5,
     slot: Slot | None = None,
+    stopped: Stopped | None = None,
 ) -> ProcessResult:
     """Run `spec` to completion, or kill its whole tree at `timeout` seconds.
 
@@ -1547,6 +1619,8 @@ async def run_process(
         grace: seconds between SIGTERM and SIGKILL when the tree is killed.
         slot: a slot borrowed with `pooled_slot` (its borrower lends it again); else a
             ``cgroup_pool`` run borrows one itself.
+        stopped: filled with what the run measured when the caller stops it (see
+            `Stopped`), so that a cancelled run can still say what it used and what held.
 
     Returns:
         The result; ``timed_out`` tells a deadline kill from an ordinary exit.
@@ -1557,12 +1631,12 @@ async def run_process(
     """
     _validate(spec, timeout, grace)
     if slot is not None:
-        return await _run_in_slot(spec, slot, timeout, grace)
+        return await _run_in_slot(spec, slot, timeout, grace, stopped)
     if spec.cgroup_pool:
         async with pooled_slot() as borrowed:
             if borrowed is not None:
-                return await _run_in_slot(spec, borrowed, timeout, grace)
-    return await _run(spec, timeout, grace)
+                return await _run_in_slot(spec, borrowed, timeout, grace, stopped)
+    return await _run(spec, timeout, grace, stopped=stopped)
 
 
 def _limit_for_run(memory: _SlotMemory, limit: int | None) -> int | None:
@@ -1582,7 +1656,7 @@ def _limit_for_run(memory: _SlotMemory, limit: int | None) -> int | None:
 
 
 async def _run_in_slot(
-    spec: ProcessSpec, slot: Slot, budget_s: float, grace: float
+    spec: ProcessSpec, slot: Slot, budget_s: float, grace: float, stopped: Stopped | None
 ) -> ProcessResult:
     """`run_process` forking from `slot`'s thread: the child starts in the slot's cgroup."""
     budget = spec.pids_max + (1 if spec.reaper else 0) if spec.pids_max else None
@@ -1607,7 +1681,18 @@ async def _run_in_slot(
                 except OSError:
                     memory = None
     try:
-        result = await _run(spec, budget_s, grace, slot=slot)
+        try:
+            result = await _run(spec, budget_s, grace, slot=slot, stopped=stopped)
+        except BaseException:
+            # Stopped: what the memory cgroup counted, before the slot is drained.
+            if memory is not None and stopped is not None and stopped.result is not None:
+                with contextlib.suppress(OSError):
+                    stopped.result = msgspec.structs.replace(
+                        stopped.result,
+                        memory_limited=spec.memory_max is not None,
+                        memory_peak_bytes=memory.peak(),
+                    )
+            raise
         if memory is None:
             return result
         try:
@@ -1632,7 +1717,12 @@ async def _run_in_slot(
 
 
 async def _run(
-    spec: ProcessSpec, budget_s: float, grace: float, *, slot: Slot | None = None
+    spec: ProcessSpec,
+    budget_s: float,
+    grace: float,
+    *,
+    slot: Slot | None = None,
+    stopped: Stopped | None = None,
 ) -> ProcessResult:
     rlimits = spec.rlimits
     cgroup: _Cgroup | None
@@ -1706,7 +1796,17 @@ async def _run(
                     child.close()
                 raise
         try:
-            result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited)
+            result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited, stopped)
+        except BaseException:
+            if stopped is not None and stopped.result is not None:
+                stopped.result = msgspec.structs.replace(stopped.result, uid=uid)
+                if memory_limited and join is not None:
+                    with contextlib.suppress(OSError):
+                        peak, _ = join.memory_report()
+                        stopped.result = msgspec.structs.replace(
+                            stopped.result, memory_limited=True, memory_peak_bytes=peak
+                        )
+            raise
         finally:
             child.close()
         result = msgspec.structs.replace(result, uid=uid)
@@ -1729,6 +1829,7 @@ async def _supervise(
     grace: float,
     cgroup: _Cgroup | None,
     pids_limited: bool,
+    stopped: Stopped | None = None,
 ) -> ProcessResult:
     out, err = _Capped(spec.output_bytes), _Capped(spec.output_bytes)
     timed_out = False
@@ -1757,10 +1858,28 @@ async def _supervise(
     finally:
         if reaped is None:
             # Cancelled from outside, or something broke: the tree still dies and is
-            # reaped before the exception (cancellation included) goes on.
+            # reaped before the exception (cancellation included) goes on, and what the
+            # run used is left for the caller (`Stopped`).
             with anyio.CancelScope(shield=True):
                 await _terminate(child, grace, cgroup, spec.reaper)
-                _reap(child, cgroup)
+                _, status, rusage = _reap(child, cgroup)
+            if stopped is not None:
+                stopped.result = ProcessResult(
+                    returncode=os.waitstatus_to_exitcode(status),
+                    stdout=out.value(),
+                    stderr=err.value(),
+                    stdout_truncated=out.truncated,
+                    stderr_truncated=err.truncated,
+                    timed_out=False,
+                    wall_s=time.monotonic() - child.t0,
+                    cpu_s=rusage.ru_utime + rusage.ru_stime,
+                    peak_rss_bytes=rusage.ru_maxrss * 1024,
+                    pids_limited=pids_limited,
+                    killed_cpu_s=None if child.killed_usage is None else child.killed_usage[0],
+                    killed_peak_rss_bytes=(
+                        None if child.killed_usage is None else child.killed_usage[1]
+                    ),
+                )
     _, status, rusage = reaped
     wall = time.monotonic() - child.t0
     exec_error, fault, usage = _read_status(child)
@@ -1789,6 +1908,8 @@ async def _supervise(
         peak_rss_bytes=maxrss_kib * 1024,
         pids_limited=pids_limited,
         exec_error=exec_error,
+        killed_cpu_s=None if child.killed_usage is None else child.killed_usage[0],
+        killed_peak_rss_bytes=None if child.killed_usage is None else child.killed_usage[1],
     )
 
 

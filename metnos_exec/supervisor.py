@@ -113,6 +113,7 @@ from .sandbox._types import (
     Timeout,
     Trap,
     Usage,
+    stopped_outcomes,
 )
 from .sandbox._wasm_engine import default_cache_dir
 from .signing import TrustStore, default_verified_dir
@@ -227,6 +228,9 @@ class _Running:
     #: Its changes are being committed (and settled): keep its lease alive meanwhile, or
     #: another worker is handed the job while its folders are half changed.
     committing: bool = False
+    #: What the arm measured of its run when that was stopped from outside after launch
+    #: (a cancel, a drain, a lost lease, the backstop): usage and the containment that held.
+    measured: SandboxOutcome | None = None
 
 
 def _exit_fields(exit_: SandboxExit | None) -> dict[str, Any]:
@@ -1183,6 +1187,22 @@ class Supervisor:
             with anyio.CancelScope(shield=True):
                 await reversible.discard(restore=running.stop != "lease_lost")
 
+        measured = running.measured
+        if measured is not None and (running.stop not in (None, "cancel_requested") or fault):
+            # A run stopped once launched that gets no result here (released, lost to
+            # another worker, retried): its record says what it used and what held. A
+            # cancelled or backstopped run's result says it.
+            _log.info(
+                "job.stopped",
+                reason=running.stop or "host_fault",
+                usage=measured.usage,
+                containment=_containment_summary(measured.containment),
+            )
+
+        def stopped_report() -> ContainmentReport:
+            # A launched run's containment is the one measured, never the plan.
+            return contained(arm.containment(sjob) if measured is None else measured.containment)
+
         if running.stop == "lease_lost":
             _log.warning("lease.lost", visibility_s=self.visibility_s)
             # The broker may already have handed the job to another worker: acking or
@@ -1205,10 +1225,10 @@ class Supervisor:
                     lease,
                     "cancelled",
                     error=ErrorInfo(code="E_CANCELLED", message="the job was cancelled"),
-                    containment=contained(arm.containment(sjob)),
-                    # What is known of a run cut short: its wall time (none if it never
-                    # launched, e.g. leased ahead), as for a run the backstop ended.
-                    usage=None if started_at is None else Usage(wall_s=self.clock() - started_at),
+                    containment=stopped_report(),
+                    # What the arm measured of the run it was made to stop; else (an arm
+                    # that cannot tell) its wall time; none if it never launched.
+                    usage=_stopped_usage(measured, started_at, self.clock),
                     started_at=started_at,
                 ),
             )
@@ -1232,8 +1252,8 @@ class Supervisor:
                         code="E_TIMEOUT",
                         message=f"the job exceeded {sjob.limits.wall_time_s:g} s",
                     ),
-                    containment=contained(arm.containment(sjob)),
-                    usage=Usage(wall_s=self.clock() - started_at),
+                    containment=stopped_report(),
+                    usage=_stopped_usage(measured, started_at, self.clock),
                     started_at=started_at,
                 ),
             )
@@ -1558,10 +1578,13 @@ class Supervisor:
                     running.scope.deadline = (
                         anyio.current_time() + sjob.limits.wall_time_s + self.backstop_margin_s
                     )
-                    try:
-                        outcome = await arm.run(sjob)
-                    except (HostFault, MetnosError) as exc:
-                        fault = exc
+                    with stopped_outcomes() as stopped:
+                        try:
+                            outcome = await arm.run(sjob)
+                        except (HostFault, MetnosError) as exc:
+                            fault = exc
+                        finally:
+                            running.measured = stopped[-1] if stopped else None
                 # Before the slot is given back: a heartbeat must not act on a run that
                 # is over.
                 running.settling = True
@@ -1728,6 +1751,16 @@ def _log_recorded(entry: UndoEntry) -> None:
         blobs=sorted(entry.blobs())[:_PATHS_LOGGED],
         reverses=entry.reverses,
     )
+
+
+def _stopped_usage(
+    measured: SandboxOutcome | None, started_at: float | None, clock: Callable[[], float]
+) -> Usage | None:
+    """The usage of a run stopped from outside: measured by its arm, else its wall time
+    (``None``: it never launched)."""
+    if measured is not None:
+        return measured.usage
+    return None if started_at is None else Usage(wall_s=clock() - started_at)
 
 
 def _containment_summary(report: ContainmentReport | None) -> dict[str, Any] | None:

@@ -8,6 +8,9 @@ guest can do to itself is an ordinary `SandboxExit`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -32,6 +35,8 @@ __all__ = (
     "Trap",
     "Usage",
     "WasmProgram",
+    "record_stopped",
+    "stopped_outcomes",
 )
 
 AxisState = Literal["kept", "not_kept", "partial"]
@@ -192,6 +197,37 @@ class SandboxOutcome(msgspec.Struct, frozen=True):
     stderr_truncated: bool = False
 
 
+#: Where an arm leaves the outcome of a run stopped from outside (`stopped_outcomes`).
+_STOPPED: contextvars.ContextVar[list[SandboxOutcome] | None] = contextvars.ContextVar(
+    "metnos_exec_stopped_outcomes", default=None
+)
+
+
+@contextlib.contextmanager
+def stopped_outcomes() -> Iterator[list[SandboxOutcome]]:
+    """Collect what arms measured of runs stopped from outside while this is open.
+
+    A caller that may cancel `Sandbox.run` after launch (a cancel request, a drain, a
+    lost lease, its own backstop) opens this around the call: an arm whose launched run
+    is cancelled kills it, measures it (usage, the containment that held) and leaves the
+    outcome here (`record_stopped`) before the cancellation goes on. The list stays empty
+    when nothing was launched, or the arm cannot tell.
+    """
+    sink: list[SandboxOutcome] = []
+    token = _STOPPED.set(sink)
+    try:
+        yield sink
+    finally:
+        _STOPPED.reset(token)
+
+
+def record_stopped(outcome: SandboxOutcome) -> None:
+    """Leave `outcome` of a run stopped from outside for the caller (`stopped_outcomes`)."""
+    sink = _STOPPED.get()
+    if sink is not None:
+        sink.append(outcome)
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """One arm of the seam."""
@@ -201,6 +237,9 @@ class Sandbox(Protocol):
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
         """Run `job` to an outcome.
+
+        A run cancelled after launch leaves its measured outcome with `record_stopped`
+        (the bwrap arm does) before the cancellation goes on.
 
         Raises:
             HostFault: the harness itself broke; no verdict about the guest exists.

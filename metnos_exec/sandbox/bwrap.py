@@ -91,6 +91,7 @@ from ..process import (
     ProcessResult,
     ProcessSpec,
     Slot,
+    Stopped,
     pooled_slot,
     reap_orphan,
     run_process,
@@ -109,6 +110,7 @@ from ._types import (
     Timeout,
     Trap,
     Usage,
+    record_stopped,
 )
 from .flags import (
     MASKED_PATHS,
@@ -1118,8 +1120,12 @@ class BwrapSandbox:
                 drops_to_slot_user=place.as_slot_user and bool(place.enter),
             )
             spawned = time.monotonic()
+            stopped = Stopped()
+            interrupted: BaseException | None = None
             try:
-                result = await run_process(spec, timeout=job.limits.wall_time_s, slot=place.slot)
+                result = await run_process(
+                    spec, timeout=job.limits.wall_time_s, slot=place.slot, stopped=stopped
+                )
             except _BudgetSpent:
                 # The gate killed bubblewrap before the guest existed (`process.run` reaped
                 # it): the job's timeout, with nothing run.
@@ -1135,14 +1141,22 @@ class BwrapSandbox:
                     peak_rss_bytes=0,
                     pids_limited=False,
                 )
-            if gate is not None:
-                gate.close()  # our copy of status_w, if the gate did not run
-            else:
-                os.close(status_w)
-            status_w = -1
-            head = b"" if gate is None else gate.status_head
-            status = parse_json_status(head + _drain(status_r))
-            init = await _reap_orphaned_init(status.get("child-pid"))
+            except BaseException as exc:
+                if stopped.result is None:
+                    raise  # nothing was launched, or nothing of it could be measured
+                # Stopped from outside once launched (a cancel, a drain, a lost lease, the
+                # caller's backstop): the tree is dead and reaped. Its outcome is measured
+                # as for a run that ended, and left for the caller (`record_stopped`).
+                result, interrupted = stopped.result, exc
+            with anyio.CancelScope(shield=interrupted is not None):
+                if gate is not None:
+                    gate.close()  # our copy of status_w, if the gate did not run
+                else:
+                    os.close(status_w)
+                status_w = -1
+                head = b"" if gate is None else gate.status_head
+                status = parse_json_status(head + _drain(status_r))
+                init = await _reap_orphaned_init(status.get("child-pid"))
         finally:
             if gate is not None:
                 gate.close()  # closes status_w too
@@ -1154,28 +1168,11 @@ class BwrapSandbox:
         # The kernel told us: a process of the job was OOM-killed at the job's memory
         # limit (the memory cgroup's oom_kill counter moved). Never inferred from stderr.
         exit_ = MemoryExceeded() if result.oom_killed else map_exit(job, result, status)
-        return SandboxOutcome(
+        outcome = SandboxOutcome(
             stdout=result.stdout,
             stderr=result.stderr,
             exit=exit_,
-            usage=Usage(
-                wall_s=result.wall_s,
-                # bubblewrap's monitor reaps nothing of the guest: the guest's CPU time is
-                # in the rusage of the init, which reaped it. Without that (the init was
-                # not ours to reap) the CPU time is not known, and not guessed.
-                cpu_s=None if init is None else result.cpu_s + init.ru_utime + init.ru_stime,
-                # The tree's peak as the memory cgroup counted it, when there is one; else
-                # the largest single process the init reaped (a lower bound for a tree).
-                # Never the monitor's own ru_maxrss: it execs out of the worker's memory,
-                # so it reads the *worker's* high-water mark.
-                peak_memory_bytes=(
-                    result.memory_peak_bytes
-                    if result.memory_peak_bytes is not None
-                    else None
-                    if init is None
-                    else init.ru_maxrss * 1024
-                ),
-            ),
+            usage=_usage(result, init),
             containment=self._report(
                 job,
                 pids_enforced=result.pids_limited,
@@ -1186,6 +1183,39 @@ class BwrapSandbox:
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
         )
+        if interrupted is not None:
+            record_stopped(outcome)
+            raise interrupted
+        return outcome
+
+
+def _usage(result: ProcessResult, init: Any | None) -> Usage:
+    """What the run used, from the process layer's result and the init's rusage."""
+    # bubblewrap's monitor reaps nothing of the guest: the guest's CPU time is in the
+    # rusage of the init, which reaped it. A killed tree's processes are reaped by nobody
+    # who counts them: what they had used was read just before the kill (`killed_cpu_s`,
+    # their reaped children's included); the larger of the two lower bounds. Without
+    # either (the init was not ours to reap, the run ended by itself) the CPU time is not
+    # known, and not guessed.
+    cpu = None if init is None else result.cpu_s + init.ru_utime + init.ru_stime
+    if result.killed_cpu_s is not None:
+        cpu = max(cpu or 0.0, result.killed_cpu_s)
+    # The tree's peak as the memory cgroup counted it, when there is one; else the largest
+    # single process the init reaped, or that was alive at the kill (a lower bound for a
+    # tree). Never the monitor's own ru_maxrss: it execs out of the worker's memory, so it
+    # reads the *worker's* high-water mark.
+    peak = result.memory_peak_bytes
+    if peak is None:
+        single = [
+            n
+            for n in (
+                None if init is None else init.ru_maxrss * 1024,
+                result.killed_peak_rss_bytes,
+            )
+            if n
+        ]
+        peak = max(single) if single else None
+    return Usage(wall_s=result.wall_s, cpu_s=cpu, peak_memory_bytes=peak)
 
 
 @dataclasses.dataclass

@@ -25,7 +25,13 @@ import signal
 from typing import final
 
 from ..errors import HostFault
-from ..process import ProcessResult, ProcessSpec, pids_cgroup_available, run_process
+from ..process import (
+    ProcessResult,
+    ProcessSpec,
+    Stopped,
+    pids_cgroup_available,
+    run_process,
+)
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -38,6 +44,7 @@ from ._types import (
     Success,
     Timeout,
     Usage,
+    record_stopped,
 )
 
 __all__ = ("DirectSandbox", "direct_rlimits", "map_direct_exit")
@@ -163,16 +170,26 @@ class DirectSandbox:
             output_bytes=limits.output_bytes,
             pids_max=limits.pids,
         )
-        result = await run_process(spec, timeout=limits.wall_time_s)
+        stopped = Stopped()
+        try:
+            result = await run_process(spec, timeout=limits.wall_time_s, stopped=stopped)
+        except BaseException:
+            if stopped.result is not None:
+                # Stopped from outside once launched: what it used, for the caller.
+                record_stopped(self._outcome(job, stopped.result))
+            raise
+        return self._outcome(job, result)
+
+    def _outcome(self, job: SandboxJob, result: ProcessResult) -> SandboxOutcome:
+        # A killed tree's processes leave no rusage: what they had used was read before
+        # the kill (`ProcessResult.killed_cpu_s`); the larger lower bound.
+        cpu = max(result.cpu_s, result.killed_cpu_s or 0.0)
+        peak = max(result.peak_rss_bytes, result.killed_peak_rss_bytes or 0)
         return SandboxOutcome(
             stdout=result.stdout,
             stderr=result.stderr,
             exit=map_direct_exit(job, result),
-            usage=Usage(
-                wall_s=result.wall_s,
-                cpu_s=result.cpu_s,
-                peak_memory_bytes=result.peak_rss_bytes,
-            ),
+            usage=Usage(wall_s=result.wall_s, cpu_s=cpu, peak_memory_bytes=peak),
             containment=self.containment(job),
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,

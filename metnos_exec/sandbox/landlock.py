@@ -45,6 +45,10 @@ below a writable one (or the executor folder below the private ``/tmp``) gets wr
 rights from its parent's rule; the read-only bind still refuses the write there. Rules
 mirror guest paths, so landlock adds nothing where bubblewrap mounted the wrong thing at
 the right path. Where the kernel has no landlock, the arm runs without it and says so.
+Execute is checked at ``execve`` only, not at ``mmap``: a loader (``ld.so FILE``,
+``dlopen``) maps a written file as code in the job's own process and domain. A file of an
+internal mount (a memfd) is not judged at all: seccomp's row 24 keeps memfds
+non-executable instead.
 """
 
 from __future__ import annotations

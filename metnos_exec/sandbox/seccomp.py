@@ -4,7 +4,8 @@ bubblewrap loads the program (``--seccomp FD``) as the very last step before it 
 guest, so it binds every process of the job and cannot be removed (seccomp filters only
 ever stack). The policy is a deny list on top of the namespaces: a call it does not name
 is allowed, and the walls around it (mounts, namespaces, no capabilities) still apply.
-A denied call fails with ``EPERM`` (``ENOSYS`` where libc needs it to fall back), so a
+A denied call fails with ``EPERM`` (``ENOSYS`` where libc needs it to fall back,
+``EACCES`` where the kernel's own rule for it answers so), so a
 guest gets a clean error rather than a kill; only a foreign ABI is killed, because its
 numbers mean other calls and no row below would apply to it.
 
@@ -69,6 +70,14 @@ the threat it answers.
     ``fanotify_init``, ``move_pages``, ``migrate_pages``: EPERM. Port I/O, segment tables,
     obsolete calls, other processes' memory placement: no use in a job, a history of
     kernel bugs.
+24. ``memfd_create``, unless the flags hold ``MFD_NOEXEC_SEAL``: EACCES (what the kernel
+    answers under ``vm.memfd_noexec = 2``, the same rule; that setting is per pid
+    namespace and only a process holding ``CAP_SYS_ADMIN`` there could set it, which the
+    guest never does). A memory file lives on an internal mount, which landlock does not
+    judge: an executable one would let the job ``execve`` code it wrote (``fexecve``,
+    ``/proc/self/fd/N``) where landlock refuses every file it wrote. Sealed, it has no
+    execute bit and can never get one (``F_SEAL_EXEC``). Kernels before 6.3 do not know
+    the flag (``EINVAL``): there a job has no memory files at all.
 
 Not in the table, on purpose: ``setxattr`` and its kin (a file capability in
 ``security.capability`` needs ``CAP_SETFCAP``, which the guest never holds: tested), ``link``
@@ -134,6 +143,7 @@ def errno_action(err: int) -> int:
 
 EPERM: Final = errno_action(errno.EPERM)
 ENOSYS: Final = errno_action(errno.ENOSYS)
+EACCES: Final = errno_action(errno.EACCES)
 
 # --- conditions on the call's arguments ----------------------------------------------
 
@@ -207,6 +217,8 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 #: Personas Docker and Flatpak allow too: plain Linux, ``UNAME26``, ``PER_LINUX32``, both,
 #: and the query. Anything else (ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC, ...) is refused.
 SAFE_PERSONAS = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+#: memfd_create's flag (Linux 6.3): the file is not executable and can never become so.
+MFD_NOEXEC_SEAL = 0x8
 
 
 def _mode_has_setid(index: int) -> Masked:
@@ -217,7 +229,7 @@ def _creates(flags: int, mode: int) -> AllOf:
     return AllOf((Masked(flags, O_CREAT | O_TMPFILE_BIT), _mode_has_setid(mode)))
 
 
-#: The policy: the module docstring's table, rows 4-22 (rows 1-3 are the program's
+#: The policy: the module docstring's table, rows 4-24 (rows 1-3 are the program's
 #: prologue, see `compile_program`). Keep the two in step (a test checks the names).
 POLICY: tuple[Rule, ...] = (
     Rule(
@@ -389,6 +401,12 @@ POLICY: tuple[Rule, ...] = (
         ),
         EPERM,
         "interfaces with no use in a job and a history of kernel bugs",
+    ),
+    Rule(
+        ("memfd_create",),
+        EACCES,
+        "an executable memory file: code the job wrote, run by execve where landlock does not look",
+        when=Not(Masked(1, MFD_NOEXEC_SEAL)),
     ),
 )
 

@@ -181,6 +181,22 @@ def _tcp(world: World) -> None:
         world.ctx["port"] = world.listen_tcp("tcp")
 
 
+def _outside_listeners(world: World) -> None:
+    """The host's listeners the job's namespace must not reach (network.no_route_out)."""
+    world.ctx["outside"] = {
+        "tcp 127.0.0.2": world.listen_tcp("outside tcp4", "127.0.0.2"),
+        "tcp [::1]": world.listen_tcp("outside tcp6", "::1"),
+        "udp 127.0.0.3": world.listen_udp("outside udp", "127.0.0.3"),
+    }
+
+
+def _nothing_reached_outside(world: World, _result: Result | None) -> str | None:
+    got = {key: world.accepted(key) for key in ("outside tcp4", "outside tcp6")}
+    got["outside udp"] = world.received("outside udp")
+    reached = {k: n for k, n in got.items() if n}
+    return f"the host's listeners were reached: {reached}" if reached else None
+
+
 def _granted_tcp(world: World) -> None:
     world.ctx["granted_port"] = world.listen_tcp("granted")
 
@@ -975,18 +991,28 @@ NETWORK = [
         host_check=_no_connection("tcp"),
     ),
     Attempt(
-        "network.outside_world",
+        "network.no_route_out",
         "network",
         "own network namespace (--unshare-net)",
         r"""
-        s = socket.socket(); s.settimeout(2)
+        # The host's listeners on loopback addresses other than the one the row above
+        # tries (127.0.0.2 and ::1 over TCP, 127.0.0.3 over UDP): a job without the
+        # network reaches none of them, as it reaches no other host. A UDP send "works"
+        # into the job's own loopback: what the host received is what counts.
+        r = {}
+        for key, family, host in (("tcp 127.0.0.2", socket.AF_INET, "127.0.0.2"),
+                                  ("tcp [::1]", socket.AF_INET6, "::1")):
+            s = socket.socket(family); s.settimeout(2)
+            r[key] = attempt(lambda s=s, host=host, key=key:
+                             s.connect((host, CTX["outside"][key])))
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        r = {"tcp 1.1.1.1:53": attempt(lambda: s.connect(("1.1.1.1", 53))),
-             "udp 8.8.8.8:53": attempt(lambda: u.sendto(b"\0" * 12, ("8.8.8.8", 53))),
-             "interfaces": [n for _, n in socket.if_nameindex()]}
-        done(r["tcp 1.1.1.1:53"] == "ok" or r["udp 8.8.8.8:53"] == "ok"
-             or r["interfaces"] != ["lo"], **r)
+        udp = ("127.0.0.3", CTX["outside"]["udp 127.0.0.3"])
+        r["udp 127.0.0.3"] = attempt(lambda: u.sendto(b"\0" * 12, udp))
+        r["interfaces"] = [n for _, n in socket.if_nameindex()]
+        done(r["tcp 127.0.0.2"] == "ok" or r["tcp [::1]"] == "ok" or r["interfaces"] != ["lo"], **r)
         """,
+        setup=_outside_listeners,
+        host_check=_nothing_reached_outside,
     ),
     Attempt(
         "network.abstract_unix_socket",
@@ -1694,8 +1720,162 @@ RESOURCES = [
     ),
 ]
 
+#: What every exec row starts with: an ELF of the system (``true``) to copy, and the
+#: ways to run a file: by fd (fexecve: execveat AT_EMPTY_PATH), by path, and through a
+#: loader (``ld.so FILE``: the loader maps the file, nothing execs it). Each returns the
+#: program's exit status (0: it ran), or 100 + errno when exec refused it.
+EXEC_PREAMBLE = r"""
+        import glob, shutil, subprocess
+        TRUE = os.path.realpath(shutil.which("true"))
+        ELF = open(TRUE, "rb").read()
+        LD = sorted(glob.glob("/lib64/ld-linux*.so*") + glob.glob("/lib/ld-linux*.so*"))[0]
+
+        def fexecve(fd):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.execve(fd, ["t"], {})
+                except OSError as e:
+                    os._exit(100 + e.errno)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+        def run(argv, **kw):
+            try:
+                return subprocess.run(argv, stdin=subprocess.DEVNULL, **kw).returncode
+            except OSError as e:
+                return 100 + e.errno
+
+        def written(path, data=None, mode=0o755):
+            with open(path, "wb") as f:
+                f.write(ELF if data is None else data)
+            os.chmod(path, mode)
+            return path
+        """
+
+#: Issue 15 #13: every way a job could execute bytes it wrote. The rule that holds: exec
+#: (``execve``, ``execveat``, a script's ``#!``) starts only files of the system trees, the
+#: interpreter's prefix and the mount of the job's own command (landlock's execute
+#: right), and no memory file can be executable (seccomp row 24: ``memfd_create`` only
+#: with ``MFD_NOEXEC_SEAL``). A loader mapping a written file (``ld.so FILE``) is not
+#: refused: that is code running in the job's own process, as a ``python`` job's
+#: ``ctypes`` already allows, and it keeps the job's domain (the last row shows it).
+EXEC = [
+    Attempt(
+        "files.exec_memfd",
+        "files",
+        "seccomp (memfd_create without MFD_NOEXEC_SEAL), landlock (/proc: no execute)",
+        EXEC_PREAMBLE
+        + r"""
+        r = {}
+        for what, flags in (("memfd", 0), ("memfd cloexec", os.MFD_CLOEXEC),
+                            ("memfd MFD_EXEC", 0x10), ("memfd sealed", os.MFD_CLOEXEC | 0x8)):
+            try:
+                fd = os.memfd_create("t", flags)
+            except OSError as e:
+                r[what] = en(e)
+                continue
+            os.write(fd, ELF)
+            r[what + " chmod"] = attempt(lambda: os.fchmod(fd, 0o755))
+            r[what + " fexecve"] = fexecve(fd)
+            r[what + " /proc/self/fd"] = run([f"/proc/self/fd/{fd}"], pass_fds=(fd,))
+            r[what + " /dev/fd"] = run([f"/dev/fd/{fd}"], pass_fds=(fd,))
+            # Reopened through its magic link (a second open file of the same memory file).
+            again = attempt(lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDONLY))
+            if again == "ok":
+                r[what + " reopened fexecve"] = fexecve(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY))
+        # memfd_secret: another memory file (of a noexec internal mount).
+        sfd, err = sc("memfd_secret", 0)
+        if sfd >= 0:
+            import mmap
+            try:
+                os.ftruncate(sfd, len(ELF))
+                mmap.mmap(sfd, len(ELF))[:] = ELF  # secret memory is locked: RLIMIT_MEMLOCK
+            except OSError as e:
+                r["secret filled"] = en(e)
+            r["secret chmod"] = attempt(lambda: os.fchmod(sfd, 0o755))
+            r["secret fexecve"] = fexecve(sfd)
+        else:
+            r["secret"] = err
+        done(any(v == 0 for v in r.values()), calls=r)
+        """,
+    ),
+    Attempt(
+        "files.exec_tmpfile",
+        "files",
+        "landlock (no execute in /tmp, /dev/shm or a writable folder)",
+        EXEC_PREAMBLE
+        + r"""
+        r = {}
+        for d in ("/tmp", "/dev/shm", OWN):
+            try:
+                fd = os.open(d, os.O_TMPFILE | os.O_RDWR, 0o755)
+            except OSError as e:
+                r[d] = en(e)
+                continue
+            os.write(fd, ELF)
+            r[d + " fexecve"] = fexecve(fd)
+            r[d + " /proc/self/fd"] = run([f"/proc/self/fd/{fd}"], pass_fds=(fd,))
+            # Given a name (linkat through the magic link), then run by that name.
+            name = f"{d}/linked"
+            r[d + " linkat"] = attempt(lambda: os.link(f"/proc/self/fd/{fd}", name))
+            if r[d + " linkat"] == "ok":
+                r[d + " linked exec"] = run([name])
+        done(any(v == 0 for v in r.values()), calls=r)
+        """,
+        caps=WRITE_OWN,
+    ),
+    Attempt(
+        "files.exec_written_file",
+        "files",
+        "landlock (execute only in the system trees and the interpreter's prefix)",
+        EXEC_PREAMBLE
+        + r"""
+        r = {}
+        for d in ("/tmp", "/dev/shm", OWN):
+            t = written(d + "/t")
+            r[d + " exec"] = run([t])
+            r[d + " fexecve"] = fexecve(os.open(t, os.O_RDONLY))
+            r[d + " execveat O_PATH"] = fexecve(os.open(t, os.O_PATH))
+            # A script: the kernel execs the script itself, then its interpreter.
+            r[d + " #!/bin/sh"] = run([written(d + "/s.sh", b"#!/bin/sh\nexit 0\n")])
+            r[d + " #! written"] = run([written(d + "/s2", b"#!" + t.encode() + b"\n")])
+            # Renamed and moved about: the rule is where the file is, not its name.
+            os.rename(t, d + "/true")
+            r[d + " renamed"] = run([d + "/true"])
+            r[d + " via PATH"] = run(["true"], env={"PATH": d})
+        done(any(v == 0 for v in r.values()), calls=r)
+        """,
+        caps=WRITE_OWN,
+    ),
+    Attempt(
+        "files.loader_runs_written_elf",
+        "files",
+        "no_new_privs, seccomp and landlock bind what a loader maps (mmap is not exec)",
+        EXEC_PREAMBLE
+        + r"""
+        # `ld.so FILE` runs a written ELF without exec of it (landlock's execute right is
+        # about exec, not mmap): allowed, and worth nothing. The program it runs is still
+        # this job: the same filter, no new privileges, the same landlock domain.
+        cat = written("/tmp/cat", open(os.path.realpath(shutil.which("cat")), "rb").read())
+        sh = written("/tmp/sh", open(os.path.realpath("/bin/sh"), "rb").read())
+        t = written("/tmp/t")
+        status = subprocess.run([LD, cat, "/proc/self/status"], capture_output=True,
+                                text=True).stdout
+        got = dict(l.split(":", 1) for l in status.splitlines() if ":" in l)
+        fields = {k: got.get(k, "").strip() for k in ("Seccomp", "NoNewPrivs", "CapEff")}
+        secret = subprocess.run([LD, cat, HOME + "/secret/x"], capture_output=True).returncode
+        # The loaded shell tries to exec a written file: still refused.
+        inner = subprocess.run([LD, sh, "-c", t], capture_output=True).returncode
+        ran = run([LD, t])
+        done(fields != {"Seccomp": "2", "NoNewPrivs": "1", "CapEff": "0000000000000000"}
+             or secret == 0 or inner == 0,
+             loaded_true=ran, status=fields, secret=secret, inner_exec=inner)
+        """,
+    ),
+]
+
 #: The bwrap half: every row above, one worker.
-BWRAP = [*FILES, *HOST, *NETWORK, *PROCESS, *USER, *RESOURCES]
+BWRAP = [*FILES, *EXEC, *HOST, *NETWORK, *PROCESS, *USER, *RESOURCES]
 
 
 def is_helper(a: Attempt) -> bool:

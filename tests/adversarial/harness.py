@@ -49,6 +49,9 @@ Through = Literal["never", "root", "unprivileged", "always"]
 
 IS_ROOT = os.geteuid() == 0
 
+#: The report's ``sandbox`` for each arm the harness runs: a row's result must say it.
+ARM_REPORTED = {"bwrap": "bwrap", "direct": "none", "wasm": "wasm"}
+
 # What every Python attempt starts with: its context (paths, ports, the worker's pid) as
 # CTX, a way to report, and raw system calls by name (x86_64 and aarch64 numbers).
 PREAMBLE = r'''
@@ -171,6 +174,19 @@ class Attempt:
         return self.id.replace(".", "_")
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _loopback(host: str) -> str:
+    """`host`, when it is a loopback address: no row may aim anywhere else (the attempts
+    run on every arm, and an arm that let them out would send real packets)."""
+    import ipaddress
+
+    assert ipaddress.ip_address(host).is_loopback, f"{host} is not a loopback address"
+    return host
+
+
 @dataclass
 class World:
     """The host the attempts run against: a home with secrets, listeners, a canary."""
@@ -203,14 +219,36 @@ class World:
     def db(self) -> Path:
         return self.root / "queue" / "q.db"
 
-    def listen_tcp(self, key: str) -> int:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
+    def listen_tcp(self, key: str, host: str = "127.0.0.1") -> int:
+        """A TCP listener of the host on `host` (loopback only: see `_loopback`)."""
+        addr = _loopback(host)
+        s = socket.socket(_family(host), socket.SOCK_STREAM)
+        s.bind((addr, 0))
         s.listen(16)
         s.setblocking(False)
         self.listeners[key] = s
         port: int = s.getsockname()[1]
         return port
+
+    def listen_udp(self, key: str, host: str = "127.0.0.1") -> int:
+        """A UDP socket of the host on `host`; `received` counts what reached it."""
+        addr = _loopback(host)
+        s = socket.socket(_family(host), socket.SOCK_DGRAM)
+        s.bind((addr, 0))
+        s.setblocking(False)
+        self.listeners[key] = s
+        port: int = s.getsockname()[1]
+        return port
+
+    def received(self, key: str) -> int:
+        """Datagrams that reached UDP socket `key` (read and dropped here)."""
+        n = 0
+        while True:
+            try:
+                self.listeners[key].recv(65536)
+            except BlockingIOError:
+                return n
+            n += 1
 
     def listen_unix(self, key: str, path: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -349,6 +387,11 @@ def run_attempts(
     )
     if sandbox == "direct":
         worker_env["METNOS_SANDBOX"] = "off"
+    else:
+        # The arm the rows are about, or nothing: a worker that fell back to the direct
+        # arm (bubblewrap broken, a probe gone wrong) would run every attempt unconfined,
+        # network rows included. Required, a degraded job is refused before it runs.
+        worker_env["METNOS_REQUIRE_SANDBOX"] = "always"
     # A canary the attempts try to kill: a host process of the worker's own uid.
     world.canary = subprocess.Popen(
         ["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
@@ -477,6 +520,10 @@ def outcome_of(run: Run, a: Attempt) -> tuple[bool, str]:
     if a.id in run.dead:
         raise AssertionError(f"{a.id}: dead-lettered (a job's input became {run.dead[a.id]})")
     assert isinstance(result, Result)
+    if result.containment is not None:
+        assert result.containment.sandbox == ARM_REPORTED[run.arm], (
+            f"{a.id}: a row of the {run.arm} arm ran on {result.containment.sandbox!r}"
+        )
     evidence = run.evidence.get(a.id)
     said = result.output if isinstance(result.output, dict) else None
     if evidence is not None:
