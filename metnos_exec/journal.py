@@ -34,7 +34,9 @@ A journal is owned by the process holding its          recovering a commit that 
 ``flock``; recovery takes only unlocked journals       running in another worker
 =====================================================  ======================================
 
-Order (`order_ops`): type changes are split into a removal and a creation, then: removals of
+Order (`order_ops`): type changes are split into a removal and a creation, a new folder
+without its owner's write and search bits into its creation with them and a mode change,
+then: removals of
 files and links, new folders (parents first), moves, new and changed files and links,
 removals of folders (children first), the creations that replace those folders, folder
 mode changes (last, so a folder made read-only does not block the ops inside it; one made
@@ -120,6 +122,8 @@ __all__ = (
 _KEPT_BITS: Final = 0o1777
 _CHUNK: Final = 1024 * 1024
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The owner's bits a folder needs for entries to be made in it (write, search).
+_OWNER_WX: Final = 0o300
 #: Folder fds a `HostTree` keeps open at most (see `HostTree.dir_fd`).
 MAX_OPEN_FOLDERS: Final = 64
 
@@ -405,17 +409,34 @@ def inverse(op: UndoOp) -> UndoOp:
 
 
 def _split(op: UndoOp) -> Iterator[UndoOp]:
-    """A type change becomes a removal and a creation (never one step on the host)."""
+    """A type change becomes a removal and a creation (never one step on the host). A
+    folder made without its owner's write and search bits is made with them and given its
+    mode with the other mode changes, last: a worker that is not root could not make the
+    folder's entries in it (the commit of a job that made a read-only folder with
+    contents failed as a host fault)."""
+    pieces: tuple[UndoOp, ...] = (op,)
     if (
         isinstance(op, Put)
         and not isinstance(op.before, Absent)
         and not isinstance(op.after, Absent)
         and type(op.before) is not type(op.after)
     ):
-        yield Put(path=op.path, before=op.before, after=Absent())
-        yield Put(path=op.path, before=Absent(), after=op.after)
-    else:
-        yield op
+        pieces = (
+            Put(path=op.path, before=op.before, after=Absent()),
+            Put(path=op.path, before=Absent(), after=op.after),
+        )
+    for piece in pieces:
+        if (
+            isinstance(piece, Put)
+            and isinstance(piece.before, Absent)
+            and isinstance(piece.after, DirState)
+            and piece.after.mode & _OWNER_WX != _OWNER_WX
+        ):
+            made = msgspec.structs.replace(piece.after, mode=piece.after.mode | _OWNER_WX)
+            yield Put(path=piece.path, before=Absent(), after=made)
+            yield Put(path=piece.path, before=made, after=piece.after)
+        else:
+            yield piece
 
 
 def _depth(path: str) -> int:
@@ -880,18 +901,20 @@ def below_no_folder(path: str, found: Mapping[str, PathState]) -> bool:
 
 
 def _earlier_states(ops: Sequence[UndoOp]) -> list[tuple[PathState, ...]]:
-    """For each op, what the ops before it found at its path (its ``dst`` for a move):
-    a type change is two ops on one path, and a roll-back cut short may have put back the
-    first one's ``before`` already."""
+    """For each op, what the ops before it found and left at its path (its ``dst`` for a
+    move): a type change, or a folder made and then given its mode, is two ops on one
+    path; a crash in the first leaves half of its ``after``, and a roll-back cut short
+    may have put back its ``before`` already."""
     seen: dict[str, list[PathState]] = {}
     out: list[tuple[PathState, ...]] = []
     for op in ops:
         path = _op_path(op)
         out.append(tuple(seen.get(path, ())))
         if isinstance(op, Move):
-            seen.setdefault(op.src, []).append(op.state)
+            seen.setdefault(op.src, []).extend((op.state, Absent()))
+            seen.setdefault(op.dst, []).append(op.state)
         else:
-            seen.setdefault(path, []).append(op.before)
+            seen.setdefault(path, []).extend((op.before, op.after))
     return out
 
 

@@ -2,9 +2,10 @@
 tree as it was before or as it is after, never a mix.
 
 A mixed commit (create, replace, change a mode, delete, rename, file ↔ folder ↔ symlink,
-nested, a read-only folder, a file of several writes) is run in a child process that dies
-(``os._exit``, as a kill) just before its N-th step that changes the host or the journal
-(`metnos_exec.journal.CRASH_ENV`), for every N until the commit completes. After each
+nested, a folder made read-only, a new read-only one with contents, a file of several
+writes) is run in a child process that dies (``os._exit``, as a kill) just before its
+N-th step that changes the host or the journal (`metnos_exec.journal.CRASH_ENV`), for
+every N until the commit completes. After each
 crash the journal is recovered as a fresh worker's start does (`Staging.recover`, no result
 stored) and the tree must be byte-exactly the one from before: names, kinds, modes,
 owners, contents, link targets and the files' mtimes, no temp file left. The same for the
@@ -167,6 +168,9 @@ def mixed_ops(root: Path, store: Any) -> tuple[UndoOp, ...]:
             # a file made in a folder the job made read-only; a folder deleted whole
             Put(path=f"{r}/ro/r.txt", before=Absent(), after=new(b"r\n")),
             Put(path=f"{r}/ro", before=now("ro"), after=DirState(mode=0o555)),
+            # a read-only folder made with contents (made writable, its mode set last)
+            Put(path=f"{r}/newro", before=Absent(), after=DirState(mode=0o555)),
+            Put(path=f"{r}/newro/z", before=Absent(), after=new(b"z\n")),
             Put(path=f"{r}/gone/g1", before=now("gone/g1"), after=Absent()),
             Put(path=f"{r}/gone/g2", before=now("gone/g2"), after=Absent()),
             Put(path=f"{r}/gone", before=now("gone"), after=Absent()),
@@ -368,4 +372,6 @@ def check_after(root: Path) -> None:
     assert (root / "l2d" / "d.txt").read_bytes() == b"d\n" and os.readlink(root / "ln") == "b"
     assert stat.S_IMODE(os.lstat(root / "ro").st_mode) == 0o555
     assert (root / "ro" / "r.txt").read_bytes() == b"r\n" and not (root / "gone").exists()
+    assert stat.S_IMODE(os.lstat(root / "newro").st_mode) == 0o555
+    assert (root / "newro" / "z").read_bytes() == b"z\n"
     assert stat.S_IMODE(os.lstat(root / "tool.sh").st_mode) == 0o755

@@ -83,6 +83,14 @@ CASES: dict[str, list[list[Any]]] = {
     "folder_to_symlink": [["rmtree", "d"], ["symlink", "d", "keep.txt"]],
     "symlink_to_folder": [["rm", "l"], ["mkdir", "l"], ["write", "l/z", "z\n"]],
     "nested_folder_to_file": [["rmtree", "d/s"], ["write", "d/s", "was a folder\n"]],
+    # Not type changes, but what an unprivileged worker cannot write into: a folder it
+    # makes read-only with contents, made and taken away.
+    "new_read_only_folder_with_contents": [
+        ["mkdir", "ro/sub"],
+        ["write", "ro/sub/x", "x\n"],
+        ["chmod", "ro/sub", "555"],
+        ["chmod", "ro", "500"],
+    ],
     "nested_all_at_once": [
         ["rmtree", "d"],
         ["mkdir", "d"],
