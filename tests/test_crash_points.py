@@ -33,7 +33,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from structlog.testing import capture_logs
 
 from metnos_exec.brokers.memory import MemoryBroker
-from metnos_exec.journal import HostTree, JournalRecord, order_ops, reverse_ops
+from metnos_exec.journal import Blocked, HostTree, JournalRecord, order_ops, reverse_ops
 from metnos_exec.messages import (
     Absent,
     DirState,
@@ -48,8 +48,6 @@ from metnos_exec.messages import (
     UndoOp,
 )
 from metnos_exec.staging import Staging
-
-pytestmark = pytest.mark.anyio
 
 _REPO = Path(__file__).resolve().parent.parent
 _OLD_NS = 1_000_000_000_123_456_789
@@ -244,6 +242,7 @@ async def recover(staging: Staging, broker: MemoryBroker) -> list[tuple[str, str
     return done
 
 
+@pytest.mark.anyio
 async def test_a_crash_at_any_step_leaves_before_or_after_never_a_mix(
     tmp_path: Path, driver: Driver
 ) -> None:
@@ -375,3 +374,22 @@ def check_after(root: Path) -> None:
     assert stat.S_IMODE(os.lstat(root / "newro").st_mode) == 0o555
     assert (root / "newro" / "z").read_bytes() == b"z\n"
     assert stat.S_IMODE(os.lstat(root / "tool.sh").st_mode) == 0o755
+
+
+def test_nothing_is_below_a_file_and_a_symlink_is_never_walked(tmp_path: Path) -> None:
+    """What lets an undo look for a folder's entries where a file now is (item 6): below
+    a file nothing can be, so nothing is found; below a symlink nothing is looked at."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "f").write_bytes(b"x")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "x").write_bytes(b"outside")
+    os.symlink(tmp_path / "outside", root / "l")
+    with HostTree([str(root)]) as tree:
+        assert tree.lstat(f"{root}/f/x") is None
+        assert tree.lstat(f"{root}/f/deeper/x") is None
+        assert isinstance(tree.state(f"{root}/f/x"), Absent)
+        with pytest.raises(Blocked, match="not a plain folder"):
+            tree.lstat(f"{root}/l/x")
+        with pytest.raises(Blocked):
+            tree.split(f"{root}/f/x")  # nothing is ever made below it either
