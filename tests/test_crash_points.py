@@ -20,16 +20,12 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.abc
 import msgspec
 import pytest
-from anyio.streams.buffered import BufferedByteReceiveStream
 from structlog.testing import capture_logs
 
 from metnos_exec.brokers.memory import MemoryBroker
@@ -48,8 +44,8 @@ from metnos_exec.messages import (
     UndoOp,
 )
 from metnos_exec.staging import Staging
+from tests.helpers.crash_driver import Driver, crash_driver
 
-_REPO = Path(__file__).resolve().parent.parent
 _OLD_NS = 1_000_000_000_123_456_789
 _BIG = 1024 * 1024 + 4096  # two writes: a crash between them leaves half the content
 
@@ -90,7 +86,6 @@ def seed(root: Path) -> None:
 
     write("keep.txt", b"keep\n")
     write("mod.txt", b"old content\n", 0o640)
-    write("big.bin", b"o" * _BIG)
     write("tool.sh", b"#!/bin/sh\n")
     write("del.txt", b"delete me\n")
     write("mv.txt", b"move me\n")
@@ -139,7 +134,6 @@ def mixed_ops(root: Path, store: Any) -> tuple[UndoOp, ...]:
             Put(path=f"{r}/new.txt", before=Absent(), after=new(b"brand new\n")),
             Put(path=f"{r}/big.new", before=Absent(), after=new(b"n" * _BIG)),
             Put(path=f"{r}/mod.txt", before=now("mod.txt"), after=new(b"new content\n", 0o600)),
-            Put(path=f"{r}/big.bin", before=now("big.bin"), after=new(b"b" * _BIG)),
             Put(path=f"{r}/tool.sh", before=tool, after=msgspec.structs.replace(tool, mode=0o755)),
             Put(path=f"{r}/del.txt", before=now("del.txt"), after=Absent()),
             Put(path=f"{r}/newdir", before=Absent(), after=DirState(mode=0o750)),
@@ -188,48 +182,10 @@ def _owned(op: UndoOp, uid: int, gid: int) -> UndoOp:
     return op
 
 
-class Driver:
-    """The crash driver (`tests.helpers.crash_driver`), one request at a time."""
-
-    def __init__(self, proc: anyio.abc.Process) -> None:
-        self.proc = proc
-        assert proc.stdin is not None and proc.stdout is not None
-        self.stdin = proc.stdin
-        self.stdout = BufferedByteReceiveStream(proc.stdout)
-
-    async def __call__(self, do: str, at: int | None, **kw: Any) -> dict[str, Any]:
-        await self.stdin.send(msgspec.json.encode({"do": do, "at": at, **kw}) + b"\n")
-        with anyio.fail_after(60):
-            line = await self.stdout.receive_until(b"\n", 1 << 20)
-        answer: dict[str, Any] = msgspec.json.decode(line)
-        assert answer["status"] != "failed", answer["error"]
-        return answer
-
-    async def crash_everywhere(self, do: str, **kw: Any) -> AsyncIterator[tuple[int, str]]:
-        """Run `do` with a crash at step 0, 1, 2... until it completes; yields
-        ``(N, step)`` after each crash (the caller checks and recovers), and returns
-        once a run completed (its work done, its journal left)."""
-        n = 0
-        while True:
-            answer = await self(do, n, **kw)
-            if answer["status"] == "done":
-                return
-            yield n, answer["step"]
-            n += 1
-            assert n < 2000, "the work never completes"
-
-
 @pytest.fixture
 async def driver() -> AsyncIterator[Driver]:
-    async with await anyio.open_process(
-        [sys.executable, "-m", "tests.helpers.crash_driver"], cwd=_REPO, stderr=None
-    ) as proc:
-        try:
-            yield Driver(proc)
-        finally:
-            await proc.stdin.send(b'{"do": "quit"}\n')  # type: ignore[union-attr]
-            with anyio.fail_after(10):
-                await proc.wait()
+    async with crash_driver() as d:
+        yield d
 
 
 async def recover(staging: Staging, broker: MemoryBroker) -> list[tuple[str, str]]:

@@ -24,13 +24,20 @@ Answers: ``{"status": "crashed", "step": "mkdir"}``, ``{"status": "done"}`` or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.abc
 import msgspec
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+_REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def _commit(req: dict[str, Any]) -> None:
@@ -140,9 +147,12 @@ def _run(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    # Imported before the first fork: each child starts warm.
+    # Imported before the first fork: each child starts warm (an event loop's modules too;
+    # no thread is started here: the children are forked from a single-threaded process).
     import metnos_exec.staging
     import metnos_exec.undo  # noqa: F401
+
+    anyio.run(anyio.sleep, 0)
 
     for line in sys.stdin.buffer:
         req = msgspec.json.decode(line)
@@ -150,6 +160,55 @@ def main() -> None:
             return
         sys.stdout.buffer.write(msgspec.json.encode(_run(req)) + b"\n")
         sys.stdout.buffer.flush()
+
+
+# --- the test's side ---------------------------------------------------------------------
+
+
+class Driver:
+    """The driver process, one request at a time (see the module docstring)."""
+
+    def __init__(self, proc: anyio.abc.Process) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self.stdin = proc.stdin
+        self.stdout = BufferedByteReceiveStream(proc.stdout)
+
+    async def __call__(self, do: str, at: int | None, **kw: Any) -> dict[str, Any]:
+        """One request; its answer (a child that failed fails the test, with its error)."""
+        await self.stdin.send(msgspec.json.encode({"do": do, "at": at, **kw}) + b"\n")
+        with anyio.fail_after(60):
+            line = await self.stdout.receive_until(b"\n", 1 << 20)
+        answer: dict[str, Any] = msgspec.json.decode(line)
+        assert answer["status"] != "failed", answer["error"]
+        return answer
+
+    async def crash_everywhere(self, do: str, **kw: Any) -> AsyncIterator[tuple[int, str]]:
+        """Run `do` with a crash at step 0, 1, 2... until it completes; yields
+        ``(N, step)`` after each crash (the caller checks and recovers), and returns
+        once a run completed (its work done, its journal left)."""
+        n = 0
+        while True:
+            answer = await self(do, n, **kw)
+            if answer["status"] == "done":
+                return
+            yield n, answer["step"]
+            n += 1
+            assert n < 2000, "the work never completes"
+
+
+@contextlib.asynccontextmanager
+async def crash_driver() -> AsyncIterator[Driver]:
+    """A driver process for the length of the block."""
+    async with await anyio.open_process(
+        [sys.executable, "-m", "tests.helpers.crash_driver"], cwd=_REPO, stderr=None
+    ) as proc:
+        try:
+            yield Driver(proc)
+        finally:
+            await proc.stdin.send(b'{"do": "quit"}\n')  # type: ignore[union-attr]
+            with anyio.fail_after(10):
+                await proc.wait()
 
 
 if __name__ == "__main__":
