@@ -856,7 +856,7 @@ def rollback(
                     _step("unlink")
                     os.unlink(temp, dir_fd=parent)
         try:
-            undo = _revert_step(tree, op, earlier[index])
+            undo = _revert_step(tree, op, earlier[index], store)
         except Blocked as exc:
             if _creates(op) and below_no_folder(_op_path(op), found):
                 # Below a file or link the ops replace by a folder, which is not a folder
@@ -930,6 +930,40 @@ def _partial(current: PathState | None, target: PathState) -> bool:
     return False
 
 
+def _begins(
+    tree: HostTree, path: str, current: PathState, original: PathState, store: BlobStore | None
+) -> bool:
+    """Whether the file at `path` (`current`, shorter than `original`) holds the first
+    bytes of `original` (its blob in `store`): a restore cut short, not someone's file.
+    Anything else (a folder) is `_partial` enough."""
+    if not (isinstance(current, FileState) and isinstance(original, FileState)):
+        return True
+    if current.sha256 == original.sha256:
+        return True
+    if store is None:
+        return False
+    try:
+        blob = store.open_checked(original.sha256, original.size)
+    except BlobMissing:
+        return False
+    try:
+        fd = tree.open_file(path)
+    except (OSError, Blocked):
+        os.close(blob)
+        return False
+    try:
+        left = current.size
+        while left:
+            mine = os.read(fd, min(left, _CHUNK))
+            if not mine or os.read(blob, len(mine)) != mine:
+                return False
+            left -= len(mine)
+        return True
+    finally:
+        os.close(fd)
+        os.close(blob)
+
+
 def _any_of(current: PathState | None, states: Iterable[PathState]) -> bool:
     """Whether `current` is one of `states`, or one cut short (`_partial`)."""
     return any(same_state(current, s) or _partial(current, s) for s in states)
@@ -954,7 +988,10 @@ def _exact(tree: HostTree, current: PathState | None, expected: PathState) -> bo
 
 
 def _revert_step(
-    tree: HostTree, op: UndoOp, earlier: Sequence[PathState] = ()
+    tree: HostTree,
+    op: UndoOp,
+    earlier: Sequence[PathState] = (),
+    store: BlobStore | None = None,
 ) -> UndoOp | Conflict | None:
     """The op that reverts `op` given what the host holds now; ``None``: nothing to do.
 
@@ -988,7 +1025,11 @@ def _revert_step(
         return Conflict(op.path, "is now a special file")
     if not isinstance(current, Absent) and (
         same_state(current, op.before)
-        or (isinstance(op.after, Absent) and _partial(current, op.before))
+        or (
+            isinstance(op.after, Absent)
+            and _partial(current, op.before)
+            and _begins(tree, op.path, current, op.before, store)
+        )
     ):
         # A roll-back of `op` cut short: the content is back but not yet its mode, owner
         # or mtime, or a removed folder or file made again but not finished.

@@ -349,3 +349,29 @@ def test_nothing_is_below_a_file_and_a_symlink_is_never_walked(tmp_path: Path) -
             tree.lstat(f"{root}/l/x")
         with pytest.raises(Blocked):
             tree.split(f"{root}/f/x")  # nothing is ever made below it either
+
+
+def test_a_restore_cut_short_is_finished_and_someone_elses_file_left(tmp_path: Path) -> None:
+    """A roll-back killed while it wrote a removed file back leaves its first bytes: the
+    next one finishes it. A shorter file that does not begin so is someone else's: left,
+    and said."""
+    from metnos_exec.blobs import BlobStore
+    from metnos_exec.journal import rollback
+
+    root = tmp_path / "root"
+    root.mkdir()
+    store = BlobStore(tmp_path / "blobs")
+    original = b"the original content, all of it\n"
+    state = FileState(sha256=store.put_bytes(original), size=len(original), mode=0o644)
+    r = str(root)
+    ops = (
+        Put(path=f"{r}/a", before=state, after=Absent()),
+        Put(path=f"{r}/b", before=state, after=Absent()),
+    )
+    (root / "a").write_bytes(original[:10])  # a restore cut short
+    (root / "b").write_bytes(b"someone's")  # shorter, but not the original's beginning
+    with HostTree([r]) as tree:
+        left = rollback(tree, ops, store=store, tag="t")
+    assert (root / "a").read_bytes() == original
+    assert (root / "b").read_bytes() == b"someone's"
+    assert [c.path for c in left] == [f"{r}/b"]
