@@ -22,8 +22,11 @@ Content that an op destroys is in the blob store       a crash or a conflict hal
 before the journal is written; the journal is          way back
 written (temp file, rename) before the first op
 Every op is idempotent-checkable: a roll-back looks    a crash between two ops, or inside one
-at each path and reverts it only when it holds the
-op's ``after`` (or a partial creation of it)
+at each path and reverts it only when it holds the     (between a folder's ``mkdir`` and its
+op's ``after``, or what a crash between two of its     ``chmod``: the folder was taken for
+steps leaves (a folder made, its mode not yet set; a   someone else's, the file it replaced
+file written, its mode not yet set); a roll-back cut   lost), or inside a roll-back
+short is finished by the next (its temp files too)
 New files are created ``O_EXCL``; replaced ones go     a reader (or a crash) seeing half a
 through a temp file and ``rename``; moves are          file; a move clobbering a file that
 ``link`` + ``unlink`` (never replace)                  appeared meanwhile
@@ -34,12 +37,20 @@ settles only its own queue's and device's              job up in its own queue, 
                                                        a commit acknowledged there
 =====================================================  ======================================
 
-Order (`order_ops`): type changes are split into a removal and a creation, then: removals of
+Order (`order_ops`): type changes are split into a removal and a creation, a new folder
+without its owner's write and search bits into its creation with them and a mode change,
+then: removals of
 files and links, new folders (parents first), moves, new and changed files and links,
 removals of folders (children first), the creations that replace those folders, folder
 mode changes (last, so a folder made read-only does not block the ops inside it; one made
 writable goes first). The reverse of a list (`reverse_ops`) is the inverse of each op put
 through the same order, so undo, redo and roll-back share one code path.
+
+Crash points: every step that changes the host or a journal (a ``mkdir``, a ``chmod``, one
+``write``, a ``rename``...) is a point where a test can make the process die (`CRASH_ENV`);
+``tests/test_crash_points.py`` kills a mixed commit, its undo, the undo of that undo and a
+recovery at each of them in turn, and after the next recovery finds the tree exactly as
+before (or, once the result was stored, as after): never a mix.
 
 Durability: the journal and every new file survive a crash of the worker (page cache).
 With ``fsync=True`` the journal is flushed before the first op and every written file
@@ -57,7 +68,7 @@ import posixpath
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, NamedTuple, Protocol
@@ -82,6 +93,8 @@ from .private import private_dir
 from .sandbox.mount_sources import open_source, symlink_on_path
 
 __all__ = (
+    "CRASH_ENV",
+    "CRASH_EXIT",
     "BlobSource",
     "Blocked",
     "Conflict",
@@ -95,7 +108,9 @@ __all__ = (
     "OpConflict",
     "PAUSE_ENV",
     "apply_ops",
+    "below_no_folder",
     "conflict_message",
+    "crash_at",
     "file_state",
     "hash_fd",
     "inverse",
@@ -110,6 +125,8 @@ __all__ = (
 _KEPT_BITS: Final = 0o1777
 _CHUNK: Final = 1024 * 1024
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The owner's bits a folder needs for entries to be made in it (write, search).
+_OWNER_WX: Final = 0o300
 #: Folder fds a `HostTree` keeps open at most (see `HostTree.dir_fd`).
 MAX_OPEN_FOLDERS: Final = 64
 
@@ -138,6 +155,11 @@ class Fingerprint(NamedTuple):
 class Blocked(Exception):
     """A parent of the path is not a plain folder (a symlink, a file), or the path lies
     outside every root: it is never walked through."""
+
+
+class _NotAFolder(Blocked):
+    """A parent of the path is a file (or another entry that is neither a folder nor a
+    symlink): nothing can be at the path."""
 
 
 @dataclass(frozen=True)
@@ -220,13 +242,22 @@ class HostTree:
             fd = _open_root(root)
         else:
             parent = self.dir_fd(posixpath.dirname(folder))
+            name = posixpath.basename(folder)
             try:
-                fd = os.open(posixpath.basename(folder), _DIR_FLAGS, dir_fd=parent)
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
             except (NotADirectoryError, OSError) as exc:
                 if isinstance(exc, FileNotFoundError):
                     raise
-                # ELOOP (a symlink under O_NOFOLLOW) or ENOTDIR: never walked through.
-                raise Blocked(f"{folder} is not a plain folder ({exc.strerror})") from exc
+                # ELOOP or ENOTDIR (a symlink under O_NOFOLLOW, a file): never walked
+                # through. A file is told from a link: nothing can lie below a file, so
+                # `lstat` finds nothing there (an undo that turns a file back into a
+                # folder looks for the folder's entries first).
+                blocked = Blocked
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if not stat.S_ISLNK(st.st_mode):
+                        blocked = _NotAFolder
+                raise blocked(f"{folder} is not a plain folder ({exc.strerror})") from exc
         self._fds[folder] = fd
         # At most MAX_OPEN_FOLDERS kept: a job may create or touch any number of folders,
         # and the worker's open files are bounded (1,500 folders made a commit fail under
@@ -247,13 +278,18 @@ class HostTree:
         return self.dir_fd(posixpath.dirname(path)), posixpath.basename(path)
 
     def lstat(self, path: str) -> os.stat_result | None:
-        """The path's own lstat, or ``None`` when nothing is there (nor its parent)."""
+        """The path's own lstat, or ``None`` when nothing is there (nor its parent, or a
+        parent is a file).
+
+        Raises:
+            Blocked: a parent is a symlink.
+        """
         if path in self.roots:
             return os.fstat(self.dir_fd(path))
         try:
             parent, name = self.split(path)
             return os.stat(name, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, _NotAFolder):
             return None
 
     def state(self, path: str) -> PathState | None:
@@ -376,17 +412,34 @@ def inverse(op: UndoOp) -> UndoOp:
 
 
 def _split(op: UndoOp) -> Iterator[UndoOp]:
-    """A type change becomes a removal and a creation (never one step on the host)."""
+    """A type change becomes a removal and a creation (never one step on the host). A
+    folder made without its owner's write and search bits is made with them and given its
+    mode with the other mode changes, last: a worker that is not root could not make the
+    folder's entries in it (the commit of a job that made a read-only folder with
+    contents failed as a host fault)."""
+    pieces: tuple[UndoOp, ...] = (op,)
     if (
         isinstance(op, Put)
         and not isinstance(op.before, Absent)
         and not isinstance(op.after, Absent)
         and type(op.before) is not type(op.after)
     ):
-        yield Put(path=op.path, before=op.before, after=Absent())
-        yield Put(path=op.path, before=Absent(), after=op.after)
-    else:
-        yield op
+        pieces = (
+            Put(path=op.path, before=op.before, after=Absent()),
+            Put(path=op.path, before=Absent(), after=op.after),
+        )
+    for piece in pieces:
+        if (
+            isinstance(piece, Put)
+            and isinstance(piece.before, Absent)
+            and isinstance(piece.after, DirState)
+            and piece.after.mode & _OWNER_WX != _OWNER_WX
+        ):
+            made = msgspec.structs.replace(piece.after, mode=piece.after.mode | _OWNER_WX)
+            yield Put(path=piece.path, before=Absent(), after=made)
+            yield Put(path=piece.path, before=made, after=piece.after)
+        else:
+            yield piece
 
 
 def _depth(path: str) -> int:
@@ -492,12 +545,14 @@ def _write_content(dst: int, content: bytes | int) -> None:
     if isinstance(content, bytes):
         view = memoryview(content)
         while view:
+            _step("write")
             view = view[os.write(dst, view) :]
         return
     try:
         while chunk := os.read(content, _CHUNK):
             view = memoryview(chunk)
             while view:
+                _step("write")
                 view = view[os.write(dst, view) :]
     finally:
         os.close(content)
@@ -522,14 +577,17 @@ class _Applier:
 
     def _meta(self, fd: int, state: FileState | DirState, *, chmod: bool = True) -> None:
         if chmod:
+            _step("chmod")
             os.fchmod(fd, state.mode)
         if self.tree.as_root and state.uid is not None and state.gid is not None:
             # Most files already have their owner (made by root in root's folder): an
             # fstat is cheaper than a chown, which also rewrites the inode.
             st = os.fstat(fd)
             if (st.st_uid, st.st_gid) != (state.uid, state.gid):
+                _step("chown")
                 os.fchown(fd, state.uid, state.gid)
         if isinstance(state, FileState) and state.mtime_ns is not None:
+            _step("utime")
             os.utime(fd, ns=(state.mtime_ns, state.mtime_ns))
 
     def _new_file(
@@ -541,6 +599,7 @@ class _Applier:
         # syscall (and one inode update in the file system's journal) less per file,
         # which is a third of a small file's commit.
         exact = acl is None and _UMASK is not None and state.mode & ~_UMASK & 0o777 == state.mode
+        _step("create")
         fd = os.open(
             name,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -550,6 +609,7 @@ class _Applier:
         try:
             _write_content(fd, self.source.fetch(path, state))
             if acl is not None:
+                _step("setxattr")
                 os.setxattr(fd, _ACL, acl)
             self._meta(fd, state, chmod=not exact)
             if self.fsync:
@@ -563,7 +623,9 @@ class _Applier:
             sp, sn = tree.split(op.src)
             dp, dn = tree.split(op.dst)
             # link + unlink: never replaces what may have appeared at dst meanwhile.
+            _step("link")
             os.link(sn, dn, src_dir_fd=sp, dst_dir_fd=dp, follow_symlinks=False)
+            _step("unlink")
             os.unlink(sn, dir_fd=sp)
             return
         path, before, after = op.path, op.before, op.after
@@ -576,22 +638,28 @@ class _Applier:
         parent, name = tree.split(path)
         if isinstance(after, Absent):
             if isinstance(before, DirState):
+                _step("rmdir")
                 os.rmdir(name, dir_fd=parent)
                 tree.forget(path)
             elif not isinstance(before, Absent):
+                _step("unlink")
                 os.unlink(name, dir_fd=parent)
             return
         if isinstance(after, DirState):
             if isinstance(before, Absent):
+                _step("mkdir")
                 os.mkdir(name, 0o700, dir_fd=parent)
             self._meta(tree.dir_fd(path), after)
             return
         if isinstance(after, LinkState):
             if isinstance(before, Absent):
+                _step("symlink")
                 os.symlink(after.target, name, dir_fd=parent)
             else:
                 tmp = _temp_name(self.tag, index)
+                _step("symlink")
                 os.symlink(after.target, tmp, dir_fd=parent)
+                _step("rename")
                 os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
             return
         assert isinstance(after, FileState)
@@ -610,6 +678,7 @@ class _Applier:
             # New content goes into a new inode: the old one's ACL (named users and
             # groups) goes with it, or its owning group would gain the mask's rights.
             self._new_file(parent, tmp, path, after, acl=_acl_of(parent, name))
+            _step("rename")
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
         if self.fsync:
             self.written.add(posixpath.dirname(path))
@@ -709,6 +778,50 @@ def apply_ops(
 PAUSE_ENV: Final = "METNOS_TEST_PAUSE_COMMIT"
 
 
+#: Test hook (the crash-point tests, ``tests/test_crash_points.py``): ``N`` makes this
+#: process die (``os._exit``: no clean-up, as a kill) just before its N-th step (from 0)
+#: that changes the host or a journal (a ``mkdir``, a ``chmod``, one ``write`` of a file's
+#: content, a ``rename``...); ``NAME:K``, before the K-th step called NAME. Read at import;
+#: a test that forks sets it with `crash_at`.
+CRASH_ENV: Final = "METNOS_TEST_CRASH_AT"
+#: The exit status of a process the crash hook stopped.
+CRASH_EXIT: Final = 86
+
+
+@dataclass
+class _CrashPoint:
+    at: int
+    name: str | None
+    seen: int = 0
+
+
+_crash: _CrashPoint | None = None
+
+
+def crash_at(spec: str | None) -> None:
+    """Set this process's crash point (see `CRASH_ENV`); ``None`` or ``""``: none."""
+    global _crash
+    if not spec:
+        _crash = None
+        return
+    name, _, at = spec.rpartition(":")
+    _crash = _CrashPoint(int(at), name or None)
+
+
+def _step(name: str) -> None:
+    """The process is about to take step `name` (see `CRASH_ENV`)."""
+    point = _crash
+    if point is None or (point.name is not None and point.name != name):
+        return
+    if point.seen == point.at:
+        os.write(2, f"metnos-test-crash: before step {point.at} ({name})\n".encode())
+        os._exit(CRASH_EXIT)
+    point.seen += 1
+
+
+crash_at(os.environ.get(CRASH_ENV))
+
+
 def _pause_for_test(marker: str) -> None:
     try:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -731,16 +844,27 @@ def rollback(
     the op's ``before`` nor its ``after`` (someone else changed them)."""
     left: list[Conflict] = []
     applier = _Applier(tree, BlobSource(store), tag=f"{tag}-rb")
+    earlier = _earlier_states(applied)
+    found: dict[str, PathState] = {}
+    for op in applied:
+        found.setdefault(op.src if isinstance(op, Move) else op.path, _found_by(op))
     for index, op in reversed(list(enumerate(applied))):
         tree.release()
-        # Temp files of an interrupted replace.
+        # Temp files of an interrupted replace, and of an interrupted roll-back's.
         if isinstance(op, Put):
-            with contextlib.suppress(OSError, Blocked):
-                parent, _ = tree.split(op.path)
-                os.unlink(_temp_name(tag, index), dir_fd=parent)
+            for temp in (_temp_name(tag, index), _temp_name(f"{tag}-rb", index)):
+                with contextlib.suppress(OSError, Blocked):
+                    parent, _ = tree.split(op.path)
+                    os.stat(temp, dir_fd=parent, follow_symlinks=False)
+                    _step("unlink")
+                    os.unlink(temp, dir_fd=parent)
         try:
-            undo = _revert_step(tree, op)
+            undo = _revert_step(tree, op, earlier[index], store)
         except Blocked as exc:
+            if _creates(op) and below_no_folder(_op_path(op), found):
+                # Below a file or link the ops replace by a folder, which is not a folder
+                # (yet, or again): the op never ran, or was reverted with it.
+                continue
             left.append(Conflict(op.path if isinstance(op, Put) else op.dst, str(exc)))
             continue
         if isinstance(undo, Conflict):
@@ -753,12 +877,133 @@ def rollback(
     return left
 
 
+def _found_by(op: UndoOp) -> PathState:
+    return op.state if isinstance(op, Move) else op.before
+
+
+def _creates(op: UndoOp) -> bool:
+    """Whether `op` makes something where nothing was (a move makes its ``dst``)."""
+    return isinstance(op, Move) or isinstance(op.before, Absent)
+
+
 def _op_path(op: UndoOp) -> str:
     return op.dst if isinstance(op, Move) else op.path
 
 
-def _revert_step(tree: HostTree, op: UndoOp) -> UndoOp | Conflict | None:
-    """The op that reverts `op` given what the host holds now; ``None``: nothing to do."""
+def below_no_folder(path: str, found: Mapping[str, PathState]) -> bool:
+    """Whether a parent of `path` is, by `found` (what a list of ops finds at its paths),
+    a file or a symlink: a folder the ops make again in its place, and nothing of theirs
+    is below it until they do."""
+    parent = posixpath.dirname(path)
+    while parent != path:
+        state = found.get(parent)
+        if state is not None and not isinstance(state, DirState | Absent):
+            return True
+        path, parent = parent, posixpath.dirname(parent)
+    return False
+
+
+def _earlier_states(ops: Sequence[UndoOp]) -> list[tuple[PathState, ...]]:
+    """For each op, what the ops before it found and left at its path (its ``dst`` for a
+    move): a type change, or a folder made and then given its mode, is two ops on one
+    path; a crash in the first leaves half of its ``after``, and a roll-back cut short
+    may have put back its ``before`` already."""
+    seen: dict[str, list[PathState]] = {}
+    out: list[tuple[PathState, ...]] = []
+    for op in ops:
+        path = _op_path(op)
+        out.append(tuple(seen.get(path, ())))
+        if isinstance(op, Move):
+            seen.setdefault(op.src, []).extend((op.state, Absent()))
+            seen.setdefault(op.dst, []).append(op.state)
+        else:
+            seen.setdefault(path, []).extend((op.before, op.after))
+    return out
+
+
+def _partial(current: PathState | None, target: PathState) -> bool:
+    """Whether `current` may be `target` created in place and cut short by a crash: a
+    folder whose mode or owner is not set yet (``mkdir``, then ``chmod``, ``chown``), a
+    file shorter than it or with all of its content but not its mode or owner yet
+    (created ``O_EXCL`` and written in place). A link is made in one step."""
+    if isinstance(target, DirState):
+        return isinstance(current, DirState)
+    if isinstance(target, FileState) and isinstance(current, FileState):
+        return current.size < target.size or current.sha256 == target.sha256
+    return False
+
+
+def _begins(
+    tree: HostTree, path: str, current: PathState, original: PathState, store: BlobStore | None
+) -> bool:
+    """Whether the file at `path` (`current`, shorter than `original`) holds the first
+    bytes of `original` (its blob in `store`): a restore cut short, not someone's file.
+    Anything else (a folder) is `_partial` enough."""
+    if not (isinstance(current, FileState) and isinstance(original, FileState)):
+        return True
+    if current.sha256 == original.sha256:
+        return True
+    if store is None:
+        return False
+    try:
+        blob = store.open_checked(original.sha256, original.size)
+    except BlobMissing:
+        return False
+    try:
+        fd = tree.open_file(path)
+    except (OSError, Blocked):
+        os.close(blob)
+        return False
+    try:
+        left = current.size
+        while left:
+            mine = os.read(fd, min(left, _CHUNK))
+            if not mine or os.read(blob, len(mine)) != mine:
+                return False
+            left -= len(mine)
+        return True
+    finally:
+        os.close(fd)
+        os.close(blob)
+
+
+def _any_of(current: PathState | None, states: Iterable[PathState]) -> bool:
+    """Whether `current` is one of `states`, or one cut short (`_partial`)."""
+    return any(same_state(current, s) or _partial(current, s) for s in states)
+
+
+def _exact(tree: HostTree, current: PathState | None, expected: PathState) -> bool:
+    """`same_state`, and the metadata a roll-back restores too: the mtime when it was
+    recorded, the owner when this process restores owners."""
+    if not same_state(current, expected):
+        return False
+    if (
+        isinstance(expected, FileState)
+        and isinstance(current, FileState)
+        and expected.mtime_ns is not None
+        and current.mtime_ns != expected.mtime_ns
+    ):
+        return False
+    if tree.as_root and isinstance(expected, FileState | DirState) and expected.uid is not None:
+        assert isinstance(current, FileState | DirState)
+        return (current.uid, current.gid) == (expected.uid, expected.gid)
+    return True
+
+
+def _revert_step(
+    tree: HostTree,
+    op: UndoOp,
+    earlier: Sequence[PathState] = (),
+    store: BlobStore | None = None,
+) -> UndoOp | Conflict | None:
+    """The op that reverts `op` given what the host holds now; ``None``: nothing to do.
+
+    The host may hold `op`'s ``after`` (revert it), its ``before`` (nothing to do), or a
+    state a crash left half-way (the module table): `op` cut short (`_partial`: what it
+    was creating is removed), an earlier roll-back of `op` cut short (its ``before`` is
+    finished), or, on a path two ops change (a type change), what an earlier roll-back
+    put back for the op before it (`earlier`: left to that op).
+    """
     if isinstance(op, Move):
         src, dst = tree.lstat(op.src), tree.lstat(op.dst)
         if (
@@ -766,26 +1011,37 @@ def _revert_step(tree: HostTree, op: UndoOp) -> UndoOp | Conflict | None:
             and dst is not None
             and (src.st_ino, src.st_dev) == (dst.st_ino, dst.st_dev)
         ):
-            # Crashed between link and unlink: drop the new name.
+            # Crashed between link and unlink (of the move, or of its roll-back): drop
+            # the new name.
             return Put(path=op.dst, before=op.state, after=Absent())
         if src is None and dst is not None and same_state(tree.state(op.dst), op.state):
             return inverse(op)
-        if src is not None and dst is None:
+        if src is not None and (dst is None or _any_of(tree.state(op.dst), earlier)):
             return None
         return Conflict(op.dst, "neither where the move left it nor where it found it")
     current = tree.state(op.path)
     if same_state(current, op.after):
         return inverse(op)
-    if same_state(current, op.before):
+    if _exact(tree, current, op.before):
         return None
-    if (
-        isinstance(op.before, Absent)
-        and isinstance(op.after, FileState)
-        and isinstance(current, FileState)
-        and current.size < op.after.size
+    if current is None:
+        return Conflict(op.path, "is now a special file")
+    if not isinstance(current, Absent) and (
+        same_state(current, op.before)
+        or (
+            isinstance(op.after, Absent)
+            and _partial(current, op.before)
+            and _begins(tree, op.path, current, op.before, store)
+        )
     ):
-        # A creation cut short by the crash (new files are written in place, O_EXCL).
+        # A roll-back of `op` cut short: the content is back but not yet its mode, owner
+        # or mtime, or a removed folder or file made again but not finished.
+        return Put(path=op.path, before=current, after=op.before)
+    if isinstance(op.before, Absent) and _partial(current, op.after):
+        # A creation cut short by the crash.
         return Put(path=op.path, before=current, after=Absent())
+    if _any_of(current, earlier):
+        return None  # an earlier op's roll-back was under way: that op takes it from here
     if (
         isinstance(op.before, FileState)
         and isinstance(op.after, FileState)
@@ -849,6 +1105,7 @@ class JournalHandle:
         self.closed = True
         try:
             if remove:
+                _step("journal.remove")
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
         finally:
@@ -878,6 +1135,7 @@ class Journal:
             record = msgspec.structs.replace(record, queue=self.queue)
         final = self.folder / f"{record.id}.journal"
         tmp = self.folder / f".{record.id}.tmp"
+        _step("journal.create")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -885,6 +1143,7 @@ class Journal:
             if self.fsync:
                 os.fsync(fd)
             # Renamed only once complete: a journal that exists is a journal that parses.
+            _step("journal.rename")
             os.rename(tmp, final)
             if self.fsync:
                 dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -13,11 +13,15 @@ worker that leases it:
    device's own ledger (`metnos_exec.undo_seal.UndoLedger`), which a rewritten broker
    cannot reset;
 2. checks every path against what X left there (`check_ops`): content by SHA-256, kind,
-   link target, mode; a folder X created must hold nothing X did not put there. Any
-   difference refuses the undo with ``E_UNDO_CONFLICT`` naming the files, and nothing
-   changes (an original missing from the blob store: ``E_UNDO_UNAVAILABLE``);
+   link target, mode; a folder X created must hold nothing X did not put there; below a
+   file or link that X made of a folder nothing is looked for (the undo makes the folder
+   again first). Any difference refuses the undo with ``E_UNDO_CONFLICT`` naming the
+   files, and nothing changes (an original missing from the blob store:
+   ``E_UNDO_UNAVAILABLE``);
 3. stores what the undo destroys (X's results) as blobs, writes the commit journal and
-   applies the ops (`apply_undo`, with `metnos_exec.journal`'s rules);
+   applies the ops (`apply_undo`, with `metnos_exec.journal`'s rules: a crash at any step
+   is rolled back by the next start). What it replaces is recorded as found (mtime and
+   owner too), so a roll-back of the undo, and the undo of the undo, put it back exactly;
 4. records its own entry, the *redo* (the same ops reversed, ``reverses`` = X's entry),
    marks X's entries as undone by it (in the ledger before the first op, in the broker
    after), and acks its result; ``undo.applied`` is logged.
@@ -43,6 +47,7 @@ from .journal import (
     JournalRecord,
     OpConflict,
     apply_ops,
+    below_no_folder,
     conflict_message,
     order_ops,
     reverse_ops,
@@ -54,6 +59,7 @@ from .messages import (
     DirState,
     FileState,
     Move,
+    PathState,
     Put,
     UndoEntry,
     UndoOp,
@@ -130,9 +136,15 @@ async def entries_to_undo(broker: Broker, job_id: str, *, device: str) -> list[U
 
 
 def check_ops(
-    tree: HostTree, ops: Sequence[UndoOp]
+    tree: HostTree, ops: Sequence[UndoOp], found: dict[str, PathState] | None = None
 ) -> tuple[dict[str, Fingerprint | None], list[Conflict]]:
     """Compare the host with what `ops` expect to find (their ``before``).
+
+    A path the ops find absent below one they find as a file or a symlink (a folder the
+    job replaced, which the ops make again) is not looked at: nothing can be there.
+
+    Args:
+        found: filled with what each path checked holds (its mtime and owner too).
 
     Returns:
         The fingerprints to hold the host to while applying, and the conflicts.
@@ -142,17 +154,18 @@ def check_ops(
     removed = {op.path for op in ops if isinstance(op, Put) and isinstance(op.after, Absent)} | {
         op.src for op in ops if isinstance(op, Move)
     }
+    first: dict[str, PathState] = {}
+    for op in ops:
+        for path, state in _wanted(op):
+            first.setdefault(path, state)
     seen: set[str] = set()
     for op in ops:
-        wanted = (
-            [(op.src, op.state), (op.dst, Absent())]
-            if isinstance(op, Move)
-            else [(op.path, op.before)]
-        )
-        for path, state in wanted:
+        for path, state in _wanted(op):
             if path in seen:
                 continue  # an earlier op takes it from here
             seen.add(path)
+            if isinstance(state, Absent) and below_no_folder(path, first):
+                continue
             try:
                 st = tree.lstat(path)
                 current = tree.state(path) if st is not None else Absent()
@@ -162,6 +175,8 @@ def check_ops(
             if not same_state(current, state):
                 conflicts.append(Conflict(path, _difference(current, state)))
                 continue
+            if found is not None and current is not None:
+                found[path] = current
             expect[path] = None if st is None else Fingerprint.of(st)
             if isinstance(state, DirState) and isinstance(op, Put) and isinstance(op.after, Absent):
                 extra = sorted(
@@ -174,6 +189,13 @@ def check_ops(
                         Conflict(path, f"folder holds entries made since: {', '.join(extra[:5])}")
                     )
     return expect, conflicts
+
+
+def _wanted(op: UndoOp) -> list[tuple[str, PathState]]:
+    """The paths `op` touches, with what it expects to find there."""
+    if isinstance(op, Move):
+        return [(op.src, op.state), (op.dst, Absent())]
+    return [(op.path, op.before)]
 
 
 def missing_blobs(ops: Sequence[UndoOp], store: BlobStore) -> list[Conflict]:
@@ -298,9 +320,14 @@ def apply_undo(
         )
     tree = HostTree(roots)
     try:
-        expect, conflicts = check_ops(tree, ops)
+        found: dict[str, PathState] = {}
+        expect, conflicts = check_ops(tree, ops, found)
         if conflicts:
             raise UndoConflict(_conflict_text(entries[0].job_id, conflicts))
+        # What the undo replaces, as it is (its mtime and owner, which the entry may not
+        # hold: a commit stamps its files as it writes them): a roll-back of the undo, and
+        # the redo, put that back exactly.
+        ops = tuple(_as_found(op, found) for op in ops)
         # What the undo destroys (the job's results) is kept, for the redo.
         for op in ops:
             if isinstance(op, Put) and isinstance(op.before, FileState):
@@ -357,6 +384,20 @@ def apply_undo(
         tree.close()
         raise
     return AppliedUndo(redo, tuple(entries), handle, tree, ops, store, claim)
+
+
+def _as_found(op: UndoOp, found: dict[str, PathState]) -> UndoOp:
+    """`op` with the state it replaces as `check_ops` found it (same kind, content and
+    mode: only its mtime and owner can differ)."""
+    if isinstance(op, Move):
+        now = found.get(op.src)
+        if isinstance(now, FileState) and isinstance(op.state, FileState):
+            return Move(src=op.src, dst=op.dst, state=now)
+        return op
+    now = found.get(op.path)
+    if now is not None and type(now) is type(op.before) and same_state(now, op.before):
+        return Put(path=op.path, before=now, after=op.after)
+    return op
 
 
 def _conflict_text(job_id: str, conflicts: Sequence[Conflict]) -> str:
