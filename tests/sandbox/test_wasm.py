@@ -19,6 +19,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -1305,3 +1306,26 @@ async def test_cpu_time_budget_stops_a_spinning_guest(arm: WasmSandbox) -> None:
     assert out.exit == Killed(signal.SIGXCPU, "cpu_time"), out
     assert time.monotonic() - t0 < 10
     assert out.usage.cpu_s is not None and 0.9 <= out.usage.cpu_s < 3.0, out.usage
+
+
+@pytest.mark.anyio
+async def test_a_job_waits_for_the_preload_only_within_its_wall_time(tmp_path: Path) -> None:
+    # Issue 15, item 10: the first job on a fresh worker waited 52 s for the worker's own
+    # preload of its module, outside its 20 s budget. Now the wait counts against it.
+    need(HAVE_ENGINE, NO_ENGINE)
+    src = _slow_module(tmp_path, functions=60, locals_=3000)
+    arm = WasmSandbox(cache_dir=tmp_path / "cache")
+    job = SandboxJob(wasm=WasmProgram(str(src)), limits=ResourceLimits(fuel=FUEL, wall_time_s=1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(arm.preload, python=False, modules=(str(src),)))
+        with anyio.fail_after(10):
+            while not _guest_processes():  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        t0 = time.monotonic()
+        with anyio.fail_after(1 + KILL_AFTER_S + 5):
+            out = await arm.run(job)
+        assert time.monotonic() - t0 < 1 + WATCHDOG_SLACK_S + 1.5
+        assert out.exit == Timeout(), out
+        assert "compil" in out.containment.resources.reason
+        tg.cancel_scope.cancel()
+    assert not _guest_processes()
