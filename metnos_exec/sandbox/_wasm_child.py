@@ -246,7 +246,12 @@ class _Verdict:
                 os.write(self.fd, text)
 
     def give(self, verdict: dict[str, Any]) -> None:
-        data = (json.dumps(verdict) + "\n").encode()[:4000]
+        # One write under PIPE_BUF: messages (which may quote a module's import names)
+        # are cut so that the line stays whole JSON.
+        for k in ("denied", "fault"):
+            if k in verdict:
+                verdict[k] = str(verdict[k])[:2000]
+        data = (json.dumps(verdict) + "\n").encode()
         with self.lock:
             if self.given:
                 return
@@ -461,7 +466,13 @@ def _run(wt: ModuleType, req: dict[str, Any], stdin: bytes, verdict: _Verdict) -
         # guest's); the epoch callback stops a guest in wasm code at the budget itself.
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = math.ceil(used.ru_utime + used.ru_stime + cpu_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+        resource.setrlimit(
+            resource.RLIMIT_CPU,
+            (soft, soft + 1 if hard == resource.RLIM_INFINITY else min(soft + 1, hard)),
+        )
     stop = _Stop(deadline, cpu_s)
     callback = _install_deadline(wt, store, stop)
     bind_stop_check(stop)

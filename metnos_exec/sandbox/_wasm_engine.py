@@ -1,8 +1,12 @@
-"""The wasmtime engine behind the wasm arm: one engine, one epoch ticker, a module cache.
+"""An in-process wasmtime engine: one engine, one epoch ticker, a module cache.
 
-Private to the wasm arm. Everything here imports `wasmtime` lazily through
-`load_wasmtime()` so that `metnos_exec.sandbox.wasm` still imports (and answers
-`E_TOOL_UNAVAILABLE`) on a machine without the engine.
+Private to the wasm arm, which no longer runs guests with it: each job's load and run
+happen in a process of its own (`_wasm_child`, which defines the engine flags, the cache
+key and the WASI p1 list this module shares). Kept for the benchmark (cold compile and
+cache-hit figures) and the cache tests, and for the arm's helpers (`default_cache_dir`,
+`load_wasmtime`, `wasmtime_version`, `_refuse_oversized`). Everything here imports
+`wasmtime` lazily through `load_wasmtime()` so that `metnos_exec.sandbox.wasm` still
+imports (and answers `E_TOOL_UNAVAILABLE`) on a machine without the engine.
 
 Compiled modules are cached twice: in memory (a `Module` and its `InstancePre`, so a job
 never recompiles nor re-links) and on disk (`Module.serialize()` output, so a restarted

@@ -502,7 +502,7 @@ class WasmSandbox:
             # Stopped where no epoch check reaches: the process was ended, so nothing of
             # the guest goes on; the report says where it was.
             what = (
-                "the guest was blocked in a host call at its wall deadline"
+                "the guest was in a host call (blocked: a FIFO, a slow file) at its wall deadline"
                 if stopped_in == "run"
                 else "the module was still loading (compiling) at the wall deadline: the "
                 "compile counts against the job's wall time"
@@ -700,7 +700,12 @@ class WasmSandbox:
         verdict: dict[str, Any] | None = None
         for line in lines:
             if line.startswith(b"{"):
-                verdict = json.loads(line)
+                try:
+                    verdict = json.loads(line)
+                except ValueError as exc:
+                    raise HostFault(
+                        f"wasm arm: unreadable verdict from the guest's process: {exc}"
+                    ) from None
         if verdict is not None and "denied" in verdict:
             with _keys_lock:
                 _denied[key] = str(verdict["denied"])

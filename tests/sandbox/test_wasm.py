@@ -1329,3 +1329,19 @@ async def test_a_job_waits_for_the_preload_only_within_its_wall_time(tmp_path: P
         assert "compil" in out.containment.resources.reason
         tg.cancel_scope.cancel()
     assert not _guest_processes()
+
+
+@pytest.mark.anyio
+async def test_a_refusal_quoting_a_huge_import_name_is_still_a_refusal(
+    arm: WasmSandbox, tmp_path: Path
+) -> None:
+    # The refusal names the import, which the module chooses: its verdict line from the
+    # guest's process must stay one whole line (PIPE_BUF), not a host fault.
+    name = "x" * 20_000
+    src = tmp_path / "long_import.wat"
+    src.write_text(
+        f'(module (import "wasi_snapshot_preview1" "{name}" (func))'
+        ' (memory (export "memory") 1) (func (export "_start")))'
+    )
+    with pytest.raises(SandboxDenied, match="imports"):
+        await arm.run(SandboxJob(wasm=WasmProgram(str(src)), limits=ResourceLimits(fuel=FUEL)))
