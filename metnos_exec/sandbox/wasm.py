@@ -678,7 +678,7 @@ class WasmSandbox:
                 ],
             }
             spec = ProcessSpec(
-                argv=(sys.executable, "-I", _CHILD_PATH),
+                argv=(sys.executable, "-I", "-S", _CHILD_PATH, self._wasmtime_path()),
                 env={},
                 stdin=json.dumps(request).encode() + b"\n" + stdin,
                 rlimits=rlimits,
@@ -710,6 +710,14 @@ class WasmSandbox:
             with _keys_lock:
                 _denied[key] = str(verdict["denied"])
         return _Ran(verdict, loaded, proc)
+
+    def _wasmtime_path(self) -> str:
+        """The folder holding the `wasmtime` package (the guest's process runs without
+        ``site``, so it is put on its path explicitly)."""
+        wt = self._require_wasmtime()
+        if wt.__file__ is None:
+            raise ToolUnavailable("the wasm arm needs wasmtime installed as files (no __file__)")
+        return str(Path(wt.__file__).resolve().parent.parent)
 
     def _ready_cache(self) -> Path:
         """The disk cache folder, private to this user (created on first use)."""
