@@ -24,6 +24,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from metnos_exec.errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from metnos_exec.manifest import load_manifest
@@ -1204,9 +1205,12 @@ async def test_a_guest_blocked_in_a_host_call_never_runs_after_its_timeout(
     # when its open returned it went on and wrote into its preopen after the job ended
     # (onto a folder already committed or restored).
     threads = set(threading.enumerate())
-    with anyio.fail_after(20):
+    with capture_logs() as logs, anyio.fail_after(20):
         out = await arm.run(_fifo_job(tmp_path, 0.5))
     assert out.exit == Timeout(), out
+    killed = [r for r in logs if r["event"] == "sandbox.guest_killed"]
+    assert [(r["why"], r["stopped_in"]) for r in killed] == [("timeout", "run")], logs
+    assert "host call" in out.containment.resources.reason
     assert (tmp_path / "started").exists()  # it did reach the open
     resumed = await _guest_resumes(tmp_path)
     assert not resumed, "the guest wrote into its preopen after its result"
@@ -1221,11 +1225,13 @@ async def test_a_guest_blocked_in_a_host_call_never_runs_after_its_cancel(
     arm: WasmSandbox, tmp_path: Path
 ) -> None:
     job = _fifo_job(tmp_path, 30.0)
-    with anyio.fail_after(20):
+    with capture_logs() as logs, anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             tg.start_soon(arm.run, job)
             await _wait_for(tmp_path / "started", 15)
             tg.cancel_scope.cancel()
+    # A cancelled guest leaves a record too (an abandoned one left none).
+    assert [r["why"] for r in logs if r["event"] == "sandbox.guest_killed"] == ["cancelled"]
     resumed = await _guest_resumes(tmp_path)
     assert not resumed, "the cancelled guest wrote into its preopen after the cancel"
 
