@@ -522,6 +522,17 @@ class WasmSandbox:
                     f"{containment.resources.reason}; {what}; its process was killed",
                 ),
             )
+        loaded = verdict.get("loaded") or {}
+        if loaded.get("how") == "compiled":
+            # Said, so that a slow compile (counted in the wall time) is not a mystery.
+            containment = msgspec.structs.replace(
+                containment,
+                resources=AxisVerdict(
+                    containment.resources.state,
+                    f"{containment.resources.reason}; the module was compiled for this job "
+                    f"({float(loaded.get('load_s', 0.0)):.2f} s of its wall time)",
+                ),
+            )
         peak = verdict.get("peak")
         tables = verdict.get("tables") or []
         if not isinstance(exit_, (Success, FuelExhausted, Timeout, Killed)):

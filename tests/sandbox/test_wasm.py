@@ -806,6 +806,12 @@ async def test_preload_fills_the_cache_before_any_job(tmp_path: Path) -> None:
     assert how == "disk"
     out = await arm.run(SandboxJob(wasm=WasmProgram(str(src)), limits=ResourceLimits(fuel=FUEL)))
     assert out.exit == Success()
+    assert "compiled for this job" not in out.containment.resources.reason
+    # A job that compiles its module says so, with the seconds its wall time paid.
+    cold = WasmSandbox(cache_dir=tmp_path / "cold")
+    out = await cold.run(SandboxJob(wasm=WasmProgram(str(src)), limits=ResourceLimits(fuel=FUEL)))
+    assert out.exit == Success()
+    assert "the module was compiled for this job" in out.containment.resources.reason
     assert len(list((tmp_path / "cache").glob("*.cwasm"))) == 1
 
 
