@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             mem.append(again.seconds)
         report["cache_hit_load_ms"] = {"disk": _median_ms(disk), "memory": _median_ms(mem)}
 
-        arm = WasmSandbox(cache_dir=cache, engine=engine)
+        arm = WasmSandbox(cache_dir=cache)
 
         async def measure() -> None:
             report["latency"] = await _latency(arm, opts.rounds, opts.warmup)

@@ -93,8 +93,9 @@ EVENTS: Mapping[str, str] = {
     "capability.inactive": "a declared capability grants nothing for this job (detail)",
     "job.started": "the sandbox arm was chosen and the executor launched (timeout_s)",
     "sandbox.degraded": "the kernel wall is down; requested/used arm, reason, axes_lost",
-    "sandbox.guest_abandoned": "a wasm guest blocked in a host call past its wall time was "
-    "left behind; the job is a Timeout (module, wall_time_s, waited_s)",
+    "sandbox.guest_killed": "a wasm guest's process was killed where no epoch check could "
+    "stop it: blocked in a host call or still compiling at its wall deadline, or its job "
+    "cancelled (module, why, stopped_in, waited_s)",
     "job.finished": "the job reached a final result (status, exit, usage, containment)",
     "job.cancelled": "a running job was cancelled on request (before job.finished)",
     "job.stopped": "a launched run was stopped and gets no result from this worker "

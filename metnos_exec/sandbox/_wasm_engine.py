@@ -1,8 +1,12 @@
-"""The wasmtime engine behind the wasm arm: one engine, one epoch ticker, a module cache.
+"""An in-process wasmtime engine: one engine, one epoch ticker, a module cache.
 
-Private to the wasm arm. Everything here imports `wasmtime` lazily through
-`load_wasmtime()` so that `metnos_exec.sandbox.wasm` still imports (and answers
-`E_TOOL_UNAVAILABLE`) on a machine without the engine.
+Private to the wasm arm, which no longer runs guests with it: each job's load and run
+happen in a process of its own (`_wasm_child`, which defines the engine flags, the cache
+key and the WASI p1 list this module shares). Kept for the benchmark (cold compile and
+cache-hit figures) and the cache tests, and for the arm's helpers (`default_cache_dir`,
+`load_wasmtime`, `wasmtime_version`, `_refuse_oversized`). Everything here imports
+`wasmtime` lazily through `load_wasmtime()` so that `metnos_exec.sandbox.wasm` still
+imports (and answers `E_TOOL_UNAVAILABLE`) on a machine without the engine.
 
 Compiled modules are cached twice: in memory (a `Module` and its `InstancePre`, so a job
 never recompiles nor re-links) and on disk (`Module.serialize()` output, so a restarted
@@ -18,10 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import os
-import platform
-import stat
 import tempfile
 import threading
 import time
@@ -34,6 +35,17 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HostFault, SandboxDenied
 from ..private import private_dir
+from ._wasm_child import (
+    ENGINE_FLAGS,
+    EPOCH_TICK_S,
+    MAX_MODULE_BYTES,
+    WASI_P1,
+    WASI_P1_FUNCS,
+    Refused,
+    cache_key,
+    check_complexity,
+    trusted_file,
+)
 from ._wasm_poll import install_poll_oneoff
 
 if TYPE_CHECKING:
@@ -42,25 +54,12 @@ if TYPE_CHECKING:
 __all__ = (
     "ENGINE_FLAGS",
     "EPOCH_TICK_S",
+    "MAX_MODULE_BYTES",
     "WasmEngine",
     "default_cache_dir",
     "load_wasmtime",
     "wasmtime_version",
 )
-
-#: Seconds between two epoch ticks. The timeout and cancellation latency is one tick.
-EPOCH_TICK_S = 0.01
-
-#: The engine configuration, spelled out because it is part of the disk-cache key: a
-#: module compiled with fuel metering is different machine code from one without.
-ENGINE_FLAGS = "consume_fuel=1;epoch_interruption=1;opt=speed"
-#: The largest module file loaded (python.wasm is 26 MB). A bigger one is refused from
-#: its size, before a byte is read: a 1 GB file cost the worker 2.1 GB and 7 s, outside
-#: any job's wall clock.
-MAX_MODULE_BYTES = 256 * 1024 * 1024
-
-#: The only import module a WASI preview 1 guest may link against.
-WASI_P1 = "wasi_snapshot_preview1"
 
 
 def _refuse_oversized(source: Path, size: int) -> None:
@@ -202,12 +201,7 @@ class WasmEngine:
         with source.open("rb") as f:
             data = f.read(MAX_MODULE_BYTES + 1)
         _refuse_oversized(source, len(data))
-        h = hashlib.sha256()
-        h.update(data)
-        h.update(b"\0" + self.version.encode())
-        h.update(b"\0" + ENGINE_FLAGS.encode())
-        h.update(b"\0" + platform.machine().encode())
-        return h.hexdigest()[:40], data
+        return cache_key(data, self.version), data
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self._lock:
@@ -275,17 +269,18 @@ class WasmEngine:
     ) -> tuple[wasmtime.Module, str]:
         wt = self.wt
         target = cache_dir / f"{key}.cwasm" if cache_dir is not None else None
-        if target is not None and _trusted_file(target):
+        if target is not None and trusted_file(target):
             try:
                 return wt.Module.deserialize_file(self.engine, str(target)), "disk"
             except wt.WasmtimeError:
                 # A truncated or foreign-version file: recompile and overwrite it below.
                 pass
         try:
-            if source.suffix == ".wat":
-                module = wt.Module(self.engine, data.decode("utf-8"))
-            else:
-                module = wt.Module(self.engine, data)
+            binary = wt.wat2wasm(data.decode("utf-8")) if source.suffix == ".wat" else data
+            check_complexity(bytes(binary), source.name)
+            module = wt.Module(self.engine, binary)
+        except Refused as exc:
+            raise SandboxDenied(str(exc)) from None
         except (wt.WasmtimeError, UnicodeDecodeError) as exc:
             # The executor's module, the same on every worker: a refusal, not a fault of
             # this host to be retried elsewhere.
@@ -303,7 +298,7 @@ class WasmEngine:
         refusal names what was asked for, instead of relaying the linker's message."""
         wt = self.wt
         for imp in module.imports:
-            if imp.module != WASI_P1 or imp.name is None or not _is_wasi_p1(imp.name):
+            if imp.module != WASI_P1 or imp.name is None or imp.name not in WASI_P1_FUNCS:
                 return None, (
                     f"wasm module {source.name} imports `{imp.module}::{imp.name}`, which "
                     "this sandbox does not provide (WASI preview 1 only; no sockets can "
@@ -367,79 +362,6 @@ def close_engines() -> None:
 
 
 atexit.register(close_engines)
-
-
-#: Every function wasmtime's WASI preview 1 implementation defines. Socket *creation*
-#: (`sock_open`, `sock_connect`, `sock_bind`, `sock_listen`) is absent on purpose upstream,
-#: so a guest importing one fails here with `E_SANDBOX_DENIED`.
-_WASI_P1_FUNCS = frozenset(
-    [
-        "args_get",
-        "args_sizes_get",
-        "environ_get",
-        "environ_sizes_get",
-        "clock_res_get",
-        "clock_time_get",
-        "fd_advise",
-        "fd_allocate",
-        "fd_close",
-        "fd_datasync",
-        "fd_fdstat_get",
-        "fd_fdstat_set_flags",
-        "fd_fdstat_set_rights",
-        "fd_filestat_get",
-        "fd_filestat_set_size",
-        "fd_filestat_set_times",
-        "fd_pread",
-        "fd_prestat_get",
-        "fd_prestat_dir_name",
-        "fd_pwrite",
-        "fd_read",
-        "fd_readdir",
-        "fd_renumber",
-        "fd_seek",
-        "fd_sync",
-        "fd_tell",
-        "fd_write",
-        "path_create_directory",
-        "path_filestat_get",
-        "path_filestat_set_times",
-        "path_link",
-        "path_open",
-        "path_readlink",
-        "path_remove_directory",
-        "path_rename",
-        "path_symlink",
-        "path_unlink_file",
-        "poll_oneoff",
-        "proc_exit",
-        "proc_raise",
-        "sched_yield",
-        "random_get",
-        "sock_accept",
-        "sock_recv",
-        "sock_send",
-        "sock_shutdown",
-    ]
-)
-
-
-def _is_wasi_p1(name: str) -> bool:
-    return name in _WASI_P1_FUNCS
-
-
-def _trusted_file(path: Path) -> bool:
-    """True when `path` and its folder are ours and nobody else can write them."""
-    try:
-        dst = path.parent.stat()
-        fst = path.stat()
-    except OSError:
-        return False
-    uid = os.getuid()
-    for st in (dst, fst):
-        if st.st_uid != uid or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return stat.S_ISREG(fst.st_mode)
 
 
 def _write_atomically(target: Path, blob: bytes) -> None:

