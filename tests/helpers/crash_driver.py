@@ -15,8 +15,9 @@ Requests (``at``: the crash point, ``null`` for none):
 - ``{"do": "undo", "at": N, "state": DIR, "entries": [UndoEntry], "undo_job_id": ID,
   "device": NAME, "redo_out": FILE}``: `apply_undo`, as the worker's undo job does (the
   redo entry it made written to FILE, when given);
-- ``{"do": "recover", "at": N, "state": DIR}``: `Staging.recover` with an empty broker
-  (no result stored: every journal is rolled back).
+- ``{"do": "recover", "at": N, "state": DIR, "jobs": [Job]}``: `Staging.recover` with a
+  broker of the jobs' queue that knows `jobs` but stores no result (every journal is
+  rolled back; a journal naming no queue is settled only by a queue that knows its job).
 
 Answers: ``{"status": "crashed", "step": "mkdir"}``, ``{"status": "done"}`` or
 ``{"status": "failed", "error": "..."}``.
@@ -82,8 +83,10 @@ def _undo(req: dict[str, Any]) -> None:
     from metnos_exec.undo import apply_undo
 
     state = Path(req["state"])
+    entries = msgspec.convert(req["entries"], list[UndoEntry])
     applied = apply_undo(
-        msgspec.convert(req["entries"], list[UndoEntry]),
+        entries,
+        job_id=entries[0].job_id,
         undo_job_id=req["undo_job_id"],
         device=req["device"],
         store=BlobStore(state / "blobs"),
@@ -97,10 +100,17 @@ def _recover(req: dict[str, Any]) -> None:
     import anyio
 
     from metnos_exec.brokers.memory import MemoryBroker
+    from metnos_exec.messages import Job
     from metnos_exec.staging import Staging
 
+    async def main() -> None:
+        broker = MemoryBroker()
+        for job in msgspec.convert(req.get("jobs", []), list[Job]):
+            await broker.submit(job)
+        await staging.recover(broker)
+
     staging = Staging(req["state"], overlay=False)
-    anyio.run(staging.recover, MemoryBroker())
+    anyio.run(main)
 
 
 _WORK = {"commit": _commit, "undo": _undo, "recover": _recover}

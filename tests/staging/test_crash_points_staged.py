@@ -22,6 +22,7 @@ import pytest
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.client import Client
 from metnos_exec.journal import JournalRecord, reverse_ops
+from metnos_exec.messages import Job
 from tests.helpers.crash_driver import crash_driver
 from tests.test_crash_points import recover, snapshot
 
@@ -80,7 +81,8 @@ async def test_a_crash_at_any_step_of_a_real_commit_is_rolled_back(world: World)
         job_id=result.job_id, entry_id=entry.id, roots=entry.roots, ops=reverse_ops(entry.ops)
     )
     state = str(world.staging.state_dir)
-    no_result = MemoryBroker()
+    no_result = MemoryBroker()  # the job's queue, its result not stored
+    await no_result.submit(Job(id=result.job_id, executor="edit"))
     crashed = 0
     async with crash_driver() as driver:
         async for n, step in driver.crash_everywhere(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from metnos_exec.brokers.base import Broker
+from metnos_exec.brokers.base import Broker, JobState
 from metnos_exec.journal import reverse_ops
 from metnos_exec.messages import Job, Result
 from metnos_exec.staging import default_state_dir
@@ -60,6 +61,14 @@ def queue_id_of(url: str) -> str:
     return str(with_broker(url, get))
 
 
+def lease_lapsed(url: str, job_id: str) -> bool:
+    async def get(broker: Broker) -> JobState | None:
+        return await broker.get_job_state(job_id)
+
+    state = with_broker(url, get)
+    return state is not None and (state.lease_until or 0.0) < time.time()
+
+
 def _run(workers: Workers, url: str, wid: str, *extra: str) -> Path:
     """A burst worker on `url` (it serves what is queued, then exits 0)."""
     workers.url = url
@@ -91,7 +100,9 @@ def test_a_half_commit_is_left_to_its_own_queue(tmp_path: Path) -> None:
         assert "another queue" in skipped[0]["reason"]
         assert snapshot(notes) == half
 
-        # q1's own worker settles it (rolled back: never acknowledged), then reruns it.
+        # q1's own worker settles it (rolled back: never acknowledged), then reruns it,
+        # once the dead worker's lease has lapsed (a burst worker leases what it can now).
+        wait_until(lambda: lease_lapsed(q1, job.id), 30, "the dead worker's lease to lapse")
         log = _run(workers, q1, "Q1", *common)
         recovered = events(log, event="journal.recovered")
         assert [(r["job_id"], r["action"]) for r in recovered] == [(job.id, "rolled_back")]
