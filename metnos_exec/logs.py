@@ -93,6 +93,10 @@ EVENTS: Mapping[str, str] = {
     "capability.inactive": "a declared capability grants nothing for this job (detail)",
     "job.started": "the sandbox arm was chosen and the executor launched (timeout_s)",
     "sandbox.degraded": "the kernel wall is down; requested/used arm, reason, axes_lost",
+    "egress.allowed": "the network wall relayed a connection of the job (host, port, via, "
+    "address, sent, received, reason)",
+    "egress.refused": "the network wall refused a connection or DNS question of the job "
+    "(host, port, via, reason)",
     "sandbox.guest_abandoned": "a wasm guest blocked in a host call past its wall time was "
     "left behind; the job is a Timeout (module, wall_time_s, waited_s)",
     "job.finished": "the job reached a final result (status, exit, usage, containment)",

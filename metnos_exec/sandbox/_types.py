@@ -12,6 +12,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from .egress.policy import EgressPolicy
+from .egress.record import EgressRecord
+
 __all__ = (
     "AXES",
     "AxisVerdict",
@@ -91,7 +94,11 @@ class SandboxJob(msgspec.Struct, frozen=True):
         env: the guest's whole environment (nothing is inherited).
         stdin: bytes fed to the guest's stdin, then closed.
         mounts: host paths the guest may see.
-        network: whether the guest may use the host network.
+        network: whether the guest may use the network at all.
+        egress: with `network`, the hosts it may reach: the job gets a network namespace
+            of its own whose only way out is the worker's wall
+            (`metnos_exec.sandbox.egress`). ``None`` with `network`: the host network
+            (the operator asked for it).
         cwd: working directory inside the guest.
         limits: budgets.
         stage: a staged job's key (``None``: not staged): the bwrap arm asks the staging
@@ -109,6 +116,12 @@ class SandboxJob(msgspec.Struct, frozen=True):
     cwd: str | None = None
     limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
     stage: str | None = None
+    egress: EgressPolicy | None = None
+
+    @property
+    def walled(self) -> bool:
+        """The job has a network, filtered by the wall (not the host's)."""
+        return self.network and self.egress is not None
 
 
 # --- exits ----------------------------------------------------------------------------
@@ -190,6 +203,8 @@ class SandboxOutcome(msgspec.Struct, frozen=True):
     containment: ContainmentReport
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    #: Each connection the job made through the network wall (``()``: none, or no wall).
+    egress: tuple[EgressRecord, ...] = ()
 
 
 @runtime_checkable

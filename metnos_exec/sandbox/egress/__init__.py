@@ -45,11 +45,13 @@ from .policy import (
     policy_for,
     system_resolver,
 )
+from .record import EgressRecord
 
 __all__ = (
     "Authorized",
     "EgressLimits",
     "EgressPolicy",
+    "EgressRecord",
     "Refused",
     "Resolver",
     "Rule",
