@@ -69,7 +69,9 @@ async def serve_capture(
         return
     first = b""
     if port == 443:
-        first, why = await check_sni(conn, decision, b"")
+        first, why = await check_sni(
+            conn, decision, b"", min(5.0, traffic.policy.limits.idle_timeout_s)
+        )
         if why is not None:
             traffic.refuse(conn.via, decision.host, port, why)
             return

@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import tempfile
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -23,7 +24,11 @@ from .capture import FakeAddresses
 from .policy import normalise_host
 from .relay import Conn, JobTraffic, recv_some, send_all
 
-__all__ = ("answer", "guest_files", "serve_dns_tcp", "serve_dns_udp")
+__all__ = ("Prepare", "answer", "guest_files", "serve_dns_tcp", "serve_dns_udp")
+
+#: Called with an allowed name before its answer: its fake address must be listening
+#: (`wall.Wall.prepare`); ``False``: it could not be (the answer is SERVFAIL).
+Prepare = Callable[[str], Awaitable[bool]]
 
 _A, _AAAA = 1, 28
 _NOERROR, _FORMERR, _SERVFAIL, _REFUSED = 0, 1, 2, 5
@@ -117,7 +122,21 @@ def _note(traffic: JobTraffic, name: str | None, allowed: bool) -> None:
         )
 
 
-async def serve_dns_udp(traffic: JobTraffic, sock: socket.socket, fake: FakeAddresses) -> None:
+async def _answer(
+    traffic: JobTraffic, fake: FakeAddresses, prepare: Prepare, query: bytes
+) -> bytes | None:
+    parsed = _question(query)
+    name = None if parsed is None else normalise_host(parsed[0])
+    if name is not None and _allowed(traffic, name) and not await prepare(name):
+        return _header(query, _SERVFAIL, 0) + query[12 : parsed[2]] if parsed else None
+    reply, asked, allowed = answer(traffic, fake, query)
+    _note(traffic, asked, allowed)
+    return reply
+
+
+async def serve_dns_udp(
+    traffic: JobTraffic, sock: socket.socket, fake: FakeAddresses, prepare: Prepare
+) -> None:
     """Answer datagrams sent to 127.0.0.1:53 until cancelled."""
     space = socket.CMSG_SPACE(12)
     while True:
@@ -136,16 +155,17 @@ async def serve_dns_udp(traffic: JobTraffic, sock: socket.socket, fake: FakeAddr
             ),
             None,
         )
-        if dest != _STUB:
+        if dest not in (None, _STUB):
             continue
-        reply, name, allowed = answer(traffic, fake, query)
-        _note(traffic, name, allowed)
+        reply = await _answer(traffic, fake, prepare, query)
         if reply is not None:
             with contextlib.suppress(OSError):
                 sock.sendto(reply, peer)
 
 
-async def serve_dns_tcp(traffic: JobTraffic, conn: Conn, fake: FakeAddresses) -> None:
+async def serve_dns_tcp(
+    traffic: JobTraffic, conn: Conn, fake: FakeAddresses, prepare: Prepare
+) -> None:
     """Answer length-prefixed queries on one TCP connection until it closes or idles."""
     buf = b""
     while True:
@@ -159,8 +179,7 @@ async def serve_dns_tcp(traffic: JobTraffic, conn: Conn, fake: FakeAddresses) ->
             if len(buf) < 2 + size:
                 break
             query, buf = buf[2 : 2 + size], buf[2 + size :]
-            reply, name, allowed = answer(traffic, fake, query)
-            _note(traffic, name, allowed)
+            reply = await _answer(traffic, fake, prepare, query)
             if reply is None:
                 return
             await send_all(conn.sock, len(reply).to_bytes(2, "big") + reply)

@@ -146,7 +146,9 @@ async def serve_http(traffic: JobTraffic, conn: Conn) -> None:
     first = rest
     if method == b"CONNECT":
         await send_all(conn.sock, b"HTTP/1.1 200 Connection established\r\n\r\n")
-        first, why = await check_sni(conn, decision, rest)
+        first, why = await check_sni(
+            conn, decision, rest, min(5.0, traffic.policy.limits.idle_timeout_s)
+        )
         if why is not None:
             traffic.refuse(conn.via, decision.host, port, why)
             return
@@ -182,9 +184,17 @@ async def relay(traffic: JobTraffic, conn: Conn, ok: Authorized, first: bytes) -
         traffic.allow(conn, ok, address)
 
 
-async def check_sni(conn: Conn, ok: Authorized, data: bytes) -> tuple[bytes, str | None]:
-    """The first bytes of a tunnel (to send on), and why it is refused (``None``: not)."""
-    with anyio.move_on_after(traffic_hello_timeout()):
+async def check_sni(
+    conn: Conn, ok: Authorized, data: bytes, wait: float = 5.0
+) -> tuple[bytes, str | None]:
+    """The first bytes of a tunnel (to send on), and why it is refused (``None``: not).
+
+    Args:
+        wait: how long the job may take to send them before they are let through
+            unchecked (a server-speaks-first protocol sends none); half a hello then
+            silence is refused.
+    """
+    with anyio.move_on_after(wait):
         while True:
             kind, name = client_hello(data)
             if kind != "need":
@@ -205,9 +215,3 @@ async def check_sni(conn: Conn, ok: Authorized, data: bytes) -> tuple[bytes, str
         # Half a hello, then silence, must not pass unchecked (fail closed).
         return data, "a TLS ClientHello the wall cannot read; blocked by the executor's manifest"
     return data, None
-
-
-def traffic_hello_timeout() -> float:
-    """How long a tunnel may wait for the job's first bytes before they are let through
-    unchecked (a server-speaks-first protocol sends none)."""
-    return 5.0

@@ -20,9 +20,10 @@ address:port of each         a forward to that very address and port on the host
 literal hint                 (``127.0.0.1:8080``), decided like any connection
 ===========================  ========================================================
 
-Each listener binds the port on the whole loopback; a connection whose local address is
-none of the above (``127.0.0.2:8080``, the proxy's port on another address) is closed at
-once and recorded as refused.
+Each listener binds its address and port exactly (``IP_FREEBIND``: the job's loopback
+may not be up yet when they are made): a connection to any other address or port of the
+job's namespace (``127.0.0.2:8080``, the proxy's port on another address, ``[::1]``)
+finds nothing listening and is refused by the job's own kernel.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Final
 import anyio
 import anyio.abc
 
-from .bridge import listeners
+from .bridge import BridgeFailed, listeners
 from .capture import CAPTURE_PORTS, FAKE_NETWORK, FakeAddresses, serve_capture
 from .dns import serve_dns_tcp, serve_dns_udp
 from .http_proxy import relay, serve_http
@@ -51,6 +52,9 @@ PROXY_PORTS: Final = (3128, 3129, 3130, 3131)
 SOCKS_PORTS: Final = (1080, 1081, 1082, 1083)
 DNS_PORT: Final = 53
 _LOOPBACK: Final = "127.0.0.1"
+#: The most names one job's DNS stub gives a fake address (each costs a listener per
+#: captured port in the worker); past it the stub answers SERVFAIL.
+MAX_NAMES: Final = 64
 
 
 def _pick(candidates: tuple[int, ...], taken: set[int]) -> int:
@@ -96,26 +100,18 @@ class Wall:
         self.traffic = JobTraffic(policy, resolver)
         self.fake = FakeAddresses()
         #: Captured on the fake addresses: :80, :443 and every port a name rule names.
-        self.capture_ports = frozenset(
-            (*CAPTURE_PORTS, *(r.port for r in policy.allow if not r.literal and r.port))
+        self.capture_ports = tuple(
+            sorted({*CAPTURE_PORTS, *(r.port for r in policy.allow if not r.literal and r.port)})
         )
-        taken = {port for _addr, port in policy.literals()} | set(self.capture_ports) | {DNS_PORT}
+        taken = {port for _addr, port in policy.literals()} | {DNS_PORT}
         self.proxy_port = _pick(PROXY_PORTS, taken)
         self.socks_port = _pick(SOCKS_PORTS, taken)
         self._literals = set(policy.literals())
-        self._tcp: tuple[int, ...] = tuple(
-            dict.fromkeys(
-                (
-                    self.proxy_port,
-                    self.socks_port,
-                    DNS_PORT,
-                    *sorted(self.capture_ports),
-                    *(port for addr, port in policy.literals() if ":" not in addr),
-                )
-            )
-        )
         self._socks: list[socket.socket] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self._pid: int | None = None
+        #: Names whose fake address has its listeners (set once they are bound).
+        self._names: dict[str, anyio.Event] = {}
         self.attached = False
 
     @property
@@ -146,18 +142,60 @@ class Wall:
             self._socks.clear()
 
     async def attach(self, pid: int) -> None:
-        """Bind the listeners in the namespaces of sandbox process `pid` and serve them.
+        """Bind the listeners in the network namespace of sandbox process `pid` (before
+        the job runs) and serve them: the proxies, the DNS stub, the literal hints and
+        the fake addresses of the names the manifest names exactly (a name matched by a
+        ``*.domain`` rule gets its own when the stub first answers it).
 
         Raises:
             BridgeFailed: they could not be made (the job must not run).
         """
         assert self._tg is not None
-        made = await listeners(pid, self._tcp, (DNS_PORT,))
+        self._pid = pid
+        tcp: list[tuple[str, int]] = [
+            (_LOOPBACK, self.proxy_port),
+            (_LOOPBACK, self.socks_port),
+            (_LOOPBACK, DNS_PORT),
+            *((a, p) for a, p in self._literals if ":" not in a),
+        ]
+        names = [n for n in self.traffic.policy.names() if self.fake.address_for(n)]
+        for name in names:
+            address = self.fake.address_for(name)
+            tcp += [(str(address), port) for port in self.capture_ports]
+        made = await listeners(pid, tcp, [(_LOOPBACK, DNS_PORT)])
         self._socks.extend(made)
-        for port, sock in zip(self._tcp, made, strict=False):
+        for (_address, port), sock in zip(tcp, made, strict=False):
             self._tg.start_soon(self._accept, sock, port)
-        self._tg.start_soon(serve_dns_udp, self.traffic, made[-1], self.fake)
+        self._tg.start_soon(serve_dns_udp, self.traffic, made[-1], self.fake, self.prepare)
+        for name in names:
+            self._names[name] = done = anyio.Event()
+            done.set()
         self.attached = True
+
+    async def prepare(self, name: str) -> bool:
+        """Make sure `name`'s fake address has its listeners (the DNS stub calls this
+        before it answers); ``False`` when they could not be made."""
+        assert self._tg is not None and self._pid is not None
+        ready = self._names.get(name)
+        if ready is not None:
+            await ready.wait()
+            return self.fake.name_for(self.fake.address_for(name) or "") == name
+        self._names[name] = ready = anyio.Event()
+        try:
+            address = self.fake.address_for(name)
+            if address is None or len(self._names) > MAX_NAMES:
+                return False
+            binds = [(address, port) for port in self.capture_ports]
+            try:
+                made = await listeners(self._pid, binds)
+            except BridgeFailed:
+                return False
+            self._socks.extend(made)
+            for (_address, port), sock in zip(binds, made, strict=True):
+                self._tg.start_soon(self._accept, sock, port)
+            return True
+        finally:
+            ready.set()
 
     async def _accept(self, listener: socket.socket, port: int) -> None:
         assert self._tg is not None
@@ -192,6 +230,10 @@ class Wall:
                 await self._dispatch(conn, local, port)
         except OSError:
             pass  # the job closed or reset its end
+        except Exception as exc:  # what a job sends must never end the wall
+            self.traffic.refuse(
+                conn.via, "?", port, f"the wall could not handle this connection ({exc!r:.200})"
+            )
         finally:
             sock.close()
 
@@ -202,7 +244,7 @@ class Wall:
             await serve_socks(self.traffic, conn)
         elif local == _LOOPBACK and port == DNS_PORT:
             conn.via = "dns"
-            await serve_dns_tcp(self.traffic, conn, self.fake)
+            await serve_dns_tcp(self.traffic, conn, self.fake, self.prepare)
         elif (local, port) in self._literals:
             conn.via = "forward"
             decision = await self.traffic.decide(local, port)
@@ -210,9 +252,9 @@ class Wall:
                 self.traffic.refuse(conn.via, decision.host, port, decision.reason)
                 return
             await relay(self.traffic, conn, decision, b"")
-        elif ipaddress.ip_address(local) in FAKE_NETWORK and port in self.capture_ports:
+        elif ipaddress.ip_address(local) in FAKE_NETWORK:
             await serve_capture(self.traffic, conn, self.fake, local, port)
-        else:
+        else:  # not reached: every listener is one of the above
             self.traffic.refuse(
                 conn.via,
                 local,

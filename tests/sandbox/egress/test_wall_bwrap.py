@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from metnos_exec.sandbox._types import SandboxJob, Success
+from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, Success, Timeout
 from metnos_exec.sandbox.bwrap import BwrapSandbox
 from metnos_exec.sandbox.egress import EgressPolicy, policy_for
 from metnos_exec.sandbox.flags import guest_python
@@ -187,3 +187,45 @@ async def test_names_resolving_inside_are_refused(servers: tuple[Server, Server]
     assert "resolves to 127.0.0.1 (loopback)" in reasons
     assert "resolves to 169.254.169.254 (link-local)" in reasons
     assert "resolves to 10.0.0.7 (private)" in reasons
+
+
+HOLD = """\
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), 5)
+s.sendall(b"hold")
+time.sleep(60)
+"""
+
+
+async def test_no_connection_outlives_its_job() -> None:
+    """A job that holds a connection open and is killed at its timeout: the worker's side
+    of the connection is closed when the run ends, not left to the idle timeout."""
+    need_bwrap()
+    closed = anyio.Event()
+    got: list[bytes] = []
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            try:
+                while True:
+                    got.append(await stream.receive())
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                closed.set()
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0) as lst:
+        port = lst.extra(anyio.abc.SocketAttribute.local_port)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lst.serve, handle)
+            job = SandboxJob(
+                argv=(guest_python(), "-c", HOLD, str(port)),
+                network=True,
+                egress=policy_for([("http", f"127.0.0.1:{port}")]),
+                limits=ResourceLimits(wall_time_s=3.0),
+            )
+            outcome = await BwrapSandbox(resolver=resolver).run(job)
+            assert isinstance(outcome.exit, Timeout), outcome
+            assert got == [b"hold"]
+            with anyio.fail_after(2):  # far below the 60 s idle timeout
+                await closed.wait()
+            tg.cancel_scope.cancel()
+    assert [r.allowed for r in outcome.egress] == [True]
