@@ -28,6 +28,7 @@ finds nothing listening and is refused by the job's own kernel.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 from types import TracebackType
@@ -211,6 +212,10 @@ class Wall:
                 await anyio.sleep(0.05)
                 continue
             sock.setblocking(False)
+            # What the wall relays is already segmented by the other side: no Nagle
+            # delay on top (a TLS handshake's small records waited for ACKs).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._tg.start_soon(self._serve, sock, port)
 
     async def _serve(self, sock: socket.socket, port: int) -> None:
