@@ -118,11 +118,6 @@ class SandboxJob(msgspec.Struct, frozen=True):
     stage: str | None = None
     egress: EgressPolicy | None = None
 
-    @property
-    def walled(self) -> bool:
-        """The job has a network, filtered by the wall (not the host's)."""
-        return self.network and self.egress is not None
-
 
 # --- exits ----------------------------------------------------------------------------
 

@@ -101,33 +101,35 @@ class _Helper:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:
             raise BridgeFailed(f"the job's sandbox process {pid} is gone: {exc}") from exc
-        if self.threads_may_enter:
-            try:
-                return _in_a_thread(pid, pidfd, tcp, udp)
-            except PermissionError:
-                # No CAP_SYS_ADMIN here after all (a container's bounding set): the helper.
-                self.threads_may_enter = False
-            except BaseException:
-                os.close(pidfd)
-                raise
         try:
-            with self.lock:
-                sock = self.ensure()
-                data = json.dumps(
-                    {"pid": pid, "tcp": [list(b) for b in tcp], "udp": [list(b) for b in udp]}
-                ).encode()
+            if self.threads_may_enter:
                 try:
-                    sock.sendmsg(
-                        [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))]
-                    )
-                    reply, ancdata, _flags, _addr = sock.recvmsg(
-                        4096, socket.CMSG_SPACE(array.array("i").itemsize * _MAX_FDS)
-                    )
-                except OSError as exc:  # a timeout included: the helper is replaced
-                    self.stop()
-                    raise BridgeFailed(f"the network bridge helper failed: {exc}") from exc
+                    return _in_a_thread(pid, pidfd, tcp, udp)
+                except PermissionError:
+                    # No CAP_SYS_ADMIN here after all (a container's bounding set).
+                    self.threads_may_enter = False
+            return self._ask_helper(pid, pidfd, tcp, udp)
         finally:
             os.close(pidfd)
+
+    def _ask_helper(
+        self, pid: int, pidfd: int, tcp: Sequence[Bind], udp: Sequence[Bind]
+    ) -> list[socket.socket]:
+        with self.lock:
+            sock = self.ensure()
+            data = json.dumps(
+                {"pid": pid, "tcp": [list(b) for b in tcp], "udp": [list(b) for b in udp]}
+            ).encode()
+            try:
+                sock.sendmsg(
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))]
+                )
+                reply, ancdata, _flags, _addr = sock.recvmsg(
+                    4096, socket.CMSG_SPACE(array.array("i").itemsize * _MAX_FDS)
+                )
+            except OSError as exc:  # a timeout included: the helper is replaced
+                self.stop()
+                raise BridgeFailed(f"the network bridge helper failed: {exc}") from exc
         fds: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -210,11 +212,8 @@ def _in_a_thread(
             box.append(exc)
 
     thread = threading.Thread(target=run, name="metnos-egress-bind")
-    try:
-        thread.start()
-        thread.join()
-    finally:
-        os.close(pidfd)
+    thread.start()
+    thread.join()
     got = box[0]
     if isinstance(got, PermissionError):
         raise got

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, Success, Time
 from metnos_exec.sandbox.bwrap import BwrapSandbox
 from metnos_exec.sandbox.egress import EgressPolicy, policy_for
 from metnos_exec.sandbox.flags import guest_python
+from tests.conftest import need
 from tests.sandbox.test_bwrap import need_bwrap
 
 pytestmark = pytest.mark.anyio
@@ -229,3 +231,34 @@ async def test_no_connection_outlives_its_job() -> None:
                 await closed.wait()
             tg.cancel_scope.cancel()
     assert [r.allowed for r in outcome.egress] == [True]
+
+
+FETCH = """\
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), 5)
+s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+print(s.recv(100).decode().split("\\r\\n")[0])
+"""
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "helper"])
+async def test_both_bridges(
+    servers: tuple[Server, Server], monkeypatch: pytest.MonkeyPatch, thread: bool
+) -> None:
+    """Both ways of making the listeners work (a root worker's thread, the helper every
+    other worker uses), whoever runs the suite."""
+    from metnos_exec.sandbox.egress import bridge
+
+    need_bwrap()
+    if thread:
+        need(os.geteuid() == 0, "a root worker's thread enters the namespace (needs root)")
+    monkeypatch.setattr(bridge._helper, "threads_may_enter", thread)
+    allowed, _ = servers
+    job = SandboxJob(
+        argv=(guest_python(), "-c", FETCH, str(allowed.port)),
+        network=True,
+        egress=policy_for([("http", f"127.0.0.1:{allowed.port}")]),
+    )
+    outcome = await BwrapSandbox(resolver=resolver).run(job)
+    assert outcome.exit == Success(), outcome.stderr.decode()[-2000:]
+    assert outcome.stdout.decode().strip() == "HTTP/1.0 200 OK"
