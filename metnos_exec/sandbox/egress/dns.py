@@ -11,8 +11,10 @@ than 127.0.0.1 are not answered.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
 import struct
 import tempfile
@@ -201,6 +203,8 @@ def guest_files() -> tuple[tuple[str, str], ...]:
     global _files
     if _files is None:
         folder = tempfile.mkdtemp(prefix="metnos-egress-")
+        # Gone with the process (a worker that is SIGKILLed leaves these two small files).
+        atexit.register(shutil.rmtree, folder, True)
         os.chmod(folder, 0o755)
         out = []
         for name, text in (("resolv.conf", RESOLV_CONF), ("hosts", HOSTS)):
