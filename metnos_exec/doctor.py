@@ -19,6 +19,7 @@ re-implemented here.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,8 +42,8 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         check: the mechanism (``bwrap``, ``bwrap_bind_fd``, ``bwrap_disable_userns``,
             ``user_namespaces``, ``seccomp``, ``landlock``, ``cgroups``,
-            ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``, ``broker``,
-            ``executors``, ``worker_user``, ``slot_uids``, ``trust``).
+            ``network_wall``, ``overlay_staging``, ``wasm_engine``, ``wasm_runtime``,
+            ``broker``, ``executors``, ``worker_user``, ``slot_uids``, ``trust``).
         state: ``ok``; ``weakened`` (works, with less containment); ``missing``; ``info``.
         detail: what was found.
         meaning: what it means for the containment report (or for the worker).
@@ -84,6 +85,62 @@ def _applied(status: Any, mechanism: str) -> tuple[bool, str]:
     if field is None:
         return False, "the sandbox does not report it"
     return bool(field.active), str(field.detail)
+
+
+async def _network_finding(st: Any, env: Mapping[str, str]) -> Finding:
+    """Which network a job with a network capability gets here: filtered by the network
+    wall (probed: a real bubblewrap job with its listeners), the host network (the
+    operator's setting), or none filtered (no bubblewrap: the direct arm)."""
+    from .policy import Policy
+    from .sandbox._types import SandboxJob, Success
+    from .sandbox.bwrap import BwrapSandbox
+    from .sandbox.egress import policy_for
+
+    try:
+        host_network = Policy.from_env(env).host_network
+    except MetnosError:
+        host_network = False
+    if not st.bwrap.working or st.sandbox_off:
+        return Finding(
+            check="network_wall",
+            state="missing",
+            detail="no bubblewrap sandbox: a job's network is not filtered",
+            meaning="jobs run on the direct arm, with the host network (network not_kept)",
+            fix=_APT_BWRAP,
+        )
+    if host_network:
+        return Finding(
+            check="network_wall",
+            state="weakened",
+            detail="METNOS_HOST_NETWORK=1: jobs with a network capability get the host network",
+            meaning="a network capability reaches anything the worker can (network not_kept)",
+            fix="unset METNOS_HOST_NETWORK",
+        )
+    true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
+    job = SandboxJob(argv=(true,), network=True, egress=policy_for([("https", "probe.invalid")]))
+    try:
+        outcome = await BwrapSandbox().run(job)
+        ok = outcome.exit == Success()
+        why = "" if ok else f"the probe job ended {outcome.exit}"
+    except Exception as exc:  # any failure of the probe is the finding
+        ok, why = False, str(exc)
+    if ok:
+        return Finding(
+            check="network_wall",
+            state="ok",
+            detail="filtered: a job's own network namespace, the worker's listeners in it",
+            meaning="a network capability reaches only the hosts and ports its manifest names "
+            "(network kept)",
+        )
+    return Finding(
+        check="network_wall",
+        state="missing",
+        detail=f"the network wall could not be set up: {why}",
+        meaning="jobs with a network capability fail (E_HOST_FAULT) until it works, or run "
+        "with METNOS_HOST_NETWORK=1 on the host network (network not_kept)",
+        fix="check that the worker may enter the user namespaces it creates (setns), or set "
+        "METNOS_HOST_NETWORK=1",
+    )
 
 
 def _staging_finding(st: Any) -> Finding:
@@ -722,6 +779,7 @@ async def diagnose(
                 required=True,
             ),
         )
+    findings.append(await _network_finding(st, env))
     findings.append(_staging_finding(st))
     findings.extend(_wasm_findings(st, runtimes))
     if broker_url is not None:

@@ -93,6 +93,10 @@ EVENTS: Mapping[str, str] = {
     "capability.inactive": "a declared capability grants nothing for this job (detail)",
     "job.started": "the sandbox arm was chosen and the executor launched (timeout_s)",
     "sandbox.degraded": "the kernel wall is down; requested/used arm, reason, axes_lost",
+    "egress.allowed": "the network wall relayed a connection of the job (host, port, via, "
+    "address, sent, received, reason)",
+    "egress.refused": "the network wall refused a connection or DNS question of the job "
+    "(host, port, via, reason)",
     "sandbox.guest_killed": "a wasm guest's process was killed where no epoch check could "
     "stop it: blocked in a host call or still compiling at its wall deadline, or its job "
     "cancelled (module, why, stopped_in, waited_s)",

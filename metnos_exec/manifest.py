@@ -91,6 +91,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_kb: int = 1024
     #: Staging budget: what the job may write into its writable folders (see staging).
     disk_mb: int = 256
+    #: The network wall's bounds: connections open at once, and megabytes relayed in
+    #: both directions over the job's life (`sandbox.egress.EgressLimits`).
+    net_connections: int = 32
+    net_mb: int = 1024
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -193,7 +197,16 @@ def _validate(manifest: Manifest, where: Path) -> None:
     lim = manifest.limits
     if lim.timeout_s <= 0:
         raise bad("limits.timeout_s", "must be positive")
-    for fname in ("memory_mb", "pids", "file_size_mb", "open_files", "output_kb", "disk_mb"):
+    for fname in (
+        "memory_mb",
+        "pids",
+        "file_size_mb",
+        "open_files",
+        "output_kb",
+        "disk_mb",
+        "net_connections",
+        "net_mb",
+    ):
         if getattr(lim, fname) <= 0:
             raise bad(f"limits.{fname}", "must be positive")
     if lim.fuel is not None and lim.fuel <= 0:

@@ -41,6 +41,7 @@ import msgspec
 
 from .errors import BadMessage
 from .sandbox._types import ContainmentReport, SandboxExit, Usage
+from .sandbox.egress import EgressRecord
 
 __all__ = (
     "UNDO_EXECUTOR",
@@ -220,6 +221,8 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
         attempt: the delivery that produced this result (1-based; 0 when never delivered).
         started_at: unix seconds the run started; ``None`` when nothing ran.
         finished_at: unix seconds the result was produced.
+        egress: each connection the job made through the network wall, allowed or
+            refused and why, with its bytes each way (``()``: none, or no wall).
     """
 
     v: int = WIRE_VERSION
@@ -239,6 +242,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0
     started_at: float | None = None
     finished_at: float | None = None
+    egress: tuple[EgressRecord, ...] = ()
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

@@ -27,6 +27,9 @@ Construction rules (each tested in ``tests/test_plan.py``):
   ``$METNOS_SKILLS_ROOT`` or ``<home>/.metnos/skills``.
 * ``network`` is on iff an active ``network:*`` capability or a valid provider binding
   exists, or the autonomy profile allows the override (``full``).
+* ``egress``: with active ``network:*`` hints, the network wall's policy (`_egress`): the
+  job reaches those hosts and ports only. ``None`` (the host network) for a provider
+  binding, ``full`` autonomy or an operator's ``METNOS_HOST_NETWORK=1``.
 * runtime ``python``: ``argv = (<base interpreter>, "-E", "-s", "-S", <main.py>)``. The
   venv's ``python`` is a symlink to the base interpreter; `os.path.realpath` names the file
   the sandbox can actually mount and execute. ``-E -s -S`` keep the environment, the venv's
@@ -76,6 +79,7 @@ from .sandbox._types import (
     SandboxJob,
     WasmProgram,
 )
+from .sandbox.egress import EgressLimits, EgressPolicy, policy_for
 from .sandbox.flags import PYTHON_FLAGS, expand_hint
 from .sandbox.mount_sources import check_folder
 
@@ -169,6 +173,27 @@ def _folder_entry(path: str, entry: str) -> tuple[str, str]:
 def _folder_entry_abs(path: str, entry: str) -> tuple[str, str]:
     folder = os.path.normpath(path)
     return folder, os.path.join(folder, entry)
+
+
+def _egress(
+    manifest: Manifest, effective: EffectiveCapabilities, profile: Profile, policy: Policy
+) -> EgressPolicy | None:
+    """The network wall's policy: the active ``network:*`` hints, the manifest's traffic
+    limits, the operator's deny list. ``None`` (the host network, reported ``not_kept``)
+    where the hosts are not what bounds the job: no network capability, the operator's
+    ``host_network``, ``autonomy: "full"`` (which may open the network regardless of
+    declarations), or a provider binding (its hosts are the provider's, not named)."""
+    nets = effective.of("network")
+    if not nets or policy.host_network or profile.allow_network_override:
+        return None
+    if effective.provider_bindings:
+        return None
+    lim = manifest.limits
+    return policy_for(
+        [(cap.mode, hint) for cap in nets for hint in cap.hints],
+        deny=policy.egress_deny,
+        limits=EgressLimits(connections=lim.net_connections, bytes=lim.net_mb * _MiB),
+    )
 
 
 def _limits(manifest: Manifest, timeout_s: float | None) -> ResourceLimits:
@@ -351,6 +376,7 @@ def plan_invocation(
         "stdin": msgspec.json.encode(vetted.args),
         "mounts": mounts,
         "network": effective.network or profile.allow_network_override,
+        "egress": _egress(manifest, effective, profile, policy),
         "cwd": folder,
         "limits": _limits(manifest, timeout_s),
     }

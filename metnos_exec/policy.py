@@ -99,9 +99,17 @@ class Policy(msgspec.Struct, frozen=True):
     Attributes:
         require_sandbox: for which executors degradation to the direct arm is refused
             (``E_SANDBOX_REQUIRED``); see the module docstring.
+        host_network: a job with a network capability gets the host's network, not the
+            network wall (``METNOS_HOST_NETWORK=1``): the operator's choice, reported
+            ``not_kept``. Off by default.
+        egress_deny: host patterns no job may reach whatever its manifest says
+            (``METNOS_EGRESS_DENY``, comma-separated; ``host``, ``*.domain``, an
+            address, each optionally ``:port``): deny wins.
     """
 
     require_sandbox: RequireSandbox = "fs_write"
+    host_network: bool = False
+    egress_deny: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Policy:
@@ -112,16 +120,25 @@ class Policy(msgspec.Struct, frozen=True):
                 values; a worker must refuse to start on it.
         """
         env = os.environ if environ is None else environ
-        raw = env.get("METNOS_REQUIRE_SANDBOX", "").strip().lower()
-        if not raw:
-            return cls()
+        raw = env.get("METNOS_REQUIRE_SANDBOX", "").strip().lower() or "fs_write"
         allowed = get_args(RequireSandbox)
         if raw not in allowed:
             raise BadConfig(
                 f"METNOS_REQUIRE_SANDBOX={raw!r} is not a policy; set it to one of "
                 f"{', '.join(allowed)} (or leave it unset for fs_write)"
             )
-        return cls(require_sandbox=cast(RequireSandbox, raw))
+        host = env.get("METNOS_HOST_NETWORK", "").strip().lower()
+        if host not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise BadConfig(
+                f"METNOS_HOST_NETWORK={host!r}: set it to 1 (jobs with a network capability "
+                "get the host network) or 0 (the network wall, the default)"
+            )
+        deny = tuple(p.strip() for p in env.get("METNOS_EGRESS_DENY", "").split(",") if p.strip())
+        return cls(
+            require_sandbox=cast(RequireSandbox, raw),
+            host_network=host in ("1", "true", "yes"),
+            egress_deny=deny,
+        )
 
     def sandbox_required(self, manifest: Manifest, effective: EffectiveCapabilities) -> bool:
         """Whether this invocation must be refused rather than run unsandboxed."""

@@ -1782,6 +1782,7 @@ def _outcome_result(
         "containment": outcome.containment,
         "usage": outcome.usage,
         "started_at": started_at,
+        "egress": outcome.egress,
     }
     output, bad = _parse_output(outcome.stdout)
     if isinstance(exit_, Success):

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from metnos_exec import identities
+from metnos_exec.sandbox.egress import bridge
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -63,7 +64,8 @@ def child_pids() -> set[int]:
                 os.waitpid(int(entry), os.WNOHANG)
             continue
         found.add(int(entry))
-    return found - ALLOWED_CHILDREN
+    # The network wall's bridge helper lives for the process's life (sandbox.egress).
+    return found - ALLOWED_CHILDREN - bridge.helper_pids()
 
 
 def open_fds() -> set[int]:
@@ -92,7 +94,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"test left child processes behind: {cmdlines}")
     # A root worker's job slots hold their uid's lock and user namespace for the process's
     # life (metnos_exec.identities), taken by whichever test first used the slot.
-    leaked = open_fds() - fds_before - identities.held_fds()
+    leaked = open_fds() - fds_before - identities.held_fds() - bridge.held_fds()
     # An fd can be transiently open (e.g. the /proc listing above); check twice.
     if leaked:
         leaked = {fd for fd in leaked if fd in open_fds()}

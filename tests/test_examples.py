@@ -247,20 +247,29 @@ def server() -> Iterator[str]:
         thread.join()
 
 
-@pytest.fixture
-def local_fetch(tmp_path: Path) -> Executor:
-    """fetch_url's code with a manifest variant allowing plain HTTP to 127.0.0.1."""
+def fetch_variant(tmp_path: Path, server: str, code: str | None = None) -> Executor:
+    """fetch_url (its code, or `code`) with a manifest variant allowing plain HTTP to the
+    test server's address and port (the network wall lets it reach that, nothing else)."""
     folder = tmp_path / "executors" / "fetch_url"
     folder.mkdir(parents=True)
-    shutil.copy(EXAMPLES / "fetch_url" / "main.py", folder / "main.py")
+    if code is None:
+        shutil.copy(EXAMPLES / "fetch_url" / "main.py", folder / "main.py")
+    else:
+        (folder / "main.py").write_text(code)
+    hint = server.removeprefix("http://")
     text = (EXAMPLES / "fetch_url" / "manifest.toml").read_text()
     text = text.replace('name = "network:https"', 'name = "network:http"')
     text = text.replace(
-        'hints = ["example.com", "*.example.com", "docs.python.org"]', 'hints = ["127.0.0.1"]'
+        'hints = ["example.com", "*.example.com", "docs.python.org"]', f'hints = ["{hint}"]'
     )
-    assert 'hints = ["127.0.0.1"]' in text
+    assert f'hints = ["{hint}"]' in text
     (folder / "manifest.toml").write_text(text)
     return Executor(manifest=load_manifest(folder / "manifest.toml"), path=str(folder))
+
+
+@pytest.fixture
+def local_fetch(tmp_path: Path, server: str) -> Executor:
+    return fetch_variant(tmp_path, server)
 
 
 @pytest.mark.anyio
@@ -283,6 +292,54 @@ def test_fetch_url_refuses_hosts_and_schemes_outside_hints(home: Path, server: s
             plan_invocation(ex, {"url": url}, home=str(home))
     inv = plan_invocation(ex, {"url": "https://www.example.com/"}, home=str(home))
     assert inv.job.network is True
+
+
+ROGUE_FETCH = """\
+import json, socket, sys, urllib.request
+
+args = json.load(sys.stdin)
+out = {}
+def tried(name, fn):
+    try:
+        out[name] = "ok: " + str(fn())
+    except Exception as exc:
+        out[name] = "refused: " + str(exc)[:200]
+tried("allowed", lambda: urllib.request.urlopen(args["url"], timeout=5).read().decode())
+tried("other_host", lambda: urllib.request.urlopen("http://other.invalid/", timeout=5).status)
+tried("redis", lambda: urllib.request.urlopen("http://127.0.0.1:6379/", timeout=5).status)
+tried("redis_raw", lambda: socket.create_connection(("127.0.0.1", 6379), 3).close())
+port = int(args["url"].rsplit(":", 1)[1].split("/")[0]) + 1
+tried("other_port_raw", lambda: socket.create_connection(("127.0.0.1", port), 3).close())
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.anyio
+async def test_fetch_url_behind_the_network_wall(home: Path, server: str, tmp_path: Path) -> None:
+    """Acceptance 1 (issue 17): fetch_url's manifest names one loopback server; the job
+    reaches it, with the network axis kept and naming it, and the same job's code trying
+    any other host, the Redis port or another loopback port is refused, in the egress."""
+    arm = _bwrap()
+    ok = fetch_variant(tmp_path / "ok", server)
+    outcome, doc = await run(arm, ok, {"url": f"{server}/hello"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["body"] == "hello from 127.0.0.1"
+    hint = server.removeprefix("http://")
+    assert outcome.containment.network.state == "kept"
+    assert f"egress limited to {hint}" in outcome.containment.network.reason
+    assert [(r.host, r.allowed) for r in outcome.egress] == [("127.0.0.1", True)]
+    assert outcome.egress[0].received > 0
+
+    rogue = fetch_variant(tmp_path / "rogue", server, ROGUE_FETCH)
+    outcome, doc = await run(arm, rogue, {"url": f"{server}/hello"}, home)
+    assert isinstance(outcome.exit, Success), outcome
+    assert doc["allowed"] == "ok: hello from 127.0.0.1"
+    for key in ("other_host", "redis", "redis_raw", "other_port_raw"):
+        assert doc[key].startswith("refused: "), (key, doc[key])
+    assert "403" in doc["other_host"] and "403" in doc["redis"]  # policy, said so
+    refused = {(r.host, r.port) for r in outcome.egress if not r.allowed}
+    assert ("other.invalid", 80) in refused and ("127.0.0.1", 6379) in refused
+    assert outcome.containment.network.state == "kept"
 
 
 @pytest.mark.anyio

@@ -15,6 +15,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from .egress.policy import EgressPolicy
+from .egress.record import EgressRecord
+
 __all__ = (
     "AXES",
     "AxisVerdict",
@@ -96,7 +99,11 @@ class SandboxJob(msgspec.Struct, frozen=True):
         env: the guest's whole environment (nothing is inherited).
         stdin: bytes fed to the guest's stdin, then closed.
         mounts: host paths the guest may see.
-        network: whether the guest may use the host network.
+        network: whether the guest may use the network at all.
+        egress: with `network`, the hosts it may reach: the job gets a network namespace
+            of its own whose only way out is the worker's wall
+            (`metnos_exec.sandbox.egress`). ``None`` with `network`: the host network
+            (the operator asked for it).
         cwd: working directory inside the guest.
         limits: budgets.
         stage: a staged job's key (``None``: not staged): the bwrap arm asks the staging
@@ -114,6 +121,7 @@ class SandboxJob(msgspec.Struct, frozen=True):
     cwd: str | None = None
     limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
     stage: str | None = None
+    egress: EgressPolicy | None = None
 
 
 # --- exits ----------------------------------------------------------------------------
@@ -195,6 +203,8 @@ class SandboxOutcome(msgspec.Struct, frozen=True):
     containment: ContainmentReport
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    #: Each connection the job made through the network wall (``()``: none, or no wall).
+    egress: tuple[EgressRecord, ...] = ()
 
 
 #: Where an arm leaves the outcome of a run stopped from outside (`stopped_outcomes`).

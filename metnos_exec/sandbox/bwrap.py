@@ -112,6 +112,9 @@ from ._types import (
     Usage,
     record_stopped,
 )
+from .egress.dns import guest_files
+from .egress.policy import Resolver, system_resolver
+from .egress.wall import Wall
 from .flags import (
     MASKED_PATHS,
     SYSTEM_PATHS,
@@ -451,7 +454,9 @@ class _LimitGate:
         wait_s: float,
         as_user: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
         budget_s: float | None = None,
+        before_release: Callable[[int], Awaitable[None]] | None = None,
     ):
+        self._before_release = before_release
         self._as_user = as_user
         self._budget_s = budget_s
         self._rlimits = rlimits
@@ -524,12 +529,18 @@ class _LimitGate:
             if tree != {pid, child}:
                 raise HostFault(f"unexpected bubblewrap tree {sorted(tree)} (want {pid}, {child})")
             try:
-                if self._as_user is None:
+                if not self._rlimits:
+                    pass  # a gate for the network wall only (the limits go another way)
+                elif self._as_user is None:
                     self._apply(child, pid)
                 else:
                     await self._as_user(functools.partial(self._apply, child, pid))
             except OSError as exc:
                 raise HostFault(f"cannot set the job's rlimits on bubblewrap: {exc}") from exc
+            if self._before_release is not None:
+                # The network wall's listeners, in the sandbox's namespaces, before the
+                # guest exists (`egress.wall.Wall.attach`).
+                await self._before_release(child)
             if await self._tree(pid, members) != tree:
                 raise HostFault("bubblewrap's tree changed while blocked")
             if deadline is not None and time.monotonic() >= deadline:
@@ -735,6 +746,23 @@ _NET_KEPT = AxisVerdict(
     "kept", "own network namespace, only its own loopback in it (--unshare-net)"
 )
 _NET_GRANTED = AxisVerdict("not_kept", "network capability granted: host network shared")
+#: The network wall's verdict (`sandbox.egress`): tested from inside real jobs by
+#: tests/sandbox/egress/test_wall_bwrap.py and the adversarial rows.
+_NET_WALL_REASON = (
+    "own network namespace; egress limited to {hosts} through the worker's wall (HTTP "
+    "proxy, SOCKS5, allow-listed DNS, transparent capture; names resolved and checked by "
+    "the worker)"
+)
+
+
+def _network_verdict(job: SandboxJob) -> AxisVerdict:
+    if not job.network:
+        return _NET_KEPT
+    if job.egress is None:
+        return _NET_GRANTED
+    return AxisVerdict("kept", _NET_WALL_REASON.format(hosts=job.egress.summary()))
+
+
 _TREE = AxisVerdict(
     "kept", "own pid namespace with bubblewrap as init; --die-with-parent; tree killed"
 )
@@ -933,6 +961,8 @@ class BwrapSandbox:
         features: what that bubblewrap supports; default: from the probe.
         hardening: the seccomp filter and landlock to add; default: what this host
             offers (`host_hardening`).
+        resolver: how the network wall resolves the names a job asks for (default:
+            the worker's own ``getaddrinfo``; tests pass one they control).
     """
 
     name = "bwrap"
@@ -947,7 +977,9 @@ class BwrapSandbox:
         *,
         features: BwrapFeatures | None = None,
         hardening: Hardening | None = None,
+        resolver: Resolver = system_resolver,
     ) -> None:
+        self._resolver = resolver
         if bwrap is None or features is None:
             probe = bwrap_probe()
             bwrap = bwrap or probe.path or "bwrap"
@@ -974,7 +1006,7 @@ class BwrapSandbox:
         report = ContainmentReport(
             sandbox="bwrap",
             files=files,
-            network=_NET_GRANTED if job.network else _NET_KEPT,
+            network=_network_verdict(job),
             process_tree=_TREE,
             user=user,
             resources=_resources_verdict(
@@ -1001,6 +1033,10 @@ class BwrapSandbox:
         rlimits = derive_rlimits(job.limits)
         host = _host_facts
         host.refresh()
+        wall = None if job.egress is None or not job.network else Wall(job.egress, self._resolver)
+        if wall is not None:
+            # The proxy variables point into the job's namespace, at the wall.
+            job = msgspec.structs.replace(job, env={**job.env, **wall.env()})
         # Landlock is applied by the guest's first process (the in-guest step): the
         # command bubblewrap execs is the job's, behind it (and behind the limits prefix).
         guest = guest_job(
@@ -1020,7 +1056,7 @@ class BwrapSandbox:
                 gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
-                    return await self._run(job, guest, rlimits, gated, prefix, host, place)
+                    return await self._run(job, guest, rlimits, gated, prefix, host, place, wall)
                 finally:
                     place.close()
         finally:
@@ -1036,6 +1072,7 @@ class BwrapSandbox:
         prefix: tuple[str, ...],
         host: _HostFacts,
         place: _Placement,
+        wall: Wall | None,
     ) -> SandboxOutcome:
         sources = place.sources
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
@@ -1043,14 +1080,15 @@ class BwrapSandbox:
         seccomp_r: int | None = None
         try:
             seccomp_r = seccomp_fd(self._hardening)
-            if gated:
+            if gated or wall is not None:
                 gate = _LimitGate(
-                    rlimits,
+                    rlimits if gated else (),
                     status_r,
                     status_w,
                     max(job.limits.wall_time_s, _GATE_MIN_WAIT_S),
                     as_user=place.slot.run_as if place.as_slot_user and place.slot else None,
                     budget_s=job.limits.wall_time_s,
+                    before_release=None if wall is None else wall.attach,
                 )
             try:
                 argv = derive_bwrap_argv(
@@ -1068,6 +1106,7 @@ class BwrapSandbox:
                     block_fd=None if gate is None else gate.block_r,
                     source_fds=sources,
                     seccomp_fd=seccomp_r,
+                    files=() if wall is None else guest_files(),
                 )
             except ValueError as exc:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
@@ -1076,7 +1115,7 @@ class BwrapSandbox:
                 # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`);
                 # a slot's job drops to the slot's uid there, before bubblewrap runs.
                 argv = [*place.enter, *argv]
-            in_guest = gate is not None or bool(prefix)
+            in_guest = gated or bool(prefix)
             spec = ProcessSpec(
                 argv=tuple(argv),
                 # bubblewrap needs no environment; the guest's comes from --setenv.
@@ -1123,9 +1162,13 @@ class BwrapSandbox:
             stopped = Stopped()
             interrupted: BaseException | None = None
             try:
-                result = await run_process(
-                    spec, timeout=job.limits.wall_time_s, slot=place.slot, stopped=stopped
-                )
+                async with contextlib.AsyncExitStack() as stack:
+                    if wall is not None:
+                        # Its listeners and every relayed connection end with the run.
+                        await stack.enter_async_context(wall)
+                    result = await run_process(
+                        spec, timeout=job.limits.wall_time_s, slot=place.slot, stopped=stopped
+                    )
             except _BudgetSpent:
                 # The gate killed bubblewrap before the guest existed (`process.run` reaped
                 # it): the job's timeout, with nothing run.
@@ -1182,6 +1225,7 @@ class BwrapSandbox:
             ),
             stdout_truncated=result.stdout_truncated,
             stderr_truncated=result.stderr_truncated,
+            egress=() if wall is None else wall.records,
         )
         if interrupted is not None:
             record_stopped(outcome)

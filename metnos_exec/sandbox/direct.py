@@ -52,7 +52,11 @@ __all__ = ("DirectSandbox", "direct_rlimits", "map_direct_exit")
 _FILES = AxisVerdict(
     "not_kept", "no mount namespace: mounts are ignored, every file the worker's uid can reach is"
 )
-_NETWORK = AxisVerdict("not_kept", "no network namespace: the host network is shared")
+_NETWORK = AxisVerdict(
+    "not_kept",
+    "no network namespace: the host network is shared, and a manifest's hosts cannot be "
+    "enforced (the network wall needs the bwrap arm)",
+)
 _TREE = AxisVerdict(
     "partial",
     "tree killed on timeout and with the worker (subreaper shim), but no pid namespace: "

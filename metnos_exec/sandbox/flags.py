@@ -367,6 +367,7 @@ def derive_bwrap_argv(
     masked_paths: Sequence[str] = MASKED_PATHS,
     block_fd: int | None = None,
     source_fds: Mapping[str, int] | None = None,
+    files: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
     """The full bubblewrap command line for `job`: ``[bwrap, *flags, "--", *job.argv]``.
 
@@ -398,6 +399,8 @@ def derive_bwrap_argv(
             and interpreter root that exists; with it, those are mounted from their fd
             (``--bind-fd`` / ``--ro-bind-fd`` when `features` has them), and a path
             missing from it counts as absent. ``None``: consult `exists` and bind by path.
+        files: ``(host file, guest path)`` pairs bound read-only over the system trees
+            (the network wall's ``/etc/resolv.conf`` and ``/etc/hosts``).
 
     Returns:
         The argv, ready for `ProcessSpec`.
@@ -487,6 +490,9 @@ def derive_bwrap_argv(
     for mount in chosen.values():
         ops.append(_Op(mount.guest, bind(mount.host, mount.guest, mount.writable)))
 
+    for host_file, guest_path in files:
+        ops.append(_Op(guest_path, ("--ro-bind", host_file, guest_path)))
+
     # Secrets the system binds would otherwise expose (see MASKED_PATHS).
     for path in dict.fromkeys(masked_paths):
         if exists(path):
@@ -530,10 +536,12 @@ def derive_bwrap_argv(
         # A nested user namespace is the usual first step of a kernel exploit chain
         # (it hands out a fresh set of capabilities over new namespaces).
         argv.append("--disable-userns")
-    if not job.network:
+    if not job.network or job.egress is not None:
         # Rule 6: no network capability → a network namespace of its own, with only its
         # own loopback (bubblewrap brings `lo` up, 127.0.0.1 inside the sandbox alone):
-        # no host listener on 127.0.0.1, no abstract Unix sockets, no internet.
+        # no host listener on 127.0.0.1, no abstract Unix sockets, no internet. A
+        # network capability with its hosts (`job.egress`) too: the worker's wall puts
+        # its listeners in that namespace, the only way out (`sandbox.egress`).
         argv.append("--unshare-net")
     # Only the environment the job was given: no worker secrets (tokens, broker URLs).
     argv.append("--clearenv")

@@ -201,6 +201,13 @@ def _granted_tcp(world: World) -> None:
     world.ctx["granted_port"] = world.listen_tcp("granted")
 
 
+def _wall(world: World) -> None:
+    """The network wall's rows: a listener the manifest names, and one it does not."""
+    if "wall_ok" not in world.listeners:
+        world.ctx["wall_port"] = world.listen_tcp("wall_ok")
+        world.ctx["wall_secret"] = world.listen_tcp("wall_secret")
+
+
 def _root_only_system_file(world: World) -> None:
     """A root-only file in a read-only system tree (as root; else nothing to plant)."""
     if os.geteuid() != 0:
@@ -1062,9 +1069,9 @@ NETWORK = [
         """,
     ),
     Attempt(
-        "network.granted_is_not_kept",
+        "network.granted_names_only",
         "network",
-        "control: a network capability opens the host network",
+        "the network wall: a hint naming localhost:80 opens no other loopback port",
         r"""
         s = socket.socket(); s.settimeout(2)
         r = attempt(lambda: s.connect(("127.0.0.1", CTX["granted_port"])))
@@ -1072,8 +1079,158 @@ NETWORK = [
         """,
         caps=(("network:http", ("localhost",)),),
         setup=_granted_tcp,
-        through="always",
-        reason="network capability granted",
+        host_check=_no_connection("granted"),
+    ),
+]
+
+# The network wall (issue 17): a job whose manifest names 127.0.0.1:<wall_port> (a host
+# listener) and localhost (port 80) tries every other way out. Targets are loopback only;
+# names are the worker's /etc/hosts (localhost) or refused before any lookup.
+WALL_CAPS = (("network:http", ("127.0.0.1:{ctx:wall_port}", "localhost")),)
+WALL_HELPERS = r"""
+import os, subprocess
+def proxy_port(var):
+    return int(os.environ[var].rsplit(":", 1)[1])
+def via_connect(host, port, then=b""):
+    s = socket.create_connection(("127.0.0.1", proxy_port("HTTP_PROXY")), 3)
+    s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n".encode())
+    head = s.recv(4096)
+    if not head.startswith(b"HTTP/1.1 200"):
+        s.close()
+        raise PermissionError(head[:80])
+    if then:
+        s.sendall(then)
+        s.settimeout(3)
+        head = s.recv(4096)
+        s.close()
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise PermissionError(b"inner: " + head[:80])
+    s.close()
+def via_socks(host, port):
+    s = socket.create_connection(("127.0.0.1", proxy_port("ALL_PROXY")), 3)
+    s.sendall(b"\x05\x01\x00"); s.recv(2)
+    name = host.encode()
+    s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+    reply = s.recv(10); s.close()
+    if reply[1:2] != b"\x00":
+        raise PermissionError(f"socks reply {reply[1:2]!r}")
+def via_get(host, port):
+    s = socket.create_connection(("127.0.0.1", proxy_port("HTTP_PROXY")), 3)
+    s.sendall(f"GET http://{host}:{port}/ HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    s.settimeout(3)
+    head = s.recv(4096); s.close()
+    if head.startswith(b"HTTP/1.1 403") or not head:
+        raise PermissionError(head[:80])
+def direct(host, port):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family); s.settimeout(3)
+    try:
+        s.connect((host, port))
+    finally:
+        s.close()
+def run(argv):
+    p = subprocess.run(argv, capture_output=True, timeout=20)
+    if p.returncode:
+        raise ConnectionError(p.returncode)
+SECRET, OK = CTX["wall_secret"], CTX["wall_port"]
+"""
+
+EGRESS = [
+    Attempt(
+        "network.wall_raw_sockets",
+        "network",
+        "network wall: own network namespace, listeners only for what the manifest names",
+        WALL_HELPERS
+        + r"""
+r = {"secret": attempt(lambda: direct("127.0.0.1", SECRET)),
+     "redis 6379": attempt(lambda: direct("127.0.0.1", 6379)),
+     "another loopback address": attempt(lambda: direct("127.0.0.2", OK)),
+     "ipv6 loopback": attempt(lambda: direct("::1", OK)),
+     "the proxy's port elsewhere": attempt(lambda: direct("127.0.0.3", proxy_port("HTTP_PROXY")))}
+r["allowed (control)"] = attempt(lambda: direct("127.0.0.1", OK))
+done(any(v == "ok" for k, v in r.items() if k != "allowed (control)"), connect=r)
+""",
+        caps=WALL_CAPS,
+        setup=_wall,
+        host_check=_no_connection("wall_secret"),
+    ),
+    Attempt(
+        "network.wall_proxies_refuse_other_targets",
+        "network",
+        "network wall: one decision point for CONNECT, absolute-form and SOCKS5",
+        WALL_HELPERS
+        + r"""
+r = {}
+for name, fn in (("connect", via_connect), ("socks", via_socks), ("get", via_get)):
+    for port in (SECRET, 6379):
+        r[f"{name} 127.0.0.1:{port}"] = attempt(lambda fn=fn, port=port: fn("127.0.0.1", port))
+    r[f"{name} 127.0.0.2:{OK}"] = attempt(lambda fn=fn: fn("127.0.0.2", OK))
+    v6 = "::1" if fn is via_socks else "[::1]"
+    r[f"{name} {v6}:{OK}"] = attempt(lambda fn=fn, v6=v6: fn(v6, OK))
+done(any(v == "ok" for v in r.values()), tried=r)
+""",
+        caps=WALL_CAPS,
+        setup=_wall,
+        host_check=_no_connection("wall_secret"),
+    ),
+    Attempt(
+        "network.wall_tools",
+        "network",
+        "network wall: curl, wget, bash /dev/tcp, --noproxy",
+        WALL_HELPERS
+        + r"""
+url = f"http://127.0.0.1:{SECRET}/"
+tcp = f"exec 3<>/dev/tcp/127.0.0.1/{SECRET}"
+r = {"bash /dev/tcp": attempt(lambda: run(["/bin/bash", "-c", tcp]))}
+if os.path.exists("/usr/bin/curl"):
+    r["curl"] = attempt(lambda: run(["/usr/bin/curl", "-sf", "--max-time", "5", url]))
+    r["curl --noproxy"] = attempt(
+        lambda: run(["/usr/bin/curl", "-sf", "--noproxy", "*", "--max-time", "5", url]))
+if os.path.exists("/usr/bin/wget"):
+    r["wget"] = attempt(lambda: run(["/usr/bin/wget", "-q", "-O-", "-T", "5", "-t", "1", url]))
+done(any(v == "ok" for v in r.values()), tried=r)
+""",
+        caps=WALL_CAPS,
+        setup=_wall,
+        host_check=_no_connection("wall_secret"),
+    ),
+    Attempt(
+        "network.wall_names",
+        "network",
+        "network wall: names resolved and checked by the worker, an allow-listed DNS stub",
+        WALL_HELPERS
+        + r"""
+def udp_53(address):
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(1)
+    q = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x09localhost\x00\x00\x01\x00\x01"
+    u.sendto(q, (address, 53)); u.recvfrom(512)
+r = {
+    # allowed by name, but it resolves to 127.0.0.1, which the hint does not name
+    "connect localhost:80": attempt(lambda: via_connect("localhost", 80)),
+    "socks localhost:80": attempt(lambda: via_socks("localhost", 80)),
+    "look-alike": attempt(lambda: via_connect("localhost.evil.example", 80)),
+    "getent other name": attempt(lambda: run(["getent", "hosts", "evil.example.org"])),
+    "udp 127.0.0.2:53": attempt(lambda: udp_53("127.0.0.2")),
+}
+done(any(v == "ok" for v in r.values()), tried=r)
+""",
+        caps=WALL_CAPS,
+        setup=_wall,
+        host_check=_no_connection("wall_secret"),
+    ),
+    Attempt(
+        "network.wall_relayed_connect",
+        "network",
+        "network wall: a tunnel goes to the allowed host only, a CONNECT inside is its bytes",
+        WALL_HELPERS
+        + r"""
+inner = f"CONNECT 127.0.0.1:{SECRET} HTTP/1.1\r\n\r\n".encode()
+r = {"connect in connect": attempt(lambda: via_connect("127.0.0.1", OK, then=inner))}
+done(r["connect in connect"] == "ok", tried=r)
+""",
+        caps=WALL_CAPS,
+        setup=_wall,
+        host_check=_no_connection("wall_secret"),
     ),
 ]
 
@@ -1875,7 +2032,7 @@ EXEC = [
 ]
 
 #: The bwrap half: every row above, one worker.
-BWRAP = [*FILES, *EXEC, *HOST, *NETWORK, *PROCESS, *USER, *RESOURCES]
+BWRAP = [*FILES, *EXEC, *HOST, *NETWORK, *PROCESS, *USER, *RESOURCES, *EGRESS]
 
 
 def is_helper(a: Attempt) -> bool:

@@ -308,9 +308,15 @@ def write_executor(world: World, a: Attempt) -> None:
     # attempts running side by side never write to the same place.
     own = world.home / "w" / a.name
     own.mkdir(parents=True)
+
+    def hint(h: str) -> str:
+        h = h.replace("{own}", f"~/w/{a.name}")
+        for key, value in world.ctx.items():
+            h = h.replace("{ctx:" + key + "}", str(value))
+        return h
+
     caps = "\n".join(
-        f'[[capabilities]]\nname = "{cap}"\n'
-        f"hints = {json.dumps([h.replace('{own}', f'~/w/{a.name}') for h in hints])}"
+        f'[[capabilities]]\nname = "{cap}"\nhints = {json.dumps([hint(h) for h in hints])}'
         for cap, hints in a.caps
     )
     limits = {"timeout_s": 20, **a.limits}
@@ -372,9 +378,15 @@ def run_attempts(
     world.executors.mkdir(parents=True, exist_ok=True)
     world.db.parent.mkdir(parents=True, exist_ok=True)
     for a in attempts:
+        ready = a.setup is not None and (IS_ROOT or not a.needs_root)
+        # A hint naming what the set-up makes ("{ctx:KEY}": a listener's port) needs the
+        # set-up first; the others set up in the folders write_executor makes.
+        early = "{ctx:" in repr(a.caps)
+        if ready and early:
+            a.setup(world)  # type: ignore[misc]
         write_executor(world, a)
-        if a.setup is not None and (IS_ROOT or not a.needs_root):
-            a.setup(world)
+        if ready and not early:
+            a.setup(world)  # type: ignore[misc]
     log = world.root / "worker.jsonl"
     worker_env = {k: v for k, v in os.environ.items() if not k.startswith(("METNOS_", "PYTEST_"))}
     worker_env.update(
