@@ -366,6 +366,7 @@ class _SparePool:
         self.wanted = anyio.Event()
         self.broken: str | None = None
         self.served = 0
+        self.in_use: set[_Spare] = set()
 
     def take(self) -> _Spare | None:
         if self.broken is not None or anyio.lowlevel.current_token() != self.token:
@@ -374,6 +375,7 @@ class _SparePool:
             spare = self.ready.pop(0)
             if not spare.done.is_set():
                 spare.taken = True
+                self.in_use.add(spare)
                 self.served += 1
                 self.wanted.set()
                 return spare
@@ -389,6 +391,15 @@ def waiting_spares() -> list[int]:
     if pool is None:
         return []
     return [s.pid for s in pool.ready if s.pid is not None and not s.done.is_set()]
+
+
+def spares_in_use() -> list[int]:
+    """The pids of the spare processes serving a job now (for tests: any other spare's
+    process is waiting for one, or being started)."""
+    pool = _pool
+    if pool is None:
+        return []
+    return [s.pid for s in pool.in_use if s.pid is not None]
 
 
 @contextlib.asynccontextmanager
@@ -410,7 +421,8 @@ async def spare_processes(
 
     Spares exist only inside this context (the worker enters it around its jobs): on exit
     every spare not yet taken is killed and reaped, and so is the process of a job still
-    running in one. Without it, each job starts its own process.
+    running in one (that job fails as a host fault). Without it, each job starts its own
+    process; entered while another entry is open, it adds nothing.
 
     Args:
         count: spares kept ready.
@@ -419,10 +431,10 @@ async def spare_processes(
             `default_cache_dir`); a job whose module is another one loads it itself.
     """
     global _pool
-    if _pool is not None:
-        raise RuntimeError("spare_processes is already entered in this process")
     arm = WasmSandbox(cache_dir=cache_dir, env=env)
-    if arm._wt is None or count < 1:
+    if _pool is not None or arm._wt is None or count < 1:
+        # Already entered (a second worker in this process): that pool serves, this
+        # context owns nothing.
         yield
         return
     async with anyio.create_task_group() as tg:
@@ -527,6 +539,7 @@ async def _start_spare(pool: _SparePool, arm: WasmSandbox, key: str | None) -> _
             spare.error = exc
         finally:
             close_child_ends()
+            pool.in_use.discard(spare)
             spare.done.set()
             spare.spawned.set()
             if not spare.taken:

@@ -141,18 +141,18 @@ def py_arm(arm: WasmSandbox) -> WasmSandbox:
 
 def _guest_processes() -> list[int]:
     """The pids of this process's children that are a wasm guest's process (not a spare
-    still waiting for its job)."""
+    waiting for its job, or being started)."""
     pids = []
+    in_use = wasm.spares_in_use()
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):
             pids += [int(p) for p in (task / "children").read_text().split()]
     found = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            if b"_wasm_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"_wasm_child.py" in cmd and (b"--spare" not in cmd or pid in in_use):
                 found.append(pid)
-    waiting = wasm.waiting_spares()
-    found = [p for p in found if p not in waiting]
     return found
 
 

@@ -89,6 +89,7 @@ async def test_without_the_pool_jobs_take_no_spare(wasm_cache: Path) -> None:
         )
     )
     assert out.stdout == b"1\n"
+    assert _spares_of(str(wasm_cache)) == []  # a plain arm never starts a spare
 
 
 def _spares_of(marker: str) -> list[int]:
@@ -164,3 +165,15 @@ def test_a_worker_with_spares_leaves_no_process(how: str, tmp_path: Path, wasm_c
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not left, f"spares survived the worker ({how}): {left}"
+
+
+@pytest.mark.anyio
+async def test_a_second_entry_adds_no_pool(wasm_cache: Path) -> None:
+    need(HAVE_RUNTIME, NO_RUNTIME)
+    async with spare_processes(1, cache_dir=wasm_cache):
+        outer = wasm._pool
+        async with spare_processes(1, cache_dir=wasm_cache):
+            assert wasm._pool is outer
+        assert wasm._pool is outer  # the inner exit closed nothing
+        await spares_settled()
+    assert wasm._pool is None and waiting_spares() == []
