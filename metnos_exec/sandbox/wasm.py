@@ -431,8 +431,12 @@ async def spare_processes(
             `default_cache_dir`); a job whose module is another one loads it itself.
     """
     global _pool
-    arm = WasmSandbox(cache_dir=cache_dir, env=env)
-    if _pool is not None or arm._wt is None or count < 1:
+    try:
+        arm: WasmSandbox | None = WasmSandbox(cache_dir=cache_dir, env=env)
+    except Exception as exc:  # no home folder for the cache, ...: jobs will say so
+        _log.warning("sandbox.spare_failed", arm="wasm", error=f"{type(exc).__name__}: {exc}")
+        arm = None
+    if _pool is not None or arm is None or arm._wt is None or count < 1:
         # Already entered (a second worker in this process): that pool serves, this
         # context owns nothing.
         yield

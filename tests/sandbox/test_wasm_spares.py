@@ -177,3 +177,16 @@ async def test_a_second_entry_adds_no_pool(wasm_cache: Path) -> None:
         assert wasm._pool is outer  # the inner exit closed nothing
         await spares_settled()
     assert wasm._pool is None and waiting_spares() == []
+
+
+@pytest.mark.anyio
+async def test_a_pool_that_cannot_build_its_arm_serves_without_spares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Broken:
+        def __init__(self, **_: object) -> None:
+            raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(wasm, "WasmSandbox", Broken)
+    async with spare_processes(1):  # a worker's serve() must not fail for it
+        assert wasm._pool is None
