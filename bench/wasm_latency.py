@@ -16,13 +16,18 @@ Measures, in one run on one machine:
 
 Targets: cached wasm-python job <= 1.25 x native spawn; 2 concurrent >= 1.5 x one.
 
+With ``--spares N`` the jobs run inside `spare_processes(N)`: each is served by a guest
+process started ahead (interpreter up, wasmtime imported, python.wasm deserialized); CPU
+per job still counts each spare's start-up (reaped with its job).
+
 Usage: python bench/wasm_latency.py [--rounds 25] [--jobs 20] [--no-profile]
-       [--backend asyncio|trio] [--json]
+       [--backend asyncio|trio] [--spares N] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=20, help="jobs per throughput measurement")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    p.add_argument("--spares", type=int, default=0, help="spare guest processes kept ready")
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
 
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     report: dict[str, Any] = {
+        "spares": opts.spares,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
         "native": NATIVE,
     }
@@ -262,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         arm = WasmSandbox(cache_dir=cache)
 
         async def measure() -> None:
-            report["latency"] = await _latency(arm, opts.rounds, opts.warmup)
-            report["throughput"] = await _throughput(arm, opts.jobs)
+            async with contextlib.AsyncExitStack() as stack:
+                if opts.spares:
+                    from metnos_exec.sandbox.wasm import spare_processes
+
+                    await stack.enter_async_context(spare_processes(opts.spares, cache_dir=cache))
+                report["latency"] = await _latency(arm, opts.rounds, opts.warmup)
+                report["throughput"] = await _throughput(arm, opts.jobs)
 
         anyio.run(measure, backend=opts.backend)
         if not opts.no_profile:
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(f"machine: {r['machine']}")
+    print(f"machine: {r['machine']}; spares: {r['spares']}")
     c = r["cold_compile"]
     print(
         f"cold compile of python.wasm: {c['seconds']} s, max RSS +{c['max_rss_growth_mb']} MB, "

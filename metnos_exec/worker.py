@@ -29,13 +29,14 @@ stopped, and ``metnos-exec worker`` exits 4 with its message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import anyio
@@ -186,6 +187,10 @@ def check_worker_config(
     return policy
 
 
+#: How many wasm guest processes a worker keeps started ahead (`serve`'s `wasm_spares`).
+WASM_SPARES_ENV: Final = "METNOS_WASM_SPARES"
+
+
 async def serve(
     broker: Broker,
     registry: ExecutorRegistry,
@@ -196,6 +201,7 @@ async def serve(
     preload: bool = False,
     early_signals: Sequence[int] = (),
     dry_run: bool = False,
+    wasm_spares: int | None = None,
     task_status: anyio.abc.TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED,
     **supervisor_kw: Any,
 ) -> None:
@@ -213,13 +219,18 @@ async def serve(
             first such job does not wait for a cold compile (4-8 s); the worker process
             does. Skipped with a custom ``arm_chooser``. A compile cannot be interrupted:
             when serving ends during one, it is left to finish in its (daemon) thread.
+        wasm_spares: with `preload` and an executor of runtime ``wasm`` or
+            ``wasm-python``, keep this many wasm guest processes started ahead
+            (`metnos_exec.sandbox.wasm.spare_processes`, one job each, killed and reaped
+            when serving ends); 0: each wasm job starts its own. Default:
+            ``METNOS_WASM_SPARES``, else 1.
         task_status: receives the supervisor once it is ready to lease.
         **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...);
             without a ``policy``, `Policy.from_env` is read once, here.
 
     Raises:
-        BadConfig: a bad ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE`` or
-            ``METNOS_SLOT_UIDS``.
+        BadConfig: a bad ``METNOS_REQUIRE_SANDBOX``, ``METNOS_ARM_OVERRIDE``,
+            ``METNOS_SLOT_UIDS`` or ``METNOS_WASM_SPARES``.
         BrokerError: a fatal store error stopped the worker (``Supervisor.fatal_error``,
             e.g. the queue file was deleted under it), raised once it has stopped.
     """
@@ -252,6 +263,55 @@ async def serve(
                     drains.start_soon(sup.drain, grace_s if first else 0.0)
                     first = False
 
+    if wasm_spares is None:
+        raw = os.environ.get(WASM_SPARES_ENV, "1")
+        if not raw.isdigit():
+            raise BadConfig(
+                f"{WASM_SPARES_ENV} must be a number of spare processes (0 turns them off), "
+                f"got {raw!r}"
+            )
+        wasm_spares = int(raw)
+    async with contextlib.AsyncExitStack() as owned:
+        if (
+            preload
+            and wasm_spares > 0
+            and "arm_chooser" not in supervisor_kw
+            and any(registry[n].manifest.runtime in ("wasm", "wasm-python") for n in registry)
+        ):
+            try:
+                from .sandbox.wasm import spare_processes
+            except ImportError:
+                pass  # no wasm arm here: its jobs say so themselves
+            else:
+                # Outside the task group: the supervisor has drained (its jobs ended)
+                # before the spares are killed and reaped.
+                await owned.enter_async_context(spare_processes(wasm_spares))
+        await _serve_in(
+            sup,
+            registry,
+            handle_signals,
+            on_signals,
+            dry_run,
+            burst,
+            preload,
+            task_status,
+            supervisor_kw,
+        )
+    if sup.fatal_error is not None:
+        raise sup.fatal_error
+
+
+async def _serve_in(
+    sup: Supervisor,
+    registry: ExecutorRegistry,
+    handle_signals: bool,
+    on_signals: Callable[..., Coroutine[Any, Any, None]],
+    dry_run: bool,
+    burst: bool,
+    preload: bool,
+    task_status: anyio.abc.TaskStatus[Supervisor],
+    supervisor_kw: dict[str, Any],
+) -> None:
     async with anyio.create_task_group() as tg:
         if handle_signals:
             await tg.start(on_signals)
@@ -266,8 +326,6 @@ async def serve(
         task_status.started(sup)
         await sup.wait_stopped()
         tg.cancel_scope.cancel()
-    if sup.fatal_error is not None:
-        raise sup.fatal_error
 
 
 def trust_store_for(

@@ -21,10 +21,17 @@ JSON line, its verdict (``exit`` and usage, ``denied`` or ``fault``); each line 
 process at the wall deadline plus `WATCHDOG_SLACK_S` with a ``timeout`` verdict naming the
 phase (``load`` or ``run``): a compile or a host call has no epoch check to stop it. A
 guest within its fuel is stopped by the epoch deadline callback before that.
+
+A spare (``python -I -S <this file> <wasmtime folder> --spare <json>``, the JSON naming
+its socket, its result fd, and the cache key and folder of the module to load ahead)
+reads its job from the socket instead: one byte carrying the preopen descriptors, then
+the request line (``mounts`` instead of fds, ``nofile``) and the guest's stdin, to end
+of stream. See `_spare`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -407,19 +414,90 @@ def _ticker(engine: Any) -> None:
         engine.increment_epoch()
 
 
-def _run(wt: ModuleType, req: dict[str, Any], stdin: bytes, verdict: _Verdict) -> dict[str, Any]:
-    from _wasm_poll import bind_stop_check, install_poll_oneoff  # type: ignore[import-not-found]
+def _prepare(wt: ModuleType) -> tuple[Any, Any]:
+    """The engine and a linker with WASI p1 (and the arm's `poll_oneoff`) defined."""
+    from _wasm_poll import install_poll_oneoff  # type: ignore[import-not-found]
 
-    phase = ["load"]
-    deadline = float(req["deadline"])
-    threading.Thread(target=_watchdog, args=(verdict, deadline, phase), daemon=True).start()
     engine = _engine(wt)
     linker = wt.Linker(engine)
     linker.define_wasi()
     install_poll_oneoff(wt, linker, WASI_P1)
+    return engine, linker
+
+
+class _Ahead:
+    """What a spare process made ready before its job: the engine, the linker and, for
+    the module named at its start (the worker's python.wasm), the module deserialized
+    from the disk cache and linked. Only guest-independent state: no store, no instance,
+    no WASI context exists before the job (randomness is the guest's own `random_get`,
+    from the host's getrandom, at its start)."""
+
+    def __init__(self, wt: ModuleType, key: str | None, cache_dir: str | None) -> None:
+        self.engine, self.linker = _prepare(wt)
+        self.key: str | None = None
+        self.module: Any = None
+        self.pre: Any = None
+        if key is not None and cache_dir is not None:
+            target = Path(cache_dir) / f"{key}.cwasm"
+            if trusted_file(target):  # the same check a job's load makes
+                try:
+                    self.module = wt.Module.deserialize_file(self.engine, str(target))
+                    self.pre = _link(wt, self.linker, self.module, target.name)
+                    self.key = key
+                except (wt.WasmtimeError, Refused):
+                    self.module = self.pre = None  # the job loads it as a fresh process does
+                else:
+                    _prefault(target)
+                    # A scratch instance in a scratch store without fuel (not one guest
+                    # instruction can run in it), dropped at once: wasmtime
+                    # builds the module's memory image at the first instantiation, which the
+                    # job's own store then maps. No guest code runs; nothing of it is seen.
+                    scratch = wt.Store(self.engine)
+                    scratch.set_epoch_deadline(1 << 40)
+                    with contextlib.suppress(wt.WasmtimeError, wt.Trap):
+                        self.pre.instantiate(scratch)
+                    del scratch
+
+
+def _prefault(target: Path) -> None:
+    """Map in now the pages of `target` (the serialized module) this process maps: a
+    fresh process faulted 30 MB of python.wasm's code in during the guest's start-up.
+    ``MADV_POPULATE_READ`` (Linux 5.14); where it is refused, nothing is lost."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    name = str(target)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [ln for ln in f if ln.rstrip().endswith(name)]
+    except OSError:
+        return
+    for ln in lines:
+        lo, _, hi = ln.split(" ", 1)[0].partition("-")
+        libc.madvise(int(lo, 16), int(hi, 16) - int(lo, 16), 22)  # MADV_POPULATE_READ
+
+
+def _run(
+    wt: ModuleType,
+    req: dict[str, Any],
+    stdin: bytes,
+    verdict: _Verdict,
+    ahead: _Ahead | None = None,
+) -> dict[str, Any]:
+    from _wasm_poll import bind_stop_check
+
+    phase = ["load"]
+    deadline = float(req["deadline"])
+    threading.Thread(target=_watchdog, args=(verdict, deadline, phase), daemon=True).start()
+    if ahead is None:
+        engine, linker = _prepare(wt)
+    else:
+        engine, linker = ahead.engine, ahead.linker
     t_load = time.monotonic()
-    module, how = _load(wt, engine, req)
-    pre = _link(wt, linker, module, Path(req["source"]).name)
+    if ahead is not None and ahead.key is not None and ahead.key == req["key"]:
+        module, pre, how = ahead.module, ahead.pre, "disk"
+    else:
+        module, how = _load(wt, engine, req)
+        pre = _link(wt, linker, module, Path(req["source"]).name)
     loaded = {"how": how, "load_s": round(time.monotonic() - t_load, 6)}
     if req.get("compile_only"):
         return {"loaded": loaded}
@@ -523,9 +601,17 @@ def main() -> None:
     Started as ``python -I -S <this file> <folder of the wasmtime package>``: without
     ``site`` the interpreter starts in half the CPU time (~12 ms against ~25 ms here), so
     wasmtime's folder is put on the path by hand."""
+    spare = len(sys.argv) > 3 and sys.argv[2] == "--spare"
+    if spare:
+        # Before this folder goes on the path: the arm's `select` module is in it, and
+        # `socket` imports the standard library's.
+        import socket  # noqa: F401
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if len(sys.argv) > 1:
         sys.path.append(sys.argv[1])
+    if spare:
+        _spare(json.loads(sys.argv[3]))
+        return
     raw = sys.stdin.buffer.read()
     head, _, stdin = raw.partition(b"\n")
     req = json.loads(head)
@@ -543,6 +629,55 @@ def main() -> None:
     verdict.give(out)
     # Exit at once: the guest's stdio is written, and tearing wasmtime down (or waiting
     # for its I/O threads) is work for no one.
+    os._exit(0)
+
+
+def _receive(sock_fd: int) -> tuple[dict[str, Any], bytes, list[int]]:
+    """A spare's job: one byte carrying the preopen folders' descriptors (SCM_RIGHTS),
+    then the request line and the guest's stdin, to end of stream."""
+    import socket
+
+    sock = socket.socket(fileno=sock_fd)
+    _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 4096)
+    chunks = []
+    while chunk := sock.recv(1 << 16):
+        chunks.append(chunk)
+    sock.close()
+    head, _, stdin = b"".join(chunks).partition(b"\n")
+    return json.loads(head), stdin, fds
+
+
+def _spare(start: dict[str, Any]) -> None:
+    """A spare: make ready what no job can observe, wait for one job, serve it, exit.
+
+    Started by the arm's spare pool (`run_process`, like a job's process) before any job
+    exists. Once the job arrives: its RLIMIT_NOFILE is set (this process lowers its own
+    limit: the job's bound, as a fresh process has it from its start), its preopens are
+    the descriptors received, and from here it is `_run` as for a fresh process, the wall
+    deadline and the watchdog included. Never reused: it exits after its verdict."""
+    verdict = _Verdict(int(start["result_fd"]))
+    try:
+        import wasmtime as wt
+
+        ahead = _Ahead(wt, start.get("key"), start.get("cache_dir"))
+        req, stdin, fds = _receive(int(start["sock_fd"]))
+        mounts = req.pop("mounts")
+        if len(fds) != len(mounts):
+            raise OSError(f"spare: {len(fds)} preopen descriptors for {len(mounts)} mounts")
+        req["preopens"] = [
+            [fd, guest, writable] for fd, (guest, writable) in zip(fds, mounts, strict=True)
+        ]
+        nofile = req.get("nofile")
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (int(nofile), int(nofile)))
+        out = _run(wt, req, stdin, verdict, ahead)
+    except Refused as exc:
+        out = {"denied": str(exc)}
+    except OSError as exc:
+        out = {"fault": str(exc)}
+    except Exception as exc:
+        out = {"fault": f"{type(exc).__name__}: {exc}"}
+    verdict.give(out)
     os._exit(0)
 
 

@@ -24,6 +24,13 @@ Walls and the threat each answers:
   runs after its result (issue 15, item 1: a guest on a worker thread was abandoned, and
   resumed when its call returned). The files it opens are that process's descriptors,
   bounded by its RLIMIT_NOFILE (`limits.open_files` plus what the process itself needs).
+  Inside `spare_processes` (the worker enters it) that process may be a *spare*, started
+  ahead with the interpreter up, wasmtime imported and python.wasm deserialized from the
+  cache: it serves exactly one job, handed its request and preopen descriptors over a
+  socket, sets the job's RLIMIT_NOFILE and starts the job's deadline and watchdog only
+  then, and exits; nothing a guest can observe exists before its job (no store, no
+  instance, no WASI context: randomness is `random_get`, the host's getrandom). A spare
+  is killed and reaped with the pool that owns it.
 - **Fuel** (CPU): every wasm instruction burns fuel; exhaustion is `FuelExhausted`.
 - **CPU time** (resources): `limits.cpu_time_s` is checked at each epoch tick against the
   guest thread's CPU time (`Killed(SIGXCPU, "cpu_time")`, as the other arms report it),
@@ -74,31 +81,35 @@ not size-limited, nor is their total: a job with one reports resources `partial`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final, final
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 import structlog
 
 from ..errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from ..private import private_dir
-from ..process import ProcessResult, ProcessSpec, run_process
+from ..process import ProcessResult, ProcessSpec, Stopped, run_process
 from . import _wasm_child, _wasm_engine
 from ._types import (
     PYTHON_WASM_MODULE,
@@ -161,6 +172,7 @@ __all__ = (
     "RuntimeMismatch",
     "WasmSandbox",
     "python_program",
+    "spare_processes",
     "wasm_status",
 )
 
@@ -312,6 +324,247 @@ class _Ran:
     verdict: dict[str, Any] | None
     loaded: bool
     process: ProcessResult
+
+
+#: The stdout and stderr a spare keeps (its process is started before its job's
+#: `limits.output_bytes` is known): a job asking for more is served by a fresh process,
+#: one asking for less has its output cut to its own bound here.
+SPARE_OUTPUT_BYTES: Final = 1024 * 1024
+#: The spare's `run_process` budget: none of its own (it waits for a job for as long as
+#: the pool lives); the job that takes it sets the kill deadline on the spare's scope.
+_SPARE_WAIT_S: Final = 10.0**9
+
+
+@dataclass(eq=False)
+class _Spare:
+    """One spare guest process of the pool: started, waiting for exactly one job."""
+
+    key: str | None
+    sock: socket.socket
+    result_r: int
+    scope: anyio.CancelScope
+    stopped: Stopped
+    spawned: anyio.Event
+    handed: anyio.Event
+    done: anyio.Event
+    result: ProcessResult | None = None
+    error: BaseException | None = None
+    taken: bool = False
+    pid: int | None = None
+
+
+@final
+class _SparePool:
+    """`spare_processes`' state: the spares ready for a job, owned by its task group."""
+
+    def __init__(self, tg: anyio.abc.TaskGroup, count: int, env: Mapping[str, str] | None) -> None:
+        self.tg = tg
+        self.count = count
+        self.env = env
+        self.token = anyio.lowlevel.current_token()
+        self.ready: list[_Spare] = []
+        self.wanted = anyio.Event()
+        self.broken: str | None = None
+        self.served = 0
+        self.in_use: set[_Spare] = set()
+
+    def take(self) -> _Spare | None:
+        if self.broken is not None or anyio.lowlevel.current_token() != self.token:
+            return None  # another event loop (a test's anyio.run): not this pool's jobs
+        while self.ready:
+            spare = self.ready.pop(0)
+            if not spare.done.is_set():
+                spare.taken = True
+                self.in_use.add(spare)
+                self.served += 1
+                self.wanted.set()
+                return spare
+        return None
+
+
+_pool: _SparePool | None = None
+
+
+def waiting_spares() -> list[int]:
+    """The pids of the spare processes started and not yet given a job (for tests)."""
+    pool = _pool
+    if pool is None:
+        return []
+    return [s.pid for s in pool.ready if s.pid is not None and not s.done.is_set()]
+
+
+def spares_in_use() -> list[int]:
+    """The pids of the spare processes serving a job now (for tests: any other spare's
+    process is waiting for one, or being started)."""
+    pool = _pool
+    if pool is None:
+        return []
+    return [s.pid for s in pool.in_use if s.pid is not None]
+
+
+@contextlib.asynccontextmanager
+async def spare_processes(
+    count: int = 1,
+    *,
+    env: Mapping[str, str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> AsyncIterator[None]:
+    """Keep `count` guest processes started ahead for this event loop's wasm jobs.
+
+    A spare is a job's process (`_wasm_child`, started by `run_process`: spawner thread,
+    parent-death signal, own session) started before its job, with the interpreter up,
+    wasmtime imported, the engine and WASI linker built and, when its disk cache file is
+    there and trusted, the verified python.wasm deserialized and linked. A job takes one,
+    hands it its request and preopens, and it serves that job only, then exits; it is
+    never reused, and the next one is started in the background. The job's wall time,
+    watchdog, RLIMIT_NOFILE and RLIMIT_CPU start at the hand-off, as in a fresh process.
+
+    Spares exist only inside this context (the worker enters it around its jobs): on exit
+    every spare not yet taken is killed and reaped, and so is the process of a job still
+    running in one (that job fails as a host fault). Without it, each job starts its own
+    process; entered while another entry is open, it adds nothing.
+
+    Args:
+        count: spares kept ready.
+        env: where the python runtime is looked for (as `WasmSandbox`'s `env`).
+        cache_dir: the disk cache the spares load python.wasm from (default
+            `default_cache_dir`); a job whose module is another one loads it itself.
+    """
+    global _pool
+    try:
+        arm: WasmSandbox | None = WasmSandbox(cache_dir=cache_dir, env=env)
+    except Exception as exc:  # no home folder for the cache, ...: jobs will say so
+        _log.warning("sandbox.spare_failed", arm="wasm", error=f"{type(exc).__name__}: {exc}")
+        arm = None
+    if _pool is not None or arm is None or arm._wt is None or count < 1:
+        # Already entered (a second worker in this process): that pool serves, this
+        # context owns nothing.
+        yield
+        return
+    async with anyio.create_task_group() as tg:
+        pool = _SparePool(tg, count, env)
+        _pool = pool
+        tg.start_soon(_keep_spares, pool, arm)
+        try:
+            yield
+        finally:
+            _pool = None
+            tg.cancel_scope.cancel()
+
+
+async def _keep_spares(pool: _SparePool, arm: WasmSandbox) -> None:
+    while pool.broken is None:
+        pool.ready = [s for s in pool.ready if not s.done.is_set()]
+        while len(pool.ready) < pool.count:
+            try:
+                key = await anyio.to_thread.run_sync(_python_key, arm)
+                spare = await _start_spare(pool, arm, key)
+            except (HostFault, ToolUnavailable, OSError) as exc:
+                pool.broken = str(exc)
+                _log.warning("sandbox.spare_failed", arm="wasm", error=str(exc))
+                return
+            pool.ready.append(spare)
+        pool.wanted = anyio.Event()
+        await pool.wanted.wait()
+
+
+def _python_key(arm: WasmSandbox) -> str | None:
+    """python.wasm's cache key once its SHA-256 matched the pin (else no module ahead)."""
+    try:
+        source = arm._module_path(PYTHON_WASM_MODULE, True)
+        return _module_key(source, wasmtime_version() or "unknown")
+    except (ToolUnavailable, HostFault, SandboxDenied):
+        return None
+
+
+async def _start_spare(pool: _SparePool, arm: WasmSandbox, key: str | None) -> _Spare:
+    cache_dir = arm._ready_cache()
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    result_r, result_w = os.pipe2(os.O_CLOEXEC)
+    spare = _Spare(
+        key=key,
+        sock=parent,
+        result_r=result_r,
+        scope=anyio.CancelScope(),
+        stopped=Stopped(),
+        spawned=anyio.Event(),
+        handed=anyio.Event(),
+        done=anyio.Event(),
+    )
+    start = {
+        "key": key,
+        "cache_dir": str(cache_dir),
+        "sock_fd": child.fileno(),
+        "result_fd": result_w,
+    }
+
+    ends = [True]
+
+    def close_child_ends() -> None:
+        if ends.pop():
+            child.close()
+            os.close(result_w)
+        ends.append(False)
+
+    async def wait_for_job(pid: int, _members: object) -> None:
+        # The child holds its ends now: ours are closed, so a dead spare reads as EOF
+        # and a write to it as EPIPE, never a hang.
+        close_child_ends()
+        spare.pid = pid
+        spare.spawned.set()
+        await spare.handed.wait()
+
+    spec = ProcessSpec(
+        argv=(
+            sys.executable,
+            "-I",
+            "-S",
+            _CHILD_PATH,
+            arm._wasmtime_path(),
+            "--spare",
+            json.dumps(start),
+        ),
+        env={},
+        rlimits=((resource.RLIMIT_CORE, 0, 0),),
+        pass_fds=(child.fileno(), result_w),
+        pdeathsig=True,
+        output_bytes=SPARE_OUTPUT_BYTES,
+        reaper=False,
+        on_spawn=wait_for_job,
+    )
+
+    async def serve() -> None:
+        try:
+            with spare.scope:
+                spare.result = await run_process(
+                    spec, timeout=_SPARE_WAIT_S, grace=0.1, stopped=spare.stopped
+                )
+        except Exception as exc:  # said to the job that took it (a host fault)
+            spare.error = exc
+        finally:
+            close_child_ends()
+            pool.in_use.discard(spare)
+            spare.done.set()
+            spare.spawned.set()
+            if not spare.taken:
+                parent.close()
+                os.close(result_r)
+                if _pool is pool and pool.broken is None:
+                    # Ended before any job (its start-up failed): not started again and
+                    # again; jobs start their own processes, which say why.
+                    pool.broken = "a spare process ended before its job"
+                    _log.warning(
+                        "sandbox.spare_failed",
+                        arm="wasm",
+                        error=f"{pool.broken}: {spare.error or spare.result}",
+                    )
+                pool.wanted.set()
+
+    pool.tg.start_soon(serve)
+    await spare.spawned.wait()
+    if spare.done.is_set():
+        raise HostFault(f"wasm arm: a spare process did not start: {spare.error}")
+    return spare
 
 
 @final
@@ -670,6 +923,27 @@ class WasmSandbox:
         rlimits: tuple[tuple[int, int, int], ...],
     ) -> _Ran:
         cache_dir = self._ready_cache()
+        pool = _pool
+        if (
+            pool is not None
+            and not request.get("compile_only")
+            and output_bytes <= (SPARE_OUTPUT_BYTES)
+        ):
+            spare = pool.take()
+            if spare is not None:
+                return await self._hand(
+                    spare,
+                    key,
+                    source,
+                    version,
+                    request,
+                    deadline,
+                    output_bytes,
+                    mounts,
+                    stdin,
+                    rlimits,
+                    cache_dir,
+                )
         fds: list[int] = []
         result_r, result_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -706,21 +980,85 @@ class WasmSandbox:
             # The process is reaped (or was never started): what it wrote is all there.
             data = _read_all(result_r)
             os.close(result_r)
-        lines = data.split(b"\n")
-        loaded = b"L" in lines
-        verdict: dict[str, Any] | None = None
-        for line in lines:
-            if line.startswith(b"{"):
-                try:
-                    verdict = json.loads(line)
-                except ValueError as exc:
-                    raise HostFault(
-                        f"wasm arm: unreadable verdict from the guest's process: {exc}"
-                    ) from None
-        if verdict is not None and "denied" in verdict:
-            with _keys_lock:
-                _denied[key] = str(verdict["denied"])
-        return _Ran(verdict, loaded, proc)
+        return _ran_from(data, proc, key)
+
+    async def _hand(
+        self,
+        spare: _Spare,
+        key: str,
+        source: Path,
+        version: str,
+        request: dict[str, Any],
+        deadline: float,
+        output_bytes: int,
+        mounts: tuple[Mount, ...],
+        stdin: bytes,
+        rlimits: tuple[tuple[int, int, int], ...],
+        cache_dir: Path,
+    ) -> _Ran:
+        """Give the job to `spare` and wait for its process to end (killed at `deadline`
+        plus `KILL_AFTER_S` at the latest, or at once when the caller is cancelled)."""
+        nofile = next((soft for res, soft, _ in rlimits if res == resource.RLIMIT_NOFILE), None)
+        fds: list[int] = []
+        try:
+            # The kill deadline holds from here, the hand-off included.
+            # (In the event loop's clock: trio's is offset from time.monotonic.)
+            spare.scope.deadline = anyio.current_time() + (
+                deadline + KILL_AFTER_S - time.monotonic()
+            )
+            try:
+                for m in mounts:
+                    fds.append(_open_preopen(m.host))
+                head = {
+                    **request,
+                    "source": str(source),
+                    "key": key,
+                    "version": version,
+                    "cache_dir": str(cache_dir),
+                    "deadline": deadline,
+                    "nofile": nofile,
+                    "mounts": [["/" + m.guest.strip("/"), m.writable] for m in mounts],
+                }
+                data = json.dumps(head).encode() + b"\n" + stdin
+                await anyio.to_thread.run_sync(_send_job, spare.sock, fds, data, deadline)
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the spare holds its own copies
+            spare.handed.set()
+            await spare.done.wait()
+        except BaseException:
+            # Cancelled (or the hand-off failed): the spare's process is killed and
+            # reaped before this goes on.
+            with anyio.CancelScope(shield=True):
+                spare.scope.cancel()
+                spare.handed.set()
+                await spare.done.wait()
+            raise
+        finally:
+            spare.sock.close()
+            result = _read_all(spare.result_r)
+            os.close(spare.result_r)
+        if spare.error is not None:
+            raise spare.error
+        proc = spare.result
+        if proc is None:
+            # The kill deadline passed: `run_process` killed and reaped it (what it had
+            # written is in `stopped`), which is its timeout.
+            if spare.stopped.result is None or not spare.scope.cancelled_caught:
+                raise HostFault(
+                    "wasm arm: the spare process was stopped before its job ended (the "
+                    "spare pool closed)"
+                )
+            proc = msgspec.structs.replace(spare.stopped.result, timed_out=True)
+        if len(proc.stdout) > output_bytes or len(proc.stderr) > output_bytes:
+            proc = msgspec.structs.replace(
+                proc,
+                stdout=proc.stdout[:output_bytes],
+                stderr=proc.stderr[:output_bytes],
+                stdout_truncated=proc.stdout_truncated or len(proc.stdout) > output_bytes,
+                stderr_truncated=proc.stderr_truncated or len(proc.stderr) > output_bytes,
+            )
+        return _ran_from(result, proc, key)
 
     def _wasmtime_path(self) -> str:
         """The folder holding the `wasmtime` package (the guest's process runs without
@@ -785,6 +1123,42 @@ class WasmSandbox:
         if is_python:
             return verified_python_wasm(self._env, use_package=self._use_package)
         return Path(module)
+
+
+def _ran_from(data: bytes, proc: ProcessResult, key: str) -> _Ran:
+    """What the guest's process wrote on its result pipe, read."""
+    lines = data.split(b"\n")
+    loaded = b"L" in lines
+    verdict: dict[str, Any] | None = None
+    for line in lines:
+        if line.startswith(b"{"):
+            try:
+                verdict = json.loads(line)
+            except ValueError as exc:
+                raise HostFault(
+                    f"wasm arm: unreadable verdict from the guest's process: {exc}"
+                ) from None
+    if verdict is not None and "denied" in verdict:
+        with _keys_lock:
+            _denied[key] = str(verdict["denied"])
+    return _Ran(verdict, loaded, proc)
+
+
+def _send_job(sock: socket.socket, fds: list[int], data: bytes, deadline: float) -> None:
+    """Hand a spare its job: one byte with the preopen descriptors, then `data`, then end
+    of stream (on a worker thread; bounded by the job's deadline plus `KILL_AFTER_S`).
+
+    Raises:
+        HostFault: the spare is gone or does not read (the job is not run twice: its
+            process is killed and the job fails as a host fault, retried elsewhere).
+    """
+    try:
+        sock.settimeout(max(deadline + KILL_AFTER_S - time.monotonic(), 0.001))
+        socket.send_fds(sock, [b"J"], fds)
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError as exc:
+        raise HostFault(f"wasm arm: cannot hand the job to its spare process: {exc}") from exc
 
 
 def _read_all(fd: int) -> bytes:

@@ -13,12 +13,21 @@ from .attempts import WASM, is_helper, prepare
 from .harness import Run, judge, run_attempts, world_at
 
 
-@pytest.fixture(scope="module", params=["asyncio", "trio"])
+@pytest.fixture(
+    scope="module",
+    # The worker keeps spare guest processes by default (METNOS_WASM_SPARES=1): every row
+    # is judged with them and without (each job its own fresh process).
+    params=[("asyncio", "1"), ("trio", "1"), ("asyncio", "0"), ("trio", "0")],
+    ids=["asyncio-spares", "trio-spares", "asyncio-fresh", "trio-fresh"],
+)
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     need_import("wasmtime", "wasm")
+    backend, spares = request.param
     with world_at(tmp_path_factory.mktemp("adv-wasm")) as world:
         prepare(world)
-        yield run_attempts(world, WASM, backend=request.param, sandbox="wasm")
+        yield run_attempts(
+            world, WASM, backend=backend, sandbox="wasm", env={"METNOS_WASM_SPARES": spares}
+        )
 
 
 def test_every_job_ran_on_wasm(run: Run) -> None:

@@ -28,7 +28,7 @@ from metnos_exec.sandbox._types import (
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.doubles import EchoSandbox, FaultSandbox
-from metnos_exec.sandbox.wasm import WasmSandbox
+from metnos_exec.sandbox.wasm import WasmSandbox, spare_processes
 
 from ..conftest import need
 from .conformance import CHECKS, ArmUnderTest, applicable, compile_wats, native_jobs, wasm_jobs
@@ -127,6 +127,8 @@ ARMS: dict[str, Callable[[dict[str, Any]], ArmUnderTest]] = {
     "direct": lambda _: direct_arm(),
     "bwrap": lambda _: bwrap_arm(),
     "wasm": wasm_arm,
+    # The same arm with each job served by a spare process (`spare_processes`).
+    "wasm-spare": wasm_arm,
 }
 
 
@@ -146,7 +148,11 @@ async def test_conformance(
     arm = ARMS[arm_name](wasm_setup)
     reason = applicable(arm, check)
     assert reason is None, f"{arm_name}/{check} is in the matrix but says: {reason}"
-    await CHECKS[check](arm, tmp_path)
+    if arm_name != "wasm-spare":
+        await CHECKS[check](arm, tmp_path)
+        return
+    async with spare_processes(1, cache_dir=wasm_setup["cache"]):
+        await CHECKS[check](arm, tmp_path)
 
 
 def test_echo_declares_the_pairs_left_out() -> None:

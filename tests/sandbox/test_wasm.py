@@ -28,6 +28,7 @@ from structlog.testing import capture_logs
 
 from metnos_exec.errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from metnos_exec.manifest import load_manifest
+from metnos_exec.sandbox import wasm
 from metnos_exec.sandbox._types import (
     PYTHON_WASM_MODULE,
     Failure,
@@ -58,6 +59,12 @@ from metnos_exec.sandbox.wasm import (
     wasm_status,
 )
 from tests.conftest import need
+from tests.sandbox.spares import (  # the fixtures: used through pytest_generate_tests
+    parametrize_spares,
+    spare_pool,  # noqa: F401
+    spares_settled,
+    wasm_spares,  # noqa: F401
+)
 
 WAT = Path(__file__).parent / "wat"
 EXAMPLES = Path(__file__).parents[2] / "examples" / "executors"
@@ -73,6 +80,8 @@ def _runtime_available() -> bool:
 
 
 HAVE_ENGINE = WT is not None
+#: Each async test runs with and without spare processes (tests/sandbox/spares.py).
+pytest_generate_tests = parametrize_spares
 HAVE_RUNTIME = HAVE_ENGINE and _runtime_available()
 NO_ENGINE = "wasmtime is not installed (install metnos-exec[wasm])"
 NO_RUNTIME = (
@@ -131,15 +140,18 @@ def py_arm(arm: WasmSandbox) -> WasmSandbox:
 
 
 def _guest_processes() -> list[int]:
-    """The pids of this process's children that are a wasm guest's process."""
+    """The pids of this process's children that are a wasm guest's process (not a spare
+    waiting for its job, or being started)."""
     pids = []
+    in_use = wasm.spares_in_use()
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):
             pids += [int(p) for p in (task / "children").read_text().split()]
     found = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            if b"_wasm_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"_wasm_child.py" in cmd and (b"--spare" not in cmd or pid in in_use):
                 found.append(pid)
     return found
 
@@ -1143,9 +1155,11 @@ async def test_a_guests_descriptors_are_its_own_process_and_bounded(
         mounts=(Mount(str(folder), "/in", writable=False),),
         limits=ResourceLimits(fuel=FUEL * 100, memory_bytes=65536 * 4, open_files=64),
     )
+    await spares_settled()
     before = len(os.listdir("/proc/self/fd"))
     out = await arm.run(job)
     assert out.exit == Failure(1), out  # an open failed before the 2,000th
+    await spares_settled()  # the next spare's pipes are the worker's, not the guest's
     assert len(os.listdir("/proc/self/fd")) <= before
     assert out.containment.resources.state == "kept"
     assert "open files at most 64" in out.containment.resources.reason
