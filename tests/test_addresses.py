@@ -21,6 +21,16 @@ FOLDERS = ("tests", "bench", "examples")
 
 #: ``(path relative to the repository, address): why it is no target``. Empty: keep it so.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
+#: Files whose non-loopback literals are data, never a target, and why that holds (each
+#: reason is checked by `test_data_only_files_cannot_send`).
+DATA_ONLY: dict[str, str] = {
+    "tests/sandbox/egress/test_policy.py": "classification data for the pure decision "
+    "function (`policy.authorize`, with a resolver the test controls): the file makes "
+    "no socket",
+    "tests/sandbox/egress/test_wall_bwrap.py": "answers of the test's own resolver that "
+    "the wall must refuse before any connect: tests/sandbox/egress/conftest.py refuses, "
+    "and fails the test on, any upstream connection to an address outside loopback",
+}
 
 # A dotted quad that is not part of a longer dotted or word token (1.2.3.4.5, v1.2.3.4).
 _V4 = re.compile(r"(?<![\w.])(\d{1,3}(?:\.\d{1,3}){3})(?![\w.]*\d)")
@@ -72,9 +82,17 @@ def test_no_address_outside_loopback() -> None:
             continue  # binary data: no source names an address there
         rel = str(p.relative_to(ROOT))
         for n, addr in offending(text):
-            if (rel, addr) not in EXCEPTIONS:
+            if (rel, addr) not in EXCEPTIONS and rel not in DATA_ONLY:
                 bad.append(f"{rel}:{n}: {addr}")
     assert not bad, "addresses outside loopback (use 127.0.0.x or ::1):\n" + "\n".join(bad)
+
+
+def test_data_only_files_cannot_send() -> None:
+    policy = (ROOT / "tests/sandbox/egress/test_policy.py").read_text()
+    assert "import socket" not in policy and ".connect(" not in policy
+    guard = (ROOT / "tests/sandbox/egress/conftest.py").read_text()
+    assert "autouse=True" in guard and 'setattr(JobTraffic, "connect"' in guard
+    assert set(DATA_ONLY) <= {str(p.relative_to(ROOT)) for p in _files()}
 
 
 # The detector's own cases. The addresses are built, not written, so that this file
