@@ -463,8 +463,11 @@ def _prefault(target: Path) -> None:
     """Map in now the pages of `target` (the serialized module) this process maps: a
     fresh process faulted 30 MB of python.wasm's code in during the guest's start-up.
     ``MADV_POPULATE_READ`` (Linux 5.14); where it is refused, nothing is lost."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    # A prototype of its own (this script cannot import `metnos_exec._libc`, whose
+    # reason it shares): int madvise(void *addr, size_t length, int advice).
+    madvise = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, use_errno=True
+    )(("madvise", ctypes.CDLL(None, use_errno=True)))
     name = str(target)
     try:
         with open("/proc/self/maps") as f:
@@ -473,7 +476,7 @@ def _prefault(target: Path) -> None:
         return
     for ln in lines:
         lo, _, hi = ln.split(" ", 1)[0].partition("-")
-        libc.madvise(int(lo, 16), int(hi, 16) - int(lo, 16), 22)  # MADV_POPULATE_READ
+        madvise(int(lo, 16), int(hi, 16) - int(lo, 16), 22)  # MADV_POPULATE_READ
 
 
 def _run(
