@@ -478,7 +478,10 @@ def _python_key(arm: WasmSandbox) -> str | None:
 
 
 async def _start_spare(pool: _SparePool, arm: WasmSandbox, key: str | None) -> _Spare:
+    # What may refuse (no cache folder, an engine older than the pin) before any
+    # descriptor is made: a refusal here leaves nothing open.
     cache_dir = arm._ready_cache()
+    wasmtime_path = arm._wasmtime_path()
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     result_r, result_w = os.pipe2(os.O_CLOEXEC)
     spare = _Spare(
@@ -520,7 +523,7 @@ async def _start_spare(pool: _SparePool, arm: WasmSandbox, key: str | None) -> _
             "-I",
             "-S",
             _CHILD_PATH,
-            arm._wasmtime_path(),
+            wasmtime_path,
             "--spare",
             json.dumps(start),
         ),

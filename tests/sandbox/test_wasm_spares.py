@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from metnos_exec.messages import Job
@@ -190,3 +191,23 @@ async def test_a_pool_that_cannot_build_its_arm_serves_without_spares(
     monkeypatch.setattr(wasm, "WasmSandbox", Broken)
     async with spare_processes(1):  # a worker's serve() must not fail for it
         assert wasm._pool is None
+
+
+@pytest.mark.anyio
+async def test_a_spare_refused_at_its_start_leaves_nothing_open(
+    monkeypatch: pytest.MonkeyPatch, wasm_cache: Path
+) -> None:
+    # An engine older than the pin is refused when a spare is started (a pool entered
+    # before the check, or refilled after it): the spare's socket pair and result pipe,
+    # made before the refusal, were left open (found by an unprivileged full run).
+    need(HAVE_RUNTIME, NO_RUNTIME)
+    monkeypatch.setattr(wasm, "wasmtime_version", lambda: "45.0.0")
+    before = set(os.listdir("/proc/self/fd"))
+    async with spare_processes(1, cache_dir=wasm_cache):
+        pool = wasm._pool
+        assert pool is not None
+        with anyio.fail_after(20):
+            while pool.broken is None:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert "50.0.1" in pool.broken
+    assert set(os.listdir("/proc/self/fd")) <= before  # (the fixture checks it too)
