@@ -21,7 +21,7 @@ from metnos_exec.sandbox._types import ResourceLimits, SandboxJob, Success, Time
 from metnos_exec.sandbox.bwrap import BwrapSandbox
 from metnos_exec.sandbox.egress import EgressPolicy, policy_for
 from metnos_exec.sandbox.flags import guest_python
-from tests.conftest import need
+from tests.conftest import need_privileged
 from tests.sandbox.test_bwrap import need_bwrap
 
 pytestmark = pytest.mark.anyio
@@ -251,7 +251,7 @@ async def test_both_bridges(
 
     need_bwrap()
     if thread:
-        need(os.geteuid() == 0, "a root worker's thread enters the namespace (needs root)")
+        need_privileged(os.geteuid() == 0, "a root worker's thread enters the namespace")
     monkeypatch.setattr(bridge._helper, "threads_may_enter", thread)
     allowed, _ = servers
     job = SandboxJob(
