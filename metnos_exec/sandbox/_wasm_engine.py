@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -45,6 +44,7 @@ from ._wasm_child import (
     cache_key,
     check_complexity,
     trusted_file,
+    write_atomically,
 )
 from ._wasm_poll import install_poll_oneoff
 
@@ -367,16 +367,7 @@ atexit.register(close_engines)
 def _write_atomically(target: Path, blob: bytes) -> None:
     try:
         private_dir(target.parent)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".cwasm")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(target, blob)  # the guest's process writes the cache the same way
     except OSError as exc:
         raise HostFault(f"wasm cache {target.parent}: cannot write: {exc.strerror}") from exc
 
