@@ -29,12 +29,12 @@ import anyio
 import structlog
 
 from metnos_exec.brokers.memory import MemoryBroker
+from metnos_exec.devices.signing import TrustStore, generate_key, load_public_key, sign_folder
 from metnos_exec.logs import configure_logging
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
-from metnos_exec.signing import TrustStore, generate_key, load_public_key, sign_folder
 from metnos_exec.supervisor import Supervisor
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "executors"

@@ -39,8 +39,8 @@ from .logs import configure_logging, iter_records, render_record
 from .manifest import ExecutorRegistry
 from .messages import Result
 from .process import become_subreaper
-from .staging import Staging
 from .supervisor import Supervisor
+from .undo.staging import Staging
 
 __all__ = ("main",)
 

@@ -677,8 +677,8 @@ def _executors_finding(
 
 
 def _trust_finding(device: str, trust_keys: Sequence[str], env: Mapping[str, str]) -> Finding:
+    from .devices.signing import TRUST_KEYS_ENV, load_trust_keys
     from .messages import SERVER_DEVICE
-    from .signing import TRUST_KEYS_ENV, load_trust_keys
 
     device_worker = device != SERVER_DEVICE
     try:

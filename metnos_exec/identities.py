@@ -34,7 +34,7 @@ system folders as any local user, and its own mounts. Those are root's files (th
 worker's user); to keep the owner rights the job had before, each one is mounted through
 an *idmapped* mount that shows the worker's uid 0 as the slot's uid
 (`metnos_exec.sandbox.mount_sources.StagedSources`; for a staged job, the lower layers of
-its overlays, `metnos_exec.staging.overlay`), which needs the user namespace
+its overlays, `metnos_exec.undo.overlay`), which needs the user namespace
 `SlotIdentity.userns_fd` (uid 0 → the slot's uid, every other id but the slot's to
 itself: `_id_map`).
 """

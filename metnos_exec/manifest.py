@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from .devices.packability import check_packable
 from .errors import BadManifest, UnknownExecutor
-from .packability import check_packable
 from .sandbox.flags import expand_hint
 
 __all__ = (

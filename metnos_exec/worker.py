@@ -44,6 +44,7 @@ import structlog
 
 from .backoff import store_backoff
 from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
+from .devices.signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
 from .errors import (
     BadConfig,
     BadManifest,
@@ -61,9 +62,8 @@ from .private import tighten
 from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
-from .signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
-from .staging import STATE_DIR_ENV, Staging, default_state_dir
 from .supervisor import Supervisor
+from .undo.staging import STATE_DIR_ENV, Staging, default_state_dir
 
 __all__ = (
     "ARM_OVERRIDE_ENV",
@@ -181,7 +181,7 @@ def check_worker_config(
     # Checked whoever runs the worker: a typo is one, and for root it would weaken a wall.
     slot_uid_range(env)
     retention_from_env(env)
-    from .runtimes import device_python_source
+    from .devices.runtimes import device_python_source
 
     device_python_source(env)  # a URL without its pinned hash is refused here
     return policy
@@ -403,7 +403,7 @@ async def dry_run_executors(
     a `trust` store, the verified private copy is what is dry-run (an executor whose
     signature fails is left to its ``E_SIGNATURE``).
     """
-    from .packability import dry_run
+    from .devices.packability import dry_run
     from .sandbox.bwrap import BwrapSandbox, bwrap_probe
     from .sandbox.direct import DirectSandbox
 
@@ -454,7 +454,7 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
     if python:
         try:
             # Without the extra or METNOS_PYTHON_WASM: download it, if a URL is configured.
-            from .runtimes import obtain_python_wasm
+            from .devices.runtimes import obtain_python_wasm
 
             fetched = await obtain_python_wasm()
         except Exception as exc:
@@ -577,7 +577,7 @@ def run_worker(
     ``retention_s``: finished jobs older than this are purged (``None``: never); the
     default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
     ``state_dir``: blobs, commit journals and staging mount points (default
-    `metnos_exec.staging.default_state_dir` of the queue: its own folder).
+    `metnos_exec.undo.staging.default_state_dir` of the queue: its own folder).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -683,7 +683,7 @@ def _start(
 
     async def main() -> None:
         nonlocal staging
-        from .runtimes import obtain_device_python
+        from .devices.runtimes import obtain_device_python
 
         # A standalone CPython for native executors, when configured (downloaded once,
         # verified by its pinned hash); before the broker, so a failure leaves nothing open.

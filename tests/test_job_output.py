@@ -21,8 +21,7 @@ from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, decode_result, encode
 from metnos_exec.sandbox._types import Success
 from metnos_exec.supervisor import MAX_OUTPUT_DEPTH, _parse_output
-
-from .test_supervisor import ScriptedArm, chooser, executors, make, registry  # noqa: F401
+from tests.supervisor.test_supervisor import ScriptedArm, chooser, make
 
 pytestmark = pytest.mark.anyio
 
@@ -78,7 +77,7 @@ def test_deep_nesting_names_the_limit() -> None:
 
 
 async def test_every_corpus_output_ends_as_a_result_never_a_host_fault(
-    registry: ExecutorRegistry,  # noqa: F811
+    registry: ExecutorRegistry,
 ) -> None:
     broker = MemoryBroker()
     arm = ScriptedArm(*((Success(), stdout) for stdout, _ in CORPUS.values()))

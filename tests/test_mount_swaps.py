@@ -23,10 +23,10 @@ from metnos_exec import supervisor as supervisor_mod
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, Result
-from metnos_exec.staging import Staging
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.undo.staging import Staging
 from tests.conftest import need
-from tests.staging.helpers import bwrap_works
+from tests.undo.helpers import bwrap_works
 
 MANIFEST = """\
 name = "{name}"

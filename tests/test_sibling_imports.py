@@ -25,10 +25,10 @@ from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox._wasm_runtime import verified_python_wasm
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
-from metnos_exec.staging import Staging
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.undo.staging import Staging
 from tests.conftest import need
-from tests.staging.helpers import bwrap_works
+from tests.undo.helpers import bwrap_works
 
 MANIFEST = """\
 name = "{name}"

@@ -21,8 +21,8 @@ from metnos_exec.messages import Job, Result
 from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
-from metnos_exec.staging import Staging
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.undo.staging import Staging
 
 # Writes `text` into `path` (absolute, after ~ expansion), whatever it is.
 ROGUE = """\

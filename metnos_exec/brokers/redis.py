@@ -32,7 +32,7 @@ both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
   how many stored entries need it): undo entries stored with the results, fenced by the
   lease like an ack, forgotten with their job by `purge`.
 - ``executors`` (hash): name → the executor as a server worker published it (the
-  catalog `submit` checks device jobs against, `metnos_exec.catalog`).
+  catalog `submit` checks device jobs against, `metnos_exec.devices.catalog`).
 - ``inbox`` (stream): the door for producers in other languages (``XADD`` a ``job`` field;
   see ``queue/README.md``). Server workers take entries off it, validate them with the
   same decoder as `submit`, and queue or dead-letter them (``E_BAD_MESSAGE``), once each.
@@ -85,7 +85,7 @@ import coredis.exceptions
 import coredis.retry
 import structlog
 
-from ..catalog import ExecutorInfo, decode_info, encode_info
+from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import (
     BadMessage,
     BrokerBusy,
@@ -1033,7 +1033,7 @@ class RedisBroker(Broker):
     async def undo_blobs(self) -> set[str]:
         return {_s(d) for d in await self._guard(self._redis.hkeys(self.keys.blobs))}
 
-    # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
+    # --- the executor catalog (see `metnos_exec.devices.catalog`) -------------------------------
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         if not infos:

@@ -58,7 +58,7 @@ import anyio.to_thread
 import structlog
 from anyio.lowlevel import RunVar
 
-from ..catalog import ExecutorInfo, decode_info, encode_info
+from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import (
     BadMessage,
     BrokerBusy,
@@ -229,7 +229,7 @@ CREATE TABLE IF NOT EXISTS undo_blobs (
 
 -- The executor catalog: each server worker publishes the manifests of the executors it
 -- runs, so a submit can refuse a device job whose executor must stay on the server
--- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
+-- (metnos_exec/devices/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
 -- it needs no schema version (a file made before it gains it when a broker opens it).
 CREATE TABLE IF NOT EXISTS executors (
     name    TEXT PRIMARY KEY,

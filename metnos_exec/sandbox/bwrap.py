@@ -57,7 +57,7 @@ only glues them and reads back what happened, honestly:
   bubblewrap starts inside the staging namespace, which only root may enter: it is forked
   as root, and ``nsenter`` drops to the slot's uid there before it execs bubblewrap; its
   overlays are built on idmapped lower layers for that uid (`staged`,
-  `metnos_exec.staging.overlay`). A job that cannot run so runs as root: `MASKED_PATHS`
+  `metnos_exec.undo.overlay`). A job that cannot run so runs as root: `MASKED_PATHS`
   and every private file of ``/etc`` found at the worker's first job (`private_files`)
   are masked, but not what other system trees hold, nor files created later, and the
   files and user axes say ``partial`` (`ROOT_WORKER_REASON`, with why), the resources
@@ -1112,7 +1112,7 @@ class BwrapSandbox:
                 raise SandboxDenied(f"the bwrap arm refuses this job: {exc}") from exc
             if place.enter:
                 # Staging: bubblewrap starts inside the staging namespace (an exec'd
-                # nsenter, same pid), where the job's overlays are (`metnos_exec.staging`);
+                # nsenter, same pid), where the job's overlays are (`metnos_exec.undo.staging`);
                 # a slot's job drops to the slot's uid there, before bubblewrap runs.
                 argv = [*place.enter, *argv]
             in_guest = gated or bool(prefix)

@@ -149,7 +149,7 @@ def _wasm_report(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _overlay_staging() -> str:
     # Imported here: staging sits above the sandbox package (it uses its types).
-    from ..staging.overlay import probe_staging
+    from ..undo.overlay import probe_staging
 
     try:
         return probe_staging()

@@ -244,7 +244,7 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
         assert len(documented) == 15
-        await b.publish_executors([])  # the catalog is tested in tests/test_catalog.py
+        await b.publish_executors([])  # the catalog is tested in tests/devices/test_catalog.py
         documented.pop("executors")
         # An undo entry recorded by the job that stays running (never acked).
         assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])

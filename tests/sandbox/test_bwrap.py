@@ -45,7 +45,7 @@ from metnos_exec.sandbox.bwrap import (
 from metnos_exec.sandbox.flags import guest_python
 from tests.conftest import need, need_privileged
 from tests.helpers.kernel import inotify_refused
-from tests.test_process import _reset_peak_rss, _vm_kib
+from tests.process.test_process import _reset_peak_rss, _vm_kib
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
 

@@ -1,0 +1,1 @@
+"""Devices: signing, packability, fetch, runtimes, the catalog."""

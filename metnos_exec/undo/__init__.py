@@ -1,0 +1,1 @@
+"""Undo: staging, commits, the journal, blobs, seals, applying an undo."""
