@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from metnos_exec.devices import signing
+from metnos_exec.devices import signed_tree, signing, trust
 from metnos_exec.devices.signing import SIGNATURE_FILE, TrustStore, sign_folder
 from metnos_exec.errors import BadConfig, SignatureError
 from metnos_exec.manifest import Executor, load_manifest
@@ -248,13 +248,13 @@ def test_every_alteration_is_refused_naming_the_file(
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     reads: list[Path] = []
-    real = signing._read_tree
+    real = trust._read_tree
 
-    def counting(folder: Path) -> signing._Tree:
+    def counting(folder: Path) -> signed_tree._Tree:
         reads.append(folder)
         return real(folder)
 
-    monkeypatch.setattr(signing, "_read_tree", counting)
+    monkeypatch.setattr(trust, "_read_tree", counting)
     return reads
 
 
@@ -474,7 +474,7 @@ def test_a_file_swapped_for_a_fifo_after_its_lstat_is_refused_not_waited_on(
     # The walk saw a regular file; by the time it is opened, it is a FIFO (an attacker
     # swapping it in a loop): the open must not wait for a writer that never comes.
     folder = make_executor(tmp_path / "ex", "victim")
-    real_walk = signing._walk
+    real_walk = signed_tree._walk
 
     def swapping_walk(root: Path):  # type: ignore[no-untyped-def]
         for rel, path, st in real_walk(root):
@@ -483,12 +483,12 @@ def test_a_file_swapped_for_a_fifo_after_its_lstat_is_refused_not_waited_on(
                 os.mkfifo(path)
             yield rel, path, st
 
-    monkeypatch.setattr(signing, "_walk", swapping_walk)
+    monkeypatch.setattr(signed_tree, "_walk", swapping_walk)
     outcome: list[BaseException | None] = []
 
     def read() -> None:
         try:
-            signing._read_tree(folder)
+            signed_tree._read_tree(folder)
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)
