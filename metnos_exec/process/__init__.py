@@ -19,9 +19,9 @@ promises on both anyio backends (asyncio and trio):
 * **Die-with-parent.** A SIGKILLed worker leaves no job process alive.
 * **Nothing outlives a job.** Once the child has exited, what is left of its session's
   group and of its cgroup is SIGKILLed before it is reaped; under the shim, descendants
-  that left the group are killed by the shim. A worker that dies before it has reaped a
-  child, however it dies, takes the child's process group with it: the keeper
-  (`start_keeper`) SIGKILLs it.
+  that left the group are killed by the shim. In a worker that started its keeper
+  (`start_keeper`, at the worker's start), a child not yet reaped when the worker dies,
+  however it dies, has its process group SIGKILLed by the keeper.
 
 The kill sequence (`metnos_exec.process.kill`): the tree's usage is read, then SIGTERM to
 the tree, ``grace`` seconds (more for the shim, which runs its own), SIGKILL, a bounded
@@ -33,8 +33,9 @@ Who may start children: a job's processes are started only by `run_process`, the
 entry the sandbox arms call, and every one of them is forked on a spawner thread (the
 shared one or a slot's). Each is registered as ours from the fork until it is reaped, so
 `reap_orphans` (a subreaper worker's sweep) never takes it. Helpers the worker runs for
-itself (probes, the staging namespace helper, the egress bridge, the keeper) are plain
-``subprocess`` children in the worker's own session, which the sweep leaves alone.
+itself (probes, the staging namespace helper, the egress bridge) are plain ``subprocess``
+children in the worker's own session, which the sweep leaves alone; the keeper is started
+once, in a session of its own, by `start_keeper`.
 
 Errors: `HostFault` only when the harness breaks (pipes, the spawner, the shim's
 interpreter or set-up, ``wait4``). A user-level command that cannot be executed is an
