@@ -457,7 +457,7 @@ async def test_pids_max_makes_forks_fail_and_leaves_nothing(
 async def test_without_a_cgroup_root_reports_pids_not_limited(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(process, "_cgroup_parent", lambda: None)
+    monkeypatch.setattr(process.cgroups, "_cgroup_parent", lambda: None)
     code = "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])"
     result = await run_process(spec(PY, "-c", code, pids_max=32), timeout=10)
     # RLIMIT_NPROC is still applied, above what this uid already runs ...

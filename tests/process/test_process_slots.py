@@ -533,7 +533,7 @@ async def test_memory_unbounded_is_said_when_no_memory_cgroup_holds_the_run(
     need_privileged(
         slots_available(), "no cgroup v1 pids hierarchy (slots need per-thread cgroups)"
     )
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     result = await run_process(pooled(PY, "-c", "pass", memory_max=64 * MiB), timeout=30)
     assert result.returncode == 0
     assert not result.memory_limited and result.memory_peak_bytes is None

@@ -878,7 +878,7 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     from metnos_exec import process
     from metnos_exec.sandbox.bwrap import MEMORY_PER_PROCESS_REASON
 
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     # bubblewrap's monitor execs out of this process's memory, so its own ru_maxrss reads
     # this process's high-water mark: make that large. The peak must come from the guest
     # tree (the rusage of bubblewrap's init), not from us.
@@ -1004,7 +1004,7 @@ async def test_usage_not_measured_is_not_guessed(
         return None
 
     monkeypatch.setattr(bwrap_mod, "reap_orphan", not_ours)
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     outcome = await arm.run(SandboxJob(argv=("/bin/true",)))
     assert outcome.exit == Success()
     assert outcome.usage.cpu_s is None and outcome.usage.peak_memory_bytes is None

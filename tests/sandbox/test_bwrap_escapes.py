@@ -272,7 +272,7 @@ async def test_the_memory_reason_says_whether_tmp_and_dev_shm_are_sized(
     probe = bwrap_mod.bwrap_probe()
     need(probe.working, f"bubblewrap not usable here: {probe.error}")
     need(probe.features.tmpfs_size, "this bubblewrap cannot size a tmpfs (< 0.8)")
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     fill = FILL_SHM.replace("range(128)", "range(48)")
     limits = ResourceLimits(memory_bytes=32 * MiB, file_size_bytes=256 * MiB)
     sized = BwrapSandbox(probe.path, features=probe.features)
