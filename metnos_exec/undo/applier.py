@@ -98,7 +98,8 @@ def write_content(dst: int, content: bytes | int) -> None:
 
 
 class Applier:
-    """Applies ops one at a time (module table); remembers what it did for a roll-back."""
+    """Applies ops one at a time (`metnos_exec.undo.journal`'s table); remembers what it
+    did for a roll-back."""
 
     def __init__(
         self,

@@ -98,7 +98,8 @@ class OpConflict(Exception):
 
 
 class HostTree:
-    """The writable roots of a job, reached only through fds (see the module table).
+    """The writable roots of a job, reached only through fds (see
+    `metnos_exec.undo.journal`'s table).
 
     Args:
         roots: absolute, symlink-free folders (the planner resolved them); a root that is

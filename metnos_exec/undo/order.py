@@ -60,7 +60,7 @@ def _depth(path: str) -> int:
 
 
 def order_ops(ops: Iterable[UndoOp]) -> tuple[UndoOp, ...]:
-    """The safe order to apply `ops` in (see the module docstring)."""
+    """The safe order to apply `ops` in (see `metnos_exec.undo.journal`)."""
     split = [piece for op in ops for piece in _split(op)]
     removed_dirs = {
         op.path

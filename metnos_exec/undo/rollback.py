@@ -195,10 +195,10 @@ def _revert_step(
     """The op that reverts `op` given what the host holds now; ``None``: nothing to do.
 
     The host may hold `op`'s ``after`` (revert it), its ``before`` (nothing to do), or a
-    state a crash left half-way (the module table): `op` cut short (`_partial`: what it
-    was creating is removed), an earlier roll-back of `op` cut short (its ``before`` is
-    finished), or, on a path two ops change (a type change), what an earlier roll-back
-    put back for the op before it (`earlier`: left to that op).
+    state a crash left half-way (`metnos_exec.undo.journal`'s table): `op` cut short
+    (`_partial`: what it was creating is removed), an earlier roll-back of `op` cut short
+    (its ``before`` is finished), or, on a path two ops change (a type change), what an
+    earlier roll-back put back for the op before it (`earlier`: left to that op).
     """
     if isinstance(op, Move):
         src, dst = tree.lstat(op.src), tree.lstat(op.dst)
