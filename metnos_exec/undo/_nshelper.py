@@ -46,6 +46,7 @@ import os
 import socket
 import stat
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -211,98 +212,125 @@ class _Stager:
         self.jobs[job_id] = (top, mounted)
         opened: list[int] = []
         try:
-            os.mkdir(top, 0o700)
-            if gid is not None:
-                # Entered by bubblewrap as the slot's uid (in the slot's group), which binds
-                # the overlays and the sources from here; by no other uid but root.
-                os.chown(top, 0, gid)
-                os.chmod(top, 0o710)
-            if lowers:
-                os.mkdir(os.path.join(top, ".l"), 0o700)
-            tmp = os.path.join(top, "t")
-            os.mkdir(tmp, 0o700)
-            _mount(
-                "tmpfs",
-                tmp,
-                "tmpfs",
-                _MS_NOSUID | _MS_NODEV,
-                f"size={int(size)},nr_inodes={int(inodes)},mode=0700",
-            )
-            mounted.append(tmp)
+            tmp = self._make_top(top, size, inodes, mounted, lowers=bool(lowers), gid=gid)
             for i, root in enumerate(roots):
-                if lowers:
-                    # The worker's idmapped clone of the root: checked like a path would
-                    # be, then attached where only root may go (it is the real folder).
-                    st = os.fstat(lowers[i])
-                    lowerdir = os.path.join(top, ".l", str(i))
-                    os.mkdir(lowerdir, 0o700)
-                    try:
-                        _attach(lowers[i], lowerdir)
-                    except OSError as exc:
-                        raise IdmapFailed(exc.errno, str(exc)) from None
-                    mounted.append(lowerdir)
-                    lower = os.open(lowerdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
-                else:
-                    lower = _open_no_symlinks(root["path"])
-                    st = os.fstat(lower)
-                try:
-                    if (st.st_dev, st.st_ino) != (root["dev"], root["ino"]):
-                        raise OSError(f"{root['path']} changed since the worker checked it")
-                    upper, work, target = (
-                        os.path.join(tmp, f"u{i}"),
-                        os.path.join(tmp, f"w{i}"),
-                        os.path.join(top, str(i)),
-                    )
-                    for folder in (upper, work, target):
-                        os.mkdir(folder, 0o700)
-                    # The overlay's root takes its mode (and owner) from the upper root:
-                    # give it the real folder's, so the guest sees the folder as it is and
-                    # a mode change by the job is a real difference. Through an idmapped
-                    # lower, the owner as the clone shows it (root's folder: the slot's).
-                    os.chmod(upper, st.st_mode & 0o7777)
-                    if not self.userns:
-                        os.chown(upper, st.st_uid, st.st_gid)
-                    # An overlay keeps its own metadata (whiteouts, opaque folders) in
-                    # xattrs: user.* inside a user namespace, trusted.* for root.
-                    # No redirects (nofollow: neither made nor followed; "off" would
-                    # still follow, which userxattr refuses) and no metacopy: every change
-                    # is a plain file in the upper folder (renaming a lower folder fails
-                    # with EXDEV, and tools copy instead), which the commit reads as is.
-                    options = (
-                        f"lowerdir=/proc/self/fd/{lower},upperdir={upper},workdir={work},"
-                        "redirect_dir=nofollow,metacopy=off,index=off"
-                    )
-                    if self.userns:
-                        options += ",userxattr"
-                    try:
-                        _mount("overlay", target, "overlay", _MS_NOSUID | _MS_NODEV, options)
-                    except OSError as exc:
-                        if lowers:
-                            raise IdmapFailed(exc.errno, str(exc)) from None
-                        raise
-                    mounted.append(target)
-                finally:
-                    os.close(lower)
+                self._mount_root(top, tmp, i, root, mounted, lowers[i] if lowers else None)
             opened.append(os.open(tmp, os.O_PATH | os.O_DIRECTORY))
-            for k, source in enumerate(sources or ()):
-                # A file or a folder: its mount point must be the same kind.
-                point = os.path.join(top, f"s{k}")
-                if stat.S_ISDIR(os.fstat(source).st_mode):
-                    os.mkdir(point, 0o700)
-                else:
-                    os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-                try:
-                    _attach(source, point)
-                except OSError as exc:
-                    raise IdmapFailed(exc.errno, str(exc)) from None
-                mounted.append(point)
-                opened.append(os.open(point, os.O_PATH | os.O_NOFOLLOW))
+            self._attach_sources(top, sources or (), mounted, opened)
             return opened
         except BaseException:
             for fd in opened:
                 os.close(fd)
             self.release(job_id)
             raise
+
+    def _make_top(
+        self, top: str, size: int, inodes: int, mounted: list[str], *, lowers: bool, gid: int | None
+    ) -> str:
+        """The job's folder, and in it the tmpfs its upper layers live on (returned)."""
+        os.mkdir(top, 0o700)
+        if gid is not None:
+            # Entered by bubblewrap as the slot's uid (in the slot's group), which binds
+            # the overlays and the sources from here; by no other uid but root.
+            os.chown(top, 0, gid)
+            os.chmod(top, 0o710)
+        if lowers:
+            os.mkdir(os.path.join(top, ".l"), 0o700)
+        tmp = os.path.join(top, "t")
+        os.mkdir(tmp, 0o700)
+        _mount(
+            "tmpfs",
+            tmp,
+            "tmpfs",
+            _MS_NOSUID | _MS_NODEV,
+            f"size={int(size)},nr_inodes={int(inodes)},mode=0700",
+        )
+        mounted.append(tmp)
+        return tmp
+
+    def _mount_root(
+        self,
+        top: str,
+        tmp: str,
+        i: int,
+        root: dict[str, Any],
+        mounted: list[str],
+        clone: int | None,
+    ) -> None:
+        """Mount root `i`'s overlay at ``top/i``; `clone`: the worker's idmapped clone of
+        the root, its lower layer (``None``: the root itself, opened by path)."""
+        if clone is not None:
+            # The worker's idmapped clone of the root: checked like a path would
+            # be, then attached where only root may go (it is the real folder).
+            st = os.fstat(clone)
+            lowerdir = os.path.join(top, ".l", str(i))
+            os.mkdir(lowerdir, 0o700)
+            try:
+                _attach(clone, lowerdir)
+            except OSError as exc:
+                raise IdmapFailed(exc.errno, str(exc)) from None
+            mounted.append(lowerdir)
+            lower = os.open(lowerdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        else:
+            lower = _open_no_symlinks(root["path"])
+            st = os.fstat(lower)
+        try:
+            if (st.st_dev, st.st_ino) != (root["dev"], root["ino"]):
+                raise OSError(f"{root['path']} changed since the worker checked it")
+            upper, work, target = (
+                os.path.join(tmp, f"u{i}"),
+                os.path.join(tmp, f"w{i}"),
+                os.path.join(top, str(i)),
+            )
+            for folder in (upper, work, target):
+                os.mkdir(folder, 0o700)
+            # The overlay's root takes its mode (and owner) from the upper root:
+            # give it the real folder's, so the guest sees the folder as it is and
+            # a mode change by the job is a real difference. Through an idmapped
+            # lower, the owner as the clone shows it (root's folder: the slot's).
+            os.chmod(upper, st.st_mode & 0o7777)
+            if not self.userns:
+                os.chown(upper, st.st_uid, st.st_gid)
+            # An overlay keeps its own metadata (whiteouts, opaque folders) in
+            # xattrs: user.* inside a user namespace, trusted.* for root.
+            # No redirects (nofollow: neither made nor followed; "off" would
+            # still follow, which userxattr refuses) and no metacopy: every change
+            # is a plain file in the upper folder (renaming a lower folder fails
+            # with EXDEV, and tools copy instead), which the commit reads as is.
+            options = (
+                f"lowerdir=/proc/self/fd/{lower},upperdir={upper},workdir={work},"
+                "redirect_dir=nofollow,metacopy=off,index=off"
+            )
+            if self.userns:
+                options += ",userxattr"
+            try:
+                _mount("overlay", target, "overlay", _MS_NOSUID | _MS_NODEV, options)
+            except OSError as exc:
+                if clone is not None:
+                    raise IdmapFailed(exc.errno, str(exc)) from None
+                raise
+            mounted.append(target)
+        finally:
+            os.close(lower)
+
+    def _attach_sources(
+        self, top: str, sources: Sequence[int], mounted: list[str], opened: list[int]
+    ) -> None:
+        """Attach the worker's idmapped clones of the job's other sources at ``top/s<k>``
+        (their fds into `opened`)."""
+        for k, source in enumerate(sources):
+            # A file or a folder: its mount point must be the same kind.
+            point = os.path.join(top, f"s{k}")
+            if stat.S_ISDIR(os.fstat(source).st_mode):
+                os.mkdir(point, 0o700)
+            else:
+                os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            try:
+                _attach(source, point)
+            except OSError as exc:
+                raise IdmapFailed(exc.errno, str(exc)) from None
+            mounted.append(point)
+            opened.append(os.open(point, os.O_PATH | os.O_NOFOLLOW))
 
     def release(self, job_id: str) -> None:
         found = self.jobs.pop(job_id, None)

@@ -283,30 +283,9 @@ def apply_undo(
         HostFault: the device's undo key or ledger cannot be read.
     """
     seal = UndoSeal.beside(store.root)
-    forged = [
-        entry.id
-        for entry in entries
-        if not seal.holds(entry) or entry.job_id != job_id or entry.device != device
-    ]
-    if forged:
-        # Before anything is read on disk: its roots and ops are nobody's word. The seal
-        # covers job_id and device: a genuine entry of another job (or device) is one the
-        # broker's result for `job_id` should not list.
-        raise UndoUnavailable(
-            f"undo entry {', '.join(forged)} listed for job {job_id} has no valid seal of "
-            f"this device for that job: it was not recorded by a worker sharing this blob "
-            f"store ({store.root}) for job {job_id} on device {device!r}, or it was altered "
-            "in the broker since; nothing was changed"
-        )
+    _refuse_forged(entries, seal, job_id=job_id, device=device, store=store)
     ledger = UndoLedger.beside(store.root)
-    for entry in entries:
-        mark = ledger.undone_by(entry.id)
-        if mark is not None and mark.undo_job != undo_job_id:
-            # The broker said it was not (its mark reset?): the device's record says it was.
-            raise UndoUnavailable(
-                f"job {job_id} was already undone by job {mark.undo_job} on this device "
-                f"(recorded in {ledger.folder}); undo that job to bring its changes back"
-            )
+    _refuse_undone(entries, ledger, job_id=job_id, undo_job_id=undo_job_id)
     ops = order_ops(op for entry in entries for op in entry.ops)
     roots = tuple(dict.fromkeys(root for entry in entries for root in entry.roots))
     missing = missing_blobs(ops, store)
@@ -328,16 +307,7 @@ def apply_undo(
         # hold: a commit stamps its files as it writes them): a roll-back of the undo, and
         # the redo, put that back exactly.
         ops = tuple(_as_found(op, found) for op in ops)
-        # What the undo destroys (the job's results) is kept, for the redo.
-        for op in ops:
-            if isinstance(op, Put) and isinstance(op.before, FileState):
-                if isinstance(op.after, FileState) and op.after.sha256 == op.before.sha256:
-                    continue
-                fd = tree.open_file(op.path)
-                try:
-                    store.put_fd(fd)
-                finally:
-                    os.close(fd)
+        _keep_destroyed(tree, ops, store)
         redo = seal.seal(
             UndoEntry(
                 job_id=undo_job_id,
@@ -362,28 +332,101 @@ def apply_undo(
         except BaseException:
             claim.release()
             raise
-        try:
-            apply_ops(
-                tree,
-                ops,
-                source=BlobSource(store),
-                store=store,
-                expect=expect,
-                tag=handle.record.id,
-                fsync=fsync,
-            )
-        except OpConflict as exc:
-            claim.release()
-            handle.close()
-            raise UndoConflict(_conflict_text(entries[0].job_id, exc.conflicts)) from None
-        except BaseException:
-            claim.release()
-            handle.close()
-            raise
+        _apply_claimed(
+            tree,
+            ops,
+            store=store,
+            expect=expect,
+            handle=handle,
+            claim=claim,
+            fsync=fsync,
+            job_id=entries[0].job_id,
+        )
     except BaseException:
         tree.close()
         raise
     return AppliedUndo(redo, tuple(entries), handle, tree, ops, store, claim)
+
+
+def _refuse_forged(
+    entries: Sequence[UndoEntry], seal: UndoSeal, *, job_id: str, device: str, store: BlobStore
+) -> None:
+    """Refuse entries without a valid seal of this device for `job_id` (`UndoUnavailable`)."""
+    forged = [
+        entry.id
+        for entry in entries
+        if not seal.holds(entry) or entry.job_id != job_id or entry.device != device
+    ]
+    if forged:
+        # Before anything is read on disk: its roots and ops are nobody's word. The seal
+        # covers job_id and device: a genuine entry of another job (or device) is one the
+        # broker's result for `job_id` should not list.
+        raise UndoUnavailable(
+            f"undo entry {', '.join(forged)} listed for job {job_id} has no valid seal of "
+            f"this device for that job: it was not recorded by a worker sharing this blob "
+            f"store ({store.root}) for job {job_id} on device {device!r}, or it was altered "
+            "in the broker since; nothing was changed"
+        )
+
+
+def _refuse_undone(
+    entries: Sequence[UndoEntry], ledger: UndoLedger, *, job_id: str, undo_job_id: str
+) -> None:
+    """Refuse entries the device's ledger says another undo job undid (`UndoUnavailable`)."""
+    for entry in entries:
+        mark = ledger.undone_by(entry.id)
+        if mark is not None and mark.undo_job != undo_job_id:
+            # The broker said it was not (its mark reset?): the device's record says it was.
+            raise UndoUnavailable(
+                f"job {job_id} was already undone by job {mark.undo_job} on this device "
+                f"(recorded in {ledger.folder}); undo that job to bring its changes back"
+            )
+
+
+def _keep_destroyed(tree: HostTree, ops: Sequence[UndoOp], store: BlobStore) -> None:
+    """What the undo destroys (the job's results) is kept, for the redo."""
+    for op in ops:
+        if isinstance(op, Put) and isinstance(op.before, FileState):
+            if isinstance(op.after, FileState) and op.after.sha256 == op.before.sha256:
+                continue
+            fd = tree.open_file(op.path)
+            try:
+                store.put_fd(fd)
+            finally:
+                os.close(fd)
+
+
+def _apply_claimed(
+    tree: HostTree,
+    ops: Sequence[UndoOp],
+    *,
+    store: BlobStore,
+    expect: dict[str, Fingerprint | None],
+    handle: JournalHandle,
+    claim: UndoClaim,
+    fsync: bool,
+    job_id: str,
+) -> None:
+    """Apply the undo's ops; on a failure the ledger's claim and the journal go (nothing
+    stays applied)."""
+    try:
+        apply_ops(
+            tree,
+            ops,
+            source=BlobSource(store),
+            store=store,
+            expect=expect,
+            tag=handle.record.id,
+            fsync=fsync,
+        )
+    except OpConflict as exc:
+        claim.release()
+        handle.close()
+        raise UndoConflict(_conflict_text(job_id, exc.conflicts)) from None
+    except BaseException:
+        claim.release()
+        handle.close()
+        raise
 
 
 def _as_found(op: UndoOp, found: dict[str, PathState]) -> UndoOp:

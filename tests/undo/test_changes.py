@@ -355,9 +355,9 @@ def test_a_change_set_too_large_to_record_refuses_the_commit(
     # folders with 255-byte names (a 30 KiB path each, within any disk budget) made a
     # 940 MB undo entry and took the worker from 38 MB to 3.7 GB (tests/adversarial:
     # resources.commit_record_size).
-    from metnos_exec.undo import changes
+    from metnos_exec.undo import change_checks
 
-    monkeypatch.setattr(changes, "MAX_RECORD_BYTES", 64 * 1024)
+    monkeypatch.setattr(change_checks, "MAX_RECORD_BYTES", 64 * 1024)
     root, upper = trees
     deep = upper.joinpath(*["d" * 200] * 10)
     deep.mkdir(parents=True)

@@ -805,7 +805,7 @@ async def test_a_full_state_folder_fails_the_commit_naming_it(
     the blob store's write is refused the same way."""
     import errno
 
-    import metnos_exec.undo.staging as staging_module
+    import metnos_exec.undo.overlay_run as staging_module
 
     await staging_works(world)
     seed(world.notes)

@@ -343,7 +343,7 @@ async def test_folders_that_cannot_be_idmapped_run_the_job_as_root_and_say_why(
     world: World, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     await ready(world)
-    import metnos_exec.undo.staging as staging_pkg
+    import metnos_exec.undo.overlay_run as staging_pkg
     from metnos_exec.undo.overlay import OverlayNamespace
 
     if where == "worker":
