@@ -1,8 +1,8 @@
 """An in-process wasmtime engine: one engine, one epoch ticker, a module cache.
 
 Private to the wasm arm, which no longer runs guests with it: each job's load and run
-happen in a process of its own (`_wasm_child`, which defines the engine flags, the cache
-key and the WASI p1 list this module shares). Kept for the benchmark (cold compile and
+happen in a process of its own (`_wasm_child`; `_wasm_guest` defines the engine flags,
+the cache key and the WASI p1 list this module shares). Kept for the benchmark (cold compile and
 cache-hit figures) and the cache tests, and for the arm's helpers (`default_cache_dir`,
 `load_wasmtime`, `wasmtime_version`, `_refuse_oversized`). Everything here imports
 `wasmtime` lazily through `load_wasmtime()` so that `metnos_exec.sandbox.wasm` still
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HostFault, SandboxDenied
 from ..private import private_dir
-from ._wasm_child import (
+from ._wasm_guest import (
     ENGINE_FLAGS,
     EPOCH_TICK_S,
     MAX_MODULE_BYTES,

@@ -110,7 +110,7 @@ import structlog
 from ..errors import HostFault, SandboxDenied, SymlinkedFolder, ToolUnavailable
 from ..private import private_dir
 from ..process import ProcessResult, ProcessSpec, Stopped, run_process
-from . import _wasm_child, _wasm_engine
+from . import _wasm_child, _wasm_engine, _wasm_guest
 from ._types import (
     PYTHON_WASM_MODULE,
     AxisVerdict,
@@ -128,15 +128,7 @@ from ._types import (
     Trap,
     Usage,
 )
-from ._wasm_child import (
-    MAX_ELEMENTS_PER_TABLE,
-    MAX_FUNCTION_LOCALS,
-    MAX_TABLE_ELEMENTS,
-    MAX_TABLES,
-    WATCHDOG_SLACK_S,
-)
-from ._wasm_child import PAGE as _PAGE
-from ._wasm_child import TABLE_STEP as _TABLE_STEP
+from ._wasm_child import WATCHDOG_SLACK_S
 from ._wasm_engine import (
     ENGINE_FLAGS,
     EPOCH_TICK_S,
@@ -145,6 +137,14 @@ from ._wasm_engine import (
     load_wasmtime,
     wasmtime_version,
 )
+from ._wasm_guest import (
+    MAX_ELEMENTS_PER_TABLE,
+    MAX_FUNCTION_LOCALS,
+    MAX_TABLE_ELEMENTS,
+    MAX_TABLES,
+)
+from ._wasm_guest import PAGE as _PAGE
+from ._wasm_guest import TABLE_STEP as _TABLE_STEP
 from ._wasm_runtime import (
     PYTHON_WASM_SHA256,
     RuntimeMismatch,
@@ -292,7 +292,7 @@ _preloading: dict[str, anyio.Event] = {}
 
 
 def _module_key(source: Path, version: str) -> str:
-    """The disk-cache key of `source` (see `_wasm_child.cache_key`), memoized per file
+    """The disk-cache key of `source` (see `_wasm_guest.cache_key`), memoized per file
     identity. Refuses a file over `MAX_MODULE_BYTES` from its size, before reading it."""
     try:
         st = source.stat()
@@ -310,7 +310,7 @@ def _module_key(source: Path, version: str) -> str:
     except OSError as exc:
         raise HostFault(f"wasm module {source}: cannot read: {exc.strerror}") from exc
     _refuse_oversized(source, len(data))
-    key = _wasm_child.cache_key(data, version)
+    key = _wasm_guest.cache_key(data, version)
     with _keys_lock:
         _keys[ident] = key
     return key
