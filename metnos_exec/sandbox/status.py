@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-from .bwrap import bwrap_probe, root_worker_note
+from ._bwrap_probe import bwrap_probe
+from ._bwrap_report import root_worker_note
 from .hardening import host_hardening
 from .landlock import landlock_abi
 from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
