@@ -49,10 +49,8 @@ import contextlib
 import functools
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +62,10 @@ import anyio.to_thread
 from ..errors import HostFault
 from ..identities import RUN_DIR, private_dir
 from ..sandbox.staged import IdmapUnavailable
+from ..sandbox.staging_probe import HELLO_TIMEOUT_S as _HELLO_TIMEOUT_S
+from ..sandbox.staging_probe import MAX_MSG as _MAX_MSG
+from ..sandbox.staging_probe import NSENTER_SEARCH, find_nsenter, probe_staging
+from ..sandbox.staging_probe import spawn_helper as _spawn_helper
 
 __all__ = (
     "NSENTER_SEARCH",
@@ -75,15 +77,10 @@ __all__ = (
     "probe_staging",
 )
 
-#: Where nsenter (util-linux) is looked for: system folders only.
-NSENTER_SEARCH: Final = "/usr/bin:/bin:/usr/sbin:/sbin"
-_HELLO_TIMEOUT_S: Final = 15.0
 #: How long one staging request may take (two mounts; normally well under 1 ms).
 _REQUEST_TIMEOUT_S: Final = 10.0
-_MAX_MSG: Final = 65536
 #: File descriptors one message may carry (SCM_MAX_FD).
 _MAX_FDS: Final = 253
-_HELPER: Final = Path(__file__).with_name("_nshelper.py")
 #: Where a root worker's staging helpers have their base folders (see the module doc).
 RUN_STAGE_DIR: Final = os.path.join(RUN_DIR, "stage")
 
@@ -94,10 +91,6 @@ class StagingUnavailable(Exception):
 
 class HelperGone(HostFault):
     """The staging helper exited (or was killed): a new one may be started."""
-
-
-def find_nsenter() -> str | None:
-    return shutil.which("nsenter", path=NSENTER_SEARCH)
 
 
 def _run_base() -> Path:
@@ -339,55 +332,3 @@ class OverlayNamespace:
                 os.close(fd)
             raise HelperGone("the staging helper exited")
         return json.loads(data), fds
-
-
-def _spawn_helper(base: Path, fd: int) -> subprocess.Popen[bytes]:
-    # A plain child in our session: the orphan sweep leaves it alone (see
-    # process.reap_orphans), and it exits when our end of the socket closes (so no
-    # parent-death signal, which would tie it to whichever thread spawned it).
-    return subprocess.Popen(
-        [sys.executable, "-I", "-S", str(_HELPER), str(base), str(fd)],
-        pass_fds=(fd,),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={},
-    )
-
-
-def probe_staging() -> str:
-    """Whether overlay staging works here, for ``status``: start a helper (it mounts and
-    writes through a probe overlay), read its answer, stop it. Blocking (~20 ms).
-
-    Returns:
-        ``"available"`` (root: any owner), ``"available (user namespace: ...)"``, or
-        ``"unavailable: <reason>"``.
-    """
-    if find_nsenter() is None:
-        return "unavailable: nsenter (util-linux) not found"
-    with tempfile.TemporaryDirectory(prefix="metnos-stage-probe-") as base:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            try:
-                proc = _spawn_helper(Path(base), theirs.fileno())
-            except OSError as exc:
-                return f"unavailable: cannot start the staging helper: {exc}"
-            finally:
-                theirs.close()
-            try:
-                ours.settimeout(_HELLO_TIMEOUT_S)
-                hello = json.loads(ours.recv(_MAX_MSG) or b"{}")
-            except (OSError, ValueError) as exc:
-                hello = {"ok": False, "error": f"no answer: {exc}"}
-        finally:
-            ours.close()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if not hello.get("ok"):
-        return f"unavailable: {hello.get('error', 'the helper exited')}"
-    if hello.get("userns"):
-        return "available (user namespace: only folders the worker's uid and gid own)"
-    return "available"

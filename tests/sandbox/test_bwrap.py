@@ -755,7 +755,7 @@ def test_containment_before_run_is_honest_about_unknowns() -> None:
 
 
 def test_user_axis_partial_without_disable_userns(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_report as bwrap_mod
     from metnos_exec.sandbox.flags import BwrapFeatures
 
     monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: False)
@@ -1188,7 +1188,7 @@ async def test_a_folder_that_cannot_be_idmapped_runs_the_job_as_root_and_says_wh
     arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     need_slot_uids()
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_place as bwrap_mod
 
     def refuse(*_: Any, **__: Any) -> Any:
         raise OSError(95, "idmapped mount: Operation not supported")
@@ -1443,7 +1443,7 @@ def test_gate_needs_cap_sys_resource_to_raise_a_hard_limit(
 ) -> None:
     import resource
 
-    import metnos_exec.sandbox.bwrap as bwrap_mod
+    import metnos_exec.sandbox._bwrap_limits as bwrap_mod
 
     monkeypatch.setattr(bwrap_mod, "_have_cap_sys_resource", lambda: False)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
