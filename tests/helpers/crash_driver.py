@@ -159,6 +159,8 @@ def _run(req: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     # Imported before the first fork: each child starts warm (an event loop's modules too;
     # no thread is started here: the children are forked from a single-threaded process).
+    import metnos_exec.undo.apply
+    import metnos_exec.undo.staging  # noqa: F401
 
     anyio.run(anyio.sleep, 0)
 
