@@ -269,6 +269,116 @@ def _print_table(rows: list[tuple[Case, Result]], out: Any) -> None:
         out.write("\n".join(reasons) + "\n")
 
 
+def _cases(port: int) -> list[Case]:
+    """The jobs the demo submits, each with the status it should end with (`port`: the
+    demo's local HTTP server)."""
+    return [
+        Case("list notes", "read_notes", {}, "succeeded"),
+        Case(
+            "write a note",
+            "write_note",
+            {"path": "~/notes/today.md", "text": "buy milk"},
+            "succeeded",
+        ),
+        Case(
+            "write outside ~/notes",
+            "write_note",
+            {"path": "~/../escape.md", "text": "x"},
+            "rejected",
+        ),
+        Case(
+            "fetch local page",
+            "fetch_local",
+            {"url": f"http://127.0.0.1:{port}/hello"},
+            "succeeded",
+        ),
+        Case(
+            "fetch undeclared host",
+            "fetch_url",
+            {"url": f"http://127.0.0.1:{port}/hello"},
+            "rejected",
+        ),
+        Case(
+            "overrun its 1 s budget",
+            "fetch_local",
+            {"url": f"http://127.0.0.1:{port}/slow"},
+            "timed_out",
+            timeout_s=1.0,
+        ),
+        # Without the wasm extra the arm is absent: an honest E_TOOL_UNAVAILABLE.
+        Case("wasm guest", "wasm_hello", {}, "succeeded" if _wasm_ready() else "rejected"),
+    ]
+
+
+async def _run_cases(
+    client: Client, cases: list[Case], out: Any
+) -> list[tuple[Case, Result]] | None:
+    """Submit every case, then wait for each result; then read the note written back, undo
+    its write, and read it again. ``None`` when a result does not come within 30 s."""
+    rows: list[tuple[Case, Result]] = []
+    ids = []
+    for case in cases:
+        fields: dict[str, Any] = {"correlation_id": f"demo/{case.executor}"}
+        if case.timeout_s is not None:
+            fields["timeout_s"] = case.timeout_s
+        ids.append(await client.submit(case.executor, case.args, **fields))
+    # The note written above is read back once its write is done (jobs run at once).
+    first = await client.result(ids[1], wait=30)
+    for case, job_id in zip(cases, ids, strict=True):
+        result = await client.result(job_id, wait=30)
+        if result is None:
+            out.write(f"demo: no result for {case.title} within 30 s\n")
+            return None
+        rows.append((case, result))
+    if first is not None and first.status == "succeeded":
+        case = Case("read it back", "read_notes", {"path": "~/notes/today.md"}, "succeeded")
+        rows.append((case, await client.run(case.executor, case.args, wait=30)))
+        # Its changes were staged, committed and recorded: undo them, exactly.
+        undo = Case("undo the write", "metnos:undo", {"job_id": ids[1]}, "succeeded")
+        rows.append((undo, await client.undo(ids[1], wait=30)))
+        gone = Case("read it after undo", "read_notes", {"path": "~/notes/today.md"}, "failed")
+        rows.append((gone, await client.run(gone.executor, gone.args, wait=30)))
+    return rows
+
+
+def _report(rows: list[tuple[Case, Result]], log_path: Path, out: Any) -> None:
+    """The table of results, the cases that did not end as expected, the last log lines."""
+    _print_table(rows, out)
+    surprises = [(c, r) for c, r in rows if r.status != c.expect]
+    for c, r in surprises:
+        out.write(
+            f"\nunexpected: {c.title!r} ended {r.status}, expected {c.expect}"
+            + (f" ({r.error.code})" if r.error else "")
+        )
+    out.write("\n\nlast log lines (" + str(log_path) + "):\n")
+    records = list(iter_records(log_path))
+    for rec in records[-6:]:
+        out.write("  " + render_record(rec, color=out.isatty())[:200] + "\n")
+
+
+def _next_steps(root: Path, executors: Path, home: Path, log_path: Path, out: Any) -> None:
+    """The commands to try next, on the demo's queue, executors, home and log."""
+    rel = os.path.relpath
+    # `./dev demo` runs from .venv without activating it: say how to get the command.
+    activate = Path(sys.prefix) / "bin" / "activate"
+    on_path = shutil.which("metnos-exec") is not None
+    next_first = "" if on_path or not activate.exists() else f"  source {rel(activate)}\n"
+    out.write(
+        f"""
+next (in another terminal, from {os.getcwd()}):
+{next_first}  export METNOS_BROKER=sqlite:///{rel(root / "metnos.db")}
+  metnos-exec worker --executors {rel(executors)} --home {rel(home)} --log-file {rel(log_path)}
+  metnos-exec submit write_note --arg 'path=~/notes/mine.md' --arg 'text=hello' --wait
+  metnos-exec submit read_notes --arg 'path=~/notes/mine.md' --wait
+  metnos-exec undo <the write_note job's id>
+  metnos-exec tail {rel(log_path)} --event job.finished
+  metnos-exec status
+(quote '~/...' so your shell leaves the ~ to the worker's --home; `metnos-exec --help`
+lists every command; `./dev test` runs the tests.)
+"""
+    )
+
+
 async def _demo(root: Path) -> int:
     home, executors = _prepare(root)
     db_url = f"sqlite:///{root / 'metnos.db'}"
@@ -292,100 +402,18 @@ async def _demo(root: Path) -> int:
             staging=staging,
         )
         await tg.start(sup.run)
-        cases = [
-            Case("list notes", "read_notes", {}, "succeeded"),
-            Case(
-                "write a note",
-                "write_note",
-                {"path": "~/notes/today.md", "text": "buy milk"},
-                "succeeded",
-            ),
-            Case(
-                "write outside ~/notes",
-                "write_note",
-                {"path": "~/../escape.md", "text": "x"},
-                "rejected",
-            ),
-            Case(
-                "fetch local page",
-                "fetch_local",
-                {"url": f"http://127.0.0.1:{port}/hello"},
-                "succeeded",
-            ),
-            Case(
-                "fetch undeclared host",
-                "fetch_url",
-                {"url": f"http://127.0.0.1:{port}/hello"},
-                "rejected",
-            ),
-            Case(
-                "overrun its 1 s budget",
-                "fetch_local",
-                {"url": f"http://127.0.0.1:{port}/slow"},
-                "timed_out",
-                timeout_s=1.0,
-            ),
-            # Without the wasm extra the arm is absent: an honest E_TOOL_UNAVAILABLE.
-            Case("wasm guest", "wasm_hello", {}, "succeeded" if _wasm_ready() else "rejected"),
-        ]
-        client = Client(broker)
-        ids = []
-        for case in cases:
-            fields: dict[str, Any] = {"correlation_id": f"demo/{case.executor}"}
-            if case.timeout_s is not None:
-                fields["timeout_s"] = case.timeout_s
-            ids.append(await client.submit(case.executor, case.args, **fields))
-        # The note written above is read back once its write is done (jobs run at once).
-        first = await client.result(ids[1], wait=30)
-        for case, job_id in zip(cases, ids, strict=True):
-            result = await client.result(job_id, wait=30)
-            if result is None:
-                out.write(f"demo: no result for {case.title} within 30 s\n")
-                tg.cancel_scope.cancel()
-                return 1
-            rows.append((case, result))
-        if first is not None and first.status == "succeeded":
-            case = Case("read it back", "read_notes", {"path": "~/notes/today.md"}, "succeeded")
-            rows.append((case, await client.run(case.executor, case.args, wait=30)))
-            # Its changes were staged, committed and recorded: undo them, exactly.
-            undo = Case("undo the write", "metnos:undo", {"job_id": ids[1]}, "succeeded")
-            rows.append((undo, await client.undo(ids[1], wait=30)))
-            gone = Case("read it after undo", "read_notes", {"path": "~/notes/today.md"}, "failed")
-            rows.append((gone, await client.run(gone.executor, gone.args, wait=30)))
+        cases = _cases(port)
+        collected = await _run_cases(Client(broker), cases, out)
+        if collected is None:
+            tg.cancel_scope.cancel()
+            return 1
+        rows = collected
         await sup.drain(5)
         tg.cancel_scope.cancel()
     await staging.aclose()
 
-    _print_table(rows, out)
-    surprises = [(c, r) for c, r in rows if r.status != c.expect]
-    for c, r in surprises:
-        out.write(
-            f"\nunexpected: {c.title!r} ended {r.status}, expected {c.expect}"
-            + (f" ({r.error.code})" if r.error else "")
-        )
-    out.write("\n\nlast log lines (" + str(log_path) + "):\n")
-    records = list(iter_records(log_path))
-    for rec in records[-6:]:
-        out.write("  " + render_record(rec, color=out.isatty())[:200] + "\n")
-    rel = os.path.relpath
-    # `./dev demo` runs from .venv without activating it: say how to get the command.
-    activate = Path(sys.prefix) / "bin" / "activate"
-    on_path = shutil.which("metnos-exec") is not None
-    next_first = "" if on_path or not activate.exists() else f"  source {rel(activate)}\n"
-    out.write(
-        f"""
-next (in another terminal, from {os.getcwd()}):
-{next_first}  export METNOS_BROKER=sqlite:///{rel(root / "metnos.db")}
-  metnos-exec worker --executors {rel(executors)} --home {rel(home)} --log-file {rel(log_path)}
-  metnos-exec submit write_note --arg 'path=~/notes/mine.md' --arg 'text=hello' --wait
-  metnos-exec submit read_notes --arg 'path=~/notes/mine.md' --wait
-  metnos-exec undo <the write_note job's id>
-  metnos-exec tail {rel(log_path)} --event job.finished
-  metnos-exec status
-(quote '~/...' so your shell leaves the ~ to the worker's --home; `metnos-exec --help`
-lists every command; `./dev test` runs the tests.)
-"""
-    )
+    _report(rows, log_path, out)
+    _next_steps(root, executors, home, log_path, out)
     return 0
 
 

@@ -289,7 +289,7 @@ def test_bubblewraps_bind_fd_and_disable_userns_are_checked(
 def test_the_cgroup_advice_is_what_the_code_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     # The cgroup v2 advice was a delegated systemd scope, which the code never looks at
     # (it makes per-job cgroups under /sys/fs/cgroup/metnos only).
-    from metnos_exec import doctor as doctor_mod
+    from metnos_exec import doctor_host as doctor_mod
     from metnos_exec import process
 
     monkeypatch.setattr(process, "pids_cgroup_available", lambda: False)

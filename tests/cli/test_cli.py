@@ -17,7 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from metnos_exec.cli import EXIT, _parse_arg, build_parser
+from metnos_exec.cli import EXIT, build_parser
+from metnos_exec.cli.jobs import _parse_arg
 from tests.conftest import need
 from tests.helpers.worker_cli import wait_for_event, worker_argv
 
@@ -590,11 +591,12 @@ def test_an_internal_error_is_one_line_with_code_70(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import metnos_exec.cli as cli_mod
+    import metnos_exec.cli.codes as codes_mod
 
     def broken(ns: object) -> int:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli_mod, "_cmd_codes", broken)
+    monkeypatch.setattr(codes_mod, "_cmd_codes", broken)
     with pytest.raises(SystemExit) as info:
         cli_mod.main(["codes"])
     err = capsys.readouterr().err
