@@ -63,6 +63,7 @@ from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
+from .supervisor.config import split_settings
 from .undo.staging import STATE_DIR_ENV, Staging, default_state_dir
 
 __all__ = (
@@ -244,7 +245,8 @@ async def serve(
     # Read per job after this (``off`` takes effect at once), but a malformed value must
     # stop the worker here, not leave each job as host root with the error in its report.
     slot_uid_range(os.environ)
-    sup = Supervisor(broker, registry, **supervisor_kw)
+    config, collaborators = split_settings(supervisor_kw)
+    sup = Supervisor(broker, registry, config, **collaborators)
 
     async def on_signals(
         *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
