@@ -35,7 +35,7 @@ from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "executors"
 #: Jobs of these (python, all arguments defaulted or given here), round-robin.
@@ -55,10 +55,8 @@ async def _drain(registry: ExecutorRegistry, home: Path, trust: TrustStore | Non
     sup = Supervisor(
         broker,
         registry,
-        worker_id="bench",
-        concurrency=4,
+        SupervisorConfig(worker_id="bench", concurrency=4, home=str(home)),
         arm_chooser=lambda runtime, **_: ArmChoice(sandbox=arm),
-        home=str(home),
         trust=trust,
     )
     t = time.perf_counter()

@@ -100,7 +100,7 @@ from .sandbox.direct import DirectSandbox
 from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
-from .supervisor import Supervisor
+from .supervisor import Supervisor, SupervisorConfig
 from .undo.staging import Staging
 from .worker import run_worker
 
@@ -181,6 +181,7 @@ __all__ = (
     "Staging",
     "Success",
     "Supervisor",
+    "SupervisorConfig",
     "SymlinkedFolder",
     "SyncClient",
     "Timeout",

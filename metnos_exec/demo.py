@@ -39,7 +39,7 @@ from .logs import configure_logging, iter_records, render_record
 from .manifest import ExecutorRegistry
 from .messages import Result
 from .process import become_subreaper
-from .supervisor import Supervisor
+from .supervisor import Supervisor, SupervisorConfig
 from .undo.staging import Staging
 
 __all__ = ("main",)
@@ -396,9 +396,7 @@ async def _demo(root: Path) -> int:
         sup = Supervisor(
             broker,
             registry,
-            worker_id="demo-worker",
-            concurrency=4,
-            home=str(home),
+            SupervisorConfig(worker_id="demo-worker", concurrency=4, home=str(home)),
             staging=staging,
         )
         await tg.start(sup.run)

@@ -598,7 +598,7 @@ async def test_a_redis_that_would_lose_acknowledged_jobs_is_said_at_worker_start
     from metnos_exec.manifest import ExecutorRegistry
     from metnos_exec.sandbox.doubles import EchoSandbox
     from metnos_exec.sandbox.select import ArmChoice
-    from metnos_exec.supervisor import Supervisor
+    from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
     need(redis_server_path() is not None, "redis-server is not installed")
     server = RedisServer(tmp_path / "redis")  # queue/redis.conf with --appendonly no
@@ -614,9 +614,8 @@ async def test_a_redis_that_would_lose_acknowledged_jobs_is_said_at_worker_start
             sup = Supervisor(
                 b,
                 ExecutorRegistry.load(tmp_path / "executors"),
-                worker_id="w",
+                SupervisorConfig(worker_id="w", retention_s=None),
                 arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
-                retention_s=None,
             )
             with capture_logs() as logs:
                 await sup.run(burst=True)

@@ -21,6 +21,7 @@ from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor.config import split_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -60,12 +61,13 @@ async def broker(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 def server(broker: Broker, executors: Path, **kw: Any) -> Supervisor:
     """A worker on the echo double (``device="server"`` unless given)."""
+    config, collaborators = split_settings({"worker_id": "srv", **kw})
     return Supervisor(
         broker,
         ExecutorRegistry.load(executors),
-        worker_id="srv",
+        config,
         arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
-        **kw,
+        **collaborators,
     )
 
 

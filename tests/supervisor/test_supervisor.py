@@ -38,7 +38,8 @@ from metnos_exec.sandbox._types import (
     Timeout,
     Usage,
 )
-from metnos_exec.supervisor import EX_TEMPFAIL, Supervisor
+from metnos_exec.supervisor import EX_TEMPFAIL, Supervisor, SupervisorConfig
+from metnos_exec.supervisor.config import split_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -142,7 +143,8 @@ def make(broker: MemoryBroker, registry: ExecutorRegistry, arm: Any, **kw: Any) 
     kw.setdefault("worker_id", "w1")
     kw.setdefault("concurrency", 2)
     kw.setdefault("predict_arm", lambda runtime: arm.name)
-    return Supervisor(broker, registry, arm_chooser=chooser(arm), home="/nonexistent", **kw)
+    config, collaborators = split_settings({"home": "/nonexistent", **kw})
+    return Supervisor(broker, registry, config, arm_chooser=chooser(arm), **collaborators)
 
 
 async def test_success_parses_stdout_json(registry: ExecutorRegistry) -> None:
@@ -197,7 +199,9 @@ async def test_context_is_bound_on_every_job_record(
         # arm runs main.py for real), and `sandbox.degraded` is logged inside the choice.
         monkeypatch.setenv("METNOS_SANDBOX", "off")
         degraded = (await broker.submit(Job(executor="echo"))).job_id
-        await Supervisor(broker, registry, worker_id="w1", home="/nonexistent").run(burst=True)
+        await Supervisor(
+            broker, registry, SupervisorConfig(worker_id="w1", home="/nonexistent")
+        ).run(burst=True)
     finally:
         structlog.reset_defaults()
     by_job: dict[str, list[dict[str, Any]]] = {}
@@ -301,7 +305,7 @@ async def test_sandbox_required_is_rejected(registry: ExecutorRegistry) -> None:
     def refuse(runtime: str, **_: Any) -> Choice:
         raise SandboxRequired("bwrap is not usable here and policy requires it")
 
-    sup = Supervisor(broker, registry, worker_id="w", arm_chooser=refuse)
+    sup = Supervisor(broker, registry, SupervisorConfig(worker_id="w"), arm_chooser=refuse)
     job_id = (await broker.submit(Job(executor="echo"))).job_id
     await sup.run(burst=True)
     r = await broker.get_result(job_id)

@@ -17,6 +17,7 @@ from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, Result
 from metnos_exec.sandbox.bwrap import bwrap_probe
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor.config import split_settings
 from metnos_exec.undo.staging import Staging
 from tests.conftest import need
 
@@ -186,14 +187,16 @@ class World:
     def supervisor(
         self, *, device: str | None = None, staging: Staging | None = None, **kw: Any
     ) -> Supervisor:
+        config, collaborators = split_settings(
+            {
+                "worker_id": f"w-{device or self.device}",
+                "device": device or self.device,
+                "home": str(self.home),
+                **kw,
+            }
+        )
         return Supervisor(
-            self.broker,
-            self.registry,
-            worker_id=f"w-{device or self.device}",
-            device=device or self.device,
-            home=str(self.home),
-            staging=staging or self.staging,
-            **kw,
+            self.broker, self.registry, config, staging=staging or self.staging, **collaborators
         )
 
     async def burst(
