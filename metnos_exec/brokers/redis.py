@@ -114,6 +114,7 @@ from ..messages import (
     encode_job,
     new_job_id,
 )
+from ._url import take_options
 from .base import (
     MAX_UNSTARTED_LAPSES,
     Broker,
@@ -351,19 +352,19 @@ class RedisBroker(Broker):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBroker:
         """``redis://host:port/db?prefix=metnos&poll_interval_s=0.05`` (see the class)."""
-        kwargs: dict[str, Any] = {}
-        for key in ("poll_interval_s", "connect_timeout_s", "stream_timeout_s"):
-            if key in options:
-                kwargs[key] = float(options.pop(key))
-        if "settle_patience_s" in options:
-            kwargs["settle_patience_s"] = float(options.pop("settle_patience_s"))
-        if "prefix" in options:
-            kwargs["prefix"] = str(options.pop("prefix"))
-        for key in ("clock", "create"):
-            if key in options:
-                kwargs[key] = options.pop(key)
-        if options:
-            raise ValueError(f"unknown redis broker options: {sorted(options)}")
+        kwargs = take_options(
+            "redis",
+            options,
+            floats=(
+                "poll_interval_s",
+                "connect_timeout_s",
+                "stream_timeout_s",
+                "settle_patience_s",
+            ),
+            strings=("prefix",),
+            flags=("create",),
+            objects=("clock",),
+        )
         return cls(url, **kwargs)
 
     async def __aenter__(self) -> RedisBroker:

@@ -89,6 +89,7 @@ from ..messages import (
     new_job_id,
 )
 from ..private import create_private_file, tighten
+from ._url import take_options
 from .base import (
     MAX_UNSTARTED_LAPSES,
     Broker,
@@ -597,21 +598,14 @@ class SQLiteBroker(Broker):
         if not rest.startswith("/") or rest == "/":
             raise ValueError(f"expected sqlite:///path/to/file.db, got {url!r}")
         path = rest[1:]
-        kwargs: dict[str, Any] = {}
-        for key in ("poll_interval_s", "busy_timeout_s"):
-            if key in options:
-                kwargs[key] = float(options.pop(key))
-        if "synchronous" in options:
-            kwargs["synchronous"] = str(options.pop("synchronous"))
-        if "create" in options:
-            create = options.pop("create")
-            if isinstance(create, str):
-                create = create.strip().lower() not in ("0", "false", "no", "off")
-            kwargs["create"] = bool(create)
-        if "clock" in options:
-            kwargs["clock"] = options.pop("clock")
-        if options:
-            raise ValueError(f"unknown sqlite broker options: {sorted(options)}")
+        kwargs = take_options(
+            "sqlite",
+            options,
+            floats=("poll_interval_s", "busy_timeout_s"),
+            strings=("synchronous",),
+            flags=("create",),
+            objects=("clock",),
+        )
         return cls(path, **kwargs)
 
     def _init_schema(self) -> None:
