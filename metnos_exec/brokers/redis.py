@@ -93,6 +93,7 @@ from ..errors import (
     BrokerError,
     BrokerFull,
     BrokerReadOnly,
+    BrokerUnavailable,
     IdempotencyConflict,
 )
 from ..messages import (
@@ -114,6 +115,13 @@ from ..messages import (
     encode_job,
     new_job_id,
 )
+
+# Shared with the SQLite broker: the body and argument checks, and the in-process
+# wake-ups (per event loop, keyed by store).
+from ._common import check_lease_args as _check_lease_args
+from ._common import decode_body
+from ._common import notify as _notify
+from ._common import wake_event as _wake_event
 from ._url import take_options
 from .base import (
     MAX_UNSTARTED_LAPSES,
@@ -129,10 +137,6 @@ from .base import (
     UndoRecord,
     check_idempotent_reuse,
 )
-
-# Shared with the SQLite broker: its unavailable-store error, its body and argument checks,
-# and the in-process wake-ups (per event loop, keyed by store).
-from .sqlite import BrokerUnavailable, SQLiteBroker, _check_lease_args, _notify, _wake_event
 
 __all__ = ("GROUP", "KEY_NAMES", "SCRIPTS", "Keys", "RedisBroker")
 
@@ -556,7 +560,7 @@ class RedisBroker(Broker):
         if status == "new":
             return SubmitReceipt(job_id)
         if original:
-            decoded = SQLiteBroker._decode_body(job_id, original)
+            decoded = decode_body(job_id, original)
             # A stored body that no longer decodes cannot be compared (as with SQLite).
             # The key matched, or else the id did (`admit` checks the id first).
             if isinstance(decoded, Job):
@@ -665,7 +669,7 @@ class RedisBroker(Broker):
         out: list[Lease] = []
         for i, (id_b, body, attempt_b, token_b) in enumerate(taken):
             job_id = _s(id_b)
-            decoded = SQLiteBroker._decode_body(job_id, body)
+            decoded = decode_body(job_id, body)
             if isinstance(decoded, ErrorInfo):
                 await self._bad_leased(
                     job_id, body, decoded, _s(token_b), int(attempt_b), worker_id, dev
@@ -724,7 +728,7 @@ class RedisBroker(Broker):
             await self._settle("ack", [token], job_id, token, encode(result), "cancelled")
             self._wake_results()
             return
-        decoded = SQLiteBroker._decode_body(job_id, body)
+        decoded = decode_body(job_id, body)
         job = decoded if isinstance(decoded, Job) else None
         if started:
             message = (
