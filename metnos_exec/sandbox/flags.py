@@ -193,8 +193,10 @@ PROC_READ_ONLY_PATHS: tuple[str, ...] = (
 #: (``kmsg``). Those need only the permission check, which a job that runs as host root (a
 #: root worker's job without a slot uid) passes. Most of the others need a capability no
 #: guest holds; masked anyway, as the runtimes do, so no kernel configuration is needed
-#: for the guest to learn nothing from them.
-PROC_MASKED_PATHS: tuple[str, ...] = (
+#: for the guest to learn nothing from them. A list can only name the files known when it
+#: was written: `_root_only_proc_files` adds the root-only files of the running kernel's
+#: ``/proc`` top level that it does not name (``/proc/program_cpu`` on one 6.18 kernel).
+_PROC_MASKED_KNOWN: tuple[str, ...] = (
     "/proc/acpi",
     "/proc/asound",
     "/proc/interrupts",
@@ -214,6 +216,31 @@ PROC_MASKED_PATHS: tuple[str, ...] = (
     "/proc/timer_list",
     "/proc/timer_stats",
     "/proc/vmallocinfo",
+)
+
+
+def _root_only_proc_files(proc: str = "/proc") -> tuple[str, ...]:
+    """The regular files at `proc`'s top level that neither group nor others may read
+    (0400, 0600: root's alone), sorted; none when `proc` cannot be listed. Read once, at
+    import: the top level of ``/proc`` is the kernel's, fixed while it runs."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return ()
+    found = []
+    for name in names:
+        path = f"{proc}/{name}"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not name.isdigit() and stat.S_ISREG(st.st_mode) and not st.st_mode & 0o044:
+            found.append(path)
+    return tuple(sorted(found))
+
+
+PROC_MASKED_PATHS: tuple[str, ...] = _PROC_MASKED_KNOWN + tuple(
+    p for p in _root_only_proc_files() if p not in _PROC_MASKED_KNOWN
 )
 
 
