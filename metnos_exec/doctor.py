@@ -10,7 +10,7 @@ when a required finding is not ``ok``.
 
 Every probe is read from the host through the modules that use the mechanism
 (`sandbox.status.status` for bubblewrap and its ``--bind-fd`` and ``--disable-userns``,
-user namespaces, seccomp, landlock, overlay staging (`staging.overlay.probe_staging`) and
+user namespaces, seccomp, landlock, overlay staging (`sandbox.staging_probe.probe_staging`) and
 the wasm runtime, whether the bwrap arm applies its seccomp filter and landlock, and what
 a root worker's jobs run as; `process` for cgroups; the broker itself), never
 re-implemented here.

@@ -357,7 +357,7 @@ def _filter_findings(st: Any) -> list[Finding]:
 
 def _own_memory_cgroup() -> str:
     """This process's cgroup v1 memory cgroup (``/`` when unknown): where a worker
-    started from here makes its ``metnos`` memory cgroup (`process._memory_parent`)."""
+    started from here makes its ``metnos`` memory cgroup (`process.cgroups._memory_parent`)."""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             parts = line.split(":", 2)

@@ -7,7 +7,7 @@ read-only system folders were readable, and root-owned kernel files such as
 and nsjail answer this the same way: each box (here, each slot of the process layer, one
 per concurrent job) runs as a uid of its own that owns nothing on the host.
 
-How, in the process layer (`metnos_exec.process`, "Pooled cgroups"): a slot's spawner
+How, in the process layer (`metnos_exec.process.slots`, "Pooled cgroups"): a slot's spawner
 thread is the only thread that forks that slot's jobs. Around each fork of a job that asks
 for it (`ProcessSpec.as_slot_user`), that thread alone switches to the slot's uid and gid
 with *raw* ``setresuid``/``setresgid``/``setgroups`` system calls (typed, `metnos_exec._libc`)

@@ -12,7 +12,7 @@ Three steps turn a manifest and the caller's arguments into what the invocation 
    `CapabilityDenied` before anything is launched. The kernel sandbox is the second wall;
    neither replaces the other.
 
-Decisions worth knowing (each tested in ``tests/test_capabilities.py``):
+Decisions worth knowing (each tested in ``tests/capabilities/test_capabilities.py``):
 
 * **when values** are compared as strings: a final value of type string is itself, a
   boolean is ``"true"`` / ``"false"`` (the TOML/JSON spelling, so ``values = ["true"]``
