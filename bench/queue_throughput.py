@@ -44,7 +44,7 @@ from metnos_exec.messages import Job
 from metnos_exec.plan import plan_invocation
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
 NOOP_MANIFEST = """\
 name = "noop"
@@ -75,10 +75,8 @@ async def _drain(
         sup = Supervisor(
             broker,
             registry,
-            worker_id="bench",
-            concurrency=concurrency,
+            SupervisorConfig(worker_id="bench", concurrency=concurrency, home=str(tmp)),
             arm_chooser=chooser,
-            home=str(tmp),
         )
         t = time.perf_counter()
         await sup.run(burst=True)

@@ -29,13 +29,13 @@ import anyio
 import structlog
 
 from metnos_exec.brokers.memory import MemoryBroker
+from metnos_exec.devices.signing import TrustStore, generate_key, load_public_key, sign_folder
 from metnos_exec.logs import configure_logging
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
-from metnos_exec.signing import TrustStore, generate_key, load_public_key, sign_folder
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "executors"
 #: Jobs of these (python, all arguments defaulted or given here), round-robin.
@@ -55,10 +55,8 @@ async def _drain(registry: ExecutorRegistry, home: Path, trust: TrustStore | Non
     sup = Supervisor(
         broker,
         registry,
-        worker_id="bench",
-        concurrency=4,
+        SupervisorConfig(worker_id="bench", concurrency=4, home=str(home)),
         arm_chooser=lambda runtime, **_: ArmChoice(sandbox=arm),
-        home=str(home),
         trust=trust,
     )
     t = time.perf_counter()

@@ -46,7 +46,7 @@ from metnos_exec.identities import SLOT_UIDS_ENV
 from metnos_exec.sandbox._types import Mount, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, _host_facts, bwrap_probe
 from metnos_exec.sandbox.flags import derive_bwrap_argv
-from metnos_exec.staging import OverlayRun, Staging
+from metnos_exec.undo.staging import OverlayRun, Staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bwrap_noop import make_job

@@ -46,7 +46,7 @@ from metnos_exec.identities import SLOT_UIDS_ENV
 from metnos_exec.sandbox._types import Mount, SandboxJob, Success
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
 from metnos_exec.sandbox.flags import guest_python
-from metnos_exec.staging import OverlayRun, Staging
+from metnos_exec.undo.staging import OverlayRun, Staging
 
 JOB = """\
 import json, os, sys

@@ -29,7 +29,7 @@ from metnos_exec.client import Client
 from metnos_exec.logs import configure_logging
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Result
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
 EXECUTORS = Path(__file__).resolve().parent / "executors"
 
@@ -104,7 +104,9 @@ async def main_async(ns: argparse.Namespace) -> None:
         (home / "notes" / "ideas.md").write_text("# Ideas\n- sandbox every tool call\n")
         async with open_broker(f"sqlite:///{tmp}/q.db") as broker:
             registry = ExecutorRegistry.load(EXECUTORS)
-            sup = Supervisor(broker, registry, worker_id="agent-demo", home=str(home))
+            sup = Supervisor(
+                broker, registry, SupervisorConfig(worker_id="agent-demo", home=str(home))
+            )
             async with anyio.create_task_group() as tg:
                 await tg.start(sup.run)
                 await agent(Client(broker), ns.run_id)

@@ -20,6 +20,8 @@ from .capabilities import (
     vet_arguments,
 )
 from .client import Client, NotImplementedYet, SyncClient
+from .devices.fetch import FetchError, robust_fetch
+from .devices.signing import TrustStore, generate_key, sign_folder
 from .errors import (
     ERROR_CODES,
     AutonomyDenied,
@@ -51,7 +53,6 @@ from .errors import (
     UndoUnavailable,
     UnknownExecutor,
 )
-from .fetch import FetchError, robust_fetch
 from .logs import EVENTS, configure_logging, tail
 from .manifest import (
     ArgSpec,
@@ -99,9 +100,8 @@ from .sandbox.direct import DirectSandbox
 from .sandbox.doubles import EchoSandbox, FaultSandbox
 from .sandbox.select import ArmChoice, Degradation, choose_arm
 from .sandbox.status import SandboxStatus, status
-from .signing import TrustStore, generate_key, sign_folder
-from .staging import Staging
-from .supervisor import Supervisor
+from .supervisor import Supervisor, SupervisorConfig
+from .undo.staging import Staging
 from .worker import run_worker
 
 __version__ = "0.1.0"
@@ -181,6 +181,7 @@ __all__ = (
     "Staging",
     "Success",
     "Supervisor",
+    "SupervisorConfig",
     "SymlinkedFolder",
     "SyncClient",
     "Timeout",

@@ -8,7 +8,7 @@ supplementary groups died at its first job, restoring them with ``setgroups``). 
 call is a prototype of its own (`function`, `syscall`), so the types travel with it and
 a second use of the same symbol with other types cannot change the first one's.
 
-The stdlib-only scripts the worker starts by path (``_reaper.py``, ``staging/_nshelper.py``,
+The stdlib-only scripts the worker starts by path (``_reaper.py``, ``undo/_nshelper.py``,
 ``sandbox/_landlock_guest.py``) cannot import this module; they declare their few calls
 the same way in their own file.
 """

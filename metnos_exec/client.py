@@ -32,10 +32,10 @@ import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .brokers import Broker, CancelOutcome, open_broker
-from .catalog import device_refusal
+from .devices.catalog import device_refusal
 from .errors import BadMessage, MetnosError, ServerPinned, UndoConflict, UndoUnavailable
 from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Result
-from .undo import undo_job_args
+from .undo.apply import undo_job_args
 
 __all__ = (
     "DEFAULT_BROKER_URL",
@@ -193,7 +193,7 @@ class Client:
         """Queue the undo of `job_id`'s file changes; return the undo job's id.
 
         The undo is a job (``executor = "metnos:undo"``) routed to the device that made the
-        changes: it runs there and nowhere else. See `metnos_exec.undo`.
+        changes: it runs there and nowhere else. See `metnos_exec.undo.apply`.
 
         Args:
             **fields: other `Job` fields (``max_attempts``, ``correlation_id``, ...).

@@ -39,8 +39,8 @@ from .logs import configure_logging, iter_records, render_record
 from .manifest import ExecutorRegistry
 from .messages import Result
 from .process import become_subreaper
-from .staging import Staging
-from .supervisor import Supervisor
+from .supervisor import Supervisor, SupervisorConfig
+from .undo.staging import Staging
 
 __all__ = ("main",)
 
@@ -269,93 +269,80 @@ def _print_table(rows: list[tuple[Case, Result]], out: Any) -> None:
         out.write("\n".join(reasons) + "\n")
 
 
-async def _demo(root: Path) -> int:
-    home, executors = _prepare(root)
-    db_url = f"sqlite:///{root / 'metnos.db'}"
-    log_path = root / "worker.jsonl"
-    configure_logging(file=log_path)
-    out = sys.stdout
-    out.write(f"metnos-exec demo: queue {db_url}, log {log_path}, home {home}\n\n")
-    rows: list[tuple[Case, Result]] = []
-    # Blobs (originals kept for undo) and commit journals, in the demo folder.
-    staging = Staging(root / "state")
-    async with open_broker(db_url) as broker, anyio.create_task_group() as tg:
-        port = await tg.start(_http_server)
-        _fetch_local(executors, port)
-        registry = ExecutorRegistry.load(executors)
-        sup = Supervisor(
-            broker,
-            registry,
-            worker_id="demo-worker",
-            concurrency=4,
-            home=str(home),
-            staging=staging,
-        )
-        await tg.start(sup.run)
-        cases = [
-            Case("list notes", "read_notes", {}, "succeeded"),
-            Case(
-                "write a note",
-                "write_note",
-                {"path": "~/notes/today.md", "text": "buy milk"},
-                "succeeded",
-            ),
-            Case(
-                "write outside ~/notes",
-                "write_note",
-                {"path": "~/../escape.md", "text": "x"},
-                "rejected",
-            ),
-            Case(
-                "fetch local page",
-                "fetch_local",
-                {"url": f"http://127.0.0.1:{port}/hello"},
-                "succeeded",
-            ),
-            Case(
-                "fetch undeclared host",
-                "fetch_url",
-                {"url": f"http://127.0.0.1:{port}/hello"},
-                "rejected",
-            ),
-            Case(
-                "overrun its 1 s budget",
-                "fetch_local",
-                {"url": f"http://127.0.0.1:{port}/slow"},
-                "timed_out",
-                timeout_s=1.0,
-            ),
-            # Without the wasm extra the arm is absent: an honest E_TOOL_UNAVAILABLE.
-            Case("wasm guest", "wasm_hello", {}, "succeeded" if _wasm_ready() else "rejected"),
-        ]
-        client = Client(broker)
-        ids = []
-        for case in cases:
-            fields: dict[str, Any] = {"correlation_id": f"demo/{case.executor}"}
-            if case.timeout_s is not None:
-                fields["timeout_s"] = case.timeout_s
-            ids.append(await client.submit(case.executor, case.args, **fields))
-        # The note written above is read back once its write is done (jobs run at once).
-        first = await client.result(ids[1], wait=30)
-        for case, job_id in zip(cases, ids, strict=True):
-            result = await client.result(job_id, wait=30)
-            if result is None:
-                out.write(f"demo: no result for {case.title} within 30 s\n")
-                tg.cancel_scope.cancel()
-                return 1
-            rows.append((case, result))
-        if first is not None and first.status == "succeeded":
-            case = Case("read it back", "read_notes", {"path": "~/notes/today.md"}, "succeeded")
-            rows.append((case, await client.run(case.executor, case.args, wait=30)))
-            # Its changes were staged, committed and recorded: undo them, exactly.
-            undo = Case("undo the write", "metnos:undo", {"job_id": ids[1]}, "succeeded")
-            rows.append((undo, await client.undo(ids[1], wait=30)))
-            gone = Case("read it after undo", "read_notes", {"path": "~/notes/today.md"}, "failed")
-            rows.append((gone, await client.run(gone.executor, gone.args, wait=30)))
-        await sup.drain(5)
-        tg.cancel_scope.cancel()
-    await staging.aclose()
+def _cases(port: int) -> list[Case]:
+    """The jobs the demo submits, each with the status it should end with (`port`: the
+    demo's local HTTP server)."""
+    return [
+        Case("list notes", "read_notes", {}, "succeeded"),
+        Case(
+            "write a note",
+            "write_note",
+            {"path": "~/notes/today.md", "text": "buy milk"},
+            "succeeded",
+        ),
+        Case(
+            "write outside ~/notes",
+            "write_note",
+            {"path": "~/../escape.md", "text": "x"},
+            "rejected",
+        ),
+        Case(
+            "fetch local page",
+            "fetch_local",
+            {"url": f"http://127.0.0.1:{port}/hello"},
+            "succeeded",
+        ),
+        Case(
+            "fetch undeclared host",
+            "fetch_url",
+            {"url": f"http://127.0.0.1:{port}/hello"},
+            "rejected",
+        ),
+        Case(
+            "overrun its 1 s budget",
+            "fetch_local",
+            {"url": f"http://127.0.0.1:{port}/slow"},
+            "timed_out",
+            timeout_s=1.0,
+        ),
+        # Without the wasm extra the arm is absent: an honest E_TOOL_UNAVAILABLE.
+        Case("wasm guest", "wasm_hello", {}, "succeeded" if _wasm_ready() else "rejected"),
+    ]
 
+
+async def _run_cases(
+    client: Client, cases: list[Case], out: Any
+) -> list[tuple[Case, Result]] | None:
+    """Submit every case, then wait for each result; then read the note written back, undo
+    its write, and read it again. ``None`` when a result does not come within 30 s."""
+    rows: list[tuple[Case, Result]] = []
+    ids = []
+    for case in cases:
+        fields: dict[str, Any] = {"correlation_id": f"demo/{case.executor}"}
+        if case.timeout_s is not None:
+            fields["timeout_s"] = case.timeout_s
+        ids.append(await client.submit(case.executor, case.args, **fields))
+    # The note written above is read back once its write is done (jobs run at once).
+    first = await client.result(ids[1], wait=30)
+    for case, job_id in zip(cases, ids, strict=True):
+        result = await client.result(job_id, wait=30)
+        if result is None:
+            out.write(f"demo: no result for {case.title} within 30 s\n")
+            return None
+        rows.append((case, result))
+    if first is not None and first.status == "succeeded":
+        case = Case("read it back", "read_notes", {"path": "~/notes/today.md"}, "succeeded")
+        rows.append((case, await client.run(case.executor, case.args, wait=30)))
+        # Its changes were staged, committed and recorded: undo them, exactly.
+        undo = Case("undo the write", "metnos:undo", {"job_id": ids[1]}, "succeeded")
+        rows.append((undo, await client.undo(ids[1], wait=30)))
+        gone = Case("read it after undo", "read_notes", {"path": "~/notes/today.md"}, "failed")
+        rows.append((gone, await client.run(gone.executor, gone.args, wait=30)))
+    return rows
+
+
+def _report(rows: list[tuple[Case, Result]], log_path: Path, out: Any) -> None:
+    """The table of results, the cases that did not end as expected, the last log lines."""
     _print_table(rows, out)
     surprises = [(c, r) for c, r in rows if r.status != c.expect]
     for c, r in surprises:
@@ -367,6 +354,10 @@ async def _demo(root: Path) -> int:
     records = list(iter_records(log_path))
     for rec in records[-6:]:
         out.write("  " + render_record(rec, color=out.isatty())[:200] + "\n")
+
+
+def _next_steps(root: Path, executors: Path, home: Path, log_path: Path, out: Any) -> None:
+    """The commands to try next, on the demo's queue, executors, home and log."""
     rel = os.path.relpath
     # `./dev demo` runs from .venv without activating it: say how to get the command.
     activate = Path(sys.prefix) / "bin" / "activate"
@@ -386,6 +377,41 @@ next (in another terminal, from {os.getcwd()}):
 lists every command; `./dev test` runs the tests.)
 """
     )
+
+
+async def _demo(root: Path) -> int:
+    home, executors = _prepare(root)
+    db_url = f"sqlite:///{root / 'metnos.db'}"
+    log_path = root / "worker.jsonl"
+    configure_logging(file=log_path)
+    out = sys.stdout
+    out.write(f"metnos-exec demo: queue {db_url}, log {log_path}, home {home}\n\n")
+    rows: list[tuple[Case, Result]] = []
+    # Blobs (originals kept for undo) and commit journals, in the demo folder.
+    staging = Staging(root / "state")
+    async with open_broker(db_url) as broker, anyio.create_task_group() as tg:
+        port = await tg.start(_http_server)
+        _fetch_local(executors, port)
+        registry = ExecutorRegistry.load(executors)
+        sup = Supervisor(
+            broker,
+            registry,
+            SupervisorConfig(worker_id="demo-worker", concurrency=4, home=str(home)),
+            staging=staging,
+        )
+        await tg.start(sup.run)
+        cases = _cases(port)
+        collected = await _run_cases(Client(broker), cases, out)
+        if collected is None:
+            tg.cancel_scope.cancel()
+            return 1
+        rows = collected
+        await sup.drain(5)
+        tg.cancel_scope.cancel()
+    await staging.aclose()
+
+    _report(rows, log_path, out)
+    _next_steps(root, executors, home, log_path, out)
     return 0
 
 

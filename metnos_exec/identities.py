@@ -7,7 +7,7 @@ read-only system folders were readable, and root-owned kernel files such as
 and nsjail answer this the same way: each box (here, each slot of the process layer, one
 per concurrent job) runs as a uid of its own that owns nothing on the host.
 
-How, in the process layer (`metnos_exec.process`, "Pooled cgroups"): a slot's spawner
+How, in the process layer (`metnos_exec.process.slots`, "Pooled cgroups"): a slot's spawner
 thread is the only thread that forks that slot's jobs. Around each fork of a job that asks
 for it (`ProcessSpec.as_slot_user`), that thread alone switches to the slot's uid and gid
 with *raw* ``setresuid``/``setresgid``/``setgroups`` system calls (typed, `metnos_exec._libc`)
@@ -34,7 +34,7 @@ system folders as any local user, and its own mounts. Those are root's files (th
 worker's user); to keep the owner rights the job had before, each one is mounted through
 an *idmapped* mount that shows the worker's uid 0 as the slot's uid
 (`metnos_exec.sandbox.mount_sources.StagedSources`; for a staged job, the lower layers of
-its overlays, `metnos_exec.staging.overlay`), which needs the user namespace
+its overlays, `metnos_exec.undo.overlay`), which needs the user namespace
 `SlotIdentity.userns_fd` (uid 0 → the slot's uid, every other id but the slot's to
 itself: `_id_map`).
 """

@@ -3,21 +3,28 @@
 A bad manifest is rejected at load with a message naming the file, the field and the
 problem. `when` clauses are kept raw on purpose: a malformed clause makes its capability
 inactive and is reported per invocation (see `capabilities`), it never stops a load.
+
+The last check of a load is the ``packable`` claim (`check_packable`): a packable
+executor's code, read by `source_imports` without running it, must import only the
+standard library and its own files. It lives here, not in `devices.packability` (which
+holds the rest of that contract and re-exports it), so that loading a manifest needs
+nothing from the layers above.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
 from .errors import BadManifest, UnknownExecutor
-from .packability import check_packable
 from .sandbox.flags import expand_hint
+from .source_imports import imported_modules
 
 __all__ = (
     "ArgSpec",
@@ -26,6 +33,8 @@ __all__ = (
     "ExecutorRegistry",
     "Limits",
     "Manifest",
+    "PYTHON_WASM_ABSENT",
+    "check_packable",
     "load_manifest",
 )
 
@@ -45,6 +54,20 @@ _NET_HINT_RE = re.compile(
     rf"^(?:\*|(?:\*\.)?{_LABEL}(?:\.{_LABEL})*\.?{_PORT}|\[[0-9a-f:.]+\]{_PORT})$",
     re.IGNORECASE,
 )
+
+#: Standard-library modules (public names of `sys.stdlib_module_names`) that the pinned
+#: python.wasm (CPython 3.12.0 for WASI, `PYTHON_WASM_SHA256`) does not have or cannot
+#: import, measured by `find_spec` and `import_module` inside it. A ``wasm-python``
+#: executor gets no dry run, so its load check refuses these by name.
+PYTHON_WASM_ABSENT: Final = frozenset(
+    {
+        "antigravity", "asynchat", "asyncore", "ctypes", "curses", "distutils", "ensurepip",
+        "fcntl", "grp", "idlelib", "imp", "lib2to3", "lzma", "mmap", "msilib", "msvcrt",
+        "multiprocessing", "nis", "nt", "ossaudiodev", "pwd", "pydoc_data", "readline",
+        "resource", "rlcompleter", "smtpd", "spwd", "ssl", "syslog", "termios", "tkinter",
+        "turtle", "turtledemo", "uu", "venv", "webbrowser", "winreg", "winsound", "xdrlib",
+    }
+)  # fmt: skip
 
 
 class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,6 +184,44 @@ def _hint_problem(kind: str, hint: str) -> str | None:
                 "(optionally :port), without scheme or path"
             )
     return None
+
+
+def _is_local(folder: Path, top: str) -> bool:
+    return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+
+
+def check_packable(manifest: Manifest, folder: str | os.PathLike[str]) -> list[str]:
+    """Check a ``packable`` executor's imports; return its top-level module names.
+
+    Raises:
+        BadManifest: naming the file, line and module that is neither the standard
+            library nor inside the folder.
+    """
+    if not manifest.packable or manifest.runtime == "wasm":
+        return []
+    root = Path(folder)
+    tops: dict[str, None] = {}
+    for rel, line, module in imported_modules(root):
+        top = module.partition(".")[0]
+        if _is_local(root, top):
+            tops.setdefault(top, None)
+            continue
+        if manifest.runtime == "wasm-python" and top in PYTHON_WASM_ABSENT:
+            raise BadManifest(
+                f"{root}/manifest.toml: field `packable`: {rel}:{line} imports `{module}`, "
+                "which python.wasm (CPython 3.12 for WASI, the runtime of `wasm-python`) "
+                "does not have, so no device could run it; use another module, runtime "
+                '"python", or packable = false'
+            )
+        if top in sys.stdlib_module_names:
+            tops.setdefault(top, None)
+            continue
+        raise BadManifest(
+            f"{root}/manifest.toml: field `packable`: {rel}:{line} imports `{module}`, which "
+            "is neither the standard library nor a file in the executor's folder, so a "
+            "device could not run it; use only the standard library or set packable = false"
+        )
+    return list(tops)
 
 
 def _validate(manifest: Manifest, where: Path) -> None:

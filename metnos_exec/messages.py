@@ -347,7 +347,7 @@ class UndoEntry(msgspec.Struct, frozen=True, kw_only=True):
         reverses: when this entry was recorded by an undo job, the entry it undid.
         lost: what this entry does not cover (``backup`` entries), for people.
         seal: HMAC-SHA256 of the rest, with the recording device's key
-            (`metnos_exec.undo_seal`); an undo refuses an entry without a valid one.
+            (`metnos_exec.undo.seal`); an undo refuses an entry without a valid one.
     """
 
     v: int = WIRE_VERSION

@@ -316,11 +316,7 @@ def plan_invocation(
     """
     manifest = executor.manifest
     profile = profile_for(autonomy)
-    if profile.refuse_mutating and manifest.is_mutating:
-        raise AutonomyDenied(
-            f"{manifest.name} mutates files and autonomy is {profile.level}; "
-            "run it under supervised or full autonomy"
-        )
+    _refuse_mutating(manifest, profile)
     # `home` is trusted as given (the supervisor resolves its own once, at start): a hint's
     # folder below it must be reached without a symlink, so resolving the home again here
     # would follow a link planted in its place since.
@@ -354,25 +350,9 @@ def plan_invocation(
         dirs_only=manifest.runtime != "python",
         protected=protected,
     )
-    write_hints = {h for cap in effective.of("fs") if cap.mode == "write" for h in cap.hints}
-    targets = tuple(
-        dict.fromkeys(
-            v.resolved
-            for v in vetted.checked
-            if v.kind == "path"
-            and v.hint in write_hints
-            and any(_under(v.resolved, root) for root in write_roots)
-        )
-    )
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "LANG": "C.UTF-8",
-        "HOME": home,
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
+    targets = _write_targets(effective, vetted.checked, write_roots)
     common: dict[str, Any] = {
-        "env": env,
+        "env": _env(home),
         "stdin": msgspec.json.encode(vetted.args),
         "mounts": mounts,
         "network": effective.network or profile.allow_network_override,
@@ -380,19 +360,7 @@ def plan_invocation(
         "cwd": folder,
         "limits": _limits(manifest, timeout_s),
     }
-    if manifest.runtime == "python":
-        interpreter = _realpath_fresh(python or sys.executable)
-        if python is not None:
-            prefix = os.path.dirname(os.path.dirname(interpreter))
-            common["mounts"] = (*mounts, Mount(host=prefix, guest=prefix, writable=False))
-        job = SandboxJob(argv=(interpreter, *PYTHON_FLAGS, entry), **common)
-    elif manifest.runtime == "wasm":
-        job = SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
-    else:
-        job = SandboxJob(
-            wasm=WasmProgram(module=PYTHON_WASM_MODULE, args=(*_WASM_PYTHON_ARGV, entry)),
-            **common,
-        )
+    job = _runtime_job(manifest, entry, common, python)
     return Invocation(
         executor=manifest.name,
         runtime=manifest.runtime,
@@ -407,6 +375,65 @@ def plan_invocation(
         notes=tuple(notes),
         write_roots=write_roots,
         write_targets=targets,
+    )
+
+
+def _refuse_mutating(manifest: Manifest, profile: Profile) -> None:
+    """Refuse a mutating executor under a profile that refuses them (``read_only``)."""
+    if profile.refuse_mutating and manifest.is_mutating:
+        raise AutonomyDenied(
+            f"{manifest.name} mutates files and autonomy is {profile.level}; "
+            "run it under supervised or full autonomy"
+        )
+
+
+def _write_targets(
+    effective: EffectiveCapabilities,
+    checked: tuple[VettedValue, ...],
+    write_roots: tuple[str, ...],
+) -> tuple[str, ...]:
+    """`Invocation.write_targets`: the resolved path arguments admitted by an ``fs:write``
+    hint that lie under one of `write_roots`, each once, in order."""
+    write_hints = {h for cap in effective.of("fs") if cap.mode == "write" for h in cap.hints}
+    return tuple(
+        dict.fromkeys(
+            v.resolved
+            for v in checked
+            if v.kind == "path"
+            and v.hint in write_hints
+            and any(_under(v.resolved, root) for root in write_roots)
+        )
+    )
+
+
+def _env(home: str) -> dict[str, str]:
+    """The guest's whole environment: a fixed allow-list, nothing from the worker."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": home,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _runtime_job(
+    manifest: Manifest, entry: str, common: dict[str, Any], python: str | None
+) -> SandboxJob:
+    """The `SandboxJob` for `manifest`'s runtime, from the fields all runtimes share
+    (`common`); see the module docstring for each runtime's argv."""
+    if manifest.runtime == "python":
+        interpreter = _realpath_fresh(python or sys.executable)
+        if python is not None:
+            prefix = os.path.dirname(os.path.dirname(interpreter))
+            mounts = common["mounts"]
+            common["mounts"] = (*mounts, Mount(host=prefix, guest=prefix, writable=False))
+        return SandboxJob(argv=(interpreter, *PYTHON_FLAGS, entry), **common)
+    if manifest.runtime == "wasm":
+        return SandboxJob(wasm=WasmProgram(module=entry, args=(manifest.name,)), **common)
+    return SandboxJob(
+        wasm=WasmProgram(module=PYTHON_WASM_MODULE, args=(*_WASM_PYTHON_ARGV, entry)),
+        **common,
     )
 
 

@@ -36,7 +36,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import anyio
@@ -44,26 +44,20 @@ import structlog
 
 from .backoff import store_backoff
 from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
-from .errors import (
-    BadConfig,
-    BadManifest,
-    BrokerBusy,
-    HostFault,
-    MetnosError,
-    SignatureError,
-)
+from .devices.signing import default_verified_dir
+from .errors import BadConfig, BrokerBusy, MetnosError
 from .identities import slot_uid_range
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
-from .messages import SERVER_DEVICE
 from .policy import Policy
+from .preflight import dry_run_executors, preload_wasm, trust_store_for, verify_executors
 from .private import tighten
 from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
-from .signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
-from .staging import STATE_DIR_ENV, Staging, default_state_dir
 from .supervisor import Supervisor
+from .supervisor.config import split_settings
+from .undo.staging import STATE_DIR_ENV, Staging, default_state_dir
 
 __all__ = (
     "ARM_OVERRIDE_ENV",
@@ -181,7 +175,7 @@ def check_worker_config(
     # Checked whoever runs the worker: a typo is one, and for root it would weaken a wall.
     slot_uid_range(env)
     retention_from_env(env)
-    from .runtimes import device_python_source
+    from .devices.runtimes import device_python_source
 
     device_python_source(env)  # a URL without its pinned hash is refused here
     return policy
@@ -225,7 +219,9 @@ async def serve(
             when serving ends); 0: each wasm job starts its own. Default:
             ``METNOS_WASM_SPARES``, else 1.
         task_status: receives the supervisor once it is ready to lease.
-        **supervisor_kw: passed to `Supervisor` (worker_id, device, concurrency, ...);
+        **supervisor_kw: passed to `Supervisor`: its settings (the fields of
+            `SupervisorConfig`: worker_id, device, concurrency, ...) and its
+            collaborators (arm_chooser, staging, trust, ...), mixed (`split_settings`);
             without a ``policy``, `Policy.from_env` is read once, here.
 
     Raises:
@@ -244,7 +240,8 @@ async def serve(
     # Read per job after this (``off`` takes effect at once), but a malformed value must
     # stop the worker here, not leave each job as host root with the error in its report.
     slot_uid_range(os.environ)
-    sup = Supervisor(broker, registry, **supervisor_kw)
+    config, collaborators = split_settings(supervisor_kw)
+    sup = Supervisor(broker, registry, config, **collaborators)
 
     async def on_signals(
         *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -328,177 +325,6 @@ async def _serve_in(
         tg.cancel_scope.cancel()
 
 
-def trust_store_for(
-    device: str,
-    trust_keys: tuple[str, ...] | list[str] = (),
-    environ: Mapping[str, str] | None = None,
-) -> TrustStore | None:
-    """The worker's `TrustStore` from ``--trust-key`` values and ``METNOS_TRUST_KEYS``.
-
-    A device worker (any `device` but ``server``) must have one: it runs code sent to it,
-    and unsigned or altered code must never run there (spec section 10). A server worker
-    verifies only when given keys.
-
-    Raises:
-        BadConfig: a device worker without a key, or a key that cannot be loaded
-            (cryptography missing, unreadable, not Ed25519).
-    """
-    keys = load_trust_keys(tuple(trust_keys), environ)
-    if not keys:
-        if device != SERVER_DEVICE:
-            raise BadConfig(
-                f"device worker {device!r} refuses to start without a trust key: it must "
-                "verify the signature of every executor it runs; pass --trust-key PUB "
-                f"(repeatable) or set {TRUST_KEYS_ENV}"
-            )
-        return None
-    return TrustStore(keys)
-
-
-async def verify_executors(registry: ExecutorRegistry, trust: TrustStore) -> int:
-    """Verify every executor once at start (in a thread), so the first jobs find the
-    cache warm and an operator learns at once which executors will be refused.
-
-    Logs ``executor.verified`` or ``executor.signature_failed`` per executor; a failure
-    does not stop the worker (its jobs are refused with the same error, and an executor
-    re-signed later is accepted at its next job).
-
-    Returns:
-        How many failed.
-    """
-    failed = 0
-    for name in sorted(registry):
-        executor = registry[name]
-        try:
-            checked = await anyio.to_thread.run_sync(trust.verify, executor)
-        except MetnosError as exc:
-            failed += 1
-            _log.warning(
-                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
-            )
-            continue
-        _log.info("executor.verified", executor=name, copy=checked.path)
-    for name, folder in sorted(registry.error_folders.items()):
-        # Did not load: tampering, if that is why, is what the operator must hear.
-        try:
-            await anyio.to_thread.run_sync(trust.verify_folder, folder, name)
-        except SignatureError as exc:
-            failed += 1
-            _log.warning(
-                "executor.signature_failed", executor=name, code=exc.code, error=exc.message
-            )
-        except MetnosError:
-            pass  # signed as it is: its load error stands (executor.load_failed)
-    return failed
-
-
-async def dry_run_executors(
-    registry: ExecutorRegistry, *, python: str | None = None, trust: TrustStore | None = None
-) -> None:
-    """Dry-run every packable native executor in the sandbox (`packability.dry_run`); one
-    that fails is refused from then on (``executor.not_packable``, ``E_BAD_MANIFEST``).
-
-    Runs on the native arm this host has (bubblewrap, else the direct arm: ``-I -S`` keep
-    site-packages out either way), without logging a degradation: no job runs here. With
-    a `trust` store, the verified private copy is what is dry-run (an executor whose
-    signature fails is left to its ``E_SIGNATURE``).
-    """
-    from .packability import dry_run
-    from .sandbox.bwrap import BwrapSandbox, bwrap_probe
-    from .sandbox.direct import DirectSandbox
-
-    targets = [
-        registry[name]
-        for name in sorted(registry)
-        if registry[name].manifest.packable and registry[name].manifest.runtime == "python"
-    ]
-    if not targets:
-        return
-    try:
-        working = bwrap_probe().working
-    except MetnosError:
-        working = False
-    arm = BwrapSandbox() if working else DirectSandbox()
-    for source in targets:
-        executor = source
-        if trust is not None:
-            try:
-                executor = await anyio.to_thread.run_sync(trust.check, source)
-            except MetnosError:
-                continue  # not verified: its jobs are refused with E_SIGNATURE anyway
-        try:
-            await dry_run(executor, arm, python=python)
-        except BadManifest as exc:
-            # Named by the folder the operator knows, not the private copy it ran in.
-            exc = BadManifest(exc.message.replace(executor.path, source.path))
-            registry.refuse(executor.name, exc)
-            _log.warning(
-                "executor.not_packable", executor=executor.name, code=exc.code, error=exc.message
-            )
-        except (MetnosError, HostFault) as exc:
-            # The sandbox itself failed: say so, but do not refuse an executor for it.
-            _log.warning("worker.error", error=f"dry run of {executor.name}: {exc}")
-
-
-async def preload_wasm(registry: ExecutorRegistry) -> None:
-    """Load, ahead of the first job, the wasm modules `registry`'s executors will need.
-
-    python.wasm when any executor is ``wasm-python``, and each ``wasm`` executor's own
-    module, one at a time. Each is logged as ``worker.preloaded`` (module, how it was
-    obtained: compiled, disk or memory, seconds) or ``worker.preload_failed`` (module,
-    code, error), which is otherwise ignored: the jobs that need that module are answered
-    with the same error, in their own job context.
-    """
-    runtimes = {name: registry[name].manifest.runtime for name in registry}
-    python = "wasm-python" in runtimes.values()
-    if python:
-        try:
-            # Without the extra or METNOS_PYTHON_WASM: download it, if a URL is configured.
-            from .runtimes import obtain_python_wasm
-
-            fetched = await obtain_python_wasm()
-        except Exception as exc:
-            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
-            _log.warning("worker.preload_failed", module="python", code=code, error=str(exc))
-        else:
-            if fetched is not None:
-                _log.info("worker.preloaded", module=str(fetched), how="fetched", seconds=0.0)
-    modules = tuple(
-        registry[name].entry_path for name, runtime in sorted(runtimes.items()) if runtime == "wasm"
-    )
-    if not python and not modules:
-        return
-    try:
-        from .sandbox.wasm import WasmSandbox
-
-        arm = WasmSandbox()
-    except Exception as exc:  # an import error, no home folder for the cache, ...
-        for what in (("python",) if python else ()) + modules:
-            _log.warning(
-                "worker.preload_failed", module=what, code="E_TOOL_UNAVAILABLE", error=str(exc)
-            )
-        return
-    # Apart: a runtime that fails verification must not keep the modules from loading.
-    for what in (("python",) if python else ()) + modules:
-        try:
-            # Abandoned on cancel: a worker told to stop during a cold compile (4-8 s)
-            # exits now; the compile's cache file is written atomically or not at all.
-            loaded = await (
-                arm.preload(python=True, abandon_on_cancel=True)
-                if what == "python"
-                else arm.preload(python=False, modules=(what,), abandon_on_cancel=True)
-            )
-        except Exception as exc:
-            # A start-up nicety must never take the worker down: jobs that need the
-            # module will say why, in their own context.
-            code = exc.code if isinstance(exc, MetnosError) else HostFault.code
-            error = exc.message if isinstance(exc, MetnosError) else f"{type(exc).__name__}: {exc}"
-            _log.warning("worker.preload_failed", module=what, code=code, error=error)
-            continue
-        for path, how, seconds in loaded:
-            _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
-
-
 async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) -> Broker | None:
     """Open the broker for a worker; while another process holds the store's lock
     (`BrokerBusy`), wait and try again (``broker.error`` each time) rather than exit.
@@ -577,7 +403,7 @@ def run_worker(
     ``retention_s``: finished jobs older than this are purged (``None``: never); the
     default reads ``METNOS_RETENTION_DAYS`` (else 7 days).
     ``state_dir``: blobs, commit journals and staging mount points (default
-    `metnos_exec.staging.default_state_dir` of the queue: its own folder).
+    `metnos_exec.undo.staging.default_state_dir` of the queue: its own folder).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
 
@@ -646,10 +472,7 @@ def _start(
     )
     if prefetch < 0:
         raise BadConfig(f"prefetch must be zero or more, got {prefetch}")
-    if retention_s == "env":
-        retention_s = retention_from_env()
-    elif retention_s is not None and not retention_s > 0:
-        raise BadConfig(f"retention must be a positive number of seconds, got {retention_s!r}")
+    retention_s = _resolved_retention(retention_s)
     trust = trust_store_for(device, trust_keys)
     if configure_logs:
         try:
@@ -660,6 +483,55 @@ def _start(
             raise BadConfig(f"cannot open the log file {log_file}: {exc}") from None
     registry = ExecutorRegistry.load(executors_dir)
     wid = worker_id or default_worker_id()
+    _prepare_process()
+    # A folder named (else the queue's own, known once the broker is open): checked
+    # before anything is served.
+    staging: Staging | None = None
+    if state_dir is not None or os.environ.get(STATE_DIR_ENV):
+        staging = _open_staging(state_dir if state_dir is not None else default_state_dir())
+
+    async def serve_on(broker: Broker, staging: Staging, python: str | None) -> None:
+        await serve(
+            broker,
+            registry,
+            grace_s=grace_s,
+            burst=burst,
+            worker_id=wid,
+            device=device,
+            concurrency=concurrency,
+            visibility_s=visibility_s,
+            home=home,
+            policy=policy,
+            prefetch=prefetch,
+            preload=True,
+            retention_s=retention_s,
+            early_signals=early,
+            staging=staging,
+            dry_run=True,
+            trust=trust,
+            python=python,
+        )
+
+    anyio.run(_serve_queue, broker_url, early, staging, serve_on, backend=backend)
+    return 0
+
+
+def _resolved_retention(retention_s: float | Literal["env"] | None) -> float | None:
+    """`run_worker`'s ``retention_s`` resolved (``"env"``: ``METNOS_RETENTION_DAYS``).
+
+    Raises:
+        BadConfig: a retention that is not a positive number of seconds.
+    """
+    if retention_s == "env":
+        retention_s = retention_from_env()
+    elif retention_s is not None and not retention_s > 0:
+        raise BadConfig(f"retention must be a positive number of seconds, got {retention_s!r}")
+    return retention_s
+
+
+def _prepare_process() -> None:
+    """Make this process a worker: the subreaper, the keeper, the collector's tuning, the
+    caches private."""
     # bubblewrap's orphaned inits come back to us and are reaped as each job ends, so a
     # job's process budget is exact whatever the host's init (see `become_subreaper`).
     become_subreaper()
@@ -675,61 +547,41 @@ def _start(
     # Caches made by earlier runs, maybe under another umask: private from here on.
     for cache in (default_verified_dir(), default_cache_dir()):
         tighten(cache)
-    # A folder named (else the queue's own, known once the broker is open): checked
-    # before anything is served.
-    staging: Staging | None = None
-    if state_dir is not None or os.environ.get(STATE_DIR_ENV):
-        staging = _open_staging(state_dir if state_dir is not None else default_state_dir())
 
-    async def main() -> None:
-        nonlocal staging
-        from .runtimes import obtain_device_python
 
-        # A standalone CPython for native executors, when configured (downloaded once,
-        # verified by its pinned hash); before the broker, so a failure leaves nothing open.
-        exe = await obtain_device_python()
-        python = str(exe) if exe is not None else None
-        broker = await open_when_free(broker_url, stop=lambda: bool(early))
-        if broker is None:  # told to stop while waiting to open: nothing was served
-            if staging is not None:
-                with anyio.CancelScope(shield=True):
-                    await staging.aclose()
-            return
-        try:
-            # Entered, not just closed at the end: a broker may hold resources that live
-            # in the task that opens it (the Redis client's connection tasks).
-            async with broker:
-                if staging is None:
-                    # The queue's own folder: another queue's worker never settles (or
-                    # collects) what this one keeps there.
-                    staging = _open_staging(default_state_dir(queue=broker.queue_id))
-                await serve(
-                    broker,
-                    registry,
-                    grace_s=grace_s,
-                    burst=burst,
-                    worker_id=wid,
-                    device=device,
-                    concurrency=concurrency,
-                    visibility_s=visibility_s,
-                    home=home,
-                    policy=policy,
-                    prefetch=prefetch,
-                    preload=True,
-                    retention_s=retention_s,
-                    early_signals=early,
-                    staging=staging,
-                    dry_run=True,
-                    trust=trust,
-                    python=python,
-                )
-        finally:
-            if staging is not None:
-                with anyio.CancelScope(shield=True):
-                    await staging.aclose()
+async def _serve_queue(
+    broker_url: str,
+    early: list[int],
+    staging: Staging | None,
+    serve_on: Callable[[Broker, Staging, str | None], Awaitable[None]],
+) -> None:
+    """`_start`'s async half: the device's Python, the broker (waited for while another
+    process holds it), the queue's own staging when none was named, then `serve_on`."""
+    from .devices.runtimes import obtain_device_python
 
-    anyio.run(main, backend=backend)
-    return 0
+    # A standalone CPython for native executors, when configured (downloaded once,
+    # verified by its pinned hash); before the broker, so a failure leaves nothing open.
+    exe = await obtain_device_python()
+    python = str(exe) if exe is not None else None
+    broker = await open_when_free(broker_url, stop=lambda: bool(early))
+    if broker is None:  # told to stop while waiting to open: nothing was served
+        if staging is not None:
+            with anyio.CancelScope(shield=True):
+                await staging.aclose()
+        return
+    try:
+        # Entered, not just closed at the end: a broker may hold resources that live
+        # in the task that opens it (the Redis client's connection tasks).
+        async with broker:
+            if staging is None:
+                # The queue's own folder: another queue's worker never settles (or
+                # collects) what this one keeps there.
+                staging = _open_staging(default_state_dir(queue=broker.queue_id))
+            await serve_on(broker, staging, python)
+    finally:
+        if staging is not None:
+            with anyio.CancelScope(shield=True):
+                await staging.aclose()
 
 
 def _open_staging(state_dir: str | os.PathLike[str]) -> Staging:

@@ -114,7 +114,7 @@ CREATE TABLE IF NOT EXISTS undo_blobs (
 
 -- The executor catalog: each server worker publishes the manifests of the executors it
 -- runs, so a submit can refuse a device job whose executor must stay on the server
--- (metnos_exec/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
+-- (metnos_exec/devices/catalog.py). `body` is an ExecutorInfo as JSON. A cache, not queue state:
 -- it needs no schema version (a file made before it gains it when a broker opens it).
 CREATE TABLE IF NOT EXISTS executors (
     name    TEXT PRIMARY KEY,

@@ -13,7 +13,7 @@ from metnos_exec.errors import BadMessage, IdempotencyConflict, UndoUnavailable
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
 
 @pytest.fixture
@@ -33,7 +33,12 @@ def echo_chooser(runtime: str, **_: Any) -> ArmChoice:
 
 
 def supervisor(broker: Any, registry: ExecutorRegistry) -> Supervisor:
-    return Supervisor(broker, registry, worker_id="w", arm_chooser=echo_chooser, home="/none")
+    return Supervisor(
+        broker,
+        registry,
+        SupervisorConfig(worker_id="w", home="/none"),
+        arm_chooser=echo_chooser,
+    )
 
 
 @pytest.mark.anyio

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from metnos_exec.messages import Job
 from tests.helpers.worker_cli import wait_for_event, worker_argv
-from tests.staging.helpers import bwrap_works
 from tests.test_worker_process import with_broker
+from tests.undo.helpers import bwrap_works
 
 MANIFEST = """\
 name = "nap"

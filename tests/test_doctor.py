@@ -213,7 +213,7 @@ def test_overlay_staging_is_the_staging_modules_own_probe(world: Path, unprivile
     # The doctor probed with `unshare` and said "does not stage writes yet... no undo
     # yet", while workers staged and undid writes. It now says what the staging module's
     # own probe (the one `status` and the worker use) finds, and what that means.
-    probe = "from metnos_exec.staging.overlay import probe_staging; print(probe_staging())"
+    probe = "from metnos_exec.undo.overlay import probe_staging; print(probe_staging())"
     expected = _as(unprivileged, probe)
     _, report = doctor(world, unprivileged=unprivileged, path="/usr/bin:/bin")
     staging = finding(report, "overlay_staging")
@@ -289,7 +289,7 @@ def test_bubblewraps_bind_fd_and_disable_userns_are_checked(
 def test_the_cgroup_advice_is_what_the_code_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     # The cgroup v2 advice was a delegated systemd scope, which the code never looks at
     # (it makes per-job cgroups under /sys/fs/cgroup/metnos only).
-    from metnos_exec import doctor as doctor_mod
+    from metnos_exec import doctor_host as doctor_mod
     from metnos_exec import process
 
     monkeypatch.setattr(process, "pids_cgroup_available", lambda: False)

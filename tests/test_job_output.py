@@ -20,9 +20,15 @@ from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, decode_result, encode
 from metnos_exec.sandbox._types import Success
-from metnos_exec.supervisor import MAX_OUTPUT_DEPTH, _parse_output
-
-from .test_supervisor import ScriptedArm, chooser, executors, make, registry  # noqa: F401
+from metnos_exec.supervisor import MAX_OUTPUT_DEPTH
+from metnos_exec.supervisor.outcome import _parse_output
+from tests.supervisor.test_supervisor import (  # noqa: F401
+    ScriptedArm,
+    chooser,
+    executors,
+    make,
+    registry,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -133,7 +139,7 @@ def test_fuzz_any_bytes_give_a_value_or_bad_output(stdout: bytes) -> None:
 
 async def test_400k_levels_from_a_real_bwrap_job_is_bad_output(tmp_path: Path) -> None:
     from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe
-    from metnos_exec.supervisor import Supervisor
+    from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
     from .conftest import need
 
@@ -151,11 +157,9 @@ async def test_400k_levels_from_a_real_bwrap_job_is_bad_output(tmp_path: Path) -
     sup = Supervisor(
         broker,
         ExecutorRegistry.load(tmp_path / "executors"),
+        SupervisorConfig(home=str(tmp_path), worker_id="w1", concurrency=1),
         arm_chooser=chooser(arm),
         predict_arm=lambda runtime: "bwrap",
-        home=str(tmp_path),
-        worker_id="w1",
-        concurrency=1,
     )
     await sup.run(burst=True)
     result = await broker.get_result(job_id)

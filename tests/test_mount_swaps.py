@@ -19,14 +19,14 @@ from typing import Any
 import anyio
 import pytest
 
-from metnos_exec import supervisor as supervisor_mod
 from metnos_exec.brokers.memory import MemoryBroker
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job, Result
-from metnos_exec.staging import Staging
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
+from metnos_exec.supervisor import pipeline as supervisor_mod
+from metnos_exec.undo.staging import Staging
 from tests.conftest import need
-from tests.staging.helpers import bwrap_works
+from tests.undo.helpers import bwrap_works
 
 MANIFEST = """\
 name = "{name}"
@@ -93,7 +93,9 @@ async def test_the_executors_root_swapped_for_a_symlink_after_loading_is_refused
     broker = MemoryBroker()
     staging = Staging(tmp_path / "state", overlay=False)
     try:
-        sup = Supervisor(broker, registry, worker_id="w", home=str(home), staging=staging)
+        sup = Supervisor(
+            broker, registry, SupervisorConfig(worker_id="w", home=str(home)), staging=staging
+        )
         # Someone who may write the root's parent swaps the root for a link to a copy
         # whose code is theirs (same names: the worker's registry still matches).
         elsewhere = tmp_path / "elsewhere"
@@ -142,8 +144,7 @@ async def test_a_write_root_whose_parent_is_swapped_after_planning_is_not_staged
         sup = Supervisor(
             broker,
             ExecutorRegistry.load(executors),
-            worker_id="w",
-            home=str(home),
+            SupervisorConfig(worker_id="w", home=str(home)),
             staging=staging,
         )
         result = await _serve(sup, broker, Job(executor="w"))

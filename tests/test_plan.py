@@ -398,7 +398,7 @@ hints = ["{hint}"]
 #: Hint and argument shapes (issue 15 item 15): (hint, what the host has at
 #: ~/notes/todo.txt, the argument) -> the writable mount, or the refusal's code. A hint
 #: naming one file binds that file alone (the job sees nothing beside it; its writes are
-#: backed up, not staged: tests/staging/test_reversible_jobs.py); a literal hint admits
+#: backed up, not staged: tests/undo/test_reversible_jobs.py); a literal hint admits
 #: only itself; a glob hint mounts the folder before its first glob segment.
 SHAPES = [
     ("~/notes/todo.txt", "file", "~/notes/todo.txt", "~/notes/todo.txt"),

@@ -141,7 +141,7 @@ def test_a_shared_sticky_folder_or_another_users_file_is_never_changed(tmp_path:
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 def test_a_new_signing_key_is_private(tmp_path: Path) -> None:
     pytest.importorskip("cryptography")
-    from metnos_exec.signing import generate_key
+    from metnos_exec.devices.signing import generate_key
 
     old = os.umask(0)
     try:

@@ -64,7 +64,7 @@ def executors(tmp_path: Path) -> Path:
 def trust(tmp_path: Path, executors: Path) -> list[str]:
     """Device workers run only signed executors: sign them, return the worker options."""
     need_import("cryptography", "device")
-    from metnos_exec.signing import generate_key, sign_folder
+    from metnos_exec.devices.signing import generate_key, sign_folder
 
     key, pub = generate_key(tmp_path / "keys" / "server.key")
     for folder in executors.iterdir():

@@ -25,10 +25,11 @@ from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox._wasm_runtime import verified_python_wasm
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
-from metnos_exec.staging import Staging
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor.config import split_settings
+from metnos_exec.undo.staging import Staging
 from tests.conftest import need
-from tests.staging.helpers import bwrap_works
+from tests.undo.helpers import bwrap_works
 
 MANIFEST = """\
 name = "{name}"
@@ -90,7 +91,8 @@ async def _run(tmp_path: Path, executor: str, *, staged: bool, **kw: Any) -> Res
             need(reason is None, f"overlay staging is unavailable here: {reason}")
         job = Job(executor=executor, args={})
         await broker.submit(job)
-        sup = Supervisor(broker, registry, worker_id="w", home=str(home), staging=staging, **kw)
+        config, collaborators = split_settings({"worker_id": "w", "home": str(home), **kw})
+        sup = Supervisor(broker, registry, config, staging=staging, **collaborators)
         with anyio.fail_after(60):
             await sup.run(burst=True)
         result = await broker.get_result(job.id)

@@ -55,6 +55,7 @@ from metnos_exec.sandbox._types import (
 )
 from metnos_exec.sandbox.bwrap import bwrap_probe
 from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor.config import split_settings
 from tests.conftest import need
 
 VISIBILITY_S = 3
@@ -336,14 +337,14 @@ def _supervisor(tmp: Path, broker: MemoryBroker, arm: Any, **kw: Any) -> Supervi
     def choose(runtime: str, **_: Any) -> Any:
         return SimpleNamespace(sandbox=arm, degraded=False)
 
+    config, collaborators = split_settings({"worker_id": "w1", "home": "/nonexistent", **kw})
     return Supervisor(
         broker,
         ExecutorRegistry.load(tmp / "executors"),
-        worker_id="w1",
+        config,
         arm_chooser=choose,
         predict_arm=lambda runtime: arm.name,
-        home="/nonexistent",
-        **kw,
+        **collaborators,
     )
 
 

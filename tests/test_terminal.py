@@ -22,9 +22,9 @@ from metnos_exec.cli import _print_result
 from metnos_exec.logs import tail
 from metnos_exec.messages import ErrorInfo, Result
 from metnos_exec.sandbox._types import Trap
+from tests.cli.test_cli import cli
 
 from .conftest import need
-from .test_cli import cli
 
 HIDDEN = {"Cc", "Cf", "Zl", "Zp", "Cs"}
 #: What an attacker would print: retitle, clear screen, carriage return, bell, a C1 CSI,

@@ -21,8 +21,8 @@ from metnos_exec.messages import Job, Result
 from metnos_exec.sandbox._types import AXES
 from metnos_exec.sandbox.direct import DirectSandbox
 from metnos_exec.sandbox.select import ArmChoice, Degradation
-from metnos_exec.staging import Staging
-from metnos_exec.supervisor import Supervisor
+from metnos_exec.supervisor import Supervisor, SupervisorConfig
+from metnos_exec.undo.staging import Staging
 
 # Writes `text` into `path` (absolute, after ~ expansion), whatever it is.
 ROGUE = """\
@@ -98,8 +98,7 @@ async def test_a_hint_over_the_executors_root_cannot_rewrite_another_executor(
         sup = Supervisor(
             broker,
             ExecutorRegistry.load(executors),
-            worker_id="w",
-            home=str(home),
+            SupervisorConfig(worker_id="w", home=str(home)),
             staging=staging,
             arm_chooser=_direct,
         )
@@ -139,8 +138,7 @@ async def test_a_hint_over_the_queue_state_or_caches_is_refused(
         sup = Supervisor(
             broker,
             ExecutorRegistry.load(executors),
-            worker_id="w",
-            home=str(home),
+            SupervisorConfig(worker_id="w", home=str(home)),
             staging=staging,
             arm_chooser=_direct,
         )

@@ -9,7 +9,8 @@ Query parameters become keyword options of the broker, e.g.
 ``sqlite:///./metnos.db?poll_interval_s=0.05&busy_timeout_s=10``.
 
 Adding a broker is one new module and one line in `_REGISTRY` (plus one in `_EXTRAS` when
-it needs an optional dependency).
+it needs an optional dependency); its ``from_url`` can turn the options into its
+constructor's arguments with `_url.take_options`.
 """
 
 from __future__ import annotations

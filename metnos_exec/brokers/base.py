@@ -36,7 +36,7 @@ Device routing: a worker has a device id (`SERVER_DEVICE` unless told otherwise)
 with ``device=None`` or ``device="server"`` goes to server workers only; a job targeting
 device ``D`` goes only to workers whose device id is ``D``. Server workers publish their
 executors' manifests (`publish_executors`) so that a submit can refuse a device job whose
-executor must stay on the server (`metnos_exec.catalog`).
+executor must stay on the server (`metnos_exec.devices.catalog`).
 
 Messages. A job is at most ``MAX_JOB_BYTES`` encoded with ``args`` at most
 ``MAX_ARGS_DEPTH`` deep (`metnos_exec.messages`): `submit` and `submit_raw` refuse a
@@ -95,7 +95,7 @@ Undo entries (`UndoEntry`, see `metnos_exec.messages`) are stored next to the re
   are ignored by readers and forgotten by `purge`.
 - ``undoes``: an undo job records its own entry (the redo) and names the entries it undid;
   the broker sets their ``undone_by`` to the undo job's id. Whether they *are* undone is
-  decided by that job's result (`metnos_exec.undo` reads it): until it succeeded, the mark
+  decided by that job's result (`metnos_exec.undo.apply` reads it): until it succeeded, the mark
   means nothing, so an undo job that died half-way and is redelivered is not refused.
 - `get_undo` returns entries by id, with their ``undone_by``; unknown ids are left out.
 - `undo_blobs` is every blob digest a stored entry needs (`UndoEntry.blobs`): the blob
@@ -113,7 +113,7 @@ from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-from ..catalog import ExecutorInfo
+from ..devices.catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
 
@@ -318,7 +318,7 @@ class Broker(abc.ABC):
     def queue_id(self) -> str:
         """Which queue this is, the same for every broker object open on it (the store's
         location; the key prefix too on Redis): commit journals record it, so a worker
-        never settles another queue's (`metnos_exec.staging.Staging.recover`), and a
+        never settles another queue's (`metnos_exec.undo.staging.Staging.recover`), and a
         worker's default state folder is its queue's."""
         return f"{self.scheme}:{id(self):x}"  # a store no other process can open
 
@@ -531,7 +531,7 @@ class Broker(abc.ABC):
         start and by ``doctor``; the default knows nothing."""
         return None
 
-    # --- the executor catalog (see `metnos_exec.catalog`) -------------------------------
+    # --- the executor catalog (see `metnos_exec.devices.catalog`) -------------------------------
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         """Record the executors a server worker runs (an entry replaces the same name's).

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from ..catalog import ExecutorInfo
+from ..devices.catalog import ExecutorInfo
 from ..errors import BadMessage
 from ..messages import (
     E_CANCELLED,

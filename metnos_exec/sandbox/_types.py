@@ -53,7 +53,7 @@ class Mount(msgspec.Struct, frozen=True):
     """A host path made visible to the guest at `guest`; read-only unless `writable`.
 
     ``staged``: `host` is a staging overlay below the staging namespace's base (see
-    `metnos_exec.staging`), visible only inside that namespace (`SandboxJob.stage`): the
+    `metnos_exec.undo.staging`), visible only inside that namespace (`SandboxJob.stage`): the
     arm binds it by path, without checking it on the worker's side.
     """
 

@@ -1,10 +1,11 @@
 """An in-process wasmtime engine: one engine, one epoch ticker, a module cache.
 
 Private to the wasm arm, which no longer runs guests with it: each job's load and run
-happen in a process of its own (`_wasm_child`, which defines the engine flags, the cache
-key and the WASI p1 list this module shares). Kept for the benchmark (cold compile and
-cache-hit figures) and the cache tests, and for the arm's helpers (`default_cache_dir`,
-`load_wasmtime`, `wasmtime_version`, `_refuse_oversized`). Everything here imports
+happen in a process of its own (`_wasm_child`; `_wasm_guest` defines the engine flags,
+the cache key and the WASI p1 list this module shares). Kept for the benchmark (cold
+compile and cache-hit figures) and the cache tests, and for the arm's helpers
+(`default_cache_dir`, `load_wasmtime`, `wasmtime_version`, `_refuse_oversized`, and the
+pin: `MIN_WASMTIME`, `fixed_release`, `WASMTIME_PIN_REASON`). Everything here imports
 `wasmtime` lazily through `load_wasmtime()` so that `metnos_exec.sandbox.wasm` still
 imports (and answers `E_TOOL_UNAVAILABLE`) on a machine without the engine.
 
@@ -30,11 +31,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import HostFault, SandboxDenied
 from ..private import private_dir
-from ._wasm_child import (
+from ._wasm_guest import (
     ENGINE_FLAGS,
     EPOCH_TICK_S,
     MAX_MODULE_BYTES,
@@ -55,8 +56,11 @@ __all__ = (
     "ENGINE_FLAGS",
     "EPOCH_TICK_S",
     "MAX_MODULE_BYTES",
+    "MIN_WASMTIME",
+    "WASMTIME_PIN_REASON",
     "WasmEngine",
     "default_cache_dir",
+    "fixed_release",
     "load_wasmtime",
     "wasmtime_version",
 )
@@ -87,6 +91,39 @@ def wasmtime_version() -> str | None:
         return metadata.version("wasmtime")
     except metadata.PackageNotFoundError:
         return None
+
+
+#: Why `wasmtime>=50.0.1,<51`, and when to move it.
+WASMTIME_PIN_REASON: Final[str] = (
+    "Read-only preopens are a wall only on wasmtime releases that fixed two WASI "
+    "permission bypasses: GHSA-2r75-cxrj-cmph / CVE-2026-47261 / RUSTSEC-2026-0149 "
+    "(path_open with O_TRUNC on a read-only file skipped the FilePerms::WRITE check; fixed "
+    "in 45.0.0, backported to 44.0.2, 36.0.10 and 24.x) and GHSA-4ch3-9j33-3pmj / "
+    "RUSTSEC-2026-0188 (path_link and path_rename let a file cross from a read-only preopen "
+    "into a writable one, ignoring FilePerms; fixed in 46.0.1, backported to 45.0.3, "
+    "36.0.12 and 24.0.11). wasmtime-py 50.0.1 embeds a wasmtime 50 that contains both, and "
+    "its C API takes one `fs_mutable` bit per preopen, the shape upstream moved to (a "
+    "single-bit FsPerms, wasmtime PR #14010) to remove the DirPerms/FilePerms combinations "
+    "both advisories lived in. tests/sandbox/test_wasm.py re-checks both bypasses against "
+    "the installed engine. Move the pin when a wasmtime-py release fixes a new WASI "
+    "advisory (take it at once), or when the 50 line leaves upstream support (non-LTS lines "
+    "get about two months; the next LTS is 60); before crossing, check that "
+    "`preopen_dir(..., fs_mutable=False)` still means read-only and re-run the bypass tests."
+)
+
+#: The oldest wasmtime-py release the arm runs on (the bottom of the pin).
+MIN_WASMTIME: Final[tuple[int, int, int]] = (50, 0, 1)
+
+
+def fixed_release(version: str | None) -> bool:
+    """True when `version` is at least `MIN_WASMTIME` (an unparsable one is refused)."""
+    if version is None:
+        return False
+    try:
+        parts = tuple(int(p) for p in version.split(".")[:3])
+    except ValueError:
+        return False
+    return parts >= MIN_WASMTIME
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:

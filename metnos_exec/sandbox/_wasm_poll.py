@@ -92,37 +92,9 @@ def install_poll_oneoff(wt: ModuleType, linker: wasmtime.Linker, wasi_module: st
         raw = bytes(memory.read(caller, in_ptr, in_ptr + nsubs * _SUB))
         if len(raw) != nsubs * _SUB or in_ptr < 0:
             return _ERRNO_FAULT
-        events: list[tuple[int, int, int]] = []  # (userdata, errno, type)
-        clocks: list[tuple[int, int]] = []  # (userdata, host monotonic deadline)
-        start = time.monotonic_ns()
-        for k in range(nsubs):
-            off = k * _SUB
-            userdata, tag = struct.unpack_from("<QB", raw, off)
-            if tag != _TAG_CLOCK:
-                # fd_read / fd_write: always ready here (see the module docstring).
-                events.append((userdata, _ERRNO_SUCCESS, tag))
-                continue
-            clock_id, timeout, _precision, flags = struct.unpack_from("<I4xQQH", raw, off + 16)
-            now = _now(clock_id)
-            if now is None:
-                events.append((userdata, _ERRNO_INVAL, tag))
-                continue
-            remaining = timeout - now if flags & _ABSTIME else timeout
-            if clock_id in (_CLOCK_PROCESS_CPU, _CLOCK_THREAD_CPU):
-                # A sleeping thread burns no CPU time: such a wait would never end.
-                events.append((userdata, _ERRNO_NOTSUP, tag))
-                continue
-            clocks.append((userdata, start + max(0, remaining)))
-        if not events and clocks:
-            check: StopCheck | None = getattr(_local, "check", None)
-            first = min(d for _, d in clocks)
-            while True:
-                if check is not None and check() is not None:
-                    return _ERRNO_INTR
-                left = first - time.monotonic_ns()
-                if left <= 0:
-                    break
-                time.sleep(min(left / 1e9, _SLICE_S))
+        events, clocks = _subscriptions(raw, nsubs)
+        if not events and clocks and not _sleep_until(min(d for _, d in clocks)):
+            return _ERRNO_INTR
         now = time.monotonic_ns()
         events += [(u, _ERRNO_SUCCESS, _TAG_CLOCK) for u, d in clocks if d <= now]
         out = b"".join(struct.pack("<QHB5xQH6x", u, e, t, 0, 0) for u, e, t in events)
@@ -150,3 +122,45 @@ def install_poll_oneoff(wt: ModuleType, linker: wasmtime.Linker, wasi_module: st
         access_caller=True,
     )
     linker.allow_shadowing = False
+
+
+def _subscriptions(
+    raw: bytes, nsubs: int
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """The `nsubs` subscriptions in `raw`: the events answered at once (userdata, errno,
+    type) and the clocks to wait for (userdata, host monotonic deadline)."""
+    events: list[tuple[int, int, int]] = []  # (userdata, errno, type)
+    clocks: list[tuple[int, int]] = []  # (userdata, host monotonic deadline)
+    start = time.monotonic_ns()
+    for k in range(nsubs):
+        off = k * _SUB
+        userdata, tag = struct.unpack_from("<QB", raw, off)
+        if tag != _TAG_CLOCK:
+            # fd_read / fd_write: always ready here (see the module docstring).
+            events.append((userdata, _ERRNO_SUCCESS, tag))
+            continue
+        clock_id, timeout, _precision, flags = struct.unpack_from("<I4xQQH", raw, off + 16)
+        now = _now(clock_id)
+        if now is None:
+            events.append((userdata, _ERRNO_INVAL, tag))
+            continue
+        remaining = timeout - now if flags & _ABSTIME else timeout
+        if clock_id in (_CLOCK_PROCESS_CPU, _CLOCK_THREAD_CPU):
+            # A sleeping thread burns no CPU time: such a wait would never end.
+            events.append((userdata, _ERRNO_NOTSUP, tag))
+            continue
+        clocks.append((userdata, start + max(0, remaining)))
+    return events, clocks
+
+
+def _sleep_until(first: int) -> bool:
+    """Wait until the host monotonic time `first` in slices, asking the job's stop check
+    between them: False when the job must stop first."""
+    check: StopCheck | None = getattr(_local, "check", None)
+    while True:
+        if check is not None and check() is not None:
+            return False
+        left = first - time.monotonic_ns()
+        if left <= 0:
+            return True
+        time.sleep(min(left / 1e9, _SLICE_S))

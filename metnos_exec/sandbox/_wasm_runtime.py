@@ -6,6 +6,10 @@ a copy `runtimes.obtain_python_wasm` downloaded (``METNOS_PYTHON_WASM_URL``) int
 ``$METNOS_CACHE_DIR/runtimes/python-3.12.0.wasm``. Whatever the source, its SHA-256 must
 equal `PYTHON_WASM_SHA256`, pinned here, before first use: a swapped runtime is arbitrary
 code running with every preopen the job was granted.
+
+How the arm runs it is here too: the guest argv (`python_program`; `python_argv` makes sure
+of ``-u``), where its standard library lives (a preopen must not hide it) and the memory it
+needs to start (`PYTHON_MIN_MEMORY_BYTES`).
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from ..errors import ToolUnavailable
 
 __all__ = (
+    "PYTHON_MIN_MEMORY_BYTES",
     "PYTHON_WASM_SHA256",
     "PYTHON_WASM_SIZE",
     "PythonRuntime",
     "RuntimeMismatch",
     "find_python_wasm",
+    "hides_stdlib",
+    "python_argv",
+    "python_program",
     "verified_python_wasm",
 )
 
@@ -127,3 +136,37 @@ def verified_python_wasm(env: Mapping[str, str] | None = None, *, use_package: b
     with _verified_lock:
         _verified.add(ident)
     return rt.path
+
+
+#: The guest program name python.wasm sees as argv[0].
+_PYTHON_ARGV0 = "python"
+#: Where python.wasm's built-in standard library lives (its `sys.path`). A preopen at or
+#: above one of these hides it (start-up fails), one below it would replace stdlib modules.
+_PYTHON_STDLIB = ("/usr/local/lib/python312.zip", "/usr/local/lib/python3.12")
+
+
+def hides_stdlib(guest: str) -> bool:
+    """True when a preopen at `guest` would hide or replace part of the standard library."""
+    return any(
+        root == guest or root.startswith(guest.rstrip("/") + "/") or guest.startswith(root + "/")
+        for root in _PYTHON_STDLIB
+    )
+
+
+#: python.wasm needs at least 160 pages (10 MiB) of linear memory to start.
+PYTHON_MIN_MEMORY_BYTES: Final[int] = 160 * 65536
+
+
+def python_program(script: str, *args: str) -> tuple[str, ...]:
+    """The guest argv for `WasmProgram(PYTHON_WASM_MODULE, args=...)` running `script`."""
+    return (_PYTHON_ARGV0, "-u", script, *args)
+
+
+def python_argv(args: tuple[str, ...]) -> list[str]:
+    """`args` is the whole guest argv (argv[0] first, as the planner builds it). The arm
+    makes sure the interpreter runs unbuffered (`-u`): a guest stopped by fuel or time
+    would otherwise lose what it had printed."""
+    argv0, rest = (args[0], list(args[1:])) if args else (_PYTHON_ARGV0, [])
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    return [argv0, "-u", *rest]

@@ -6,24 +6,30 @@ unit-testable on a machine without bubblewrap. The policy (which mounts, network
 is decided upstream by `metnos_exec.plan`; this module only decides *how* bubblewrap
 expresses it.
 
-Each flag is documented next to the threat it answers (bubblewrap's ``bwrap.xml`` style).
-Read with bubblewrap's own warning in mind: it is "not a complete, ready-made sandbox";
-the seccomp filter comes in through ``seccomp_fd`` (`metnos_exec.sandbox.seccomp`), and
-landlock through the job's argv (`metnos_exec.sandbox.landlock`).
+The command line is three tables of rows, each row with the threat it answers (as
+`metnos_exec.sandbox.seccomp`'s `POLICY`): `FLAGS` (namespaces, identity, environment,
+the fds bubblewrap is handed), `MOUNTS` (the guest's filesystem, built in table order
+and then ordered parents first) and `LAST_FLAGS`; `derive_bwrap_argv` applies them in
+that order and appends ``-- job.argv``. Read with bubblewrap's own warning in mind: it is
+"not a complete, ready-made sandbox"; the seccomp filter comes in through ``seccomp_fd``
+(`metnos_exec.sandbox.seccomp`), and landlock through the job's argv
+(`metnos_exec.sandbox.landlock`). The job's kernel resource limits are
+`metnos_exec.sandbox.rlimits`' (re-exported here).
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-import resource
 import stat
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
 
-from ._types import Mount, ResourceLimits, SandboxJob
+from ._types import Mount, SandboxJob
+from .rlimits import derive_rlimits, prlimit_prefix, shell_limits_prefix
 
 __all__ = (
     "GUEST_GID",
@@ -34,7 +40,12 @@ __all__ = (
     "PROC_READ_ONLY_PATHS",
     "RESERVED_GUEST_PATHS",
     "SYSTEM_PATHS",
+    "FLAGS",
+    "LAST_FLAGS",
+    "MOUNTS",
     "BwrapFeatures",
+    "Flags",
+    "Mounts",
     "default_interpreter_roots",
     "derive_bwrap_argv",
     "derive_rlimits",
@@ -182,8 +193,10 @@ PROC_READ_ONLY_PATHS: tuple[str, ...] = (
 #: (``kmsg``). Those need only the permission check, which a job that runs as host root (a
 #: root worker's job without a slot uid) passes. Most of the others need a capability no
 #: guest holds; masked anyway, as the runtimes do, so no kernel configuration is needed
-#: for the guest to learn nothing from them.
-PROC_MASKED_PATHS: tuple[str, ...] = (
+#: for the guest to learn nothing from them. A list can only name the files known when it
+#: was written: `_root_only_proc_files` adds the root-only files of the running kernel's
+#: ``/proc`` top level that it does not name (``/proc/program_cpu`` on one 6.18 kernel).
+_PROC_MASKED_KNOWN: tuple[str, ...] = (
     "/proc/acpi",
     "/proc/asound",
     "/proc/interrupts",
@@ -203,6 +216,31 @@ PROC_MASKED_PATHS: tuple[str, ...] = (
     "/proc/timer_list",
     "/proc/timer_stats",
     "/proc/vmallocinfo",
+)
+
+
+def _root_only_proc_files(proc: str = "/proc") -> tuple[str, ...]:
+    """The regular files at `proc`'s top level that neither group nor others may read
+    (0400, 0600: root's alone), sorted; none when `proc` cannot be listed. Read once, at
+    import: the top level of ``/proc`` is the kernel's, fixed while it runs."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return ()
+    found = []
+    for name in names:
+        path = f"{proc}/{name}"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not name.isdigit() and stat.S_ISREG(st.st_mode) and not st.st_mode & 0o044:
+            found.append(path)
+    return tuple(sorted(found))
+
+
+PROC_MASKED_PATHS: tuple[str, ...] = _PROC_MASKED_KNOWN + tuple(
+    p for p in _root_only_proc_files() if p not in _PROC_MASKED_KNOWN
 )
 
 
@@ -353,6 +391,290 @@ def _mask(path: str, is_dir: bool) -> tuple[str, ...]:
     return ("--ro-bind", "/dev/null", path)
 
 
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What one derivation reads: the job, what its bubblewrap supports, the host (only
+    through the callables), and the fds and files the caller hands over (the arguments of
+    `derive_bwrap_argv`, defaults resolved)."""
+
+    job: SandboxJob
+    features: BwrapFeatures
+    exists: Callable[[str], bool]
+    isdir: Callable[[str], bool]
+    readlink: Callable[[str], str | None]
+    roots: Sequence[str]
+    json_status_fd: int | None
+    seccomp_fd: int | None
+    masked_paths: Sequence[str]
+    block_fd: int | None
+    source_fds: Mapping[str, int] | None
+    files: Sequence[tuple[str, str]]
+
+    def present(self, host: str) -> bool:
+        return self.exists(host) if self.source_fds is None else host in self.source_fds
+
+    def bind(self, host: str, guest: str, writable: bool) -> tuple[str, ...]:
+        # A staged mount (not opened on the worker's side) is bound by path.
+        fds = self.source_fds
+        fd = None if fds is None or not self.features.bind_fd else fds.get(host)
+        if fd is None:
+            return ("--bind" if writable else "--ro-bind", host, guest)
+        # From the fd opened without symlinks: what is mounted is what was checked
+        # (bubblewrap compares the mounted inode with the fd's and dies on a mismatch).
+        return ("--bind-fd" if writable else "--ro-bind-fd", str(fd), guest)
+
+
+class Flags(msgspec.Struct, frozen=True):
+    """One row of `FLAGS` or `LAST_FLAGS`: flags bubblewrap gets, and the threat they answer.
+
+    Attributes:
+        args: the flags, fixed or computed from the derivation's inputs.
+        threat: what the row answers, for people.
+        when: the row applies only when this holds; ``None`` means always.
+    """
+
+    args: tuple[str, ...] | Callable[[_Inputs], Sequence[str]]
+    threat: str
+    when: Callable[[_Inputs], bool] | None = None
+
+    def apply(self, inputs: _Inputs) -> Sequence[str]:
+        if self.when is not None and not self.when(inputs):
+            return ()
+        return self.args if isinstance(self.args, tuple) else self.args(inputs)
+
+
+class Mounts(msgspec.Struct, frozen=True):
+    """One row of `MOUNTS`: mounts bubblewrap builds, and the threat they answer.
+
+    Attributes:
+        ops: the mounts, each with its destination in the guest, from the inputs.
+        threat: what the row answers, for people.
+    """
+
+    ops: Callable[[_Inputs], Iterable[_Op]]
+    threat: str
+
+
+def _system_trees(d: _Inputs) -> Iterator[_Op]:
+    # A top-level symlink (merged /usr: /bin -> usr/bin) is recreated as the same symlink
+    # rather than bound, so paths resolve as on the host.
+    for path in SYSTEM_PATHS:
+        if not d.exists(path):
+            continue
+        target = d.readlink(path)
+        if target is not None and _depth(path) == 1:
+            yield _Op(path, ("--symlink", target, path))
+        else:
+            yield _Op(path, ("--ro-bind", path, path))
+
+
+def _interpreter_roots(d: _Inputs) -> Iterator[_Op]:
+    for root in d.roots:
+        if any(_under(root, sys_path) for sys_path in SYSTEM_PATHS if d.exists(sys_path)):
+            continue
+        if d.present(root):
+            yield _Op(root, d.bind(root, root, False))
+
+
+def _proc_read_only(d: _Inputs) -> Iterator[_Op]:
+    for path in PROC_READ_ONLY_PATHS:
+        if d.exists(path):
+            yield _Op(path, ("--ro-bind", path, path))
+
+
+def _masks(paths: Iterable[str], d: _Inputs) -> Iterator[_Op]:
+    for path in paths:
+        if d.exists(path):
+            yield _Op(path, _mask(path, d.isdir(path)))
+
+
+def _tmpfs(dest: str) -> Callable[[_Inputs], Iterator[_Op]]:
+    """A private tmpfs at `dest`, sized with the memory budget: tmpfs pages are RAM, and
+    RLIMIT_AS does not count them (a memory cgroup, when there is one, does)."""
+
+    def ops(d: _Inputs) -> Iterator[_Op]:
+        size: tuple[str, ...] = ()
+        if d.features.tmpfs_size and d.job.limits.memory_bytes is not None:
+            size = ("--size", str(d.job.limits.memory_bytes))
+        yield _Op(dest, (*size, "--tmpfs", dest))
+
+    return ops
+
+
+def _job_mounts(d: _Inputs) -> Iterator[_Op]:
+    """The executor folder (read-only) and the fs hints, as plan.py resolved them. Only
+    existing host paths; on an exact duplicate the read-only one wins (fail closed: an
+    executor never gets to modify its own folder by accident)."""
+    chosen: dict[str, Mount] = {}
+    for mount in d.job.mounts:
+        guest = posixpath.normpath(mount.guest)
+        if not posixpath.isabs(guest) or guest in ("/", "//"):
+            raise ValueError(f"mount target {mount.guest!r} must be an absolute path below /")
+        if any(_under(guest, reserved) for reserved in RESERVED_GUEST_PATHS):
+            # A host /proc over ours would show (and let the guest signal) host processes;
+            # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
+            raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
+        # A staged mount lives in the staging namespace bubblewrap is started in, not on
+        # the worker's side: it is checked there (by bubblewrap) instead.
+        if not mount.staged and not d.present(mount.host):
+            continue
+        prev = chosen.get(mount.guest)
+        if prev is None or (prev.writable and not mount.writable):
+            chosen[mount.guest] = mount
+    for mount in chosen.values():
+        yield _Op(mount.guest, d.bind(mount.host, mount.guest, mount.writable))
+
+
+def _fd_flag(flag: str, fd: Callable[[_Inputs], int | None]) -> Callable[[_Inputs], Sequence[str]]:
+    """``flag FD`` when the caller hands bubblewrap that fd, nothing otherwise."""
+
+    def args(d: _Inputs) -> Sequence[str]:
+        value = fd(d)
+        return () if value is None else (flag, str(value))
+
+    return args
+
+
+def _environment(d: _Inputs) -> Sequence[str]:
+    out = ["--clearenv"]
+    for key in sorted(d.job.env):
+        out += ["--setenv", key, d.job.env[key]]
+    return out
+
+
+def _own_network(d: _Inputs) -> bool:
+    return not d.job.network or d.job.egress is not None
+
+
+#: Rules 7 and beyond: the flags before the mounts, in this order, each against one threat.
+FLAGS: tuple[Flags, ...] = (
+    Flags(
+        ("--unshare-user",),
+        "the guest's capabilities meaning something on the host: a fresh user namespace",
+    ),
+    Flags(("--unshare-ipc",), "System V IPC / POSIX message queues shared with host processes"),
+    Flags(("--unshare-uts",), "the guest renaming the host: its own hostname"),
+    Flags(
+        ("--unshare-pid",),
+        "the guest seeing or signalling host processes: its own pid namespace, with "
+        "bubblewrap as its init, so the whole tree dies when bubblewrap does",
+    ),
+    Flags(
+        ("--unshare-cgroup-try",),
+        "the host's cgroup layout leaking: its own cgroup view (where the kernel supports it)",
+    ),
+    Flags(
+        ("--die-with-parent",),
+        "orphaned guests: the sandbox is SIGKILLed when the worker dies, even by SIGKILL",
+    ),
+    Flags(("--new-session",), "TIOCSTI keystroke injection into the caller's terminal: setsid()"),
+    Flags(
+        ("--uid", str(GUEST_UID), "--gid", str(GUEST_GID)),
+        "a guest that believes it is root (some tools relax checks for uid 0): an "
+        "unprivileged identity inside the namespace (`GUEST_UID`)",
+    ),
+    Flags(("--hostname", "sandbox"), "the host's name shown to the guest"),
+    Flags(
+        ("--cap-drop", "ALL"),
+        "a capability surviving to exec when bubblewrap runs as root (belt and braces)",
+    ),
+    Flags(
+        ("--disable-userns",),
+        "a nested user namespace, the usual first step of a kernel exploit chain (it hands "
+        "out a fresh set of capabilities over new namespaces)",
+        when=lambda d: d.features.disable_userns,
+    ),
+    # Rule 6: no network capability → a network namespace of its own, with only its own
+    # loopback (bubblewrap brings `lo` up, 127.0.0.1 inside the sandbox alone): no host
+    # listener on 127.0.0.1, no abstract Unix sockets, no internet. A network capability
+    # with its hosts (`job.egress`) too: the worker's wall puts its listeners in that
+    # namespace, the only way out (`sandbox.egress`).
+    Flags(
+        ("--unshare-net",),
+        "the host network, its loopback listeners and abstract Unix sockets",
+        when=_own_network,
+    ),
+    Flags(
+        _environment,
+        "worker secrets (tokens, broker URLs) in the guest's environment: only the "
+        "environment the job was given",
+    ),
+    Flags(
+        _fd_flag("--json-status-fd", lambda d: d.json_status_fd),
+        "the job blamed for bubblewrap's own set-up failure: bubblewrap reports the "
+        "guest's pid and exit",
+    ),
+    Flags(
+        _fd_flag("--seccomp", lambda d: d.seccomp_fd),
+        "the system calls no namespace stops (`seccomp.POLICY`)",
+    ),
+    Flags(
+        _fd_flag("--block-fd", lambda d: d.block_fd),
+        "a guest started before its limits hold: bubblewrap waits on the fd",
+    ),
+)
+
+#: Rules 1-4 and the masks: the mounts, each with its destination in the guest. They are
+#: built in this order, then ordered parents first (see `derive_bwrap_argv`).
+MOUNTS: tuple[Mounts, ...] = (
+    # Rule 1: system trees read-only (see SYSTEM_PATHS), then the interpreter's prefixes
+    # outside them.
+    Mounts(_system_trees, "a trojan planted in a shared library or config the host trusts"),
+    Mounts(_interpreter_roots, "the same, in the interpreter's own prefix"),
+    # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
+    # zero, random, tty...; no disks), and a private /tmp. ``/sys`` is never mounted: it
+    # is the host's device tree, and the guest has no use for it.
+    Mounts(
+        lambda d: (_Op("/proc", ("--proc", "/proc")),),
+        "host processes seen or signalled through the host's /proc",
+    ),
+    Mounts(_proc_read_only, "host-global kernel interfaces written (`PROC_READ_ONLY_PATHS`)"),
+    Mounts(
+        lambda d: _masks(PROC_MASKED_PATHS, d),
+        "kernel state that helps an exploit (`PROC_MASKED_PATHS`)",
+    ),
+    Mounts(
+        # The sandbox's own pid 1: always there.
+        lambda d: (_Op(path, _mask(path, False)) for path in PROC_INIT_MASKED_PATHS),
+        "the guest rewriting bubblewrap's init through its memory (`PROC_INIT_MASKED_PATHS`)",
+    ),
+    # bubblewrap's /dev is a writable, unsized tmpfs: read-only, so its only writable
+    # place is /dev/shm (below), sized like /tmp.
+    Mounts(
+        lambda d: (_Op("/dev", ("--dev", "/dev", "--remount-ro", "/dev")),),
+        "host disks and devices; an unsized writable /dev the job could fill",
+    ),
+    Mounts(_tmpfs("/tmp"), "the host's /tmp shared; RAM filled through an unsized tmpfs"),
+    Mounts(_tmpfs("/dev/shm"), "the same, for shared memory"),
+    # Rules 3-4: the executor folder and the fs hints.
+    Mounts(
+        _job_mounts,
+        "folders the manifest did not name; a mount over the private /proc, /dev or /",
+    ),
+    Mounts(
+        lambda d: (_Op(guest, ("--ro-bind", host, guest)) for host, guest in d.files),
+        "the host's resolver files behind the network wall (its own resolv.conf, hosts)",
+    ),
+    # Secrets the system binds would otherwise expose (see MASKED_PATHS).
+    Mounts(
+        lambda d: _masks(dict.fromkeys(d.masked_paths), d),
+        "root-only secrets of the system trees read by a root worker's guest",
+    ),
+)
+
+#: The flags after the mounts.
+LAST_FLAGS: tuple[Flags, ...] = (
+    # The root of the sandbox is bubblewrap's tmpfs; read-only, so the guest cannot stash
+    # files outside /tmp and the mounts it was given.
+    Flags(("--remount-ro", "/"), "files stashed outside /tmp and the job's mounts"),
+    Flags(
+        lambda d: ("--chdir", d.job.cwd or "/tmp"),
+        "a guest started in the worker's own folder (bubblewrap's default when it exists "
+        "inside): the job's cwd, else the private /tmp",
+    ),
+)
+
+
 def derive_bwrap_argv(
     job: SandboxJob,
     *,
@@ -411,297 +733,32 @@ def derive_bwrap_argv(
     """
     if not job.argv:
         raise ValueError("the bwrap arm runs native jobs only: job.argv is empty")
-    features = BwrapFeatures(version=(0, 8, 0)) if features is None else features
-    roots = default_interpreter_roots() if interpreter_roots is None else interpreter_roots
-
-    ops: list[_Op] = []
-
-    # Rule 1: system trees read-only. A top-level symlink (merged /usr: /bin -> usr/bin)
-    # is recreated as the same symlink rather than bound, so paths resolve as on the host.
-    for path in SYSTEM_PATHS:
-        if not exists(path):
-            continue
-        target = readlink(path)
-        if target is not None and _depth(path) == 1:
-            ops.append(_Op(path, ("--symlink", target, path)))
-        else:
-            ops.append(_Op(path, ("--ro-bind", path, path)))
-
-    def present(host: str) -> bool:
-        return exists(host) if source_fds is None else host in source_fds
-
-    def bind(host: str, guest: str, writable: bool) -> tuple[str, ...]:
-        # A staged mount (not opened on the worker's side) is bound by path.
-        fd = None if source_fds is None or not features.bind_fd else source_fds.get(host)
-        if fd is None:
-            return ("--bind" if writable else "--ro-bind", host, guest)
-        # From the fd opened without symlinks: what is mounted is what was checked
-        # (bubblewrap compares the mounted inode with the fd's and dies on a mismatch).
-        return ("--bind-fd" if writable else "--ro-bind-fd", str(fd), guest)
-
-    for root in roots:
-        if any(_under(root, sys_path) for sys_path in SYSTEM_PATHS if exists(sys_path)):
-            continue
-        if present(root):
-            ops.append(_Op(root, bind(root, root, False)))
-
-    # Rule 2: private /proc (only this pid namespace's processes), a minimal /dev (null,
-    # zero, random, tty...; no disks), and a private /tmp. ``/sys`` is never mounted: it
-    # is the host's device tree, and the guest has no use for it.
-    ops.append(_Op("/proc", ("--proc", "/proc")))
-    for path in PROC_READ_ONLY_PATHS:
-        if exists(path):
-            ops.append(_Op(path, ("--ro-bind", path, path)))
-    for path in PROC_MASKED_PATHS:
-        if exists(path):
-            ops.append(_Op(path, _mask(path, isdir(path))))
-    for path in PROC_INIT_MASKED_PATHS:  # the sandbox's own pid 1: always there
-        ops.append(_Op(path, _mask(path, False)))
-    # bubblewrap's /dev is a writable, unsized tmpfs: read-only, so its only writable
-    # place is /dev/shm (below), sized like /tmp.
-    ops.append(_Op("/dev", ("--dev", "/dev", "--remount-ro", "/dev")))
-    # The tmpfs mounts are sized with the memory budget: tmpfs pages are RAM, and
-    # RLIMIT_AS does not count them (a memory cgroup, when there is one, does).
-    size: tuple[str, ...] = ()
-    if features.tmpfs_size and job.limits.memory_bytes is not None:
-        size = ("--size", str(job.limits.memory_bytes))
-    ops.append(_Op("/tmp", (*size, "--tmpfs", "/tmp")))
-    ops.append(_Op("/dev/shm", (*size, "--tmpfs", "/dev/shm")))
-
-    # Rules 3-4: the executor folder (read-only) and the fs hints, as plan.py resolved
-    # them. Only existing host paths; on an exact duplicate the read-only one wins
-    # (fail closed: an executor never gets to modify its own folder by accident).
-    chosen: dict[str, Mount] = {}
-    for mount in job.mounts:
-        guest = posixpath.normpath(mount.guest)
-        if not posixpath.isabs(guest) or guest in ("/", "//"):
-            raise ValueError(f"mount target {mount.guest!r} must be an absolute path below /")
-        if any(_under(guest, reserved) for reserved in RESERVED_GUEST_PATHS):
-            # A host /proc over ours would show (and let the guest signal) host processes;
-            # a host /dev would share /dev/shm and the ptys. Refused, never reordered.
-            raise ValueError(f"mount target {mount.guest!r} would replace the private {guest}")
-        # A staged mount lives in the staging namespace bubblewrap is started in, not on
-        # the worker's side: it is checked there (by bubblewrap) instead.
-        if not mount.staged and not present(mount.host):
-            continue
-        prev = chosen.get(mount.guest)
-        if prev is None or (prev.writable and not mount.writable):
-            chosen[mount.guest] = mount
-    for mount in chosen.values():
-        ops.append(_Op(mount.guest, bind(mount.host, mount.guest, mount.writable)))
-
-    for host_file, guest_path in files:
-        ops.append(_Op(guest_path, ("--ro-bind", host_file, guest_path)))
-
-    # Secrets the system binds would otherwise expose (see MASKED_PATHS).
-    for path in dict.fromkeys(masked_paths):
-        if exists(path):
-            ops.append(_Op(path, _mask(path, isdir(path))))
-
+    inputs = _Inputs(
+        job,
+        BwrapFeatures(version=(0, 8, 0)) if features is None else features,
+        exists,
+        isdir,
+        readlink,
+        default_interpreter_roots() if interpreter_roots is None else interpreter_roots,
+        json_status_fd,
+        seccomp_fd,
+        masked_paths,
+        block_fd,
+        source_fds,
+        files,
+    )
+    ops = [op for row in MOUNTS for op in row.ops(inputs)]
     # Order: a mount hides whatever an earlier one put below its destination, so parents
     # go first (sort by depth; stable, so at equal depth system < private < job < mask).
     # This is what keeps `--tmpfs /tmp` from hiding an executor folder under /tmp.
     ops.sort(key=lambda op: _depth(op.dest))
-
     argv: list[str] = [bwrap]
-    # Rule 7 and beyond, each against one threat:
-    argv += [
-        # A fresh user namespace: the guest's capabilities mean nothing on the host.
-        "--unshare-user",
-        # No System V IPC / POSIX message queues shared with host processes.
-        "--unshare-ipc",
-        # Own hostname: the guest cannot rename the host.
-        "--unshare-uts",
-        # Own pid namespace: the guest cannot see or signal host processes, and bubblewrap
-        # runs as its init, so the whole tree dies when bubblewrap does.
-        "--unshare-pid",
-        # Own cgroup view (where the kernel supports it): no host cgroup layout leaks.
-        "--unshare-cgroup-try",
-        # SIGKILL the sandbox when the worker dies, even by SIGKILL: no orphaned guests.
-        "--die-with-parent",
-        # setsid(): no TIOCSTI keystroke injection into the caller's terminal.
-        "--new-session",
-        # Unprivileged identity inside the namespace.
-        "--uid",
-        str(GUEST_UID),
-        "--gid",
-        str(GUEST_GID),
-        "--hostname",
-        "sandbox",
-        # Belt and braces when bubblewrap runs as root: no capability survives to exec.
-        "--cap-drop",
-        "ALL",
-    ]
-    if features.disable_userns:
-        # A nested user namespace is the usual first step of a kernel exploit chain
-        # (it hands out a fresh set of capabilities over new namespaces).
-        argv.append("--disable-userns")
-    if not job.network or job.egress is not None:
-        # Rule 6: no network capability → a network namespace of its own, with only its
-        # own loopback (bubblewrap brings `lo` up, 127.0.0.1 inside the sandbox alone):
-        # no host listener on 127.0.0.1, no abstract Unix sockets, no internet. A
-        # network capability with its hosts (`job.egress`) too: the worker's wall puts
-        # its listeners in that namespace, the only way out (`sandbox.egress`).
-        argv.append("--unshare-net")
-    # Only the environment the job was given: no worker secrets (tokens, broker URLs).
-    argv.append("--clearenv")
-    for key in sorted(job.env):
-        argv += ["--setenv", key, job.env[key]]
-    if json_status_fd is not None:
-        argv += ["--json-status-fd", str(json_status_fd)]
-    if seccomp_fd is not None:
-        argv += ["--seccomp", str(seccomp_fd)]
-    if block_fd is not None:
-        argv += ["--block-fd", str(block_fd)]
+    for row in FLAGS:
+        argv += row.apply(inputs)
     for op in ops:
         argv += op.args
-    # The root of the sandbox is bubblewrap's tmpfs; read-only, so the guest cannot stash
-    # files outside /tmp and the mounts it was given.
-    argv += ["--remount-ro", "/"]
-    argv += ["--chdir", job.cwd or "/tmp"]
+    for row in LAST_FLAGS:
+        argv += row.apply(inputs)
     argv.append("--")
     argv += job.argv
     return argv
-
-
-def derive_rlimits(limits: ResourceLimits) -> tuple[tuple[int, int, int], ...]:
-    """Kernel resource limits for the guest.
-
-    The bwrap arm applies them inside the sandbox with a prefix that ``exec``s the guest
-    (`shell_limits_prefix`, else `prlimit_prefix`), so they bind from the guest's first
-    instruction; or, when that cannot express them, before bubblewrap's exec (by the
-    process layer), where they bind bubblewrap's own processes too.
-
-    - ``RLIMIT_AS`` = memory budget: a big allocation fails (MemoryError / ENOMEM) instead
-      of pushing the host into swap or the OOM killer.
-    - No ``RLIMIT_NPROC`` here: the pids wall belongs to the process layer (a per-run pids
-      cgroup, ``ProcessSpec.pids_max``; it falls back to RLIMIT_NPROC itself, computed
-      above the uid's current count — a plain ``pids`` value would make bubblewrap's own
-      fork fail for a non-root worker that already runs more processes than that).
-    - ``RLIMIT_FSIZE`` = file size budget: the kernel sends SIGXFSZ (or EFBIG when the
-      signal is ignored, as CPython does) — the disk cannot be filled by one file.
-    - ``RLIMIT_NOFILE`` = open files: no fd exhaustion games.
-    - ``RLIMIT_CPU``: soft at the budget (SIGXCPU, reported as ``cpu_time``), hard one
-      second later (SIGKILL) for a guest that ignores SIGXCPU.
-    - ``RLIMIT_CORE`` = 0: a SIGXCPU/SIGXFSZ death must not hand the guest's memory to the
-      host's core handler (``core_pattern`` pipes run outside the sandbox).
-
-    Returns:
-        ``((resource, soft, hard), ...)`` in the form `ProcessSpec.rlimits` takes.
-    """
-    out: list[tuple[int, int, int]] = []
-    if limits.memory_bytes is not None:
-        out.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
-    if limits.file_size_bytes is not None:
-        out.append((resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes))
-    if limits.open_files is not None:
-        out.append((resource.RLIMIT_NOFILE, limits.open_files, limits.open_files))
-    if limits.cpu_time_s is not None:
-        out.append((resource.RLIMIT_CPU, limits.cpu_time_s, limits.cpu_time_s + 1))
-    out.append((resource.RLIMIT_CORE, 0, 0))
-    return tuple(out)
-
-
-# prlimit(1) option for each resource we set (util-linux names).
-_PRLIMIT_OPTIONS: dict[int, str] = {
-    resource.RLIMIT_AS: "--as",
-    resource.RLIMIT_CORE: "--core",
-    resource.RLIMIT_CPU: "--cpu",
-    resource.RLIMIT_DATA: "--data",
-    resource.RLIMIT_FSIZE: "--fsize",
-    resource.RLIMIT_MEMLOCK: "--memlock",
-    resource.RLIMIT_NOFILE: "--nofile",
-    resource.RLIMIT_NPROC: "--nproc",
-    resource.RLIMIT_STACK: "--stack",
-}
-
-
-def prlimit_prefix(rlimits: Sequence[tuple[int, int, int]], prlimit: str) -> tuple[str, ...]:
-    """A command prefix that applies `rlimits` inside the sandbox, then execs the guest.
-
-    ``prlimit --as=S:H ... -- <guest argv>``: util-linux's prlimit sets its own limits
-    (exact byte values, soft and hard) and ``execvp``s the guest, so the limits bind from
-    the guest's first instruction, as `derive_rlimits` promises. Why not set them before
-    bubblewrap starts: that needs code between fork and exec in the worker, which makes
-    CPython fork the whole worker instead of vfork-ing (milliseconds per job). What changes:
-    bubblewrap's own two processes no longer carry the limits (they run none of the job's
-    code). A command that cannot be executed exits 127 (not found) or 126, as in a shell.
-
-    Args:
-        rlimits: ``(resource, soft, hard)`` triples, as `derive_rlimits` returns them.
-        prlimit: path of the prlimit executable *as the guest sees it* (a system path).
-
-    Returns:
-        ``(prlimit, "--as=...", ..., "--")``; ``()`` when `rlimits` is empty.
-
-    Raises:
-        ValueError: a resource prlimit(1) has no option for.
-    """
-    if not rlimits:
-        return ()
-
-    def value(v: int) -> str:
-        return "unlimited" if v == resource.RLIM_INFINITY else str(v)
-
-    out = [prlimit]
-    for res, soft, hard in rlimits:
-        option = _PRLIMIT_OPTIONS.get(res)
-        if option is None:
-            raise ValueError(f"no prlimit(1) option for resource {res}")
-        out.append(f"{option}={value(soft)}:{value(hard)}")
-    out.append("--")
-    return tuple(out)
-
-
-# POSIX-mode ``ulimit`` option and unit for each resource dash, bash (as sh) and busybox
-# ash agree on. Others (RLIMIT_NPROC is -p in dash, -u in bash) go through prlimit(1).
-_ULIMIT_OPTIONS: dict[int, tuple[str, int]] = {
-    resource.RLIMIT_AS: ("-v", 1024),
-    resource.RLIMIT_CORE: ("-c", 512),
-    resource.RLIMIT_CPU: ("-t", 1),
-    resource.RLIMIT_FSIZE: ("-f", 512),
-    resource.RLIMIT_NOFILE: ("-n", 1),
-}
-
-
-def shell_limits_prefix(rlimits: Sequence[tuple[int, int, int]], sh: str) -> tuple[str, ...] | None:
-    """Like `prlimit_prefix`, with the shell's ``ulimit`` builtin, then ``exec``.
-
-    ``sh -c 'ulimit -v N && ... && exec "$@"' sh <guest argv>``: one exec of a shell that
-    needs only libc (dash starts ~0.3 ms faster than prlimit(1), which also loads
-    libsmartcols). ``ulimit`` counts in units (KiB, 512-byte blocks), so this is used only
-    when every limit is an exact multiple of its unit; otherwise, or for a resource the
-    shells name differently, the answer is ``None`` (use `prlimit_prefix`).
-
-    Args:
-        rlimits: ``(resource, soft, hard)`` triples, as `derive_rlimits` returns them.
-        sh: path of a POSIX shell (dash, bash or busybox ash) *as the guest sees it*.
-
-    Returns:
-        The prefix; ``()`` when `rlimits` is empty; ``None`` when not exactly expressible.
-    """
-    if not rlimits:
-        return ()
-    inf = resource.RLIM_INFINITY
-    steps: list[str] = []
-    for res, soft, hard in rlimits:
-        spec = _ULIMIT_OPTIONS.get(res)
-        if spec is None:
-            return None
-        option, unit = spec
-        values = []
-        for v in (soft, hard):
-            if v == inf:
-                values.append("unlimited")
-            elif v % unit:
-                return None
-            else:
-                values.append(str(v // unit))
-        if values[0] == values[1]:
-            steps.append(f"ulimit {option} {values[0]}")  # soft and hard at once
-        else:
-            # Soft first (it must stay <= the current hard), then the hard one (>= soft).
-            steps.append(f"ulimit -S {option} {values[0]} && ulimit -H {option} {values[1]}")
-    # Values are integers we formatted: nothing of the job reaches the script text.
-    script = " && ".join([*steps, 'exec "$@"'])
-    return (sh, "-c", script, "sh")

@@ -1,6 +1,6 @@
 """The seam between a staged job and the bwrap arm: its overlays are placed at the run.
 
-A job whose writes are staged (`metnos_exec.staging`) writes into overlays that live in
+A job whose writes are staged (`metnos_exec.undo.staging`) writes into overlays that live in
 the staging helper's mount namespace; bubblewrap is started inside it (``nsenter``) and
 binds them by path (`Mount.staged`). How they are mounted depends on *as whom* the job
 runs, which only the arm knows, once it has borrowed its slot

@@ -13,10 +13,12 @@ from typing import Any
 
 import msgspec
 
-from .bwrap import bwrap_probe, root_worker_note
+from ._bwrap_probe import bwrap_probe
+from ._bwrap_report import root_worker_note
 from .hardening import host_hardening
 from .landlock import landlock_abi
 from .select import SANDBOX_OFF_VALUES, Decision, decide_arm
+from .staging_probe import probe_staging
 
 __all__ = (
     "RUNTIMES",
@@ -148,9 +150,6 @@ def _wasm_report(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _overlay_staging() -> str:
-    # Imported here: staging sits above the sandbox package (it uses its types).
-    from ..staging.overlay import probe_staging
-
     try:
         return probe_staging()
     except Exception as exc:  # a probe must never break `status`

@@ -244,7 +244,7 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
         assert len(documented) == 15
-        await b.publish_executors([])  # the catalog is tested in tests/test_catalog.py
+        await b.publish_executors([])  # the catalog is tested in tests/devices/test_catalog.py
         documented.pop("executors")
         # An undo entry recorded by the job that stays running (never acked).
         assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])
@@ -598,7 +598,7 @@ async def test_a_redis_that_would_lose_acknowledged_jobs_is_said_at_worker_start
     from metnos_exec.manifest import ExecutorRegistry
     from metnos_exec.sandbox.doubles import EchoSandbox
     from metnos_exec.sandbox.select import ArmChoice
-    from metnos_exec.supervisor import Supervisor
+    from metnos_exec.supervisor import Supervisor, SupervisorConfig
 
     need(redis_server_path() is not None, "redis-server is not installed")
     server = RedisServer(tmp_path / "redis")  # queue/redis.conf with --appendonly no
@@ -614,9 +614,8 @@ async def test_a_redis_that_would_lose_acknowledged_jobs_is_said_at_worker_start
             sup = Supervisor(
                 b,
                 ExecutorRegistry.load(tmp_path / "executors"),
-                worker_id="w",
+                SupervisorConfig(worker_id="w", retention_s=None),
                 arm_chooser=lambda runtime, **_: ArmChoice(sandbox=EchoSandbox()),
-                retention_s=None,
             )
             with capture_logs() as logs:
                 await sup.run(burst=True)

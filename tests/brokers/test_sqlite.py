@@ -286,7 +286,7 @@ async def test_calls_made_while_another_yields_still_run_inline(
 ) -> None:
     """An uncontended call runs on the loop; it frees the connection *before* it yields,
     so calls that other tasks make meanwhile run inline too (no thread hop each)."""
-    import metnos_exec.brokers.sqlite as sqlite_mod
+    import metnos_exec.brokers._sqlite_store as sqlite_mod
 
     hops: list[object] = []
     real = sqlite_mod.anyio.to_thread.run_sync
@@ -529,7 +529,7 @@ async def test_a_queue_file_deleted_or_replaced_under_the_broker_is_broker_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Finding 5: a worker must not go on serving a file nobody else sees."""
-    import metnos_exec.brokers.sqlite as sqlite_mod
+    import metnos_exec.brokers._sqlite_store as sqlite_mod
 
     monkeypatch.setattr(sqlite_mod, "_FILE_CHECK_S", 0.0)
     db = tmp_path / "queue.db"

@@ -3,7 +3,7 @@
 Usage: ``python -m tests.helpers.crash_driver``; one JSON request per line on stdin, one
 JSON answer per line on stdout. The driver is single-threaded and forks one child per
 request (cheaper than a new interpreter for each of a hundred crash points); the child
-sets its crash point (`metnos_exec.journal.crash_at`), does the work as a worker would
+sets its crash point (`metnos_exec.undo.journal.crash_at`), does the work as a worker would
 and exits with ``os._exit``: at the crash point, before the step (a kill: no clean-up, no
 ``finally``, its journal's lock released by the kernel), or after the work, leaving the
 journal in place as a worker killed before its result was stored.
@@ -42,8 +42,9 @@ _REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def _commit(req: dict[str, Any]) -> None:
-    from metnos_exec.blobs import BlobStore
-    from metnos_exec.journal import (
+    from metnos_exec.messages import Move
+    from metnos_exec.undo.blobs import BlobStore
+    from metnos_exec.undo.journal import (
         BlobSource,
         Blocked,
         Fingerprint,
@@ -52,7 +53,6 @@ def _commit(req: dict[str, Any]) -> None:
         JournalRecord,
         apply_ops,
     )
-    from metnos_exec.messages import Move
 
     state = Path(req["state"])
     record = msgspec.convert(req["record"], JournalRecord)
@@ -77,10 +77,10 @@ def _commit(req: dict[str, Any]) -> None:
 
 
 def _undo(req: dict[str, Any]) -> None:
-    from metnos_exec.blobs import BlobStore
-    from metnos_exec.journal import Journal
     from metnos_exec.messages import UndoEntry
-    from metnos_exec.undo import apply_undo
+    from metnos_exec.undo.apply import apply_undo
+    from metnos_exec.undo.blobs import BlobStore
+    from metnos_exec.undo.journal import Journal
 
     state = Path(req["state"])
     entries = msgspec.convert(req["entries"], list[UndoEntry])
@@ -101,7 +101,7 @@ def _recover(req: dict[str, Any]) -> None:
 
     from metnos_exec.brokers.memory import MemoryBroker
     from metnos_exec.messages import Job
-    from metnos_exec.staging import Staging
+    from metnos_exec.undo.staging import Staging
 
     async def main() -> None:
         broker = MemoryBroker()
@@ -117,7 +117,7 @@ _WORK = {"commit": _commit, "undo": _undo, "recover": _recover}
 
 
 def _child(req: dict[str, Any]) -> None:
-    from metnos_exec import journal
+    from metnos_exec.undo import journal
 
     journal.crash_at(None if req["at"] is None else str(req["at"]))
     try:
@@ -129,7 +129,7 @@ def _child(req: dict[str, Any]) -> None:
 
 
 def _run(req: dict[str, Any]) -> dict[str, Any]:
-    from metnos_exec.journal import CRASH_EXIT
+    from metnos_exec.undo.journal import CRASH_EXIT
 
     r, w = os.pipe()
     pid = os.fork()
@@ -159,8 +159,8 @@ def _run(req: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     # Imported before the first fork: each child starts warm (an event loop's modules too;
     # no thread is started here: the children are forked from a single-threaded process).
-    import metnos_exec.staging
-    import metnos_exec.undo  # noqa: F401
+    import metnos_exec.undo.apply
+    import metnos_exec.undo.staging  # noqa: F401
 
     anyio.run(anyio.sleep, 0)
 

@@ -45,7 +45,7 @@ from metnos_exec.sandbox.bwrap import (
 from metnos_exec.sandbox.flags import guest_python
 from tests.conftest import need, need_privileged
 from tests.helpers.kernel import inotify_refused
-from tests.test_process import _reset_peak_rss, _vm_kib
+from tests.process.test_process import _reset_peak_rss, _vm_kib
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.anyio]
 
@@ -755,7 +755,7 @@ def test_containment_before_run_is_honest_about_unknowns() -> None:
 
 
 def test_user_axis_partial_without_disable_userns(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_report as bwrap_mod
     from metnos_exec.sandbox.flags import BwrapFeatures
 
     monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: False)
@@ -878,7 +878,7 @@ async def test_resources_partial_when_no_memory_cgroup_holds_the_job(
     from metnos_exec import process
     from metnos_exec.sandbox.bwrap import MEMORY_PER_PROCESS_REASON
 
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     # bubblewrap's monitor execs out of this process's memory, so its own ru_maxrss reads
     # this process's high-water mark: make that large. The peak must come from the guest
     # tree (the rusage of bubblewrap's init), not from us.
@@ -1004,7 +1004,7 @@ async def test_usage_not_measured_is_not_guessed(
         return None
 
     monkeypatch.setattr(bwrap_mod, "reap_orphan", not_ours)
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     outcome = await arm.run(SandboxJob(argv=("/bin/true",)))
     assert outcome.exit == Success()
     assert outcome.usage.cpu_s is None and outcome.usage.peak_memory_bytes is None
@@ -1188,7 +1188,7 @@ async def test_a_folder_that_cannot_be_idmapped_runs_the_job_as_root_and_says_wh
     arm: BwrapSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     need_slot_uids()
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_place as bwrap_mod
 
     def refuse(*_: Any, **__: Any) -> Any:
         raise OSError(95, "idmapped mount: Operation not supported")
@@ -1443,7 +1443,7 @@ def test_gate_needs_cap_sys_resource_to_raise_a_hard_limit(
 ) -> None:
     import resource
 
-    import metnos_exec.sandbox.bwrap as bwrap_mod
+    import metnos_exec.sandbox._bwrap_limits as bwrap_mod
 
     monkeypatch.setattr(bwrap_mod, "_have_cap_sys_resource", lambda: False)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -272,7 +272,7 @@ async def test_the_memory_reason_says_whether_tmp_and_dev_shm_are_sized(
     probe = bwrap_mod.bwrap_probe()
     need(probe.working, f"bubblewrap not usable here: {probe.error}")
     need(probe.features.tmpfs_size, "this bubblewrap cannot size a tmpfs (< 0.8)")
-    monkeypatch.setattr(process, "memory_cgroup_available", lambda: False)
+    monkeypatch.setattr(process.cgroups, "memory_cgroup_available", lambda: False)
     fill = FILL_SHM.replace("range(128)", "range(48)")
     limits = ResourceLimits(memory_bytes=32 * MiB, file_size_bytes=256 * MiB)
     sized = BwrapSandbox(probe.path, features=probe.features)
@@ -406,9 +406,10 @@ async def test_a_swap_between_the_check_and_the_mount_mounts_what_was_checked(
     # the home before bubblewrap mounts it. Bound from the fd, the guest sees the folder
     # that was checked (moved away, but the same inode), never the home.
     from metnos_exec.plan import plan_invocation
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_place as bwrap_mod
+    from metnos_exec.sandbox.bwrap import bwrap_probe
 
-    need(bwrap_mod.bwrap_probe().bind_fd, "this bubblewrap has no --bind-fd")
+    need(bwrap_probe().bind_fd, "this bubblewrap has no --bind-fd")
     inner = swap_home / "X" / "swap" / "inner"
     real_open = bwrap_mod.open_source
 
@@ -432,7 +433,7 @@ async def test_a_swap_between_the_check_and_the_mount_mounts_what_was_checked(
 def test_files_partial_with_a_bubblewrap_that_cannot_bind_from_an_fd(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_report as bwrap_mod
     from metnos_exec.sandbox._types import SandboxJob
     from metnos_exec.sandbox.flags import BwrapFeatures
 

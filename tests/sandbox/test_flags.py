@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+from pathlib import Path
 
 import pytest
 
@@ -348,3 +349,26 @@ def test_hint_on_tmp_itself_replaces_private_tmp_as_asked() -> None:
     job = job_with(mounts=(Mount(EXE, EXE), Mount("/tmp", "/tmp", writable=True)))
     argv = derive(job, paths=BASE_FS | {"/tmp"})
     assert index_of(argv, "--tmpfs", "/tmp") < index_of(argv, "--bind", "/tmp", "/tmp")
+
+
+def test_root_only_files_a_kernel_adds_are_masked_though_no_list_names_them(
+    tmp_path: Path,
+) -> None:
+    # A new kernel adds root-only files to /proc's top level (this product met
+    # /proc/program_cpu on a 6.18 kernel, named in no list): the list is completed from
+    # the running kernel, so such a file is masked too.
+    from metnos_exec.sandbox.flags import _root_only_proc_files
+
+    for name, mode in (
+        ("newthing", 0o400),
+        ("rw_root", 0o600),
+        ("public", 0o444),
+        ("group", 0o440),
+        ("123", 0o400),
+    ):
+        (tmp_path / name).write_text("x")
+        (tmp_path / name).chmod(mode)
+    (tmp_path / "folder").mkdir(mode=0o500)
+    found = _root_only_proc_files(str(tmp_path))
+    assert found == (f"{tmp_path}/newthing", f"{tmp_path}/rw_root")
+    assert _root_only_proc_files(str(tmp_path / "absent")) == ()

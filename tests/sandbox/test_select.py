@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from metnos_exec.errors import BadConfig, SandboxRequired, ToolUnavailable
-from metnos_exec.sandbox import bwrap as bwrap_mod
+from metnos_exec.sandbox import _bwrap_probe as bwrap_mod
 from metnos_exec.sandbox._types import AXES, SandboxJob
 from metnos_exec.sandbox.absent import AbsentSandbox
 from metnos_exec.sandbox.bwrap import BwrapSandbox, bwrap_probe, forget_probes

@@ -74,7 +74,7 @@ def test_status_wasm_section_present() -> None:
 def test_status_warns_when_the_worker_runs_as_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from metnos_exec.identities import SLOT_UIDS_ENV
-    from metnos_exec.sandbox import bwrap as bwrap_mod
+    from metnos_exec.sandbox import _bwrap_report as bwrap_mod
 
     monkeypatch.setattr(bwrap_mod, "worker_is_root", lambda: True)
     monkeypatch.setenv(SLOT_UIDS_ENV, "off")

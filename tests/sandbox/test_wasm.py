@@ -583,7 +583,7 @@ async def test_a_swap_after_the_check_preopens_what_was_checked(
         d.mkdir()
     (data / "mine.txt").write_text("the job's own")
     (private / "secret.txt").write_text("private")
-    import metnos_exec.sandbox.wasm as wasm_mod
+    import metnos_exec.sandbox._wasm_launch as wasm_mod
 
     real_open = wasm_mod._open_preopen
 

@@ -167,78 +167,8 @@ class JobTraffic:
             if not self._count(conn, len(first), up=True):
                 return
             await send_all(upstream, first)
-        idle = self.policy.limits.idle_timeout_s
         async with anyio.create_task_group() as tg:
-
-            async def one_way(src: socket.socket, dst: socket.socket, up: bool) -> None:
-                try:
-                    try:
-                        pipe = _pipe()
-                    except OSError:
-                        await _one_way(src, dst, up)  # out of fds for a pipe: copy
-                        return
-                    try:
-                        await _spliced(src, dst, up, *pipe)
-                    finally:
-                        os.close(pipe[0])
-                        os.close(pipe[1])
-                except OSError:
-                    tg.cancel_scope.cancel()  # a reset on either side ends the connection
-
-            async def _wait(src: socket.socket) -> bool:
-                """Wait for `src`; ``False`` when the connection idled out both ways."""
-                while True:
-                    with anyio.move_on_after(idle) as waited:
-                        await anyio.wait_readable(src)
-                    if not waited.cancelled_caught:
-                        return True
-                    if time.monotonic() - conn.last >= idle:
-                        tg.cancel_scope.cancel()  # idle both ways
-                        return False
-
-            async def _spliced(
-                src: socket.socket, dst: socket.socket, up: bool, r: int, w: int
-            ) -> None:
-                # splice(2) through a pipe: the bytes go socket to socket in the kernel,
-                # never copied through the worker (the relay's CPU cost is what limits a
-                # big download on a busy machine).
-                flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-                while True:
-                    room = self.policy.limits.bytes - self.bytes
-                    try:
-                        n = os.splice(src.fileno(), w, min(_CHUNK, max(room, 1)), flags=flags)
-                    except BlockingIOError:
-                        if not await _wait(src):
-                            return
-                        continue
-                    if n == 0:
-                        with contextlib.suppress(OSError):
-                            dst.shutdown(socket.SHUT_WR)
-                        return
-                    if not self._count(conn, n, up=up):
-                        return  # the budget task closes the connection
-                    while n:
-                        try:
-                            n -= os.splice(r, dst.fileno(), n, flags=flags)
-                        except BlockingIOError:
-                            await anyio.wait_writable(dst)
-
-            async def _one_way(src: socket.socket, dst: socket.socket, up: bool) -> None:
-                while True:
-                    with anyio.move_on_after(idle) as waited:
-                        data = await recv_some(src)
-                    if waited.cancelled_caught:
-                        if time.monotonic() - conn.last >= idle:
-                            tg.cancel_scope.cancel()  # idle both ways
-                            return
-                        continue  # the other direction is busy
-                    if not data:
-                        with contextlib.suppress(OSError):
-                            dst.shutdown(socket.SHUT_WR)
-                        return
-                    if not self._count(conn, len(data), up=up):
-                        return  # the budget task closes the connection
-                    await send_all(dst, data)
+            relay = _Relay(self, conn, tg.cancel_scope)
 
             async def budget() -> None:
                 await self.spent.wait()
@@ -246,8 +176,8 @@ class JobTraffic:
 
             async def both() -> None:
                 async with anyio.create_task_group() as inner:
-                    inner.start_soon(one_way, conn.sock, upstream, True)
-                    inner.start_soon(one_way, upstream, conn.sock, False)
+                    inner.start_soon(relay.one_way, conn.sock, upstream, True)
+                    inner.start_soon(relay.one_way, upstream, conn.sock, False)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(budget)
@@ -266,6 +196,88 @@ class JobTraffic:
             conn.received += n
         self.bytes += n
         return True
+
+
+class _Relay:
+    """One connection's two directions (`JobTraffic.pipe`): each one way, spliced through
+    a pipe or else copied, every byte counted; `scope` (the connection's) is cancelled
+    when either side resets or both idle out."""
+
+    def __init__(self, traffic: JobTraffic, conn: Conn, scope: anyio.CancelScope) -> None:
+        self.traffic = traffic
+        self.conn = conn
+        self.scope = scope
+        self.idle = traffic.policy.limits.idle_timeout_s
+
+    async def one_way(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            try:
+                pipe = _pipe()
+            except OSError:
+                await self._copied(src, dst, up)  # out of fds for a pipe: copy
+                return
+            try:
+                await self._spliced(src, dst, up, *pipe)
+            finally:
+                os.close(pipe[0])
+                os.close(pipe[1])
+        except OSError:
+            self.scope.cancel()  # a reset on either side ends the connection
+
+    async def _wait(self, src: socket.socket) -> bool:
+        """Wait for `src`; ``False`` when the connection idled out both ways."""
+        while True:
+            with anyio.move_on_after(self.idle) as waited:
+                await anyio.wait_readable(src)
+            if not waited.cancelled_caught:
+                return True
+            if time.monotonic() - self.conn.last >= self.idle:
+                self.scope.cancel()  # idle both ways
+                return False
+
+    async def _spliced(
+        self, src: socket.socket, dst: socket.socket, up: bool, r: int, w: int
+    ) -> None:
+        # splice(2) through a pipe: the bytes go socket to socket in the kernel,
+        # never copied through the worker (the relay's CPU cost is what limits a
+        # big download on a busy machine).
+        flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+        while True:
+            room = self.traffic.policy.limits.bytes - self.traffic.bytes
+            try:
+                n = os.splice(src.fileno(), w, min(_CHUNK, max(room, 1)), flags=flags)
+            except BlockingIOError:
+                if not await self._wait(src):
+                    return
+                continue
+            if n == 0:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            if not self.traffic._count(self.conn, n, up=up):
+                return  # the budget task closes the connection
+            while n:
+                try:
+                    n -= os.splice(r, dst.fileno(), n, flags=flags)
+                except BlockingIOError:
+                    await anyio.wait_writable(dst)
+
+    async def _copied(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        while True:
+            with anyio.move_on_after(self.idle) as waited:
+                data = await recv_some(src)
+            if waited.cancelled_caught:
+                if time.monotonic() - self.conn.last >= self.idle:
+                    self.scope.cancel()  # idle both ways
+                    return
+                continue  # the other direction is busy
+            if not data:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            if not self.traffic._count(self.conn, len(data), up=up):
+                return  # the budget task closes the connection
+            await send_all(dst, data)
 
 
 def _pipe() -> tuple[int, int]:

@@ -13,7 +13,7 @@ import pytest
 
 from metnos_exec.manifest import ExecutorRegistry
 from metnos_exec.messages import Job
-from tests.staging.helpers import make_world, staging_works
+from tests.undo.helpers import make_world, staging_works
 
 pytestmark = pytest.mark.anyio
 

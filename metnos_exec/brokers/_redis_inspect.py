@@ -1,0 +1,123 @@
+"""The Redis broker's control and inspection: cancelling, and reading a job's result,
+state, the dead letters, the counts by state and whether Redis keeps what it
+acknowledged across a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio.lowlevel
+
+from ..errors import BadMessage, BrokerCorrupt
+from ..messages import (
+    MAX_JOB_BYTES,
+    DeadLetter,
+    ErrorInfo,
+    Result,
+    decode_dead_letter,
+    decode_result,
+)
+from ._redis_client import BATCH, RedisStore, as_str
+from .base import BrokerStats, CancelOutcome, JobState
+
+__all__ = ("RedisInspection",)
+
+
+class RedisInspection(RedisStore):
+    """Cancelling and reading jobs on Redis."""
+
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        outcome = as_str(await self._script("cancel", job_id))
+        self._wake_results()
+        assert outcome in ("cancelled", "cancelling", "finished", "unknown"), outcome
+        return outcome  # type: ignore[return-value]
+
+    async def cancel_requested(self, job_ids: Sequence[str]) -> set[str]:
+        ids = list(job_ids)
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return set()
+        found: set[str] = set()
+        for start in range(0, len(ids), BATCH):
+            chunk = ids[start : start + BATCH]
+            found.update(as_str(x) for x in await self._script("cancel_requested", *chunk))
+        return found
+
+    async def get_result(self, job_id: str) -> Result | None:
+        body = await self._guard(self._redis.hget(self.keys.job(job_id), "result"))
+        if body is None:
+            return None
+        try:
+            return decode_result(body)
+        except BadMessage as exc:
+            raise BrokerCorrupt(
+                f"the stored result of job {job_id} in {self.where} cannot be read: {exc.message}"
+            ) from None
+
+    async def get_job_state(self, job_id: str) -> JobState | None:
+        state, attempt, worker, until, cancel = await self._guard(
+            self._redis.hmget(
+                self.keys.job(job_id), ["state", "attempt", "worker", "lease_until", "cancel"]
+            )
+        )
+        if state is None:
+            return None
+        return JobState(
+            job_id=job_id,
+            state=as_str(state),  # type: ignore[arg-type]
+            attempt=int(attempt or 0),
+            worker=as_str(worker) if worker is not None else None,
+            lease_until=float(until) if until is not None else None,
+            cancel_requested=cancel is not None and as_str(cancel) == "1",
+        )
+
+    async def dead_letters(self, *, limit: int = 100) -> list[DeadLetter]:
+        if limit < 1:
+            return []
+        out: list[DeadLetter] = []
+        for body in await self._script("dead_letters", str(limit)):
+            try:
+                out.append(decode_dead_letter(body))
+            except BadMessage as exc:
+                # One damaged record must not hide the others; say what it is.
+                raw = bytes(body)
+                out.append(
+                    DeadLetter(
+                        job_id="",
+                        raw=raw[:MAX_JOB_BYTES],
+                        raw_truncated=len(raw) > MAX_JOB_BYTES,
+                        error=ErrorInfo(
+                            code=BrokerCorrupt.code,
+                            message=f"this dead letter's stored record is unreadable: "
+                            f"{exc.message}",
+                        ),
+                        at=0.0,
+                    )
+                )
+        return out
+
+    async def durability(self) -> str | None:
+        """See `Broker.durability`: Redis keeps writes across a restart only with its
+        append-only file (``appendonly yes``; ``queue/redis.conf``). ``None`` when CONFIG
+        is not allowed to this client (a managed Redis): it cannot be told."""
+        try:
+            conf = await self._redis.config_get(["appendonly", "save"])
+        except Exception:
+            return None
+        values = {as_str(k): as_str(v) for k, v in conf.items()}
+        if values.get("appendonly", "yes") == "yes":
+            return None
+        save = values.get("save", "").strip()
+        if not save:
+            return (
+                "Redis keeps nothing on disk (appendonly no, no save points): every queued "
+                "job and every result is lost when it restarts"
+            )
+        return (
+            f"Redis keeps only snapshots (appendonly no, save {save}): jobs and results "
+            "acknowledged since the last one are lost when it restarts"
+        )
+
+    async def stats(self) -> BrokerStats:
+        queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
+        return BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)

@@ -1,0 +1,118 @@
+"""The SQLite broker's records beside the queue: the executor catalog server workers
+publish (`metnos_exec.devices.catalog`) and the undo entries jobs record (fenced by their
+lease, see `metnos_exec.brokers.base`)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+import anyio.lowlevel
+
+from ..devices.catalog import ExecutorInfo, decode_info, encode_info
+from ..errors import BadMessage, BrokerCorrupt
+from ..messages import UndoEntry, decode_undo_entry, encode
+from ._sqlite_store import IN_CHUNK, SQLiteStore
+from .base import Lease, UndoRecord
+
+__all__ = ("SQLiteRecords",)
+
+_LEASE_IS_CURRENT = "SELECT 1 FROM jobs WHERE id = ? AND token = ? AND state = 'running'"
+
+
+class SQLiteRecords(SQLiteStore):
+    """The executor catalog and the undo entries on the SQLite store."""
+
+    # --- the executor catalog (see `metnos_exec.devices.catalog`) -------------------------------
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        rows = [(i.name, encode_info(i).decode(), i.worker, i.at) for i in infos]
+
+        def work(db: sqlite3.Connection, _now: float) -> None:
+            db.executemany(
+                "INSERT INTO executors (name, body, worker, at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET body = excluded.body, "
+                "worker = excluded.worker, at = excluded.at",
+                rows,
+            )
+
+        await self._run(self._txn, work)
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        def work() -> Any:
+            try:
+                return self._db.execute(
+                    "SELECT CAST(body AS BLOB) FROM executors WHERE name = ?", (name,)
+                ).fetchone()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None  # a file without the catalog (read-only, made before it)
+                raise
+
+        row = await self._run(work)
+        return None if row is None else decode_info(row[0])
+
+    # --- undo entries -----------------------------------------------------------------
+
+    async def record_undo(
+        self, lease: Lease, entries: Sequence[UndoEntry], *, undoes: Sequence[str] = ()
+    ) -> bool:
+        bodies = [(e.id, e.job_id, encode(e).decode()) for e in entries]
+        blobs = [(e.id, digest) for e in entries for digest in sorted(e.blobs())]
+
+        def work(db: sqlite3.Connection, now: float) -> bool:
+            # Fenced like an ack: only the current lease may record.
+            if db.execute(_LEASE_IS_CURRENT, (lease.job.id, lease.token)).fetchone() is None:
+                return False
+            db.executemany(
+                "INSERT OR REPLACE INTO undo_entries (id, job_id, body, at) VALUES (?, ?, ?, ?)",
+                [(*row, now) for row in bodies],
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO undo_blobs (entry_id, sha256) VALUES (?, ?)", blobs
+            )
+            db.executemany(
+                "UPDATE undo_entries SET undone_by = ? WHERE id = ?",
+                [(lease.job.id, entry_id) for entry_id in undoes],
+            )
+            return True
+
+        ok: bool = await self._run(self._txn, work, inline=len(bodies) <= 8)
+        return ok
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        ids = list(entry_ids)
+
+        def work() -> dict[str, UndoRecord]:
+            found: dict[str, UndoRecord] = {}
+            for i in range(0, len(ids), IN_CHUNK):
+                chunk = ids[i : i + IN_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                for entry_id, body, at, undone_by in self._db.execute(
+                    "SELECT id, CAST(body AS BLOB), at, undone_by FROM undo_entries "
+                    f"WHERE id IN ({marks})",
+                    chunk,
+                ):
+                    try:
+                        entry = decode_undo_entry(body)
+                    except BadMessage as exc:
+                        raise BrokerCorrupt(
+                            f"the stored undo entry {entry_id} in {self.path} cannot be read: "
+                            f"{exc.message}"
+                        ) from None
+                    found[entry_id] = UndoRecord(entry=entry, undone_by=undone_by, recorded_at=at)
+            return found
+
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return []
+        found: dict[str, UndoRecord] = await self._run(work)
+        return [found[i] for i in ids if i in found]
+
+    async def undo_blobs(self) -> set[str]:
+        rows = await self._run(
+            lambda: self._db.execute("SELECT DISTINCT sha256 FROM undo_blobs").fetchall(),
+            inline=False,
+        )
+        return {digest for (digest,) in rows}

@@ -1,0 +1,63 @@
+"""A broker URL's options, turned into the keyword arguments of its broker's constructor.
+
+`open_broker` hands a broker's ``from_url`` the URL's query (text: ``?busy_timeout_s=10``)
+merged with the options its caller gave in Python (any value). Each broker says which
+options it takes and of what kind; `take_options` converts those (a number with
+``float``, a name with ``str``, a flag as `flag` reads it, an object as given) and refuses
+the rest by name, so that a mistyped option is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ("flag", "take_options")
+
+
+def flag(value: object) -> bool:
+    """A yes/no option: text (from a URL) is false when it says ``0``, ``false``, ``no``
+    or ``off`` (any case, spaces around ignored) and true otherwise; any other value is
+    its truth."""
+    if isinstance(value, str):
+        value = value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
+
+
+def take_options(
+    broker: str,
+    options: dict[str, Any],
+    *,
+    floats: Sequence[str] = (),
+    strings: Sequence[str] = (),
+    flags: Sequence[str] = (),
+    objects: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Take the options `broker` knows out of `options`, converted by kind.
+
+    Args:
+        broker: the broker's name in the error message (``sqlite``, ``redis``).
+        options: the URL's query merged with the caller's options; emptied of those
+            taken.
+        floats: options that are numbers. strings: options that are names. flags:
+            yes/no options (`flag`). objects: options passed as given (a clock).
+
+    Raises:
+        ValueError: a number that is not one (``float``'s own message), or options
+            `broker` does not know: ``unknown <broker> broker options: [...]``.
+    """
+    kinds: tuple[tuple[Sequence[str], Callable[[Any], Any] | None], ...] = (
+        (floats, float),
+        (strings, str),
+        (flags, flag),
+        (objects, None),
+    )
+    kwargs: dict[str, Any] = {}
+    for keys, convert in kinds:
+        for key in keys:
+            if key in options:
+                value = options.pop(key)
+                kwargs[key] = value if convert is None else convert(value)
+    if options:
+        raise ValueError(f"unknown {broker} broker options: {sorted(options)}")
+    return kwargs

@@ -1,0 +1,229 @@
+"""What an operator looks at and tidies: ``status`` (the queue's counts, the sandbox arms
+of this machine, recent dead letters), ``tail`` (a worker's JSON log, readably) and
+``purge`` (finished jobs past retention forgotten, their space given back)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from .._terminal import visible
+from ..brokers import DEFAULT_RETENTION_S
+from ..errors import BadConfig, MetnosError
+from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
+
+
+def _sandbox_status() -> dict[str, Any]:
+    try:
+        from ..sandbox import status as status_mod
+    except ImportError as exc:
+        return {"error": f"sandbox status unavailable: {exc}"}
+    try:
+        report = status_mod.status()
+    except MetnosError as exc:  # e.g. METNOS_BWRAP naming no executable
+        return {"error": str(exc)}
+    built = msgspec.to_builtins(report)
+    return built if isinstance(built, dict) else {"status": built}
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(_scalar(v) for v in value) if value else "-"
+    return str(value)
+
+
+def _readable(doc: dict[str, Any], *, indent: str) -> list[str]:
+    """Nested dicts as indented ``key: value`` lines (``status`` for people)."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            if not value:
+                lines.append(f"{indent}{key}: -")
+                continue
+            lines.append(f"{indent}{key}:")
+            lines.extend(_readable(value, indent=indent + "  "))
+        else:
+            lines.append(visible(f"{indent}{key}: {_scalar(value)}"))
+    return lines
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            stats = await broker.stats()
+            dead = await broker.dead_letters(limit=5)
+        sandbox = _sandbox_status()
+        doc: dict[str, Any] = {
+            "broker": {"url": ns.broker, **msgspec.to_builtins(stats)},
+            "sandbox": sandbox,
+            "recent_dead_letters": [
+                {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
+            ],
+        }
+        if ns.json:
+            _dump_json(doc, sys.stdout)
+            return 0
+        out = [f"broker {ns.broker}"]
+        # `delayed` is the part of `queued` not yet due: shown inside it, not beside it.
+        counts = [f"queued={stats.queued} ({stats.delayed} delayed)"]
+        counts += [f"{k}={getattr(stats, k)}" for k in ("running", "done", "dead")]
+        out.append("  " + "  ".join(counts))
+        out.append("sandbox")
+        out.extend(_readable(sandbox, indent="  "))
+        if dead:
+            out.append("recent dead letters")
+            for d in dead:
+                out.append(visible(f"  {d.job_id} {d.error.code}: {d.error.message}"))
+        sys.stdout.write("\n".join(out) + "\n")
+        return 0
+
+    return _run(go)
+
+
+def _cmd_tail(ns: argparse.Namespace) -> int:
+    from ..logs import EVENTS, tail
+
+    if ns.event and not any(name.startswith(ns.event) for name in EVENTS):
+        # A typo would otherwise print nothing, as if no such record had been written.
+        close = difflib.get_close_matches(ns.event, EVENTS, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise _Exit(
+            EXIT["usage"],
+            f"--event {ns.event!r}: no log event has that name or starts with it; {hint}"
+            "the events are listed in metnos_exec/logs.py (EVENTS) and the README",
+        )
+    if not os.path.exists(ns.file):
+        raise _Exit(EXIT["not_found"], f"no log file {ns.file}")
+    color = ns.color if ns.color is not None else sys.stdout.isatty()
+    try:
+        tail(
+            ns.file,
+            job=ns.job,
+            event=ns.event,
+            level=ns.level,
+            follow=ns.follow,
+            color=color,
+            raw=ns.json,
+        )
+    except BrokenPipeError:
+        # `metnos-exec tail f | head`: the reader left; that is not an error.
+        with contextlib.suppress(OSError):
+            sys.stdout.close()
+    return 0
+
+
+def _cmd_purge(ns: argparse.Namespace) -> int:
+    older_than = DEFAULT_RETENTION_S
+    if ns.older_than_days is not None:
+        older_than = _retention(ns.older_than_days, "--older-than-days") or 0.0
+        if not older_than:
+            raise _Exit(EXIT["usage"], "--older-than-days: 'never' purges nothing; give days")
+    else:
+        from ..worker import retention_from_env
+
+        try:
+            env_retention = retention_from_env()
+        except BadConfig as exc:
+            raise _Exit(EXIT["usage"], str(exc)) from None
+        if env_retention is None:
+            raise _Exit(
+                EXIT["usage"],
+                "METNOS_RETENTION_DAYS=never: nothing to purge; pass --older-than-days",
+            )
+        older_than = env_retention
+
+    async def go() -> int:
+        async with _open(ns.broker) as broker:
+            report = await broker.purge(older_than_s=older_than)
+            vacuumed = None
+            vacuum = getattr(broker, "vacuum", None)
+            if ns.vacuum and vacuum is not None:
+                vacuumed = await vacuum()
+        doc: dict[str, Any] = {
+            "older_than_days": round(older_than / 86400, 6),
+            **msgspec.to_builtins(report),
+        }
+        if vacuumed is not None:
+            doc["vacuum_reclaimed_bytes"] = vacuumed
+        if ns.json:
+            _dump_json(doc, sys.stdout)
+            return 0
+        days = f"{older_than / 86400:g}"
+        line = f"purged {report.jobs} finished job(s) older than {days} day(s)"
+        if report.collected:
+            line += f", collected {report.collected} item(s)"
+        reclaimed = (report.reclaimed_bytes or 0) + (vacuumed or 0)
+        if report.reclaimed_bytes is not None or vacuumed is not None:
+            line += f"; {reclaimed:,} bytes given back to the file system"
+        sys.stdout.write(line + "\n")
+        if report.reclaimed_bytes is None and vacuumed is None and vacuum is not None:
+            sys.stdout.write(
+                "this queue file was made without incremental vacuum: run "
+                "`metnos-exec purge --vacuum` once (it rewrites the file; stop heavy work "
+                "first) and later purges shrink it by themselves\n"
+            )
+        return 0
+
+    return _run(go)
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add ``status``, ``tail`` and ``purge``."""
+    st = add_command(
+        subparsers,
+        "status",
+        "sandbox arms available here and queue counts",
+        "Queue counts, the sandbox arms available on this machine, recent dead letters. "
+        "Error codes are listed by `metnos-exec codes`.",
+    )
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=_cmd_status)
+
+    t = add_command(
+        subparsers,
+        "tail",
+        "show (and follow) a worker's JSON log",
+        "Show a JSON-lines log readably; filter by job, event (exact, or a family such as "
+        "'job.') and minimum level.",
+    )
+    t.add_argument("file")
+    t.add_argument("--job", metavar="JOB_ID")
+    t.add_argument("--event", metavar="NAME")
+    t.add_argument("--level", choices=["debug", "info", "warning", "error", "critical"])
+    t.add_argument("-f", "--follow", action="store_true", help="keep following the file")
+    t.add_argument("--color", dest="color", action="store_true", default=None)
+    t.add_argument("--no-color", dest="color", action="store_false")
+    t.add_argument("--json", action="store_true", help="print the matching raw JSON lines")
+    t.set_defaults(fn=_cmd_tail)
+
+    pu = add_command(
+        subparsers,
+        "purge",
+        "forget finished jobs past retention, and give the space back",
+        "Forget finished jobs (results, dead letters, idempotency keys) older than the "
+        "retention, and give the freed space back to the file system. Workers do this "
+        "by themselves at start and hourly; queued and running jobs are never touched.",
+    )
+    pu.add_argument(
+        "--older-than-days",
+        metavar="DAYS",
+        help="the retention (default: $METNOS_RETENTION_DAYS, else 7)",
+    )
+    pu.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="SQLite: also rewrite the whole file (needed once for a file made by an older "
+        "version, so later purges shrink it; holds the queue for the rewrite)",
+    )
+    pu.add_argument("--json", action="store_true", help="machine-readable output")
+    pu.set_defaults(fn=_cmd_purge)
