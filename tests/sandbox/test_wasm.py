@@ -404,8 +404,11 @@ async def test_python_clocks_and_select_under_the_shadowed_poll(
     ready = select.select([sys.stdin], [], [], 5)[0]
     time.sleep(0.05)
     b = time.monotonic()
-    print(int(abs(w - WALL) < 5), int(0.05 <= b - a < 1), int(bool(ready)), sys.stdin.read())
+    print(int(abs(w - WALL) < 60), int(0.05 <= b - a < 30), int(bool(ready)), sys.stdin.read())
     """
+    # What is claimed: the wall clock is the host's, the monotonic clock moves, a sleep
+    # sleeps at least its time and select sees stdin ready. Not speed: the upper bounds are
+    # loose (a loaded 2-core box once took over 1 s for this interpreter's 0.05 s sleep).
     job = py_job(tmp_path, f"WALL = {time.time()!r}\n" + textwrap.dedent(code))
     job = SandboxJob(wasm=job.wasm, mounts=job.mounts, limits=job.limits, stdin=b"in")
     out = await py_arm.run(job)
