@@ -45,7 +45,7 @@ import structlog
 from .backoff import store_backoff
 from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
 from .devices.signing import default_verified_dir
-from .errors import BadConfig, BrokerBusy, MetnosError
+from .errors import BadConfig, BrokerBusy, BrokerFull, MetnosError
 from .identities import slot_uid_range
 from .logs import configure_logging
 from .manifest import ExecutorRegistry
@@ -327,10 +327,13 @@ async def _serve_in(
 
 async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) -> Broker | None:
     """Open the broker for a worker; while another process holds the store's lock
-    (`BrokerBusy`), wait and try again (``broker.error`` each time) rather than exit.
+    (`BrokerBusy`) or its writes fail for want of room (`BrokerFull`: a full disk, a file
+    size limit), wait and try again (``broker.error`` each time) rather than exit.
 
     A worker started (or restarted by its supervisor) in the moment a long transaction
-    runs elsewhere must come up once it ends. Every other failure to open is said at once.
+    runs elsewhere, or while the disk is full, must come up once that ends, as a running
+    worker rides both out. Every other failure to open (a missing folder, a read-only or
+    damaged file, a bad URL) is said at once: waiting would not mend it.
     ``None`` when `stop` says so while waiting (a signal arrived).
 
     Raises:
@@ -341,7 +344,7 @@ async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) 
     while not stop():
         try:
             return open_broker(url)
-        except BrokerBusy as exc:
+        except (BrokerBusy, BrokerFull) as exc:
             failures += 1
             delay = store_backoff(failures)
             _log.error(

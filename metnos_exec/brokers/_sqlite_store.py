@@ -49,6 +49,10 @@ _INSERT_DEAD = "INSERT OR IGNORE INTO dead_letters (job_id, body, at) VALUES (?,
 IN_CHUNK = 500
 #: SQLITE_IOERR_SHMSIZE (extended result code; not in every Python's sqlite3 module).
 _SQLITE_IOERR_SHMSIZE: Final = 4874
+#: The extended I/O errors a write that cannot grow a file gives (EFBIG under a file size
+#: limit, which SQLite does not call SQLITE_FULL; EIO on a failing disk gives them too):
+#: SQLITE_IOERR_WRITE, _TRUNCATE, _SHMOPEN (the -shm's first write, at open).
+_SQLITE_IOERR_GROW: Final = frozenset({778, 1546, 4618})
 #: How often (seconds) a call checks that the path still names the file it opened.
 _FILE_CHECK_S = 1.0
 
@@ -74,6 +78,11 @@ def _store_error(exc: sqlite3.Error, where: str, *, busy_s: float) -> BrokerErro
         # The -shm file could not grow: what a full file system does to a WAL queue that
         # no process has open yet (SQLite says "disk I/O error").
         return BrokerFull(f"{text} (its -shm file cannot grow: the file system is full)")
+    if code in _SQLITE_IOERR_GROW:
+        return BrokerFull(
+            f"{text} (its writes fail: the file system is full or a file size limit is "
+            "reached, or the disk is failing)"
+        )
     if primary == sqlite3.SQLITE_READONLY:
         return BrokerReadOnly(
             f"{text} (the file, its folder or the file system is read-only to this user)"

@@ -93,13 +93,16 @@ def _response(status: str, body: str, extra: str = "") -> bytes:
     ).encode() + data
 
 
-def refusal(host: str, port: int, reason: str) -> bytes:
-    """The 403 a refused request gets (header and body name the host and the rule)."""
+def refusal(host: str, port: int, reason: str, status: str = "403 Forbidden") -> bytes:
+    """The answer a refused request gets (header and body name the host and the rule):
+    403 for a destination the manifest does not allow, 503 (with ``Retry-After``) for a
+    job at its connection limit, which may succeed later."""
     safe = "".join(c for c in f"{host}:{port}" if 32 < ord(c) < 127)
+    extra = "Retry-After: 1\r\n" if status.startswith("503") else ""
     return _response(
-        "403 Forbidden",
+        status,
         f"metnos-exec egress: {reason}\n",
-        f"X-Metnos-Egress: refused; host={safe}; blocked by the executor's manifest\r\n",
+        f"X-Metnos-Egress: refused; host={safe}; blocked by the executor's manifest\r\n{extra}",
     )
 
 

@@ -40,10 +40,10 @@ import anyio.abc
 from .bridge import BridgeFailed, listeners
 from .capture import CAPTURE_PORTS, FAKE_NETWORK, FakeAddresses, serve_capture
 from .dns import serve_dns_tcp, serve_dns_udp
-from .http_proxy import relay, serve_http
+from .http_proxy import refusal, relay, serve_http
 from .policy import EgressPolicy, Refused, Resolver, system_resolver
 from .record import EgressRecord
-from .relay import Conn, JobTraffic
+from .relay import Conn, JobTraffic, send_all
 from .socks import serve_socks
 
 __all__ = ("DNS_PORT", "Wall", "proxy_env")
@@ -224,13 +224,18 @@ class Wall:
             local = sock.getsockname()[0]
             with self.traffic.slot() as ok:
                 if not ok:
-                    self.traffic.refuse(
-                        conn.via,
-                        local,
-                        port,
+                    reason = (
                         f"the job has {self.traffic.policy.limits.connections} connections "
-                        "open (or spent its byte budget); blocked by the executor's manifest",
+                        "open (or spent its byte budget); blocked by the executor's manifest"
                     )
+                    self.traffic.refuse(conn.via, local, port, reason)
+                    if local == _LOOPBACK and port == self.proxy_port:
+                        # An HTTP client learns it is the limit (and may retry), not a
+                        # broken proxy: the answer goes out before its request is read.
+                        with anyio.move_on_after(1):
+                            await send_all(
+                                sock, refusal(local, port, reason, "503 Service Unavailable")
+                            )
                     return
                 await self._dispatch(conn, local, port)
         except OSError:

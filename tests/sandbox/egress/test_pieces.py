@@ -4,6 +4,7 @@ server on 127.0.0.1; names resolve through the test's resolver."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
@@ -20,6 +21,7 @@ from metnos_exec.sandbox.egress.http_proxy import serve_http
 from metnos_exec.sandbox.egress.relay import Conn, JobTraffic, recv_some, send_all
 from metnos_exec.sandbox.egress.socks import serve_socks
 from metnos_exec.sandbox.egress.tls import client_hello
+from metnos_exec.sandbox.egress.wall import Wall
 
 pytestmark = pytest.mark.anyio
 
@@ -211,3 +213,120 @@ def test_connections_at_once_are_bounded() -> None:
         assert (a, b, c) == (True, True, False)
     with traffic.slot() as d:
         assert d
+
+
+async def bulk_through_relay(traffic: JobTraffic, port: int, up: bytes, down_n: int) -> bytes:
+    """`up` sent through a relayed connection to a loopback server that answers with
+    `down_n` bytes of its own once it has read all of `up`; what came back."""
+    job, wall = socket.socketpair()
+    for s in (job, wall):
+        s.setblocking(False)
+    upstream = socket.create_connection(("127.0.0.1", port))
+    upstream.setblocking(False)
+    got = bytearray()
+
+    async def reader() -> None:
+        while chunk := await recv_some(job):
+            got.extend(chunk)
+
+    async def relayed() -> None:
+        try:
+            await traffic.pipe(Conn(wall, "direct"), upstream)
+        finally:
+            wall.close()  # as the wall does when a connection's handler returns
+            upstream.close()
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relayed)
+                tg.start_soon(reader)
+                await send_all(job, struct.pack("!QQ", len(up), down_n) + up)
+                job.shutdown(socket.SHUT_WR)
+    finally:
+        for s in (job, wall, upstream):
+            s.close()
+    return bytes(got)
+
+
+@pytest.fixture
+async def bulk_server() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """Reads a length-prefixed upload, keeps it, answers with a counted pattern."""
+    uploads: list[bytes] = []
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while len(head) < 16:
+                head += await stream.receive(16 - len(head))
+            n_up, n_down = struct.unpack("!QQ", head)
+            body = bytearray()
+            while len(body) < n_up:
+                body += await stream.receive(1 << 20)
+            uploads.append(bytes(body))
+            block = pattern(1 << 20)
+            sent = 0
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                while sent < n_down:  # until the relay stops it (the budget test)
+                    await stream.send(block[: min(len(block), n_down - sent)])
+                    sent += min(len(block), n_down - sent)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        yield port, uploads
+        tg.cancel_scope.cancel()
+
+
+def pattern(n: int) -> bytes:
+    """`n` bytes no two 8-byte words of which are alike (a reordered or repeated piece
+    shows)."""
+    return b"".join(struct.pack("!Q", i) for i in range(n // 8))
+
+
+async def test_bulk_transfers_both_ways_arrive_exact_and_counted(
+    bulk_server: tuple[int, list[bytes]],
+) -> None:
+    # Past the first MiB a direction's pipe grows (`_BULK_PIPE`): the bytes either side of
+    # the change, both directions at once, arrive in order, each counted once.
+    port, uploads = bulk_server
+    traffic = JobTraffic(policy_for([("http", f"127.0.0.1:{port}")]), resolver)
+    up = pattern(9 << 20)[::-1]
+    down = await bulk_through_relay(traffic, port, up, 24 << 20)
+    assert uploads == [up]
+    assert down == pattern(1 << 20) * 24
+    assert traffic.bytes == len(up) + 16 + len(down)
+
+
+async def test_byte_budget_holds_in_a_bulk_transfer(bulk_server: tuple[int, list[bytes]]) -> None:
+    port, _ = bulk_server
+    limits = EgressLimits(bytes=5 << 20)
+    traffic = JobTraffic(policy_for([("http", f"127.0.0.1:{port}")], limits=limits), resolver)
+    down = await bulk_through_relay(traffic, port, b"", 64 << 20)
+    assert traffic.spent.is_set()
+    assert len(down) + 16 == traffic.bytes <= limits.bytes
+    assert down == (pattern(1 << 20) * 5)[: len(down)]
+
+
+async def test_the_proxy_answers_503_at_the_connection_limit() -> None:
+    # A job at its connection limit: its HTTP client reads a 503 naming the limit as
+    # policy (it may retry later), not a proxy that hangs up.
+    wall = Wall(policy_for([("http", "127.0.0.1:1")], limits=EgressLimits(connections=1)))
+    listener = socket.create_server(("127.0.0.1", 0))
+    job = socket.create_connection(listener.getsockname())
+    mine, _ = listener.accept()
+    mine.setblocking(False)
+    try:
+        with wall.traffic.slot() as taken:
+            assert taken
+            with anyio.fail_after(5):
+                await wall._serve(mine, wall.proxy_port)
+        answer = job.recv(65536)
+    finally:
+        for s in (job, mine, listener):
+            s.close()
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"Retry-After: 1\r\n" in answer
+    assert b"X-Metnos-Egress: refused;" in answer and b"1 connections open" in answer
+    assert wall.records[-1].allowed is False
