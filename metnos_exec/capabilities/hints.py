@@ -104,12 +104,18 @@ def _resolve_hint(hint: str, home: str) -> str:
     return posixpath.join(root, *tail) if tail else root
 
 
-def match_host(hint: str, host: str, port: int | None = None) -> bool:
+def match_host(
+    hint: str, host: str, port: int | None = None, default_port: int | None = None
+) -> bool:
     """Whether `host` (and `port`, if any) falls under a network `hint`.
 
     A hint is ``host``, ``*.domain`` (any subdomain at any depth, not the apex) or ``*``,
-    optionally followed by ``:port`` (then the port must be equal). IPv6 literals go in
-    brackets: ``[::1]:8080``.
+    optionally followed by ``:port``. IPv6 literals go in brackets: ``[::1]:8080``. The
+    port rule is the network wall's (`sandbox.egress.policy_for`), so that an argument
+    vetted here is one the wall lets through: a hint without a port stands for its mode's
+    `default_port` (``network:https`` 443, ``network:http`` 80), and a `port`, when
+    known, must be the hint's; a hint of a mode without a default that names no port
+    admits no value that names one (the wall grants it no connection).
     """
     hint = hint.strip().lower()
     hint_port: int | None = None
@@ -127,7 +133,11 @@ def match_host(hint: str, host: str, port: int | None = None) -> bool:
         hint_port = int(hint_port_s)
     host = host.lower().rstrip(".")
     hint = hint.rstrip(".")
-    if hint_port is not None and hint_port != port:
+    if hint_port is None:
+        hint_port = default_port
+        if hint_port is None and port is not None:
+            return False
+    if port is not None and hint_port != port:
         return False
     if hint == "*":
         return True

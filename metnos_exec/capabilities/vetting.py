@@ -167,7 +167,7 @@ class _Vetter:
                 where, value, "carries credentials in the URL", self._net_against(scheme)
             )
         for mode, hint in self.net:
-            if mode == scheme and match_host(hint, host, port):
+            if mode == scheme and match_host(hint, host, port, _DEFAULT_PORTS.get(mode)):
                 self.checked.append(VettedValue(where, "url", value, host, hint))
                 return
         raise self._deny(
@@ -191,8 +191,8 @@ class _Vetter:
                 host, port = h, int(p)
         if not host or not _HOST_LABEL.match(host.lower()):
             raise self._deny(where, value, "is not a host name", self._net_against())
-        for _mode, hint in self.net:
-            if match_host(hint, host, port):
+        for mode, hint in self.net:
+            if match_host(hint, host, port, _DEFAULT_PORTS.get(mode)):
                 self.checked.append(VettedValue(where, "host", value, host.lower(), hint))
                 return
         raise self._deny(where, value, "is outside every active network hint", self._net_against())

@@ -286,26 +286,34 @@ def test_match_path_many_stars_stays_fast() -> None:
 
 
 @pytest.mark.parametrize(
-    ("hint", "host", "port", "ok"),
+    ("hint", "host", "port", "default", "ok"),
     [
-        ("notes.example.com", "notes.example.com", None, True),
-        ("notes.example.com", "NOTES.example.com.", None, True),
-        ("notes.example.com", "evil.com", None, False),
-        ("notes.example.com", "notes.example.com.evil.com", None, False),
-        ("*.example.com", "a.example.com", None, True),
-        ("*.example.com", "a.b.example.com", None, True),
-        ("*.example.com", "example.com", None, False),
-        ("*.example.com", "badexample.com", None, False),
-        ("*", "anything.org", 443, True),
-        ("127.0.0.1:8080", "127.0.0.1", 8080, True),
-        ("127.0.0.1:8080", "127.0.0.1", 8081, False),
-        ("127.0.0.1", "127.0.0.1", 9999, True),
-        ("[::1]:80", "::1", 80, True),
-        ("[::1]", "::1", 5, True),
+        ("notes.example.com", "notes.example.com", None, 443, True),
+        ("notes.example.com", "NOTES.example.com.", None, 443, True),
+        ("notes.example.com", "evil.com", None, 443, False),
+        ("notes.example.com", "notes.example.com.evil.com", None, 443, False),
+        ("*.example.com", "a.example.com", None, 443, True),
+        ("*.example.com", "a.b.example.com", None, 443, True),
+        ("*.example.com", "example.com", None, 443, False),
+        ("*.example.com", "badexample.com", None, 443, False),
+        ("*", "anything.org", 443, 443, True),
+        ("127.0.0.1:8080", "127.0.0.1", 8080, 80, True),
+        ("127.0.0.1:8080", "127.0.0.1", 8081, 80, False),
+        ("[::1]:80", "::1", 80, None, True),
+        # The wall's port rule: a hint without a port is its mode's default port only
+        # (it used to admit any port here while the wall refused all but 443/80).
+        ("api.example.com", "api.example.com", 443, 443, True),
+        ("api.example.com", "api.example.com", 8443, 443, False),
+        ("127.0.0.1", "127.0.0.1", 9999, 80, False),
+        ("*", "anything.org", 22, 443, False),
+        # A mode without a default port (network:tcp): a port-less hint grants the wall no
+        # connection, so no value naming a port passes; a bare host still does.
+        ("[::1]", "::1", 5, None, False),
+        ("db.example.com", "db.example.com", None, None, True),
     ],
 )
-def test_match_host(hint: str, host: str, port: int | None, ok: bool) -> None:
-    assert match_host(hint, host, port) is ok
+def test_match_host(hint: str, host: str, port: int | None, default: int | None, ok: bool) -> None:
+    assert match_host(hint, host, port, default) is ok
 
 
 # --- path vetting ---------------------------------------------------------------------
@@ -454,7 +462,7 @@ def test_relative_resolve_path_refused() -> None:
 
 NET = [
     {"name": "network:https", "hints": ["notes.example.com", "*.api.example.com"]},
-    {"name": "network:http", "hints": ["127.0.0.1"]},
+    {"name": "network:http", "hints": ["127.0.0.1", "127.0.0.1:8000"]},
 ]
 
 
@@ -463,7 +471,8 @@ NET = [
     [
         "https://notes.example.com/x?y=1",
         "https://v1.api.example.com/",
-        "https://NOTES.example.com:8443/",
+        "https://NOTES.example.com:443/",
+        "http://127.0.0.1/hello",
         "http://127.0.0.1:8000/hello",
     ],
 )
@@ -516,12 +525,25 @@ def test_url_port_hints_use_the_scheme_default() -> None:
                 vet_arguments(m, fa, eff, home="/root")
 
 
+@pytest.mark.parametrize(
+    "url", ["https://notes.example.com:8443/", "http://127.0.0.1:5000/", "https://127.0.0.1/"]
+)
+def test_urls_on_ports_the_wall_refuses_are_denied(url: str) -> None:
+    # The network wall's port rule: a hint without a port is its mode's default port
+    # (https 443, http 80). Vetting once let these through, and the wall refused them.
+    m = mk({"url": {"format": "url"}}, NET)
+    fa = final_args(m, {"url": url})
+    with pytest.raises(CapabilityDenied, match="outside every active network hint"):
+        vet_arguments(m, fa, effective_capabilities(m, fa), home="/root")
+
+
 def test_host_arguments() -> None:
     m = mk({"host": {"format": "host"}}, NET)
-    for ok in ("notes.example.com", "127.0.0.1:5000", "a.api.example.com"):
+    for ok in ("notes.example.com", "127.0.0.1:8000", "127.0.0.1:80", "a.api.example.com"):
         fa = final_args(m, {"host": ok})
         vet_arguments(m, fa, effective_capabilities(m, fa), home="/root")
-    for bad in ("evil.com", "notes.example.com/../", "", "a b"):
+    for bad in ("evil.com", "notes.example.com/../", "", "a b", "127.0.0.1:5000",
+                "notes.example.com:8443"):  # fmt: skip
         fa = final_args(m, {"host": bad})
         with pytest.raises(CapabilityDenied, match="argument `host`"):
             vet_arguments(m, fa, effective_capabilities(m, fa), home="/root")
