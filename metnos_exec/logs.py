@@ -97,6 +97,8 @@ EVENTS: Mapping[str, str] = {
     "address, sent, received, reason)",
     "egress.refused": "the network wall refused a connection or DNS question of the job "
     "(host, port, via, reason)",
+    "egress.throttled": "a job opened connections (or asked DNS questions) faster than its "
+    "rate; the wall takes them later, once per job (rate, burst, reason)",
     "sandbox.spare_failed": "a spare guest process of the wasm arm could not be started or "
     "died before its job; jobs start fresh processes instead (arm, error)",
     "sandbox.guest_killed": "a wasm guest's process was killed where no epoch check could "

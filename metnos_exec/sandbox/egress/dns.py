@@ -142,13 +142,15 @@ async def serve_dns_udp(
     """Answer datagrams sent to 127.0.0.1:53 until cancelled."""
     space = socket.CMSG_SPACE(12)
     while True:
-        try:
-            query, ancdata, _flags, peer = sock.recvmsg(4096, space)
-        except (BlockingIOError, InterruptedError):
-            await anyio.wait_readable(sock)
-            continue
-        except OSError:
-            continue
+        await traffic.admit()  # a question costs as much of the job's rate as a connection
+        while True:
+            try:
+                query, ancdata, _flags, peer = sock.recvmsg(4096, space)
+                break
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(sock)
+            except OSError:
+                continue
         dest = next(
             (
                 d[8:12]

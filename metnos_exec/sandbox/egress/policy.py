@@ -74,12 +74,19 @@ class EgressLimits(msgspec.Struct, frozen=True):
             connection of the job is closed and new ones refused.
         idle_timeout_s: a connection with no byte either way for this long is closed.
         connect_timeout_s: how long the worker tries to reach an allowed host.
+        rate: new connections (and DNS questions) per second the wall takes from the
+            job, after a first `burst`; past it the wall takes the next one later (it
+            waits in the job's own listen backlog, costing the worker nothing), so a job
+            that floods the wall cannot take the worker's time from the other jobs.
+        burst: how many it takes at once before `rate` applies.
     """
 
     connections: int = 32
     bytes: int = 1024 * 1024 * 1024
     idle_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
+    rate: float = 100.0
+    burst: int = 200
 
 
 class Rule(msgspec.Struct, frozen=True):

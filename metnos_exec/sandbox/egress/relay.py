@@ -91,6 +91,38 @@ class JobTraffic:
         self.bytes = 0
         #: Set when the byte budget is spent: every relay stops.
         self.spent = anyio.Event()
+        #: The token bucket of new connections (`EgressLimits.rate`, `burst`).
+        self._tokens = float(policy.limits.burst)
+        self._filled_at: float | None = None  # the event loop's clock, at the first admit
+        #: How many times the job had to wait for it.
+        self.throttled = 0
+
+    async def admit(self) -> None:
+        """Wait until the job may open one more connection (or ask one more DNS
+        question), and count it: a token bucket of `EgressLimits.rate` per second after
+        a first `EgressLimits.burst`. While it waits the wall does not accept (nor read)
+        for the job, whose kernel holds what it sends meanwhile."""
+        limits = self.policy.limits
+        while True:
+            now = anyio.current_time()
+            if self._filled_at is not None:
+                self._tokens = min(
+                    float(limits.burst), self._tokens + (now - self._filled_at) * limits.rate
+                )
+            self._filled_at = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return
+            self.throttled += 1
+            if self.throttled == 1:
+                _log.warning(
+                    "egress.throttled",
+                    rate=limits.rate,
+                    burst=limits.burst,
+                    reason="the job opens connections faster than its rate; the wall "
+                    "takes them later",
+                )
+            await anyio.sleep((1.0 - self._tokens) / max(limits.rate, 1e-3))
 
     async def decide(self, host: str, port: int) -> Authorized | Refused:
         return await authorize(self.policy, host, port, self.resolver)

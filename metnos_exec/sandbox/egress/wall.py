@@ -201,16 +201,19 @@ class Wall:
     async def _accept(self, listener: socket.socket, port: int) -> None:
         assert self._tg is not None
         while True:
-            try:
-                sock, _peer = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                await anyio.wait_readable(listener)
-                continue
-            except OSError:
-                # EMFILE and the like: the worker is short of fds; let the job's
-                # connection wait in the backlog rather than spin.
-                await anyio.sleep(0.05)
-                continue
+            # The job's next connection, taken at its rate (`JobTraffic.admit`): one that
+            # floods the wall waits in its own listen backlog, costing the worker nothing.
+            await self.traffic.admit()
+            while True:
+                try:
+                    sock, _peer = listener.accept()
+                    break
+                except (BlockingIOError, InterruptedError):
+                    await anyio.wait_readable(listener)
+                except OSError:
+                    # EMFILE and the like: the worker is short of fds; let the job's
+                    # connection wait in the backlog rather than spin.
+                    await anyio.sleep(0.05)
             sock.setblocking(False)
             # What the wall relays is already segmented by the other side: no Nagle
             # delay on top (a TLS handshake's small records waited for ACKs).

@@ -330,3 +330,34 @@ async def test_the_proxy_answers_503_at_the_connection_limit() -> None:
     assert b"Retry-After: 1\r\n" in answer
     assert b"X-Metnos-Egress: refused;" in answer and b"1 connections open" in answer
     assert wall.records[-1].allowed is False
+
+
+async def test_a_job_that_floods_the_wall_is_taken_at_its_rate() -> None:
+    # 40 connections at once from a job whose rate is 20/s after a burst of 5: the wall
+    # takes (and answers) them at that pace; the rest wait in the job's own backlog, not
+    # in the worker. The bounds are the claim: load can only make the wall slower.
+    rate, burst, n = 20.0, 5, 40
+    policy = policy_for([("http", "127.0.0.1:1")], limits=EgressLimits(rate=rate, burst=burst))
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    try:
+        async with Wall(policy) as wall:
+            assert wall._tg is not None
+            start = anyio.current_time()
+            wall._tg.start_soon(wall._accept, listener, port)
+            with anyio.fail_after(30):
+                seen = []
+                while len(wall.records) < n:
+                    await anyio.sleep(0.02)  # polling what the wall recorded, deadline above
+                    elapsed = anyio.current_time() - start
+                    seen.append((elapsed, len(wall.records)))
+            took = anyio.current_time() - start
+            assert wall.traffic.throttled > 0
+    finally:
+        for c in [*clients, listener]:
+            c.close()
+    for elapsed, count in seen:  # never ahead of the bucket (one wake-up of slack)
+        assert count <= burst + rate * elapsed + 1, (elapsed, count)
+    assert took >= (n - burst) / rate * 0.95
