@@ -97,6 +97,9 @@ EVENTS: Mapping[str, str] = {
     "address, sent, received, reason)",
     "egress.refused": "the network wall refused a connection or DNS question of the job "
     "(host, port, via, reason)",
+    "broker.key_set_aside": "a queue key held what the queue does not write (another type, a "
+    "counter or priority that is not a number); set aside with its content (key, problem, "
+    "kept_as, reason)",
     "egress.throttled": "a job opened connections (or asked DNS questions) faster than its "
     "rate; the wall takes them later, once per job (rate, burst, reason)",
     "sandbox.spare_failed": "a spare guest process of the wasm arm could not be started or "

@@ -49,6 +49,22 @@ _REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
 }
 
 
+#: How many keys one call may find to set aside before it gives up (each is set aside,
+#: logged and the call made again; more than this many at once is no producer's slip).
+_MAX_SET_ASIDE: Final = 16
+
+
+class _BadKey(Exception):
+    """A script's guard found a key of the wrong kind before it changed anything
+    (``METNOS_BADKEY|<problem>|<key>|``, redis.lua's prelude)."""
+
+    def __init__(self, text: str) -> None:
+        _tag, problem, key, *_rest = text.split("|")
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
 def _closing_buffers(cls: type[Any]) -> type[Any]:
     """`cls` (a coredis connection class) whose failed connect closes its buffers.
 
@@ -198,6 +214,8 @@ class RedisStore(PolledWaits):
             ) from None
         except coredis.exceptions.ResponseError as exc:
             text = str(exc)
+            if text.startswith("METNOS_BADKEY|"):
+                raise _BadKey(text) from None
             if not text.startswith(_REFUSING):
                 # A refused command, or a failed script: a bug of ours or a damaged key,
                 # said as a store error rather than the client library's exception.
@@ -220,8 +238,42 @@ class RedisStore(PolledWaits):
         _log.error("broker.error", broker=self.where, error=f"{type(exc).__name__}: {exc}")
 
     async def _script(self, name: str, *args: str | bytes) -> Any:
-        self._check_open()  # before the coroutine exists: a closed broker never makes one
-        return await self._guard(self._evalsha(name, self.keys.base, self._now_arg(), *args))
+        """Run the script `name`; a key its guard finds of the wrong kind (a producer
+        wrote it by hand) is set aside (`_set_aside`) and the script run again: the guard
+        stops a script before it changes anything, so nothing is done twice and no job
+        loses an attempt to it."""
+        for _ in range(_MAX_SET_ASIDE):
+            self._check_open()  # before the coroutine exists: a closed broker makes none
+            try:
+                return await self._guard(
+                    self._evalsha(name, self.keys.base, self._now_arg(), *args)
+                )
+            except _BadKey as bad:
+                await self._set_aside(bad)
+        raise BrokerUnavailable(
+            f"Redis at {self.where}: more than {_MAX_SET_ASIDE} keys of the queue had to be "
+            "set aside for one call; the queue's keys were written by something else"
+        )
+
+    async def _set_aside(self, bad: _BadKey) -> None:
+        """Set `bad`'s key aside (redis.lua's ``set_aside``: a key of another type renamed
+        to ``aside:<name>:<time>``, a counter or priority that is not a number copied
+        there and repaired) and say so, once per key set aside."""
+        kept = as_str(
+            await self._guard(
+                self._evalsha("set_aside", self.keys.base, self._now_arg(), bad.key, bad.problem)
+            )
+        )
+        if kept:
+            _log.warning(
+                "broker.key_set_aside",
+                broker=self.where,
+                key=bad.key,
+                problem=bad.problem,
+                kept_as=kept,
+                reason="a key of the queue held what the queue does not write (a producer "
+                "writing Redis by hand?); set aside with its content, the queue goes on",
+            )
 
     async def _evalsha(self, name: str, *args: str | bytes) -> Any:
         """Run the script `name` (``KEYS[1]`` = the counts hash) on a connection of the pool.

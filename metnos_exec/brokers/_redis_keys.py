@@ -33,6 +33,7 @@ KEY_NAMES: Final = {
     "job_undos": "undos:",  # undos:<job id> set
     "undo_at": "undo-at",
     "blobs": "undo-blobs",
+    "aside": "aside:",  # aside:<key name>:<time>: a key set aside by the guard (any type)
     "group": GROUP,  # not a key: the consumer group of every stream
 }
 
@@ -43,7 +44,7 @@ def _load_scripts() -> dict[str, str]:
     parts = re.split(r"^-- == (\w+) ==\n", text, flags=re.MULTILINE)
     sections = dict(zip(parts[1::2], parts[2::2], strict=True))
     prelude = sections.pop("prelude")
-    return {name: prelude + body for name, body in sections.items()}
+    return {name: f"local SCRIPT = '{name}'\n" + prelude + body for name, body in sections.items()}
 
 
 #: Script name → source (the prelude and the section), from ``redis.lua``.

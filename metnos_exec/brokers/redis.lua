@@ -43,17 +43,82 @@ local function job_undos_key(id) return P .. '$job_undos' .. id end
 local UNDO_AT = P .. '$undo_at'
 local BLOBS = P .. '$blobs'
 
+-- The guard. A script is not a transaction: one that fails halfway keeps what it changed
+-- before (a producer's SET on the inbox made every lease fail after it had taken jobs,
+-- which then lapsed with their attempts spent). So the keys a script relies on are
+-- checked before it changes anything: a key of another type, a counter or a priority
+-- that is not a number stops the script at once, unchanged, with an error naming it
+-- (METNOS_BADKEY|<problem>|<key>|). The client sets the key aside (`set_aside`: renamed
+-- or repaired, its content kept as evidence), says so once and calls again. A job's own
+-- hash of another type reads as no job (`hm`); a blob count that is not a number is
+-- repaired where it is counted.
+local function bad_key(key, problem)
+  error({err = 'METNOS_BADKEY|' .. problem .. '|' .. key .. '|'})
+end
+local function expect(key, want)
+  local t = redis.call('TYPE', key)['ok']
+  if t ~= 'none' and t ~= want then bad_key(key, 'type=' .. t .. ',expected=' .. want) end
+end
+local function is_int(v) return v ~= nil and string.match(v, '^%-?%d+$') ~= nil end
+if SCRIPT ~= 'set_aside' then
+  expect(COUNTS, 'hash')
+  expect(DELAYED, 'zset')
+  expect(FINISHED, 'zset')
+  expect(DEAD, 'zset')
+  expect(INBOX, 'stream')
+  expect(UNDO_AT, 'zset')
+  expect(BLOBS, 'hash')
+  local c = redis.call('HGETALL', COUNTS)
+  for i = 2, #c, 2 do
+    if not is_int(c[i]) then bad_key(COUNTS, 'field=' .. c[i - 1]) end
+  end
+end
+-- A device's keys: its leases, its priorities (integers) and their streams; `prios` are
+-- priorities about to be used (a stream a producer made by hand under one of them).
+local checked_devices = {}
+local function check_device(dev, prios)
+  if not checked_devices[dev] then
+    checked_devices[dev] = true
+    expect(P .. '$leases' .. dev, 'zset')
+    local pk = P .. '$priorities' .. dev
+    expect(pk, 'zset')
+    for _, prio in ipairs(redis.call('ZRANGE', pk, 0, -1)) do
+      if not is_int(prio) then bad_key(pk, 'member=' .. prio) end
+      expect(P .. '$stream' .. dev .. ':' .. prio, 'stream')
+    end
+  end
+  for _, prio in ipairs(prios or {}) do expect(P .. '$stream' .. dev .. ':' .. prio, 'stream') end
+end
+-- HMGET of a job's hash; a key of another type there (written by hand) is no job.
+local function hm(key, ...)
+  local r = redis.pcall('HMGET', key, ...)
+  if type(r) == 'table' and r.err then return {} end
+  return r
+end
+-- The device keys of the jobs ARGV[from], ARGV[from + step], ... (before they change).
+local function check_jobs(from, step)
+  for i = from, #ARGV, step do
+    local h = hm(P .. '$job' .. ARGV[i], 'device', 'priority')
+    if h[1] then check_device(h[1], {h[2]}) end
+  end
+end
+
 -- Count (or uncount, n = -1) the blobs an undo entry needs: `blobs` is the entry's
 -- space-separated digests; a digest no entry needs any more leaves the table.
 local function count_blobs(blobs, n)
   for digest in string.gmatch(blobs or '', '%S+') do
-    if redis.call('HINCRBY', BLOBS, digest, n) <= 0 then redis.call('HDEL', BLOBS, digest) end
+    local left = redis.pcall('HINCRBY', BLOBS, digest, n)
+    if type(left) == 'table' then  -- not a number (written by hand): counted afresh
+      left = math.max(n, 0)
+      redis.call('HSET', BLOBS, digest, left)
+    end
+    if left <= 0 then redis.call('HDEL', BLOBS, digest) end
   end
 end
 
 -- Forget one undo entry (its blobs uncounted).
 local function drop_undo(e)
-  local h = redis.call('HMGET', undo_key(e), 'blobs', 'job_id')
+  local h = hm(undo_key(e), 'blobs', 'job_id')
   if h[2] then
     count_blobs(h[1], -1)
     redis.call('SREM', job_undos_key(h[2]), e)
@@ -83,7 +148,7 @@ end
 -- Take the job's entry out of its stream: acked (out of the pending-entries list) and
 -- deleted, so a stream holds only queued and running jobs and never grows with history.
 local function unqueue(jk)
-  local h = redis.call('HMGET', jk, 'entry', 'device', 'priority')
+  local h = hm(jk, 'entry', 'device', 'priority')
   if h[1] then
     local q = qkey(h[2], h[3])
     redis.call('XACK', q, GROUP, h[1])
@@ -94,7 +159,7 @@ end
 
 -- The caller's lease is the current one.
 local function holds(jk, token)
-  local h = redis.call('HMGET', jk, 'state', 'token')
+  local h = hm(jk, 'state', 'token')
   return h[1] == 'running' and h[2] == token
 end
 
@@ -103,7 +168,7 @@ end
 -- out): that try's outcome, so the resend reports what really happened.
 local function replayed(jk, token, replay)
   if replay ~= '1' then return nil end
-  local prev = redis.call('HGET', jk, 'prev')
+  local prev = hm(jk, 'prev')[1]
   if prev and string.sub(prev, 1, #token + 1) == token .. ' ' then
     return string.sub(prev, #token + 2)
   end
@@ -115,7 +180,7 @@ end
 local function finish(id, state, result, letter, from, token, outcome)
   local jk = jkey(id)
   unqueue(jk)
-  redis.call('ZREM', leases_key(redis.call('HGET', jk, 'device')), id)
+  redis.call('ZREM', leases_key(hm(jk, 'device')[1] or ''), id)
   redis.call('HSET', jk, 'state', state, 'result', result, 'done_at', num(NOW))
   redis.call('HDEL', jk, 'token', 'lease_until')
   if token then redis.call('HSET', jk, 'prev', token .. ' ' .. outcome) end
@@ -132,10 +197,10 @@ end
 -- that stands, and (for a known key) the original's body, for the caller's conflict check.
 local function admit(id, body, dev, prio, maxa, ikey, nb)
   local jk = jkey(id)
-  if redis.call('EXISTS', jk) == 1 then return {'dup', id, redis.call('HGET', jk, 'body') or ''} end
+  if redis.call('EXISTS', jk) == 1 then return {'dup', id, hm(jk, 'body')[1] or ''} end
   if ikey ~= '' then
     local orig = redis.call('GET', idem_key(ikey))
-    if orig then return {'dup', orig, redis.call('HGET', jkey(orig), 'body') or ''} end
+    if orig then return {'dup', orig, hm(jkey(orig), 'body')[1] or ''} end
     redis.call('SET', idem_key(ikey), id)
   end
   redis.call('HSET', jk, 'body', body, 'state', 'queued', 'device', dev, 'priority', prio,
@@ -153,6 +218,7 @@ end
 -- == submit ==
 -- ARGV[3..]: groups of (id, body, device, priority, max_attempts, idempotency key or '',
 -- not_before or ''). Returns one {status, id, original body} per job.
+for i = 3, #ARGV, 7 do check_device(ARGV[i + 2], {ARGV[i + 3]}) end
 local out = {}
 for i = 3, #ARGV, 7 do
   out[#out + 1] = admit(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
@@ -165,6 +231,10 @@ return out
 -- (entry id, 'job', id, body, device, priority, max_attempts, ikey, not_before) or
 -- (entry id, 'bad', id, raw, result, letter, '', '', ''). An entry another worker already
 -- took (XDEL finds nothing) is skipped, so each is admitted once.
+for i = 3, #ARGV, 9 do
+  if ARGV[i + 1] == 'job' then check_device(ARGV[i + 4], {ARGV[i + 5]}) end
+end
+check_device('server')
 local n = 0
 for i = 3, #ARGV, 9 do
   if redis.call('XDEL', INBOX, ARGV[i]) == 1 then
@@ -217,11 +287,20 @@ local function take(id, jk, body, was_queued)
   out[#out + 1] = {id, body, tostring(attempt), tok}
 end
 
--- 1. Delayed jobs (not_before, retry backoff) that fell due join their streams.
+-- 0. Every key this call may change, checked before it changes any (the guard).
+check_device(dev)
 local due = redis.call('ZRANGEBYSCORE', DELAYED, '-inf', num(NOW), 'LIMIT', 0, 1000)
+local due_jobs = {}
+for _, id in ipairs(due) do
+  local h = hm(jkey(id), 'device', 'priority', 'state')
+  due_jobs[id] = h
+  if h[3] == 'queued' then check_device(h[1], {h[2]}) end
+end
+
+-- 1. Delayed jobs (not_before, retry backoff) that fell due join their streams.
 for _, id in ipairs(due) do
   redis.call('ZREM', DELAYED, id)
-  local h = redis.call('HMGET', jkey(id), 'device', 'priority', 'state')
+  local h = due_jobs[id]
   if h[3] == 'queued' then enqueue(id, h[1], h[2]) end
 end
 
@@ -232,7 +311,7 @@ local lapsed = redis.call('ZRANGEBYSCORE', lk, '-inf', num(NOW), 'LIMIT', 0, lim
 -- gives its attempt back and counts a lapse instead; only started ones use attempts.
 for _, id in ipairs(lapsed) do
   local jk = jkey(id)
-  local h = redis.call('HMGET', jk, 'state', 'attempt', 'max_attempts', 'cancel', 'entry',
+  local h = hm(jk, 'state', 'attempt', 'max_attempts', 'cancel', 'entry',
     'priority', 'body', 'worker', 'started', 'lapses')
   if h[1] ~= 'running' then
     redis.call('ZREM', lk, id)
@@ -292,7 +371,7 @@ if #out < limit then
       for _, entry in ipairs(res[1][2]) do
         local eid, id = entry[1], entry[2][2]
         local jk = jkey(id)
-        local h = redis.call('HMGET', jk, 'state', 'entry', 'body')
+        local h = hm(jk, 'state', 'entry', 'body')
         if h[1] == 'queued' and h[2] == eid then
           take(id, jk, h[3], true)
         else
@@ -330,7 +409,8 @@ local id, tok = ARGV[3], ARGV[4]
 local jk = jkey(id)
 if not holds(jk, tok) then return false end
 local until_ = num(NOW + tonumber(ARGV[5]))
-local h = redis.call('HMGET', jk, 'device', 'priority', 'entry', 'worker', 'cancel')
+local h = hm(jk, 'device', 'priority', 'entry', 'worker', 'cancel')
+check_device(h[1], {h[2]})
 redis.call('HSET', jk, 'lease_until', until_)
 redis.call('ZADD', leases_key(h[1]), until_, id)
 if h[3] then redis.call('XCLAIM', qkey(h[1], h[2]), GROUP, h[4], 0, h[3], 'JUSTID') end
@@ -339,6 +419,7 @@ return {until_, h[5] or ''}
 -- == ack ==
 -- ARGV[3] replay flags (one character per job), ARGV[4..]: groups of (id, token, result,
 -- status). One 1/0 each.
+check_jobs(4, 4)
 local out = {}
 for i = 4, #ARGV, 4 do
   local id, tok = ARGV[i], ARGV[i + 1]
@@ -363,7 +444,8 @@ return out
 local id, tok = ARGV[4], ARGV[5]
 local jk = jkey(id)
 if not holds(jk, tok) then return replayed(jk, tok, ARGV[3]) or 'lost' end
-local h = redis.call('HMGET', jk, 'attempt', 'max_attempts', 'device', 'priority')
+local h = hm(jk, 'attempt', 'max_attempts', 'device', 'priority')
+check_device(h[3], {h[4]})
 if tonumber(h[1]) >= tonumber(h[2]) then
   finish(id, 'dead', ARGV[7], ARGV[8], 'running', tok, 'dead')
   return 'dead'
@@ -384,6 +466,7 @@ return 'scheduled'
 
 -- == dead_letter ==
 -- ARGV[3] replay, [4] id, [5] token, [6] result, [7] letter. Returns 1, or 0 when lost.
+check_jobs(4, #ARGV)
 local id, tok = ARGV[4], ARGV[5]
 local jk = jkey(id)
 if not holds(jk, tok) then
@@ -402,7 +485,8 @@ if not holds(jk, tok) then
   if replayed(jk, tok, ARGV[3]) == 'released' then return 1 end
   return 0
 end
-local h = redis.call('HMGET', jk, 'device', 'priority')
+local h = hm(jk, 'device', 'priority')
+check_device(h[1], {h[2]})
 unqueue(jk)
 redis.call('ZREM', leases_key(h[1]), id)
 redis.call('HINCRBY', jk, 'attempt', -1)
@@ -418,8 +502,9 @@ return 1
 -- (running: the flag reaches its worker), finished or unknown.
 local id = ARGV[3]
 local jk = jkey(id)
-local h = redis.call('HMGET', jk, 'state', 'device', 'attempt')
+local h = hm(jk, 'state', 'device', 'attempt')
 if not h[1] then return 'unknown' end
+check_jobs(3, #ARGV)
 if h[1] == 'queued' then
   redis.call('ZREM', DELAYED, id)
   local attempt = tonumber(h[3]) or 0
@@ -445,7 +530,7 @@ return 'finished'
 -- ARGV[3..] job ids. Returns those running with a cancel pending.
 local out = {}
 for i = 3, #ARGV do
-  local h = redis.call('HMGET', jkey(ARGV[i]), 'state', 'cancel')
+  local h = hm(jkey(ARGV[i]), 'state', 'cancel')
   if h[1] == 'running' and h[2] == '1' then out[#out + 1] = ARGV[i] end
 end
 return out
@@ -460,7 +545,7 @@ return {c[1] or '0', tostring(delayed), c[2] or '0', c[3] or '0', c[4] or '0'}
 -- ARGV[3] limit. The most recent dead letters, newest first.
 local out = {}
 for _, id in ipairs(redis.call('ZREVRANGE', DEAD, 0, tonumber(ARGV[3]) - 1)) do
-  local letter = redis.call('HGET', jkey(id), 'letter')
+  local letter = hm(jkey(id), 'letter')[1]
   if letter then out[#out + 1] = letter end
 end
 return out
@@ -474,7 +559,7 @@ local gone = redis.call('ZRANGEBYSCORE', FINISHED, '-inf', '(' .. cut, 'LIMIT', 
   tonumber(ARGV[4]))
 for _, id in ipairs(gone) do
   local jk = jkey(id)
-  local h = redis.call('HMGET', jk, 'state', 'ikey')
+  local h = hm(jk, 'state', 'ikey')
   if h[2] and h[2] ~= '' and redis.call('GET', idem_key(h[2])) == id then
     redis.call('DEL', idem_key(h[2]))
   end
@@ -490,8 +575,8 @@ local old = redis.call('ZRANGEBYSCORE', UNDO_AT, '-inf', '(' .. cut, 'LIMIT', 0,
   tonumber(ARGV[4]))
 local dropped = 0
 for _, e in ipairs(old) do
-  local job_id = redis.call('HGET', undo_key(e), 'job_id')
-  local result = job_id and redis.call('HGET', jkey(job_id), 'result')
+  local job_id = hm(undo_key(e), 'job_id')[1]
+  local result = job_id and hm(jkey(job_id), 'result')[1]
   local listed = false
   if result then
     for _, u in ipairs(cjson.decode(result).undo_ids or {}) do
@@ -533,7 +618,38 @@ return 1
 -- ARGV[3..] entry ids. Returns {id, body, undone_by or '', recorded at} for each known one.
 local out = {}
 for i = 3, #ARGV do
-  local h = redis.call('HMGET', undo_key(ARGV[i]), 'body', 'undone_by', 'at')
+  local h = hm(undo_key(ARGV[i]), 'body', 'undone_by', 'at')
   if h[1] then out[#out + 1] = {ARGV[i], h[1], h[2] or '', h[3]} end
 end
 return out
+
+-- == set_aside ==
+-- ARGV[3] a key the guard named, [4] its problem. A key of another type is renamed to
+-- aside:<its name>:<now> (kept as evidence; the queue goes on with a fresh one); a counter
+-- or priority that is not a number is copied there, then repaired in place (the counter
+-- set to 0, the member removed). Returns the evidence's key, or '' when the key is fine
+-- by now (fixed meanwhile).
+local key, problem = ARGV[3], ARGV[4]
+local kept = P .. '$aside' .. string.sub(key, #P + 1) .. ':' .. num(NOW)
+local kind = string.match(problem, '^(%a+)=')
+if kind == 'type' then
+  local t = redis.call('TYPE', key)['ok']
+  local want = string.match(problem, 'expected=(%a+)')
+  if t == 'none' or t == want then return '' end
+  redis.call('RENAME', key, kept)
+  return kept
+elseif kind == 'field' then
+  local field = string.sub(problem, 7)
+  local v = redis.call('HGET', key, field)
+  if v == false or is_int(v) then return '' end
+  redis.call('COPY', key, kept)
+  redis.call('HSET', key, field, '0')
+  return kept
+elseif kind == 'member' then
+  local member = string.sub(problem, 8)
+  if redis.call('ZSCORE', key, member) == false or is_int(member) then return '' end
+  redis.call('COPY', key, kept)
+  redis.call('ZREM', key, member)
+  return kept
+end
+return ''

@@ -243,9 +243,10 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
         for lease in leases[3:-1]:  # one stays running
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
-        assert len(documented) == 15
+        assert len(documented) == 16
         await b.publish_executors([])  # the catalog is tested in tests/devices/test_catalog.py
         documented.pop("executors")
+        documented.pop("aside:<key>:<time>")  # made by the wrong-kind test below
         # An undo entry recorded by the job that stays running (never acked).
         assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])
         seen = set()
@@ -441,6 +442,86 @@ async def test_leases_taken_before_the_inbox_fails_are_handed_out(
         # No leases to hand out: the failure is the caller's to see.
         with pytest.raises(BrokerUnavailable):
             await b.lease("s", visibility_s=30, limit=10)
+
+
+# --- keys a producer wrote wrong (issue 18, item 1) ----------------------------------
+
+#: (which key, how a producer spoils it, the problem the broker names). Each write is one
+#: a producer writing Redis by hand makes; each used to fail every lease script halfway,
+#: after it had taken jobs (16 of 20 then dead-lettered E_LEASE_EXPIRED, never run).
+SPOILED = [
+    ("inbox", "set", "type=string"),
+    ("inbox", "lpush", "type=list"),
+    ("inbox", "hset", "type=hash"),
+    ("delayed", "set", "type=string"),
+    ("finished", "lpush", "type=list"),
+    ("counts", "hset-text", "field=queued"),
+    ("priorities", "zadd-text", "member=high"),
+    ("leases", "set", "type=string"),
+    ("stream", "set", "type=string"),
+]
+
+
+async def _spoil(raw: coredis.Redis[bytes], b: RedisBroker, which: str, how: str) -> str:
+    key = {
+        "inbox": b.keys.inbox,
+        "delayed": b.keys.delayed,
+        "finished": b.keys.finished,
+        "counts": b.keys.counts,
+        "priorities": b.keys.priorities("server"),
+        "leases": b.keys.leases("server"),
+        "stream": b.keys.stream("server", 7),  # a priority no job had yet
+    }[which]
+    if how == "set":
+        await raw.delete([key])
+        await raw.set(key, "by hand")
+    elif how == "lpush":
+        await raw.delete([key])
+        await raw.lpush(key, ["by hand"])
+    elif how == "hset":
+        await raw.delete([key])
+        await raw.hset(key, {"by": "hand"})
+    elif how == "hset-text":
+        await raw.hset(key, {"queued": "many"})
+    elif how == "zadd-text":
+        await raw.zadd(key, {"high": 1})
+    return key
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("which", "how", "problem"), SPOILED)
+async def test_a_key_of_the_wrong_kind_is_set_aside_and_costs_no_job_an_attempt(
+    redis_server: RedisServer, which: str, how: str, problem: str
+) -> None:
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        jobs = [Job(executor="echo", max_attempts=1) for _ in range(4)]
+        jobs.append(Job(executor="echo", max_attempts=1, priority=7))
+        await b.submit_many(jobs[:3])
+        key = await _spoil(raw, b, which, how)
+        evidence = await raw.dump(key)
+        with capture_logs() as logs:
+            # Submits (one at the spoiled priority) and leases go on; every job is handed
+            # out once, at its first attempt, none lapses or is dead-lettered.
+            await b.submit_many(jobs[3:])
+            leases = await b.lease("w", visibility_s=30, limit=10)
+        assert sorted(le.job.id for le in leases) == sorted(j.id for j in jobs)
+        assert {le.attempt for le in leases} == {1}
+        for le in leases:
+            assert await b.ack(le, _ok(le))
+        stats = await b.stats()
+        # (A spoiled counter restarts at 0 when it is repaired: `queued` then misses the
+        # three jobs queued before; every other count is exact.)
+        queued = -3 if which == "counts" else 0
+        assert (stats.queued, stats.running, stats.done, stats.dead) == (queued, 0, 5, 0)
+        # Set aside once, said once, the evidence kept under the queue's prefix.
+        aside = [r for r in logs if r["event"] == "broker.key_set_aside"]
+        assert len(aside) == 1, logs
+        assert aside[0]["key"] == key and problem in aside[0]["problem"]
+        kept = aside[0]["kept_as"]
+        assert kept.startswith(b.keys.base) and await raw.exists([kept]) == 1
+        if how in ("set", "lpush", "hset"):
+            assert await raw.dump(kept) == evidence
+        assert not [r for r in logs if r["event"] == "broker.error"], logs
 
 
 # --- Redis unreachable or restarting --------------------------------------------------
