@@ -128,7 +128,11 @@ class Client:
             ServerPinned: the job targets a device, and the executor as published by the
                 server workers must stay on the server (not packable, or provider
                 authority for these arguments); nothing is queued (see `catalog`).
-            BrokerError: the store failed; nothing was queued.
+            SubmitOutcomeUnknown: the submit was sent and its answer lost (a timeout, a
+                dropped connection): the job may be queued. Its ``job_id`` is the job's
+                id, which is its idempotency key: ``submit(..., id=exc.job_id)`` again
+                queues nothing twice (and ``result(exc.job_id)`` says what happened).
+            BrokerError: any other store failure; nothing was queued.
         """
         job = _make_job(executor, args or {}, fields)
         if job.device is not None and job.device != SERVER_DEVICE:

@@ -24,6 +24,7 @@ __all__ = (
     "BrokerGone",
     "BrokerReadOnly",
     "BrokerUnavailable",
+    "SubmitOutcomeUnknown",
     "CapabilityDenied",
     "CommitConflict",
     "HostFault",
@@ -215,6 +216,23 @@ class BrokerUnavailable(BrokerError):
     code = "E_BROKER_UNAVAILABLE"
 
 
+class SubmitOutcomeUnknown(BrokerUnavailable):
+    """A submit was sent and its answer never came (a timeout, a connection dropped
+    mid-call): the job may or may not be queued. Its id (`job_id`) is its idempotency
+    key: submitting the same id again queues nothing twice, and the result or `status`
+    of that id says what happened.
+
+    Attributes:
+        job_id: the id the job was sent with (the first one, for several).
+    """
+
+    code = "E_SUBMIT_UNKNOWN"
+
+    def __init__(self, message: str, job_id: str = "") -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
 class BrokerBusy(BrokerError):
     """Another process held the store's write lock longer than the broker waits."""
 
@@ -310,6 +328,8 @@ ERROR_CODES: dict[str, str] = {
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",
     "E_BROKER_UNAVAILABLE": "the broker's store cannot be reached or used (missing, I/O error)",
+    "E_SUBMIT_UNKNOWN": "a submit was sent but its answer was lost; the job may be queued "
+    "(resubmit the same id: nothing is queued twice)",
     "E_BROKER_BUSY": "another process held the queue's write lock longer than the broker waits",
     "E_BROKER_FULL": "the broker's store is out of space (disk full, quota, file size limit)",
     "E_BROKER_READONLY": "the broker's store refuses writes (read-only file or file system)",

@@ -65,6 +65,16 @@ class _BadKey(Exception):
         self.problem = problem
 
 
+def _before_sending(exc: BaseException) -> bool:
+    """The failure happened before a request could reach Redis (no connection was made)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    text = str(exc).lower()
+    return any(
+        words in text for words in ("connecting", "connection refused", "unable to establish")
+    )
+
+
 def _closing_buffers(cls: type[Any]) -> type[Any]:
     """`cls` (a coredis connection class) whose failed connect closes its buffers.
 
@@ -209,9 +219,14 @@ class RedisStore(PolledWaits):
             out = await call
         except _UNREACHABLE as exc:
             self._failed(exc)
-            raise BrokerUnavailable(
+            error = BrokerUnavailable(
                 f"cannot reach Redis at {self.where}: {type(exc).__name__}: {exc}"
-            ) from None
+            )
+            # Whether the call may have been carried out: anything but a refused or
+            # failed connect (a timeout waiting for the reply, a connection dropped
+            # mid-call) may have reached Redis (`submit` says so: `SubmitOutcomeUnknown`).
+            error.maybe_done = not _before_sending(exc)  # type: ignore[attr-defined]
+            raise error from None
         except coredis.exceptions.ResponseError as exc:
             text = str(exc)
             if text.startswith("METNOS_BADKEY|"):

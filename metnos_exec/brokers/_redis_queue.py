@@ -4,13 +4,14 @@ Each step is one script of ``redis.lua`` (`SCRIPTS`), fenced by the lease token.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio.lowlevel
 import structlog
 
-from ..errors import BadMessage, IdempotencyConflict
+from ..errors import BadMessage, BrokerUnavailable, IdempotencyConflict, SubmitOutcomeUnknown
 from ..messages import (
     E_CANCELLED,
     SERVER_DEVICE,
@@ -37,6 +38,27 @@ from .base import (
 __all__ = ("RedisQueue",)
 
 _log = structlog.get_logger("metnos_exec")
+
+
+@contextlib.asynccontextmanager
+async def _outcome_unknown(job_id: str, count: int = 1, done: int = 0) -> AsyncIterator[None]:
+    """A submit call that failed after it may have reached Redis says the outcome is
+    unknown (`SubmitOutcomeUnknown`) instead of "nothing was queued": a caller who
+    believed that and submitted anew would run the job twice. `done`: jobs of the same
+    batch already queued by earlier calls."""
+    try:
+        yield
+    except BrokerUnavailable as exc:
+        if type(exc) is not BrokerUnavailable or not getattr(exc, "maybe_done", False):
+            raise
+        what = f"job {job_id}" if count == 1 else f"{count} jobs from {job_id} on"
+        earlier = f" ({done} before them were queued)" if done else ""
+        raise SubmitOutcomeUnknown(
+            f"{exc.message}; the submit was sent, so {what} may be queued{earlier}: the "
+            f"result or status of {job_id} says, and submitting the same id again queues "
+            "nothing twice",
+            job_id,
+        ) from None
 
 
 class RedisQueue(RedisStore):
@@ -68,7 +90,8 @@ class RedisQueue(RedisStore):
         return SubmitReceipt(job_id, duplicate=True)
 
     async def submit(self, job: Job) -> SubmitReceipt:
-        [reply] = await self._script("submit", *self._submit_args(job))
+        async with _outcome_unknown(job.id):
+            [reply] = await self._script("submit", *self._submit_args(job))
         self._wake_workers()
         return self._receipt(job, reply)
 
@@ -83,7 +106,8 @@ class RedisQueue(RedisStore):
         for start in range(0, len(jobs), BATCH):
             chunk = jobs[start : start + BATCH]
             args = [a for one in encoded[start : start + BATCH] for a in one]
-            replies = await self._script("submit", *args)
+            async with _outcome_unknown(chunk[0].id, len(chunk), start):
+                replies = await self._script("submit", *args)
             for job, reply in zip(chunk, replies, strict=True):
                 try:
                     receipts.append(self._receipt(job, reply))

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from ..client import Client
+from ..errors import SubmitOutcomeUnknown
 from ._common import (
     EXIT,
     Subparsers,
@@ -77,6 +78,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
         ("max_attempts", "max_attempts"),
         ("idempotency_key", "idempotency_key"),
         ("correlation_id", "correlation_id"),
+        ("id", "id"),
         ("priority", "priority"),
     ):
         value = getattr(ns, attr)
@@ -106,6 +108,12 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
 
     try:
         return _run(go)
+    except SubmitOutcomeUnknown as exc:
+        raise SubmitOutcomeUnknown(
+            f"{exc.message} (retry with: metnos-exec submit {ns.executor} ... --id {exc.job_id};"
+            f" see it with: metnos-exec result {exc.job_id})",
+            exc.job_id,
+        ) from None
     except KeyboardInterrupt:
         if not submitted:
             raise
@@ -188,7 +196,18 @@ def register(subparsers: Subparsers) -> None:
     s.add_argument(
         "--max-attempts", type=_positive_int, metavar="N", help="deliveries before it is dead"
     )
-    s.add_argument("--idempotency-key", metavar="KEY")
+    s.add_argument(
+        "--id",
+        metavar="ID",
+        help="the job's id (default: a new ULID); submitting the same id again queues "
+        "nothing twice, so a submit that ended E_SUBMIT_UNKNOWN can be retried with it",
+    )
+    s.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="a key of the caller's: a second submit with the same key queues nothing and "
+        "answers with the first job's id",
+    )
     s.add_argument("--correlation-id", metavar="ID")
     s.add_argument(
         "--priority",

@@ -578,6 +578,53 @@ async def test_a_result_is_kept_while_redis_restarts_and_stored_after(tmp_path: 
 
 
 @pytest.mark.anyio
+async def test_a_submit_whose_answer_is_lost_says_the_outcome_is_unknown(tmp_path: Path) -> None:
+    """Issue 18, item 2: a Redis stalled (SIGSTOP) while a client with a live connection
+    submits: the request is in Redis's socket, the answer never comes in time. The submit
+    said "nothing was queued" (E_BROKER_UNAVAILABLE) and the job ran once Redis resumed;
+    a caller's retry ran it twice. Now: E_SUBMIT_UNKNOWN with the job's id, and a resubmit
+    of that id queues nothing twice. A Redis that cannot be reached at all is still
+    "nothing was queued"."""
+    import signal
+
+    from metnos_exec.errors import SubmitOutcomeUnknown
+
+    need(redis_server_path() is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    assert server.proc is not None
+    try:
+        async with _broker(server.url, stream_timeout_s=0.5) as b:
+            await b.stats()  # a live connection
+            job = Job(executor="echo")
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(SubmitOutcomeUnknown) as caught:
+                    await b.submit(job)
+                with pytest.raises(SubmitOutcomeUnknown, match="may be queued"):
+                    await b.submit_many([Job(executor="echo"), Job(executor="echo")])
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            assert caught.value.job_id == job.id and caught.value.code == "E_SUBMIT_UNKNOWN"
+            assert isinstance(caught.value, BrokerUnavailable)  # what callers caught before
+            # Whether the stalled call was carried out or not (Redis drops a request whose
+            # client left before it resumed; one whose connection stays is carried out),
+            # resubmitting the id queues the job exactly once.
+            assert (await b.submit(job)).job_id == job.id
+            state = await b.get_job_state(job.id)
+            assert state is not None and state.state == "queued"
+            queued = (await b.stats()).queued
+            assert (await b.submit(job)).job_id == job.id
+            assert (await b.stats()).queued == queued
+    finally:
+        server.stop()
+    with pytest.raises(BrokerUnavailable) as down:
+        async with _broker(server.url, connect_timeout_s=0.5) as b:
+            await b.submit(Job(executor="echo"))
+    assert type(down.value) is BrokerUnavailable  # never sent: nothing was queued
+
+
+@pytest.mark.anyio
 async def test_a_full_redis_is_broker_full_and_nothing_is_evicted(tmp_path: Path) -> None:
     """maxmemory reached under noeviction (queue/redis.conf): writes are refused with
     ``E_BROKER_FULL`` (the worker retries), and nothing already queued is lost."""
