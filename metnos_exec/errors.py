@@ -328,8 +328,8 @@ ERROR_CODES: dict[str, str] = {
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",
     "E_BROKER_UNAVAILABLE": "the broker's store cannot be reached or used (missing, I/O error)",
-    "E_SUBMIT_UNKNOWN": "a submit was sent but its answer was lost; the job may be queued "
-    "(resubmit the same id: nothing is queued twice)",
+    "E_SUBMIT_UNKNOWN": "a submit's answer was lost: the job may be queued (resubmit its id: "
+    "no duplicate)",
     "E_BROKER_BUSY": "another process held the queue's write lock longer than the broker waits",
     "E_BROKER_FULL": "the broker's store is out of space (disk full, quota, file size limit)",
     "E_BROKER_READONLY": "the broker's store refuses writes (read-only file or file system)",
