@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
+from typing import Final
 
 import anyio.lowlevel
 import structlog
@@ -14,6 +15,7 @@ import structlog
 from ..errors import BadMessage, BrokerUnavailable, IdempotencyConflict, SubmitOutcomeUnknown
 from ..messages import (
     E_CANCELLED,
+    MAX_JOB_BYTES,
     SERVER_DEVICE,
     ErrorInfo,
     Job,
@@ -38,6 +40,12 @@ from .base import (
 __all__ = ("RedisQueue",)
 
 _log = structlog.get_logger("metnos_exec")
+#: What an inbox entry may have beyond its job's bound (its `id` field, field names).
+_INBOX_SLACK: Final = 4096
+#: How much of an oversized inbox entry's `job` its dead letter keeps.
+_EXCERPT: Final = 64 * 1024
+#: The longest job id (`messages.Job.id`).
+_MAX_ID: Final = 128
 
 
 @contextlib.asynccontextmanager
@@ -271,7 +279,15 @@ class RedisQueue(RedisStore):
         self._wake_results()
 
     async def _admit_inbox(self, worker_id: str) -> None:
-        """Queue (or dead-letter) what other-language producers put in the inbox."""
+        """Queue (or dead-letter) what other-language producers put in the inbox.
+
+        Entries over ``MAX_JOB_BYTES`` are cut down in Redis first (``inbox_trim``: an
+        excerpt, the size, the id bounded), so no worker reads one whole and no dead
+        letter keeps it whole; an id longer than a job id may be is replaced by a new one.
+        """
+        await self._script(
+            "inbox_trim", str(MAX_JOB_BYTES + _INBOX_SLACK), str(_EXCERPT), str(BATCH)
+        )
         entries = await self._guard(self._redis.xrange(self.keys.inbox, count=BATCH))
         if not entries:
             return
@@ -283,7 +299,14 @@ class RedisQueue(RedisStore):
             raw = fields.get("job")
             given = inbox_text(fields["id"]) if "id" in fields else None
             error: ErrorInfo | None = None
-            if raw is None:
+            if "oversize" in fields:
+                size = inbox_text(fields["oversize"])
+                error = ErrorInfo(
+                    code=BadMessage.code,
+                    message=f"inbox entry of {size} bytes is over MAX_JOB_BYTES "
+                    f"({MAX_JOB_BYTES}); its first {_EXCERPT} bytes are kept",
+                )
+            elif raw is None:
                 error = ErrorInfo(code=BadMessage.code, message="inbox entry has no `job` field")
             else:
                 try:
@@ -302,10 +325,17 @@ class RedisQueue(RedisStore):
                 args += [eid, "job", *self._submit_args(job)]
                 continue
             job_id = given or new_job_id()
-            result, letter = self._dead_records(
-                None, job_id, error, raw=bytes(raw or b""), worker=worker_id
-            )
-            args += [eid, "bad", job_id, bytes(raw or b""), result, letter, "", "", ""]
+            if not 1 <= len(job_id) <= _MAX_ID:
+                # A job id is at most 128 characters; a producer's 1 MB "id" is not one.
+                error = ErrorInfo(
+                    code=error.code,
+                    message=f"{error.message} (the entry's id, {job_id[:32]!r}..., is over "
+                    f"{_MAX_ID} characters: this id replaces it)",
+                )
+                job_id = new_job_id()
+            body = bytes(raw or b"")[:MAX_JOB_BYTES]
+            result, letter = self._dead_records(None, job_id, error, raw=body, worker=worker_id)
+            args += [eid, "bad", job_id, body, result, letter, "", "", ""]
             bad.append((job_id, error))
         await self._script("admit_inbox", *args)
         for job_id, error in bad:

@@ -252,6 +252,36 @@ for i = 3, #ARGV, 9 do
 end
 return n
 
+-- == inbox_trim ==
+-- ARGV[3] the most bytes an entry may have, [4] how many of an oversized entry's `job`
+-- to keep, [5] how many entries to look at. An inbox entry over the bound (a producer's
+-- 50 MB mistake) is replaced by one holding an excerpt, the original size (`oversize`)
+-- and its `id` cut to 256 characters, so that no worker reads it whole and no dead
+-- letter keeps it whole. Returns how many were replaced.
+local max, keep = tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = 0
+for _, e in ipairs(redis.call('XRANGE', INBOX, '-', '+', 'COUNT', tonumber(ARGV[5]))) do
+  local f = e[2]
+  local size = 0
+  for i = 1, #f do size = size + #f[i] end
+  if size > max then
+    local out = {'oversize', tostring(size)}
+    for i = 1, #f - 1, 2 do
+      if f[i] == 'id' then
+        out[#out + 1] = 'id'
+        out[#out + 1] = string.sub(f[i + 1], 1, 256)
+      elseif f[i] == 'job' then
+        out[#out + 1] = 'job'
+        out[#out + 1] = string.sub(f[i + 1], 1, keep)
+      end
+    end
+    redis.call('XDEL', INBOX, e[1])
+    redis.call('XADD', INBOX, '*', unpack(out))
+    n = n + 1
+  end
+end
+return n
+
 -- == lease ==
 -- ARGV[3] worker id, [4] visibility seconds, [5] device, [6] limit, [7] token base,
 -- [8] how many of the leases handed out start at once (the rest are leased ahead: they

@@ -524,6 +524,39 @@ async def test_a_key_of_the_wrong_kind_is_set_aside_and_costs_no_job_an_attempt(
         assert not [r for r in logs if r["event"] == "broker.error"], logs
 
 
+@pytest.mark.anyio
+async def test_an_oversized_inbox_entry_is_dead_lettered_as_an_excerpt(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 18, item 6: a 50 MB malformed entry kept its body whole in its job record and
+    dead letter (40 x 8 MB took Redis to 519 MB), and a 1 MB inbox `id` became a 1 MB job
+    id. Now the entry is cut down in Redis before a worker reads it: an excerpt and the
+    size are kept, and an id too long for a job id is replaced."""
+    async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
+        big = b'{"executor": "echo", "args": {"x": "' + b"y" * (3 << 20) + b'"}}'
+        long_id = "i" * 5000
+        await raw.xadd(b.keys.inbox, {"id": long_id, "job": big})
+        await raw.xadd(b.keys.inbox, {"id": "x" * 300, "job": b"not json"})
+        good = Job(executor="echo")
+        await raw.xadd(b.keys.inbox, {"job": encode(good)})
+        leases = await b.lease("w", visibility_s=30, limit=10)
+        assert [le.job.id for le in leases] == [good.id]
+        letters = await b.dead_letters(limit=10)
+        assert len(letters) == 2
+        for letter in letters:
+            assert 1 <= len(letter.job_id) <= 128 and letter.job_id != long_id
+            assert letter.raw is not None and len(letter.raw) <= 64 * 1024
+            body = await raw.hget(b.keys.job(letter.job_id), "body")
+            assert body is not None and len(body) <= 64 * 1024
+        by_size = {le.error.message: le for le in letters}
+        [over] = [m for m in by_size if "over MAX_JOB_BYTES" in m]
+        # (the entry's size: its fields' names and values)
+        assert f"{len(big) + len(long_id) + 5} bytes" in over and "over 128 characters" in over
+        assert await raw.xlen(b.keys.inbox) == 0
+        info = await raw.memory_usage(b.keys.job(letters[0].job_id))
+        assert info is not None and info < 512 * 1024
+
+
 # --- Redis unreachable or restarting --------------------------------------------------
 
 
