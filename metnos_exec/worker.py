@@ -57,6 +57,7 @@ from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
 from .supervisor.config import split_settings
+from .supervisor.outage import OutageLog
 from .undo.staging import STATE_DIR_ENV, Staging, default_state_dir
 
 __all__ = (
@@ -341,14 +342,14 @@ async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) 
         BrokerError: any store failure but a held lock (missing folder, read-only, ...).
     """
     failures = 0
+    outage = OutageLog()  # the first failure said, then a reminder every 30 s
     while not stop():
         try:
-            return open_broker(url)
+            broker = open_broker(url)
         except (BrokerBusy, BrokerFull) as exc:
             failures += 1
             delay = store_backoff(failures)
-            _log.error(
-                "broker.error",
+            outage.failed(
                 op="open",
                 code=exc.code,
                 error=exc.message,
@@ -357,6 +358,9 @@ async def open_when_free(url: str, *, stop: Callable[[], bool] = lambda: False) 
                 retry_in_s=round(delay, 3),
             )
             await anyio.sleep(delay)
+        else:
+            outage.recovered(op="open")
+            return broker
     return None
 
 

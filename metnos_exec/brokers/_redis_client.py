@@ -239,7 +239,7 @@ class RedisStore(PolledWaits):
             kind = _REFUSAL_ERRORS.get(text.split(" ", 1)[0], BrokerUnavailable)
             raise kind(f"Redis at {self.where} refuses writes: {text}") from None
         if self._failing_since is not None:
-            _log.info(
+            _log.debug(
                 "broker.recovered",
                 broker=self.where,
                 down_s=round(time.monotonic() - self._failing_since, 3),
@@ -248,9 +248,12 @@ class RedisStore(PolledWaits):
         return out
 
     def _failed(self, exc: BaseException) -> None:
+        # At debug level: the call's caller gets the error, and a worker says it once
+        # per outage with reminders (`supervisor.outage`); an error record here too made
+        # every failure two records.
         if self._failing_since is None:
             self._failing_since = time.monotonic()
-        _log.error("broker.error", broker=self.where, error=f"{type(exc).__name__}: {exc}")
+        _log.debug("broker.error", broker=self.where, error=f"{type(exc).__name__}: {exc}")
 
     async def _script(self, name: str, *args: str | bytes) -> Any:
         """Run the script `name`; a key its guard finds of the wrong kind (a producer

@@ -22,6 +22,7 @@ from ..brokers.base import Lease, RetryOutcome
 from ..errors import BadMessage, BrokerError, HostFault, MetnosError
 from ..logs import finished_level
 from ..messages import ErrorInfo, Result
+from .outage import OutageLog
 from .outcome import _containment_summary, _exit_fields
 from .state import SupervisorState
 
@@ -111,6 +112,8 @@ class Settling(SupervisorState):
         #: Consecutive failed broker calls, and since when (monotonic) the store failed.
         self._store_failures = 0
         self._store_down_since: float | None = None
+        #: Which failures become records (one per outage, reminders, one recovery).
+        self._outage = OutageLog()
         #: Settlements waiting for the store; leasing waits while there are any.
         self._unstored = 0
         self._stored = anyio.Event()
@@ -125,7 +128,8 @@ class Settling(SupervisorState):
         )
 
     def _broker_failed(self, op: str, exc: Exception, **fields: Any) -> None:
-        """Log a failed broker call; a fatal store error stops the worker.
+        """Log a failed broker call (`OutageLog`: the first of an outage, then a reminder
+        at most every 30 s with the count); a fatal store error stops the worker.
 
         Only the calls on the path of new work (`_GATING`) hold the lease loop back; a
         failed heartbeat, purge or catalog update is said and left to its own next try.
@@ -140,8 +144,8 @@ class Settling(SupervisorState):
         else:  # a client library's own exception, or a bug: said as it is
             code, error = HostFault.code, f"{type(exc).__name__}: {exc}"
         fatal = isinstance(exc, BrokerError) and exc.fatal
-        _log.error(
-            "broker.error",
+        self._outage.failed(
+            always=fatal,
             op=op,
             code=code,
             error=error,
@@ -161,10 +165,7 @@ class Settling(SupervisorState):
         """A gating call worked: the store is back, unless results still wait for it
         (`own`: the caller's own settlement, still counted as waiting)."""
         if self._store_failures and op in _GATING and self._unstored - own <= 0:
-            down = time.monotonic() - (self._store_down_since or time.monotonic())
-            _log.info(
-                "broker.recovered", op=op, failures=self._store_failures, down_s=round(down, 3)
-            )
+            self._outage.recovered(op=op)
             self._store_failures = 0
             self._store_down_since = None
             self._republish.set()

@@ -877,16 +877,18 @@ async def test_a_result_the_store_refuses_is_kept_and_stored_once_it_works(
             await sup.drain(1)
     result = await broker.get_result(first)
     assert result is not None and (result.status, result.attempt) == ("succeeded", 1)
-    errors = _events(logs, "broker.error")
-    assert len(errors) >= 4 and {e["op"] for e in errors} == {"ack"}
-    assert {(e["code"], e["job_id"]) for e in errors} == {(error.code, first)}
-    assert all(e["retry_in_s"] is not None and not e["fatal"] for e in errors)
-    assert [e["op"] for e in _events(logs, "broker.recovered")] == ["ack"]
+    # One record for the outage (the store failed 4+ times within a reminder's 30 s:
+    # issue 18, an outage logged once per call flooded the logs), one for its end.
+    [err] = _events(logs, "broker.error")
+    assert (err["op"], err["code"], err["job_id"]) == ("ack", error.code, first)
+    assert err["retry_in_s"] is not None and not err["fatal"]
+    [back] = _events(logs, "broker.recovered")
+    assert back["op"] == "ack" and back["failures"] >= 4
     # (capture_logs leaves out the bound job context: job.finished has no job_id here.)
     assert [e["stored"] for e in _events(logs, "job.finished")] == [True, True]
     assert _events(logs, "job.retry_scheduled") == [] and _events(logs, "worker.error") == []
     [stopped] = _events(logs, "worker.stopped")
-    assert stopped["unsettled"] == 0 and stopped["broker_errors"] == len(errors)
+    assert stopped["unsettled"] == 0 and stopped["broker_errors"] == back["failures"]
 
 
 async def test_a_drain_while_the_store_is_down_gives_up_and_still_stops(
