@@ -85,7 +85,12 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
             (or its optional dependency) is not installed.
         BrokerError: the store itself cannot be opened (`metnos_exec.errors`).
     """
-    scheme = urlsplit(url).scheme
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port that is not a number is refused here, not later)
+    except ValueError as exc:  # "Invalid IPv6 URL" for a stray [, a port not a number
+        raise BadBrokerURL(f"{url!r} is not a URL: {exc}") from None
+    scheme = parts.scheme
     target = _REGISTRY.get(scheme)
     if target is None:
         known = ", ".join(f"{s}://" for s in _REGISTRY)
@@ -98,7 +103,7 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     except ImportError as exc:
         raise BadBrokerURL(_missing(scheme, module_name, exc)) from None
     cls = getattr(module, class_name)
-    merged: dict[str, Any] = dict(parse_qsl(urlsplit(url).query))
+    merged: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
     merged.update(options)
     if not create:
         # Only when asked: a broker without a store to find need not know the option.

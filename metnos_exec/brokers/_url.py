@@ -9,6 +9,7 @@ the rest by name, so that a mistyped option is an error rather than silently ign
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,23 @@ def flag(value: object) -> bool:
     if isinstance(value, str):
         value = value.strip().lower() not in ("0", "false", "no", "off")
     return bool(value)
+
+
+def _seconds(value: object) -> float:
+    """A duration or an interval: a finite number above zero (a zero poll interval
+    spins, a negative timeout was read as "cannot reach Redis" with Redis up)."""
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"must be a number of seconds above 0, got {value!r}")
+    return number
+
+
+def _name(value: object) -> str:
+    """A name: not empty (``?prefix=`` quietly meant the default queue)."""
+    text = str(value)
+    if not text.strip():
+        raise ValueError("must not be empty (leave the option out for its default)")
+    return text
 
 
 def take_options(
@@ -39,16 +57,17 @@ def take_options(
         broker: the broker's name in the error message (``sqlite``, ``redis``).
         options: the URL's query merged with the caller's options; emptied of those
             taken.
-        floats: options that are numbers. strings: options that are names. flags:
-            yes/no options (`flag`). objects: options passed as given (a clock).
+        floats: options that are seconds (finite, above 0). strings: options that are
+            names (not empty). flags: yes/no options (`flag`). objects: options passed
+            as given (a clock).
 
     Raises:
-        ValueError: a number that is not one (``float``'s own message), or options
+        ValueError: an option of the wrong kind (``option <name>: ...``), or options
             `broker` does not know: ``unknown <broker> broker options: [...]``.
     """
     kinds: tuple[tuple[Sequence[str], Callable[[Any], Any] | None], ...] = (
-        (floats, float),
-        (strings, str),
+        (floats, _seconds),
+        (strings, _name),
         (flags, flag),
         (objects, None),
     )
@@ -57,7 +76,10 @@ def take_options(
         for key in keys:
             if key in options:
                 value = options.pop(key)
-                kwargs[key] = value if convert is None else convert(value)
+                try:
+                    kwargs[key] = value if convert is None else convert(value)
+                except ValueError as exc:
+                    raise ValueError(f"option {key}: {exc}") from None
     if options:
         raise ValueError(f"unknown {broker} broker options: {sorted(options)}")
     return kwargs

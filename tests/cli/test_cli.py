@@ -810,6 +810,45 @@ def test_a_bare_file_path_as_broker_url_is_answered_with_the_url(env: dict[str, 
     assert "did you mean" not in one_clear_line(out)
 
 
+#: Issue 18, item 10: broker URLs and options a user mistypes. Each was an internal error
+#: (exit 70, a bare ValueError from Python), "cannot reach Redis" with Redis up, or quietly
+#: something else (``?prefix=`` the default queue; zero or negative intervals taken).
+BAD_URLS = [
+    ("redis://[bad", "not a URL"),
+    ("rediss://[::1", "not a URL"),
+    ("sqlite://[x/q.db", "not a URL"),
+    ("redis://127.0.0.1:1?connect_timeout_s=-1", "connect_timeout_s"),
+    ("redis://127.0.0.1:1?stream_timeout_s=0", "stream_timeout_s"),
+    ("redis://127.0.0.1:1?settle_patience_s=-3", "settle_patience_s"),
+    ("redis://127.0.0.1:1?poll_interval_s=0", "poll_interval_s"),
+    ("redis://127.0.0.1:1?poll_interval_s=nan", "poll_interval_s"),
+    ("redis://127.0.0.1:1?prefix=", "prefix"),
+    ("sqlite:///q.db?poll_interval_s=-1", "poll_interval_s"),
+    ("sqlite:///q.db?busy_timeout_s=0", "busy_timeout_s"),
+    ("sqlite:///q.db?busy_timeout_s=inf", "busy_timeout_s"),
+    ("sqlite:///q.db?synchronous=", "synchronous"),
+]
+
+
+@pytest.mark.parametrize(("url", "named"), BAD_URLS)
+def test_a_malformed_broker_url_is_a_clear_usage_error_everywhere(
+    env: dict[str, str], tmp_path: Path, url: str, named: str
+) -> None:
+    from metnos_exec.brokers import BadBrokerURL, open_broker
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    with contextlib.chdir(work), pytest.raises(BadBrokerURL, match=re.escape(named)) as caught:
+        open_broker(url)
+    assert caught.value.code == "E_BAD_BROKER_URL"
+    for command in (("status",), ("submit", "sleepy"), ("purge",)):
+        out = cli(env, *command, "--broker", url, cwd=work)
+        assert out.returncode == EXIT["usage"], (command, out.stderr)
+        line = one_clear_line(out)
+        assert "E_BAD_BROKER_URL" in line and named in line, line
+    assert list(work.iterdir()) == []  # refused before anything was made
+
+
 def test_wait_refuses_negative_and_nan_seconds_and_zero_looks_once(env: dict[str, str]) -> None:
     # `--wait -1` said "no worker has leased it: is a worker running?" at once, `--wait nan`
     # waited forever, and `submit --wait 0` did not wait at all (it printed the id, exit 0).
