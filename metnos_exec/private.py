@@ -110,14 +110,15 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def create_private_file(path: str | os.PathLike[str]) -> bool:
-    """Create `path` empty, 0600 exactly, unless it exists (then `tighten` it). Returns
-    whether it was created."""
+def create_private_file(path: str | os.PathLike[str], *, tighten_existing: bool = True) -> bool:
+    """Create `path` empty, 0600 exactly, unless it exists (then `tighten` it, unless
+    `tighten_existing` is false). Returns whether it was created."""
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        tighten(p)
+        if tighten_existing:
+            tighten(p)
         return False
     try:
         os.fchmod(fd, 0o600)

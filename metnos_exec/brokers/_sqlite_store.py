@@ -183,7 +183,9 @@ class SQLiteStore(PolledWaits):
             # -wal and -shm with the database's own mode), tightened if it is open to
             # other users (`metnos_exec.private`).
             with contextlib.suppress(OSError):  # SQLite says why, in its own terms, below
-                create_private_file(self.path)
+                # Made 0600 when missing; an existing file is tightened only once it is
+                # known to be a queue (below): a file that is not one is left as found.
+                create_private_file(self.path, tighten_existing=False)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; Python's implicit
         # (deferred) transactions would let two processes read the same due row.
         try:
@@ -210,6 +212,11 @@ class SQLiteStore(PolledWaits):
         except BaseException:
             self._db.close()
             raise
+        if create:
+            # A queue now: its file, and the -wal and -shm SQLite made with its old mode.
+            for name in (str(self.path), f"{self.path}-wal", f"{self.path}-shm"):
+                with contextlib.suppress(OSError):
+                    tighten(name)
         self._identity = (st.st_dev, st.st_ino)
         self._next_file_check = time.monotonic() + _FILE_CHECK_S
         self._gone: BrokerGone | None = None

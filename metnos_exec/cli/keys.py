@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -16,6 +17,11 @@ from ._common import EXIT, Subparsers, _Exit, _Formatter
 def _cmd_keygen(ns: argparse.Namespace) -> int:
     from ..devices.signing import generate_key, key_id, load_public_key
 
+    folder = Path(ns.out).absolute().parent
+    if not folder.is_dir():
+        # A mistyped --out must not make folders (the Python API makes the key's own
+        # folder private: asked for, there).
+        raise _Exit(EXIT["usage"], f"--out {ns.out}: no folder {folder} (make it first)")
     try:
         priv, pub = generate_key(ns.out)
     except MetnosError as exc:

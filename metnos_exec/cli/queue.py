@@ -104,6 +104,10 @@ def _cmd_tail(ns: argparse.Namespace) -> int:
         )
     if not os.path.exists(ns.file):
         raise _Exit(EXIT["not_found"], f"no log file {ns.file}")
+    if os.path.isdir(ns.file):
+        logs = sorted(n for n in os.listdir(ns.file) if n.endswith((".jsonl", ".log")))
+        hint = f": its logs are {', '.join(logs[:5])}" if logs else ""
+        raise _Exit(EXIT["usage"], f"{ns.file} is a folder; tail reads a log file{hint}")
     color = ns.color if ns.color is not None else sys.stdout.isatty()
     try:
         tail(

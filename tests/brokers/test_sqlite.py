@@ -363,10 +363,15 @@ def test_an_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(BrokerUnavailable, match="cannot open the queue database") as info:
         SQLiteBroker(tmp_path / "missing-dir" / "queue.db")
     assert info.value.code == "E_BROKER_UNAVAILABLE"
-    (tmp_path / "garbage.db").write_bytes(b"this is not a database" * 100)
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not a database" * 100)
+    garbage.chmod(0o644)
     with pytest.raises(BrokerCorrupt, match="cannot use the queue database") as bad:
-        SQLiteBroker(tmp_path / "garbage.db")
+        SQLiteBroker(garbage)
     assert bad.value.code == "E_BROKER_CORRUPT" and bad.value.fatal
+    # Refused untouched (issue 18: its mode was tightened 0644 -> 0640 first).
+    assert garbage.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.db"]
 
 
 # --- issue 9: a queue that survives bad messages, bad disks and bad days --------------

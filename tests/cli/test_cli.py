@@ -759,6 +759,19 @@ def test_an_unreachable_redis_is_one_line_for_a_client_command(
     assert out.stdout == "", out.stdout
 
 
+def test_tail_of_a_folder_is_a_usage_error_naming_its_logs(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # Issue 18, item 10: `tail FOLDER` was an internal error (exit 70, IsADirectoryError).
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    (folder / "worker.jsonl").write_text("")
+    out = cli(env, "tail", str(folder))
+    assert out.returncode == EXIT["usage"], out.stderr
+    line = one_clear_line(out)
+    assert "is a folder" in line and "worker.jsonl" in line, line
+
+
 def test_tail_refuses_an_event_no_record_can_have(env: dict[str, str], tmp_path: Path) -> None:
     """`tail --event job.finshed` (a typo) printed nothing and exited 0, as if no job had
     finished; an event name (or prefix) outside the fixed vocabulary is a usage error that

@@ -458,6 +458,12 @@ def test_cli_device_worker_without_trust_key_exits_2(
 def test_cli_keygen_and_sign(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from metnos_exec.cli import main
 
+    # A missing folder is refused, not made (issue 18: `--out /missing/dir/k.key` made both).
+    with pytest.raises(SystemExit) as refused:
+        main(["keygen", "--out", str(tmp_path / "k" / "srv.key")])
+    assert refused.value.code == 2
+    assert "no folder" in capsys.readouterr().err and not (tmp_path / "k").exists()
+    (tmp_path / "k").mkdir()
     assert main(["keygen", "--out", str(tmp_path / "k" / "srv.key")]) == 0
     out = capsys.readouterr().out
     assert "srv.key.pub" in out and "key id" in out
