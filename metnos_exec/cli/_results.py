@@ -65,6 +65,10 @@ def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
         lines.append("  containment: " + ("; ".join(parts) if parts else "all walls kept"))
     if result.usage is not None:
         lines.append(f"  wall: {result.usage.wall_s:.3f} s")
+    if result.undo_ids:
+        # What `metnos-exec undo` needs to know exists (the human output hid it).
+        ids = ", ".join(visible(u) for u in result.undo_ids)
+        lines.append(f"  undo: {ids} (metnos-exec undo {visible(result.job_id)})")
     if result.output is not None:
         text = msgspec.json.format(msgspec.json.encode(result.output), indent=2).decode()
         if len(text) > 4000:

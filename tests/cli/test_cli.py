@@ -393,6 +393,13 @@ def test_result_prints_partial_and_lost_axes_apart() -> None:
     every = ContainmentReport("bwrap", kept, kept, kept, kept, kept)
     _print_result(msgspec.structs.replace(result, containment=every), as_json=False, out=out)
     assert "containment: all walls kept" in out.getvalue()
+    # The undo ids (issue 18, item 11: the human output hid them), and how to use them.
+    out = io.StringIO()
+    _print_result(msgspec.structs.replace(result, undo_ids=("U1", "U2")), as_json=False, out=out)
+    assert "  undo: U1, U2 (metnos-exec undo 01JOB)" in out.getvalue()
+    out = io.StringIO()
+    _print_result(result, as_json=False, out=out)
+    assert "undo:" not in out.getvalue()
 
 
 def test_bench_uses_the_checkout_folder_and_skips_helpers(
