@@ -304,6 +304,12 @@ async def test_python_single_huge_allocation_is_reported_as_the_guests_failure(
 
 # --- acceptance 3: timeout and cancellation --------------------------------------------
 
+#: How late a stopped guest may be said to stop. The claim of these tests is that it is
+#: stopped (at its deadline or its cancel, not at the budget it would otherwise run to);
+#: a tight bound made them fail when a loaded 2-core machine scheduled late, and speed is
+#: what the benchmarks measure.
+_SLACK_S = 3.0
+
 
 @pytest.mark.anyio
 async def test_timeout_stops_a_looping_guest_by_its_epoch_deadline(arm: WasmSandbox) -> None:
@@ -334,7 +340,9 @@ async def test_cancelling_the_caller_scope_stops_the_guest(arm: WasmSandbox) -> 
         await arm.run(job)
     elapsed = time.monotonic() - t0
     assert scope.cancelled_caught
-    assert elapsed < 0.3 + 0.1, elapsed
+    # Stopped at the cancel, not at its 30 s budget: the bound is loose on purpose (a root
+    # suite beside other work once took 0.51 s here; how fast is the bench's question).
+    assert elapsed < 0.3 + _SLACK_S, elapsed
     assert not _guest_processes()  # the guest's process is gone, reaped
     # and the arm still works
     assert (await arm.run(wat_job("ok"))).exit == Success()
@@ -360,7 +368,7 @@ async def test_explicit_cancel_scope_cancel_stops_the_guest(arm: WasmSandbox) ->
             tg.start_soon(canceller, scope)
             await arm.run(job)
     assert scope.cancelled_caught
-    assert time.monotonic() - t_cancel < 0.1
+    assert time.monotonic() - t_cancel < _SLACK_S  # not its 30 s budget
     assert not _guest_processes()
 
 
@@ -383,14 +391,15 @@ async def test_sleeping_python_guest_is_stopped_by_timeout_and_by_cancel(
     out = await py_arm.run(job)
     elapsed = time.monotonic() - t0
     assert out.exit == Timeout()
-    assert out.stdout == b"0.2\n"  # a short sleep still sleeps, and returns
-    assert deadline <= elapsed < deadline + 0.1 + 0.1, elapsed  # + module load, see above
+    slept = float(out.stdout)  # a short sleep still sleeps, and returns
+    assert 0.2 <= slept < deadline, out.stdout
+    assert deadline <= elapsed < deadline + _SLACK_S, elapsed  # not its sleep(1000)
     job = py_job(tmp_path, code, wall_time_s=30)
     t0 = time.monotonic()
     with anyio.move_on_after(0.5) as scope:
         await py_arm.run(job)
     assert scope.cancelled_caught
-    assert time.monotonic() - t0 < 0.5 + 0.1
+    assert time.monotonic() - t0 < 0.5 + _SLACK_S
     assert not _guest_processes()
 
 
