@@ -40,6 +40,9 @@ _BULK_PIPE = 1024 * 1024
 _DEFAULT_PIPE = 64 * 1024
 #: The most records one job's result keeps (and logs); the rest are counted.
 MAX_RECORDS = 1000
+#: The most refusals of one job logged one by one; the rest are said once, counted, when
+#: the job's wall comes down (a job flooding the wall made a log line per connection).
+LOGGED_REFUSALS = 20
 
 
 async def recv_some(sock: socket.socket, n: int = _CHUNK) -> bytes:
@@ -87,6 +90,9 @@ class JobTraffic:
         self.records: list[EgressRecord] = []
         #: Records past `MAX_RECORDS`, counted only.
         self.dropped = 0
+        #: Refusals past `LOGGED_REFUSALS`, in the result but not logged one by one.
+        self.unlogged_refusals = 0
+        self._logged_refusals = 0
         self.open = 0
         self.bytes = 0
         #: Set when the byte budget is spent: every relay stops.
@@ -166,8 +172,23 @@ class JobTraffic:
         fields = {k: v for k, v in structlog_fields(record).items() if v is not None}
         if record.allowed:
             _log.info("egress.allowed", **fields)
-        else:
+        elif self._logged_refusals < LOGGED_REFUSALS:
+            self._logged_refusals += 1
             _log.warning("egress.refused", **fields)
+        else:
+            self.unlogged_refusals += 1
+
+    def log_summary(self) -> None:
+        """Say the refusals not logged one by one (and the records not kept), once."""
+        if self.unlogged_refusals or self.dropped:
+            _log.warning(
+                "egress.refused",
+                suppressed=self.unlogged_refusals + self.dropped,
+                reason=f"{self.unlogged_refusals + self.dropped} more connections of the job "
+                f"were refused or not listed after its first {LOGGED_REFUSALS} refusals "
+                "were logged (the result's egress lists up to "
+                f"{MAX_RECORDS}); blocked by the executor's manifest",
+            )
 
     async def connect(self, ok: Authorized) -> tuple[socket.socket, str]:
         """A connection to the first of the checked addresses that answers.

@@ -141,6 +141,7 @@ class Wall:
             for sock in self._socks:
                 sock.close()
             self._socks.clear()
+            self.traffic.log_summary()
 
     async def attach(self, pid: int) -> None:
         """Bind the listeners in the network namespace of sandbox process `pid` (before

@@ -361,3 +361,21 @@ async def test_a_job_that_floods_the_wall_is_taken_at_its_rate() -> None:
     for elapsed, count in seen:  # never ahead of the bucket (one wake-up of slack)
         assert count <= burst + rate * elapsed + 1, (elapsed, count)
     assert took >= (n - burst) / rate * 0.95
+
+
+def test_a_flood_of_refusals_is_logged_by_its_first_and_a_count() -> None:
+    # Each refused connection was a log line: a flooding job cost the worker a write per
+    # connection. The first LOGGED_REFUSALS are logged, the rest said once, counted.
+    from structlog.testing import capture_logs
+
+    from metnos_exec.sandbox.egress.relay import LOGGED_REFUSALS
+
+    traffic = JobTraffic(policy_for([("http", "127.0.0.1:1")]), resolver)
+    with capture_logs() as logs:
+        for _ in range(LOGGED_REFUSALS + 30):
+            traffic.refuse("direct", "127.0.0.1", 6379, "not named; blocked by the manifest")
+        traffic.log_summary()
+    refused = [r for r in logs if r["event"] == "egress.refused"]
+    assert len(refused) == LOGGED_REFUSALS + 1
+    assert refused[-1]["suppressed"] == 30 and "30 more" in refused[-1]["reason"]
+    assert len(traffic.records) == LOGGED_REFUSALS + 30  # the result lists them all
