@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.helpers.worker_cli import wait_for_event, worker_argv
 
@@ -32,15 +33,10 @@ def test_every_python_block_compiles() -> None:
         compile(code, f"README.md python block {i}", "exec", flags=flags)
 
 
-def test_the_client_snippet_runs_against_a_worker(tmp_path: Path) -> None:
-    """From the folder the README's steps use (`demo/` beside you), with a worker serving
-    `demo/metnos.db`: the snippet, pasted into a file, runs to the end. The worker runs
-    every job in the echo double, so this needs no sandbox: what is tested is the
-    snippet's Python, not the arms."""
-    [snippet] = [b for b in _python_blocks() if "SyncClient(" in b]
-    (tmp_path / "demo" / "home" / "notes").mkdir(parents=True)
+def run_snippet(tmp_path: Path, snippet: str, env: dict[str, str], timeout: float) -> Any:
+    """`snippet` pasted into a file and run from `tmp_path` (the folder the README's steps
+    use: `demo/` beside you) while a worker serves `demo/metnos.db` with the examples."""
     (tmp_path / "snippet.py").write_text(snippet)
-    env = {**os.environ, "METNOS_ARM_OVERRIDE": "echo", "HOME": str(tmp_path)}
     log = tmp_path / "demo" / "worker.jsonl"
     worker = subprocess.Popen(
         worker_argv(
@@ -52,17 +48,26 @@ def test_the_client_snippet_runs_against_a_worker(tmp_path: Path) -> None:
     )
     try:
         wait_for_event(log, "worker.started", worker)
-        out = subprocess.run(
+        return subprocess.run(
             [sys.executable, "snippet.py"],
             cwd=tmp_path,
             env=env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=timeout,
         )
     finally:
         worker.send_signal(signal.SIGTERM)
-        worker.wait(20)
+        worker.wait(30)
+
+
+def test_the_client_snippet_runs_against_a_worker(tmp_path: Path) -> None:
+    """The client snippet runs to the end. The worker runs every job in the echo double,
+    so this needs no sandbox: what is tested is the snippet's Python, not the arms."""
+    [snippet] = [b for b in _python_blocks() if "SyncClient(" in b]
+    (tmp_path / "demo" / "home" / "notes").mkdir(parents=True)
+    env = {**os.environ, "METNOS_ARM_OVERRIDE": "echo", "HOME": str(tmp_path)}
+    out = run_snippet(tmp_path, snippet, env, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("succeeded ") and "Result(" in lines[1], out.stdout
@@ -78,31 +83,9 @@ def test_the_undo_snippet_runs_against_a_worker(tmp_path: Path) -> None:
     [snippet] = [b for b in _python_blocks() if "client.undo(" in b]
     notes = tmp_path / "demo" / "home" / "notes"
     notes.mkdir(parents=True)
-    (tmp_path / "snippet.py").write_text(snippet)
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("METNOS_ARM_OVERRIDE", None)
-    log = tmp_path / "demo" / "worker.jsonl"
-    worker = subprocess.Popen(
-        worker_argv(
-            "sqlite:///demo/metnos.db", ROOT / "examples" / "executors", log, "--home", "demo/home"
-        ),
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_event(log, "worker.started", worker)
-        out = subprocess.run(
-            [sys.executable, "snippet.py"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(30)
+    out = run_snippet(tmp_path, snippet, env, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("succeeded ('") and lines[0] != "succeeded ()", out.stdout
