@@ -278,13 +278,13 @@ def _zombie_children(pid: int) -> list[int]:
         try:  # a thread may end meanwhile (an idle worker thread)
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 children += f.read().split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
             continue
     for child in children:
         try:
             with open(f"/proc/{child}/stat", "rb") as st:
                 stat = st.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
             continue
         if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
             found.append(int(child))
@@ -476,7 +476,7 @@ def _runs(pid: int) -> list[int]:
             with open(f"/proc/{child}/cmdline", "rb") as f:
                 if b"_reaper" in f.read():
                     found.append(child)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
             continue
     return found
 
@@ -488,7 +488,7 @@ def _children(pid: int) -> list[int]:
         try:  # a thread may end meanwhile
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 kids += [int(c) for c in f.read().split()]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
             continue
     return [k for k in kids if not _is_keeper(k)]
 
@@ -497,7 +497,7 @@ def _is_keeper(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return b"_keeper.py" in f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
         return False
 
 

@@ -46,7 +46,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
         return False
     if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
         with contextlib.suppress(ChildProcessError):

@@ -310,7 +310,7 @@ def zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
         return False
     return stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"
 

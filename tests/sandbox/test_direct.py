@@ -154,7 +154,7 @@ def _gone(pidfile: Path) -> bool:
     pid = int(pidfile.read_text())
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
         return True
     return stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"
 
