@@ -22,7 +22,9 @@ Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
 
 from __future__ import annotations
 
+import difflib
 import os
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -33,7 +35,14 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .brokers import Broker, CancelOutcome, open_broker
 from .devices.catalog import device_refusal
-from .errors import BadMessage, MetnosError, ServerPinned, UndoConflict, UndoUnavailable
+from .errors import (
+    BadMessage,
+    MetnosError,
+    ServerPinned,
+    UndoConflict,
+    UndoUnavailable,
+    UnknownExecutor,
+)
 from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Result
 from .undo.apply import undo_job_args
 
@@ -81,6 +90,10 @@ class Client:
         else:
             self._broker = open_broker(broker or default_broker_url())
             self._owns = True
+        #: Executor names seen in the published catalog (it only grows: a name in it
+        #: needs no second look).
+        self._known: set[str] = set()
+        self._looked_at = -1e9  # monotonic time of the last look at an empty catalog
 
     @property
     def broker(self) -> Broker:
@@ -125,6 +138,10 @@ class Client:
             IdempotencyConflict: the ``idempotency_key`` (or the ``id``) already names a
                 job with another executor or other arguments (its id is
                 ``original_job_id``).
+            UnknownExecutor: the server workers have published their executors and none
+                has this name (a typo, or a worker with that executor not started yet);
+                nothing is queued. Before any worker published, every name is accepted
+                (the job waits for a worker that serves it).
             ServerPinned: the job targets a device, and the executor as published by the
                 server workers must stay on the server (not packable, or provider
                 authority for these arguments); nothing is queued (see `catalog`).
@@ -135,6 +152,7 @@ class Client:
             BrokerError: any other store failure; nothing was queued.
         """
         job = _make_job(executor, args or {}, fields)
+        await self._check_known(job)
         if job.device is not None and job.device != SERVER_DEVICE:
             info = await self._broker.executor_info(job.executor)
             why = None if info is None else device_refusal(info.manifest, job.args)
@@ -145,6 +163,26 @@ class Client:
                 )
         receipt = await self._broker.submit(job)
         return receipt.job_id
+
+    async def _check_known(self, job: Job) -> None:
+        """Refuse a server job for an executor no server worker ever published: with
+        executor routing it would wait for a worker that does not exist. (A device job is
+        checked by its device: devices publish nothing.)"""
+        on_server = job.device is None or job.device == SERVER_DEVICE
+        if not on_server or job.executor == UNDO_EXECUTOR or job.executor in self._known:
+            return
+        if not self._known and time.monotonic() - self._looked_at < 1.0:
+            return  # nothing published a moment ago: a producer ahead of its workers
+        self._known = await self._broker.executor_names()
+        self._looked_at = time.monotonic()
+        if self._known and job.executor not in self._known:
+            close = difflib.get_close_matches(job.executor, self._known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UnknownExecutor(
+                f"no worker on this queue serves an executor named {job.executor!r}{hint}; "
+                f"the executors published are: {', '.join(sorted(self._known)[:20])}. "
+                "Start a worker whose --executors folder has it, then submit again"
+            )
 
     async def result(self, job_id: str, *, wait: bool | float = False) -> Result | None:
         """The job's result.

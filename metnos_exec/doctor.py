@@ -221,7 +221,7 @@ def _executors_finding(
             check="executors",
             state="missing",
             detail=f"{folder}: no executor folder (no */manifest.toml) in it",
-            meaning="a worker started on it rejects every job (E_UNKNOWN_EXECUTOR)",
+            meaning="a worker started on it serves no executor: it runs only undo jobs",
             fix=fix,
             required=True,
         )

@@ -294,7 +294,7 @@ ERROR_CODES: dict[str, str] = {
     # refused before anything ran
     "E_BAD_MESSAGE": "the job message is malformed (not JSON, wrong field types, bad version)",
     "E_BAD_ARGS": "the arguments do not fit the executor's schema",
-    "E_UNKNOWN_EXECUTOR": "no executor of that name is loaded on the worker",
+    "E_UNKNOWN_EXECUTOR": "no worker on the queue serves an executor of that name",
     "E_BAD_MANIFEST": "an executor's manifest could not be loaded",
     "E_AUTONOMY": "the autonomy level refuses this executor (or is unknown)",
     "E_CAPABILITY_DENIED": "argument vetting refused the job (a path or URL outside its hints)",

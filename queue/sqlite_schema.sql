@@ -29,7 +29,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     worker           TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     started          INTEGER NOT NULL DEFAULT 0,  -- the current delivery was launched
-    lapses           INTEGER NOT NULL DEFAULT 0   -- leases that lapsed before launch
+    lapses           INTEGER NOT NULL DEFAULT 0,  -- leases that lapsed before launch
+    -- Routing: workers lease only the executors they serve. NULL (a row an older build
+    -- wrote): any server worker leases it.
+    executor         TEXT
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
@@ -46,7 +49,7 @@ BEGIN
     SELECT RAISE(ABORT, 'E_BAD_MESSAGE: job body over 1048576 bytes (MAX_JOB_BYTES)')
     WHERE length(CAST(NEW.body AS BLOB)) > 1048576;
     INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
-                                not_before)
+                                not_before, executor)
     SELECT NEW.id, NEW.body,
         coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.device')
             WHEN 'text' THEN json_extract(NEW.body, '$.device') END END, 'server'),
@@ -58,13 +61,18 @@ BEGIN
             WHEN 'text' THEN json_extract(NEW.body, '$.idempotency_key') END END,
         CASE WHEN ok THEN CASE json_type(NEW.body, '$.not_before')
             WHEN 'real' THEN json_extract(NEW.body, '$.not_before')
-            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END
+            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END,
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.executor')
+            WHEN 'text' THEN json_extract(NEW.body, '$.executor') END END
     FROM (SELECT json_valid(NEW.body) AS ok);
 END;
 
--- Leasing: the best queued job for one device.
+-- Leasing: the best queued job for one device (a worker that serves every executor)...
 CREATE INDEX IF NOT EXISTS jobs_ready
     ON jobs (device, priority DESC, seq) WHERE state = 'queued';
+-- ... and for one device and executor (a worker that serves some: one walk each).
+CREATE INDEX IF NOT EXISTS jobs_route
+    ON jobs (device, executor, priority DESC, seq) WHERE state = 'queued';
 -- "Is anything due?", asked by every idle worker at every poll: one index probe, however
 -- many delayed jobs wait (the expression is the one the broker's queries use).
 CREATE INDEX IF NOT EXISTS jobs_due
@@ -121,6 +129,15 @@ CREATE TABLE IF NOT EXISTS executors (
     body    TEXT NOT NULL,
     worker  TEXT NOT NULL,
     at      REAL NOT NULL
+) WITHOUT ROWID;
+
+-- Who serves the queue: one presence record per worker, renewed every few seconds
+-- (metnos_exec/brokers/presence.py; `body` is a WorkerInfo as JSON). Advice for `status`,
+-- not queue state: like the catalog, it needs no schema version.
+CREATE TABLE IF NOT EXISTS workers (
+    id      TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    seen    REAL NOT NULL
 ) WITHOUT ROWID;
 
 PRAGMA user_version = 2;

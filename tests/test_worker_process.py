@@ -27,6 +27,8 @@ import anyio
 import pytest
 
 from metnos_exec.brokers import Broker, BrokerStats, open_broker
+from metnos_exec.client import Client
+from metnos_exec.errors import UnknownExecutor
 from metnos_exec.identities import slot_uid_range, slot_uids_unavailable
 from metnos_exec.logs import iter_records
 from metnos_exec.messages import Job, Result
@@ -92,11 +94,18 @@ class Workers:
         self.url = f"sqlite:///{tmp_path / 'q.db'}"
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, wid: str, *extra: str, env: dict[str, str] | None = None) -> Path:
+    def start(
+        self,
+        wid: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        executors: Path | None = None,
+    ) -> Path:
         log = self.tmp / f"{wid}.jsonl"
         full_env = {**os.environ, "HOME": str(self.tmp), **(env or {})}
+        folder = executors or self.executors
         proc = subprocess.Popen(
-            worker_argv(self.url, self.executors, log, "--worker-id", wid, *extra),
+            worker_argv(self.url, folder, log, "--worker-id", wid, *extra),
             env=full_env,
             stdin=subprocess.DEVNULL,
         )
@@ -244,13 +253,27 @@ def test_bad_jobs_end_with_codes_and_the_worker_keeps_serving(
     async def fetch(b: Broker) -> dict[str, Result | None]:
         return {k: await b.wait_result(v, timeout=20) for k, v in ids.items()}
 
+    unknown = ids.pop("unknown")
     results = with_broker(workers.url, fetch)
     summary = {
         k: (r.status, r.error.code if r.error else None) if r else None for k, r in results.items()
     }
+    # No worker serves it: it waits for one (executor routing), no attempt spent; and a
+    # client refuses the next such job at once, the worker's catalog being published.
+    state = with_broker(workers.url, lambda b: b.get_job_state(unknown))
+    assert state is not None and (state.state, state.attempt) == ("queued", 0)
+
+    async def through_a_client(b: Broker) -> str:
+        async with Client(b) as client:
+            try:
+                await client.submit("no_such_tool")
+            except UnknownExecutor as exc:
+                return exc.code
+        return "queued"
+
+    assert with_broker(workers.url, through_a_client) == "E_UNKNOWN_EXECUTOR"
     assert summary == {
         "malformed": ("dead", "E_BAD_MESSAGE"),
-        "unknown": ("rejected", "E_UNKNOWN_EXECUTOR"),
         "denied": ("rejected", "E_CAPABILITY_DENIED"),
         "bad_manifest": ("rejected", "E_BAD_MANIFEST"),
         "good": ("succeeded", None),

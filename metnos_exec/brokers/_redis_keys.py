@@ -19,8 +19,8 @@ GROUP: Final = "workers"
 #: code; `SCRIPTS` gets them substituted into ``redis.lua`` (``$job``, ``$stream``, ...).
 KEY_NAMES: Final = {
     "job": "job:",  # job:<id> hash
-    "stream": "q:",  # q:<device>:<priority> stream
-    "priorities": "prios:",  # prios:<device> sorted set
+    "stream": "q:",  # q:<device>:<priority>:<executor> stream (one per route)
+    "priorities": "prios:",  # prios:<device> sorted set of routes, scored by priority
     "leases": "leases:",  # leases:<device> sorted set
     "idempotency": "idem:",  # idem:<key> string
     "delayed": "delayed",
@@ -29,6 +29,7 @@ KEY_NAMES: Final = {
     "counts": "counts",
     "inbox": "inbox",
     "executors": "executors",
+    "workers": "workers",  # hash: worker id -> its presence record (brokers/presence.py)
     "undo": "undo:",  # undo:<entry id> hash
     "job_undos": "undos:",  # undos:<job id> set
     "undo_at": "undo-at",
@@ -69,13 +70,17 @@ class Keys:
         self.dead = self.base + KEY_NAMES["dead"]
         self.inbox = self.base + KEY_NAMES["inbox"]
         self.executors = self.base + KEY_NAMES["executors"]
+        self.workers = self.base + KEY_NAMES["workers"]
         self.blobs = self.base + KEY_NAMES["blobs"]
 
     def job(self, job_id: str) -> str:
         return self.base + KEY_NAMES["job"] + job_id
 
-    def stream(self, device: str, priority: int) -> str:
-        return f"{self.base}{KEY_NAMES['stream']}{device}:{priority}"
+    def stream(self, device: str, priority: int, executor: str = "") -> str:
+        """A device's stream for one route: `priority` and `executor` (``""``: the route
+        of a build before executor routing, read by every worker)."""
+        route = f"{priority}:{executor}" if executor else str(priority)
+        return f"{self.base}{KEY_NAMES['stream']}{device}:{route}"
 
     def priorities(self, device: str) -> str:
         return self.base + KEY_NAMES["priorities"] + device

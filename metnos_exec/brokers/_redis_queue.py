@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Final
 
 import anyio.lowlevel
@@ -82,6 +82,7 @@ class RedisQueue(RedisStore):
             str(job.max_attempts),
             job.idempotency_key or "",
             "" if job.not_before is None else repr(float(job.not_before)),
+            job.executor,  # its route: a worker reads only the executors it serves
         ]
 
     @staticmethod
@@ -151,11 +152,13 @@ class RedisQueue(RedisStore):
         device: str | None = None,
         limit: int = 1,
         started: int | None = None,
+        executors: Collection[str] | None = None,
     ) -> list[Lease]:
         check_lease_args(visibility_s, limit)
         dev = device or SERVER_DEVICE
         start_n = limit if started is None else started
-        leases, inbox = await self._lease_once(worker_id, visibility_s, dev, limit, start_n)
+        served = ["*"] if executors is None else sorted(set(executors))
+        leases, inbox = await self._lease_once(worker_id, visibility_s, dev, limit, start_n, served)
         # Only server workers open the inbox: a bad message is dead-lettered by the
         # server, and a device never routes jobs for others.
         if inbox and dev == SERVER_DEVICE:
@@ -168,6 +171,7 @@ class RedisQueue(RedisStore):
                         dev,
                         limit - len(leases),
                         max(0, start_n - len(leases)),
+                        served,
                     )
                     leases += more
             except Exception as exc:
@@ -185,7 +189,13 @@ class RedisQueue(RedisStore):
         return leases
 
     async def _lease_once(
-        self, worker_id: str, visibility_s: float, dev: str, limit: int, start_n: int
+        self,
+        worker_id: str,
+        visibility_s: float,
+        dev: str,
+        limit: int,
+        start_n: int,
+        served: list[str],
     ) -> tuple[list[Lease], int]:
         _now, inbox, taken, finals, until_s = await self._script(
             "lease",
@@ -196,6 +206,7 @@ class RedisQueue(RedisStore):
             os.urandom(8).hex(),
             str(start_n),
             str(MAX_UNSTARTED_LAPSES),
+            *served,
         )
         until = float(until_s)
         out: list[Lease] = []
@@ -335,7 +346,7 @@ class RedisQueue(RedisStore):
                 job_id = new_job_id()
             body = bytes(raw or b"")[:MAX_JOB_BYTES]
             result, letter = self._dead_records(None, job_id, error, raw=body, worker=worker_id)
-            args += [eid, "bad", job_id, body, result, letter, "", "", ""]
+            args += [eid, "bad", job_id, body, result, letter, "", "", "", ""]
             bad.append((job_id, error))
         await self._script("admit_inbox", *args)
         for job_id, error in bad:

@@ -13,6 +13,7 @@ from ..errors import BadMessage, BrokerCorrupt
 from ..messages import UndoEntry, decode_undo_entry, encode
 from ._redis_client import BATCH, RedisStore, as_str
 from .base import Lease, PurgeReport, UndoRecord
+from .presence import RECENTLY_GONE_S, WorkerInfo, decode_worker, encode_worker, gone_at, is_live
 
 __all__ = ("RedisRecords",)
 
@@ -69,6 +70,38 @@ class RedisRecords(RedisStore):
     async def executor_info(self, name: str) -> ExecutorInfo | None:
         body = await self._guard(self._redis.hget(self.keys.executors, name))
         return None if body is None else decode_info(body)
+
+    async def executor_names(self) -> set[str]:
+        return {as_str(n) for n in await self._guard(self._redis.hkeys(self.keys.executors))}
+
+    # --- who serves the queue (see `metnos_exec.brokers.presence`) --------------------
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        await self._guard(self._redis.hset(self.keys.workers, {info.id: encode_worker(info)}))
+
+    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
+        found = await self._guard(self._redis.hgetall(self.keys.workers))
+        now = self._wall()
+        keep, old = [], []
+        for wid, body in found.items():
+            info = decode_worker(body)
+            if info is None:
+                continue
+            if is_live(info, now) or now - gone_at(info) <= gone_within_s:
+                keep.append(info)
+            else:
+                old.append(as_str(wid))
+        if old:
+            await self._guard(self._redis.hdel(self.keys.workers, old))
+        return sorted(keep, key=lambda w: (w.started_at, w.id))
+
+    async def queued_executors(self) -> dict[tuple[str, str], int]:
+        flat = await self._script("queued_routes")
+        counts: dict[tuple[str, str], int] = {}
+        for i in range(0, len(flat) - 2, 3):
+            key = (as_str(flat[i]), as_str(flat[i + 1]))
+            counts[key] = counts.get(key, 0) + int(flat[i + 2])
+        return counts
 
     async def purge(self, *, older_than_s: float) -> PurgeReport:
         """See `Broker.purge`. Redis has no transaction to share with a hook: each batch

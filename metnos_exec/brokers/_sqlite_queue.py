@@ -10,9 +10,11 @@ committed.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import structlog
@@ -48,8 +50,8 @@ _log = structlog.get_logger("metnos_exec")
 # --- SQL ------------------------------------------------------------------------------
 
 _INSERT = (
-    "INSERT INTO jobs (id, body, device, priority, max_attempts, idempotency_key, not_before) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+    "INSERT INTO jobs (id, body, device, priority, max_attempts, idempotency_key, not_before, "
+    "executor) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
 # The other-language producers' door; its trigger derives the columns from the body.
 _INSERT_INBOX = "INSERT INTO job_inbox (id, body) VALUES (?, ?)"
@@ -105,6 +107,52 @@ _PICK = (
     "WHERE state = 'queued' AND device = :dev AND " + DUE + " "
     "ORDER BY priority DESC, seq LIMIT :limit"
 )
+# A worker serving some executors: one walk of jobs_route per executor (and one for the
+# rows of older builds, which name none), each stopping after `limit` due rows, merged.
+# (``executor IN (...)`` made the planner sort every due row of the served executors.)
+_ROUTE_WALK = (
+    "SELECT * FROM (SELECT seq, id, body, attempt, device, priority "
+    "FROM jobs INDEXED BY jobs_route "
+    "WHERE state = 'queued' AND device = :dev AND executor {} AND " + DUE + " "
+    "ORDER BY priority DESC, seq LIMIT :limit)"
+)
+#: Above this many executors one walk each costs more than it saves (and SQLite allows
+#: 500 terms in a compound SELECT): the rows are filtered on the way instead.
+_MAX_WALKS = 64
+_PICK_FILTERED = (
+    "SELECT seq, CAST(id AS BLOB), CAST(body AS BLOB), attempt + 1, device "
+    "FROM jobs INDEXED BY jobs_ready "
+    "WHERE state = 'queued' AND device = :dev AND " + DUE + " AND (executor IS NULL OR "
+    "executor IN (SELECT value FROM json_each(:served))) "
+    "ORDER BY priority DESC, seq LIMIT :limit"
+)
+
+
+@functools.lru_cache(maxsize=32)
+def pick_sql(walks: int | None) -> str:
+    """The pick for a worker serving every executor (``None``) or `walks` of them (bound
+    as ``:e0``, ``:e1``, ...; more than `_MAX_WALKS`: ``:served``, a JSON list)."""
+    if walks is None:
+        return _PICK
+    if walks > _MAX_WALKS:
+        return _PICK_FILTERED
+    parts = [_ROUTE_WALK.format("IS NULL")] + [_ROUTE_WALK.format(f"= :e{i}") for i in range(walks)]
+    return (
+        "SELECT seq, CAST(id AS BLOB), CAST(body AS BLOB), attempt + 1, device FROM ("
+        + " UNION ALL ".join(parts)
+        + ") ORDER BY priority DESC, seq LIMIT :limit"
+    )
+
+
+def pick_params(served: tuple[str, ...] | None) -> dict[str, object]:
+    """The executors' parameters of `pick_sql` (for ``len(served)`` of them)."""
+    if served is None:
+        return {}
+    if len(served) > _MAX_WALKS:
+        return {"served": json.dumps(served)}
+    return {f"e{i}": name for i, name in enumerate(served)}
+
+
 _TAKE = (
     "UPDATE jobs SET state = 'running', attempt = attempt + 1, token = ?, lease_until = ?, "
     "worker = ?, started = ? WHERE seq = ?"
@@ -163,6 +211,7 @@ class SQLiteQueue(SQLiteStore):
                 job.max_attempts,
                 job.idempotency_key,
                 job.not_before,
+                job.executor,
             ),
         )
         if cur.rowcount == 1:
@@ -270,13 +319,22 @@ class SQLiteQueue(SQLiteStore):
             )
 
     def _lease_sync(
-        self, worker_id: str, visibility_s: float, dev: str, limit: int, started: int
+        self,
+        worker_id: str,
+        visibility_s: float,
+        dev: str,
+        limit: int,
+        started: int,
+        served: tuple[str, ...] | None,
     ) -> tuple[list[Lease], _Notes]:
         db = self._db
         notes = _Notes()
+        pick = pick_sql(None if served is None else len(served))
+        params = pick_params(served)
         # A plain read first: an idle worker polling an empty queue never takes the write
-        # lock, so it does not slow down the processes that have work.
-        if db.execute(_ANY_DUE, {"now": self._clock(), "dev": dev}).fetchone() is None:
+        # lock, so it does not slow down the processes that have work (nor do the jobs
+        # of executors it does not serve).
+        if not self._any_due(dev, pick, params):
             return [], notes
         out: list[Lease] = []
         db.execute("BEGIN IMMEDIATE")
@@ -289,7 +347,7 @@ class SQLiteQueue(SQLiteStore):
             base = os.urandom(8).hex()
             while len(out) < limit:
                 rows = db.execute(
-                    _PICK, {"dev": dev, "now": now, "limit": limit - len(out)}
+                    pick, {"dev": dev, "now": now, "limit": limit - len(out), **params}
                 ).fetchall()
                 if not rows:
                     break
@@ -310,26 +368,8 @@ class SQLiteQueue(SQLiteStore):
                     job_id = column_text(raw_id)
                     decoded = decode_body(job_id, body)
                     if isinstance(decoded, ErrorInfo):
-                        db.execute(_SETTLE_SEQ, ("dead", seq, token))
-                        store_dead(
-                            db,
-                            job_id=job_id,
-                            job=None,
-                            raw=bytes(body),
-                            error=decoded,
-                            attempt=attempt,
-                            worker=worker_id,
-                            device=device,
-                            now=now,
-                        )
-                        notes.add(
-                            "error",
-                            "job.bad_message",
-                            job_id=job_id,
-                            executor=None,  # undecodable: no executor is known
-                            code=decoded.code,
-                            message=decoded.message,
-                        )
+                        where = (seq, token, attempt, worker_id, device, now)
+                        self._dead_on_lease(db, notes, job_id, body, decoded, where)
                         continue
                     out.append(
                         Lease(
@@ -350,6 +390,39 @@ class SQLiteQueue(SQLiteStore):
         db.execute("COMMIT")
         return out, notes
 
+    @staticmethod
+    def _dead_on_lease(
+        db: sqlite3.Connection,
+        notes: _Notes,
+        job_id: str,
+        body: bytes,
+        error: ErrorInfo,
+        where: tuple[int, str, int, str, str, float],
+    ) -> None:
+        """Dead-letter an undecodable row just taken (`where`: its seq, token, attempt,
+        the worker, the device and the time)."""
+        seq, token, attempt, worker_id, device, now = where
+        db.execute(_SETTLE_SEQ, ("dead", seq, token))
+        store_dead(
+            db,
+            job_id=job_id,
+            job=None,
+            raw=bytes(body),
+            error=error,
+            attempt=attempt,
+            worker=worker_id,
+            device=device,
+            now=now,
+        )
+        notes.add(
+            "error",
+            "job.bad_message",
+            job_id=job_id,
+            executor=None,  # undecodable: no executor is known
+            code=error.code,
+            message=error.message,
+        )
+
     async def lease(
         self,
         worker_id: str,
@@ -358,6 +431,7 @@ class SQLiteQueue(SQLiteStore):
         device: str | None = None,
         limit: int = 1,
         started: int | None = None,
+        executors: Collection[str] | None = None,
     ) -> list[Lease]:
         check_lease_args(visibility_s, limit)
         leases, notes = await self._run(
@@ -367,6 +441,7 @@ class SQLiteQueue(SQLiteStore):
             device or SERVER_DEVICE,
             limit,
             limit if started is None else started,
+            None if executors is None else tuple(sorted(set(executors))),
             inline=limit <= 64,
         )
         notes.emit()
@@ -374,6 +449,15 @@ class SQLiteQueue(SQLiteStore):
             self._wake_results()
         out: list[Lease] = leases
         return out
+
+    def _any_due(self, dev: str, pick: str, params: dict[str, object]) -> bool:
+        now = self._clock()
+        if pick is _PICK:
+            return self._db.execute(_ANY_DUE, {"now": now, "dev": dev}).fetchone() is not None
+        if self._db.execute(_ANY_EXPIRED, {"now": now}).fetchone() is not None:
+            return True
+        found = self._db.execute(pick, {"dev": dev, "now": now, "limit": 1, **params})
+        return found.fetchone() is not None
 
     async def heartbeat(self, lease: Lease, *, visibility_s: float | None = None) -> HeartbeatReply:
         window = lease.visibility_s if visibility_s is None else visibility_s

@@ -4,6 +4,7 @@ lease, see `metnos_exec.brokers.base`)."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -11,10 +12,11 @@ from typing import Any
 import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
-from ..errors import BadMessage, BrokerCorrupt
+from ..errors import BadMessage, BrokerCorrupt, BrokerError
 from ..messages import UndoEntry, decode_undo_entry, encode
 from ._sqlite_store import IN_CHUNK, SQLiteStore
 from .base import Lease, UndoRecord
+from .presence import RECENTLY_GONE_S, WorkerInfo, decode_worker, encode_worker, gone_at, is_live
 
 __all__ = ("SQLiteRecords",)
 
@@ -52,6 +54,56 @@ class SQLiteRecords(SQLiteStore):
 
         row = await self._run(work)
         return None if row is None else decode_info(row[0])
+
+    async def executor_names(self) -> set[str]:
+        rows = await self._run(self._read_missing_ok, "SELECT name FROM executors")
+        return {str(name) for (name,) in rows}
+
+    def _read_missing_ok(self, sql: str, *params: object) -> list[Any]:
+        """Rows of a table a file may lack (made before it, opened read-only): none."""
+        try:
+            return self._db.execute(sql, params).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return []
+            raise
+
+    # --- who serves the queue (see `metnos_exec.brokers.presence`) --------------------
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        body = encode_worker(info).decode()
+
+        def work(db: sqlite3.Connection, _now: float) -> None:
+            db.execute(
+                "INSERT INTO workers (id, body, seen) VALUES (?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET body = excluded.body, seen = excluded.seen",
+                (info.id, body, info.seen_at),
+            )
+
+        await self._run(self._txn, work)
+
+    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
+        rows = await self._run(self._read_missing_ok, "SELECT CAST(body AS BLOB) FROM workers")
+        now = self._clock()
+        found = [info for (body,) in rows if (info := decode_worker(body)) is not None]
+        keep = [w for w in found if is_live(w, now) or now - gone_at(w) <= gone_within_s]
+        if len(keep) < len(found):
+            old = {w.id for w in found} - {w.id for w in keep}
+
+            def forget(db: sqlite3.Connection, _now: float) -> None:
+                db.executemany("DELETE FROM workers WHERE id = ?", [(i,) for i in old])
+
+            with contextlib.suppress(sqlite3.Error, BrokerError):  # a read-only reader
+                await self._run(self._txn, forget)
+        return sorted(keep, key=lambda w: (w.started_at, w.id))
+
+    async def queued_executors(self) -> dict[tuple[str, str], int]:
+        rows = await self._run(
+            self._read_missing_ok,
+            "SELECT device, coalesce(executor, ''), count(*) FROM jobs "
+            "WHERE state = 'queued' GROUP BY device, executor",
+        )
+        return {(str(dev), str(name)): int(n) for dev, name, n in rows}
 
     # --- undo entries -----------------------------------------------------------------
 

@@ -53,7 +53,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     worker           TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     started          INTEGER NOT NULL DEFAULT 0,  -- the current delivery was launched
-    lapses           INTEGER NOT NULL DEFAULT 0   -- leases that lapsed before launch
+    lapses           INTEGER NOT NULL DEFAULT 0,  -- leases that lapsed before launch
+    -- Routing: workers lease only the executors they serve. NULL (a row an older build
+    -- wrote): any server worker leases it.
+    executor         TEXT
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
@@ -70,7 +73,7 @@ BEGIN
     SELECT RAISE(ABORT, 'E_BAD_MESSAGE: job body over 1048576 bytes (MAX_JOB_BYTES)')
     WHERE length(CAST(NEW.body AS BLOB)) > 1048576;
     INSERT OR IGNORE INTO jobs (id, body, device, priority, max_attempts, idempotency_key,
-                                not_before)
+                                not_before, executor)
     SELECT NEW.id, NEW.body,
         coalesce(CASE WHEN ok THEN CASE json_type(NEW.body, '$.device')
             WHEN 'text' THEN json_extract(NEW.body, '$.device') END END, 'server'),
@@ -82,13 +85,18 @@ BEGIN
             WHEN 'text' THEN json_extract(NEW.body, '$.idempotency_key') END END,
         CASE WHEN ok THEN CASE json_type(NEW.body, '$.not_before')
             WHEN 'real' THEN json_extract(NEW.body, '$.not_before')
-            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END
+            WHEN 'integer' THEN json_extract(NEW.body, '$.not_before') END END,
+        CASE WHEN ok THEN CASE json_type(NEW.body, '$.executor')
+            WHEN 'text' THEN json_extract(NEW.body, '$.executor') END END
     FROM (SELECT json_valid(NEW.body) AS ok);
 END;
 
--- Leasing: the best queued job for one device.
+-- Leasing: the best queued job for one device (a worker that serves every executor)...
 CREATE INDEX IF NOT EXISTS jobs_ready
     ON jobs (device, priority DESC, seq) WHERE state = 'queued';
+-- ... and for one device and executor (a worker that serves some: one walk each).
+CREATE INDEX IF NOT EXISTS jobs_route
+    ON jobs (device, executor, priority DESC, seq) WHERE state = 'queued';
 -- "Is anything due?", asked by every idle worker at every poll: one index probe, however
 -- many delayed jobs wait (the expression is the one the broker's queries use).
 CREATE INDEX IF NOT EXISTS jobs_due
@@ -147,6 +155,15 @@ CREATE TABLE IF NOT EXISTS executors (
     at      REAL NOT NULL
 ) WITHOUT ROWID;
 
+-- Who serves the queue: one presence record per worker, renewed every few seconds
+-- (metnos_exec/brokers/presence.py; `body` is a WorkerInfo as JSON). Advice for `status`,
+-- not queue state: like the catalog, it needs no schema version.
+CREATE TABLE IF NOT EXISTS workers (
+    id      TEXT PRIMARY KEY,
+    body    TEXT NOT NULL,
+    seen    REAL NOT NULL
+) WITHOUT ROWID;
+
 PRAGMA user_version = 2;
 """
 
@@ -155,7 +172,23 @@ PRAGMA user_version = 2;
 #: `SCHEMA_SQL` (all IF NOT EXISTS) adds the rest.
 _MIGRATE_TRIGGER: Final = "DROP TRIGGER IF EXISTS job_inbox_insert;\n"
 
-#: The catalog's table alone (see SCHEMA_SQL), for files made before it existed.
+#: The columns a file made by an older build may lack, with their definitions.
+_COLUMNS: Final = {
+    "started": "INTEGER NOT NULL DEFAULT 0",
+    "lapses": "INTEGER NOT NULL DEFAULT 0",
+    "executor": "TEXT",
+}
+
+#: A file gaining the routing column: its unfinished jobs get their routes from their
+#: bodies (a body that is not JSON, or names no executor, keeps NULL: any worker).
+_BACKFILL_ROUTES: Final = (
+    "UPDATE jobs SET executor = json_extract(body, '$.executor') "
+    "WHERE state IN ('queued', 'running') AND typeof(body) = 'text' AND json_valid(body) "
+    "AND json_type(body, '$.executor') = 'text';\n"
+)
+
+#: The catalog's and the presence records' tables (see SCHEMA_SQL), for files made
+#: before they existed.
 _CATALOG_SQL: Final = SCHEMA_SQL[
     SCHEMA_SQL.index("CREATE TABLE IF NOT EXISTS executors") : SCHEMA_SQL.rindex(
         "PRAGMA user_version"
@@ -163,7 +196,7 @@ _CATALOG_SQL: Final = SCHEMA_SQL[
 ]
 
 
-def init_schema(db: sqlite3.Connection, path: Path) -> None:
+def init_schema(db: sqlite3.Connection, path: Path, *, _retried: bool = False) -> None:
     """Create the schema in a new file, or bring the file at `path` up to this version.
 
     Raises:
@@ -183,25 +216,35 @@ def init_schema(db: sqlite3.Connection, path: Path) -> None:
     if missing:
         # From version 1 (or a file of this version made without them): by what the
         # file lacks rather than by its number, so a file is brought up to date
-        # whatever build made it.
+        # whatever build made it. (The routing column needs no new version: a build
+        # before it ignores it, and the rows that build writes go to any worker.)
         migrate = (
-            "".join(
-                f"ALTER TABLE jobs ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0;\n"
-                for name in sorted(missing)
-            )
+            "".join(f"ALTER TABLE jobs ADD COLUMN {n} {_COLUMNS[n]};\n" for n in sorted(missing))
             + _MIGRATE_TRIGGER
         )
-        # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
-        db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        if "executor" in missing:
+            migrate += _BACKFILL_ROUTES
+        if missing - {"executor"}:
+            # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
     # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once
     # must not interleave their CREATEs (IF NOT EXISTS makes the second a no-op).
-    db.executescript("BEGIN IMMEDIATE;\n" + migrate + SCHEMA_SQL + "\nCOMMIT;")
+    try:
+        db.executescript("BEGIN IMMEDIATE;\n" + migrate + SCHEMA_SQL + "\nCOMMIT;")
+    except sqlite3.OperationalError as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        if not (migrate and "duplicate column" in str(exc)) or _retried:
+            raise
+        # Another process brought the file up to date between our look and our lock
+        # (two workers of a new build starting at once on an old file): look again.
+        init_schema(db, path, _retried=True)
 
 
 def _missing_columns(db: sqlite3.Connection) -> set[str]:
     """Columns of version 2's `jobs` an existing file lacks (none for a new file)."""
     have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-    return set() if not have else {"started", "lapses"} - have
+    return set() if not have else set(_COLUMNS) - have
 
 
 def check_writable(db: sqlite3.Connection) -> None:
@@ -222,9 +265,10 @@ def check_writable(db: sqlite3.Connection) -> None:
 def _ensure_catalog(db: sqlite3.Connection) -> None:
     """Create the executor catalog in a file made before it (best effort: a file this
     process may not write keeps working without it, see `executor_info`)."""
-    found = db.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'executors'"
+    (found,) = db.execute(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' "
+        "AND name IN ('executors', 'workers')"
     ).fetchone()
-    if found is None:
+    if found < 2:
         with contextlib.suppress(sqlite3.Error):
             db.executescript("BEGIN IMMEDIATE;\n" + _CATALOG_SQL + "\nCOMMIT;")

@@ -38,6 +38,14 @@ device ``D`` goes only to workers whose device id is ``D``. Server workers publi
 executors' manifests (`publish_executors`) so that a submit can refuse a device job whose
 executor must stay on the server (`metnos_exec.devices.catalog`).
 
+Executor routing: workers on one queue may serve different executors (a worker with a
+GPU, one with a provider's credentials). `lease` takes the names a worker serves and
+hands it only jobs for those; a job for an executor no live worker serves waits for one
+(``status`` names such executors) rather than being rejected by a worker that lacks it.
+Order holds across them: highest priority first, then oldest first, among the executors
+one worker serves. Jobs stored by a build before routing name no route and go to any
+worker (one that lacks the executor rejects them with ``E_UNKNOWN_EXECUTOR``, as before).
+
 Messages. A job is at most ``MAX_JOB_BYTES`` encoded with ``args`` at most
 ``MAX_ARGS_DEPTH`` deep (`metnos_exec.messages`): `submit` and `submit_raw` refuse a
 larger one at once with `BadMessage` naming the limit, and store nothing. A message that
@@ -107,7 +115,7 @@ Undo entries (`UndoEntry`, see `metnos_exec.messages`) are stored next to the re
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Protocol
 
@@ -116,6 +124,7 @@ import msgspec
 from ..devices.catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
+from .presence import RECENTLY_GONE_S, WorkerInfo
 
 __all__ = (
     "DEFAULT_RETENTION_S",
@@ -379,9 +388,14 @@ class Broker(abc.ABC):
         device: str | None = None,
         limit: int = 1,
         started: int | None = None,
+        executors: Collection[str] | None = None,
     ) -> list[Lease]:
         """Take up to `limit` due jobs for `device` (``None`` = `SERVER_DEVICE`),
         highest priority first, then oldest first. Never blocks waiting for work.
+
+        `executors`: the executor names the worker serves; only their jobs are leased
+        (``None``: every job). A job for an executor no worker serves stays queued (see
+        "Executor routing" in the module docstring).
 
         The first `started` of the returned leases start at once (they count as an
         attempt: the caller launches them now); the others are leased ahead and start
@@ -544,6 +558,27 @@ class Broker(abc.ABC):
     async def executor_info(self, name: str) -> ExecutorInfo | None:
         """The latest published entry for `name`, or ``None`` (unknown, or no catalog)."""
         return None
+
+    async def executor_names(self) -> set[str]:
+        """Every name in the catalog (empty: none published, or no catalog)."""
+        return set()
+
+    # --- who serves the queue (see `metnos_exec.brokers.presence`) --------------------
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        """Store or renew a worker's presence record (replacing its id's). The default
+        keeps nothing: ``status`` then lists no workers."""
+        return None
+
+    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
+        """The workers live now and those gone within `gone_within_s`, by start time;
+        records of workers gone for longer are forgotten."""
+        return []
+
+    async def queued_executors(self) -> dict[tuple[str, str], int]:
+        """Queued jobs, due or delayed, counted by (device, executor); ``""`` for the
+        jobs of a build before executor routing (any worker takes them)."""
+        return {}
 
     @abc.abstractmethod
     async def purge(self, *, older_than_s: float) -> PurgeReport:

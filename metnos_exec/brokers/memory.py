@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from ..messages import (
     encode_job,
     new_job_id,
 )
+from ._memory_catalog import MemoryCatalog
 from .base import (
     MAX_UNSTARTED_LAPSES,
     Broker,
@@ -49,6 +50,7 @@ from .base import (
     check_idempotent_reuse,
     queued_cancel_message,
 )
+from .presence import WorkerInfo
 
 __all__ = ("MemoryBroker",)
 
@@ -90,7 +92,7 @@ class _Heaps:
     delayed: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
-class MemoryBroker(Broker):
+class MemoryBroker(MemoryCatalog, Broker):
     """In-memory `Broker`.
 
     Args:
@@ -114,6 +116,7 @@ class MemoryBroker(Broker):
         self._result_events: dict[str, anyio.Event] = {}
         self._closed = False
         self._catalog: dict[str, ExecutorInfo] = {}
+        self._workers: dict[str, WorkerInfo] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBroker:
@@ -323,6 +326,7 @@ class MemoryBroker(Broker):
         device: str | None = None,
         limit: int = 1,
         started: int | None = None,
+        executors: Collection[str] | None = None,
     ) -> list[Lease]:
         if not visibility_s > 0:
             raise ValueError(f"visibility_s must be > 0, got {visibility_s}")
@@ -334,10 +338,16 @@ class MemoryBroker(Broker):
         dev = device or SERVER_DEVICE
         heap = self._heaps.ready.get(dev, [])
         out: list[Lease] = []
+        served = None if executors is None else frozenset(executors)
+        skipped: list[tuple[int, int, int, str]] = []
         while heap and len(out) < limit:
-            _, _, version, job_id = heapq.heappop(heap)
+            item = heapq.heappop(heap)
+            _, _, version, job_id = item
             entry = self._entries[job_id]
             if entry.state != "queued" or entry.version != version:
+                continue
+            if served is not None and entry.job is not None and entry.job.executor not in served:
+                skipped.append(item)  # another worker's executor: it stays queued
                 continue
             entry.attempt += 1
             entry.worker = worker_id
@@ -370,6 +380,8 @@ class MemoryBroker(Broker):
                     started=entry.started,
                 )
             )
+        for item in skipped:
+            heapq.heappush(heap, item)
         return out
 
     async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
@@ -579,13 +591,6 @@ class MemoryBroker(Broker):
     async def undo_blobs(self) -> set[str]:
         await anyio.lowlevel.checkpoint()
         return {digest for record in self._undo.values() for digest in record.entry.blobs()}
-
-    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
-        for info in infos:
-            self._catalog[info.name] = info
-
-    async def executor_info(self, name: str) -> ExecutorInfo | None:
-        return self._catalog.get(name)
 
     async def close(self) -> None:
         self._closed = True

@@ -34,7 +34,12 @@ local INBOX = P .. '$inbox'
 
 local function num(x) return string.format('%.17g', x) end
 local function jkey(id) return P .. '$job' .. id end
-local function qkey(dev, prio) return P .. '$stream' .. dev .. ':' .. prio end
+-- A route is where a queued job waits: its priority and executor ('<prio>:<executor>'),
+-- one stream per device and route, so that a worker reads only the executors it serves.
+-- A bare '<prio>' is a route of a build before routing (any worker reads it).
+local function qkey(dev, rt) return P .. '$stream' .. dev .. ':' .. rt end
+local function route_prio(rt) return tonumber(string.match(rt, '^(%-?%d+)')) end
+local function route_exec(rt) return string.match(rt, '^%-?%d+:(.+)$') end
 local function prios_key(dev) return P .. '$priorities' .. dev end
 local function leases_key(dev) return P .. '$leases' .. dev end
 local function idem_key(k) return P .. '$idempotency' .. k end
@@ -60,6 +65,7 @@ local function expect(key, want)
   if t ~= 'none' and t ~= want then bad_key(key, 'type=' .. t .. ',expected=' .. want) end
 end
 local function is_int(v) return v ~= nil and string.match(v, '^%-?%d+$') ~= nil end
+local function is_route(v) return is_int(v) or string.match(v, '^%-?%d+:.') ~= nil end
 if SCRIPT ~= 'set_aside' then
   expect(COUNTS, 'hash')
   expect(DELAYED, 'zset')
@@ -73,8 +79,8 @@ if SCRIPT ~= 'set_aside' then
     if not is_int(c[i]) then bad_key(COUNTS, 'field=' .. c[i - 1]) end
   end
 end
--- A device's keys: its leases, its priorities (integers) and their streams; `prios` are
--- priorities about to be used (a stream a producer made by hand under one of them).
+-- A device's keys: its leases, its routes (a priority, and an executor) and their
+-- streams; `prios` are routes about to be used (a stream a producer made by hand there).
 local checked_devices = {}
 local function check_device(dev, prios)
   if not checked_devices[dev] then
@@ -83,7 +89,7 @@ local function check_device(dev, prios)
     local pk = P .. '$priorities' .. dev
     expect(pk, 'zset')
     for _, prio in ipairs(redis.call('ZRANGE', pk, 0, -1)) do
-      if not is_int(prio) then bad_key(pk, 'member=' .. prio) end
+      if not is_route(prio) then bad_key(pk, 'member=' .. prio) end
       expect(P .. '$stream' .. dev .. ':' .. prio, 'stream')
     end
   end
@@ -98,8 +104,8 @@ end
 -- The device keys of the jobs ARGV[from], ARGV[from + step], ... (before they change).
 local function check_jobs(from, step)
   for i = from, #ARGV, step do
-    local h = hm(P .. '$job' .. ARGV[i], 'device', 'priority')
-    if h[1] then check_device(h[1], {h[2]}) end
+    local h = hm(P .. '$job' .. ARGV[i], 'device', 'priority', 'route')
+    if h[1] then check_device(h[1], {h[3] or h[2]}) end
   end
 end
 
@@ -127,30 +133,34 @@ local function drop_undo(e)
   redis.call('ZREM', UNDO_AT, e)
 end
 
--- Append the job to its device's stream for its priority (created with its consumer
--- group on first use, and listed in the device's priorities).
-local function enqueue(id, dev, prio)
-  local q = qkey(dev, prio)
+-- Append the job to its device's stream for its route (created with its consumer group
+-- on first use, and listed in the device's routes, scored by priority).
+local function enqueue(id, dev, rt)
+  local q = qkey(dev, rt)
+  local prio = route_prio(rt)
   if redis.call('EXISTS', q) == 0 then
     redis.call('XGROUP', 'CREATE', q, GROUP, '0', 'MKSTREAM')
-    redis.call('ZADD', prios_key(dev), prio, prio)
-  elseif not redis.call('ZSCORE', prios_key(dev), prio) then
+    redis.call('ZADD', prios_key(dev), prio, rt)
+  elseif not redis.call('ZSCORE', prios_key(dev), rt) then
     -- A stream we did not make (a producer writing past the inbox): without our group
     -- and its priority listed, nothing queued here would ever be leased. Its stray
     -- entries are read as stale and dropped. (BUSYGROUP: the group is there already.)
     redis.pcall('XGROUP', 'CREATE', q, GROUP, '0')
-    redis.call('ZADD', prios_key(dev), prio, prio)
+    redis.call('ZADD', prios_key(dev), prio, rt)
   end
-  local eid = redis.call('XADD', q, '*', 'id', id)
+  -- `n`, the queue's enqueue count, orders entries of different streams (their ids
+  -- may tie within one millisecond): oldest first across the executors a worker serves.
+  local n = redis.call('HINCRBY', COUNTS, 'enqueued', 1)
+  local eid = redis.call('XADD', q, '*', 'id', id, 'n', n)
   redis.call('HSET', jkey(id), 'entry', eid)
 end
 
 -- Take the job's entry out of its stream: acked (out of the pending-entries list) and
 -- deleted, so a stream holds only queued and running jobs and never grows with history.
 local function unqueue(jk)
-  local h = hm(jk, 'entry', 'device', 'priority')
+  local h = hm(jk, 'entry', 'device', 'priority', 'route')
   if h[1] then
-    local q = qkey(h[2], h[3])
+    local q = qkey(h[2], h[4] or h[3])
     redis.call('XACK', q, GROUP, h[1])
     redis.call('XDEL', q, h[1])
     redis.call('HDEL', jk, 'entry')
@@ -195,7 +205,7 @@ end
 
 -- Queue one job unless its id or idempotency key is known. Returns the status, the id
 -- that stands, and (for a known key) the original's body, for the caller's conflict check.
-local function admit(id, body, dev, prio, maxa, ikey, nb)
+local function admit(id, body, dev, prio, maxa, ikey, nb, exec)
   local jk = jkey(id)
   if redis.call('EXISTS', jk) == 1 then return {'dup', id, hm(jk, 'body')[1] or ''} end
   if ikey ~= '' then
@@ -203,45 +213,56 @@ local function admit(id, body, dev, prio, maxa, ikey, nb)
     if orig then return {'dup', orig, hm(jkey(orig), 'body')[1] or ''} end
     redis.call('SET', idem_key(ikey), id)
   end
+  local rt = prio
+  if exec ~= '' then rt = prio .. ':' .. exec end
   redis.call('HSET', jk, 'body', body, 'state', 'queued', 'device', dev, 'priority', prio,
-    'max_attempts', maxa, 'attempt', 0, 'ikey', ikey)
+    'max_attempts', maxa, 'attempt', 0, 'ikey', ikey, 'route', rt)
   redis.call('HINCRBY', COUNTS, 'queued', 1)
   local due = tonumber(nb)
   if due and due > NOW then
     redis.call('ZADD', DELAYED, nb, id)
   else
-    enqueue(id, dev, prio)
+    enqueue(id, dev, rt)
   end
   return {'new', id, ''}
 end
 
 -- == submit ==
 -- ARGV[3..]: groups of (id, body, device, priority, max_attempts, idempotency key or '',
--- not_before or ''). Returns one {status, id, original body} per job.
-for i = 3, #ARGV, 7 do check_device(ARGV[i + 2], {ARGV[i + 3]}) end
+-- not_before or '', executor). Returns one {status, id, original body} per job.
+local function route_of(prio, exec)
+  if exec == '' then return prio end
+  return prio .. ':' .. exec
+end
+for i = 3, #ARGV, 8 do check_device(ARGV[i + 2], {route_of(ARGV[i + 3], ARGV[i + 7])}) end
 local out = {}
-for i = 3, #ARGV, 7 do
+for i = 3, #ARGV, 8 do
   out[#out + 1] = admit(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
-    ARGV[i + 5], ARGV[i + 6])
+    ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
 end
 return out
 
 -- == admit_inbox ==
--- Entries of the inbox stream, decoded and checked by the worker. ARGV[3..]: groups of 9:
--- (entry id, 'job', id, body, device, priority, max_attempts, ikey, not_before) or
--- (entry id, 'bad', id, raw, result, letter, '', '', ''). An entry another worker already
--- took (XDEL finds nothing) is skipped, so each is admitted once.
-for i = 3, #ARGV, 9 do
-  if ARGV[i + 1] == 'job' then check_device(ARGV[i + 4], {ARGV[i + 5]}) end
+-- Entries of the inbox stream, decoded and checked by the worker. ARGV[3..]: groups of
+-- 10: (entry id, 'job', id, body, device, priority, max_attempts, ikey, not_before,
+-- executor) or (entry id, 'bad', id, raw, result, letter, '', '', '', ''). An entry
+-- another worker already took (XDEL finds nothing) is skipped, so each is admitted once.
+for i = 3, #ARGV, 10 do
+  if ARGV[i + 1] == 'job' then
+    local rt = ARGV[i + 5]
+    if ARGV[i + 9] ~= '' then rt = rt .. ':' .. ARGV[i + 9] end
+    check_device(ARGV[i + 4], {rt})
+  end
 end
 check_device('server')
 local n = 0
-for i = 3, #ARGV, 9 do
+for i = 3, #ARGV, 10 do
   if redis.call('XDEL', INBOX, ARGV[i]) == 1 then
     n = n + 1
     local id = ARGV[i + 2]
     if ARGV[i + 1] == 'job' then
-      admit(id, ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8])
+      admit(id, ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8],
+        ARGV[i + 9])
     elseif redis.call('EXISTS', jkey(id)) == 0 then
       redis.call('HSET', jkey(id), 'body', ARGV[i + 3], 'state', 'queued', 'device', 'server',
         'attempt', 0, 'max_attempts', 1)
@@ -285,7 +306,8 @@ return n
 -- == lease ==
 -- ARGV[3] worker id, [4] visibility seconds, [5] device, [6] limit, [7] token base,
 -- [8] how many of the leases handed out start at once (the rest are leased ahead: they
--- count as an attempt only once `mark_started`), [9] the unstarted-lapse cap.
+-- count as an attempt only once `mark_started`), [9] the unstarted-lapse cap, [10..] the
+-- executors the worker serves ('*': all of them; none: only the routes of older builds).
 -- Returns {now, inbox length, leases, finals, lease_until}: leases are {id, body, attempt,
 -- token}; finals are lapsed leases with no delivery left (or a cancel pending) that this
 -- worker must now settle, {id, body, attempt, token, last worker, cancel flag, started
@@ -297,6 +319,17 @@ local start_n, max_lapses = tonumber(ARGV[8]), tonumber(ARGV[9])
 local until_ = num(NOW + tonumber(ARGV[4]))
 local lk = leases_key(dev)
 local out, finals = {}, {}
+local served = nil
+if ARGV[10] ~= '*' then
+  served = {}
+  for i = 10, #ARGV do served[ARGV[i]] = true end
+end
+-- Whether this worker reads a route: a route of an older build names no executor.
+local function serves(rt)
+  if not served then return true end
+  local e = route_exec(rt)
+  return e == nil or served[e] == true
+end
 local k = 0
 local function token()
   k = k + 1
@@ -322,27 +355,30 @@ check_device(dev)
 local due = redis.call('ZRANGEBYSCORE', DELAYED, '-inf', num(NOW), 'LIMIT', 0, 1000)
 local due_jobs = {}
 for _, id in ipairs(due) do
-  local h = hm(jkey(id), 'device', 'priority', 'state')
+  local h = hm(jkey(id), 'device', 'priority', 'state', 'route')
+  h[4] = h[4] or h[2]
   due_jobs[id] = h
-  if h[3] == 'queued' then check_device(h[1], {h[2]}) end
+  if h[3] == 'queued' then check_device(h[1], {h[4]}) end
 end
 
 -- 1. Delayed jobs (not_before, retry backoff) that fell due join their streams.
 for _, id in ipairs(due) do
   redis.call('ZREM', DELAYED, id)
   local h = due_jobs[id]
-  if h[3] == 'queued' then enqueue(id, h[1], h[2]) end
+  if h[3] == 'queued' then enqueue(id, h[1], h[4]) end
 end
 
 -- 2. Lapsed leases of this device (their workers stopped heart-beating): taken over
 -- with XCLAIM, which moves the pending entry to this consumer and counts a delivery.
-local lapsed = redis.call('ZRANGEBYSCORE', lk, '-inf', num(NOW), 'LIMIT', 0, limit + 64)
+-- Only those of executors this worker serves are taken over; any worker settles a final.
+local lapsed = redis.call('ZRANGEBYSCORE', lk, '-inf', num(NOW), 'LIMIT', 0, limit + 256)
 -- A lease that never started (a job leased ahead, its worker lost before launching it)
 -- gives its attempt back and counts a lapse instead; only started ones use attempts.
 for _, id in ipairs(lapsed) do
   local jk = jkey(id)
   local h = hm(jk, 'state', 'attempt', 'max_attempts', 'cancel', 'entry',
-    'priority', 'body', 'worker', 'started', 'lapses')
+    'priority', 'body', 'worker', 'started', 'lapses', 'route')
+  local rt = h[11] or h[6]
   if h[1] ~= 'running' then
     redis.call('ZREM', lk, id)
   else
@@ -373,45 +409,100 @@ for _, id in ipairs(lapsed) do
       if started then sflag = '1' end
       finals[#finals + 1] = {id, h[7], tostring(attempt), tok, h[8] or '', h[4] or '',
         sflag, tostring(lapses)}
-    elseif #out < limit then
+    elseif #out < limit and serves(rt) then
       give_back()
-      if h[5] then redis.call('XCLAIM', qkey(dev, h[6]), GROUP, worker, 0, h[5]) end
+      if h[5] then redis.call('XCLAIM', qkey(dev, rt), GROUP, worker, 0, h[5]) end
       take(id, jk, h[7], false)
     end
   end
 end
 
--- 3. New work, highest priority first, oldest first within one priority.
-if #out < limit then
-  local pk = prios_key(dev)
-  for _, prio in ipairs(redis.call('ZREVRANGE', pk, 0, -1)) do
-    local q = qkey(dev, prio)
+-- 3. New work, highest priority first, oldest first within one priority (across the
+-- executors served: their streams' next entries compared by their enqueue count).
+local pk = prios_key(dev)
+-- Read up to n entries of one route's stream; how many it returned (0: none left, and a
+-- stream with no entry at all, none queued, none running, goes with its group, so idle
+-- routes leave no keys behind).
+local function read(rt, n)
+  local q = qkey(dev, rt)
+  local res = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', n, 'STREAMS', q, '>')
+  if not res then
+    if redis.call('XLEN', q) == 0 then
+      redis.call('DEL', q)
+      redis.call('ZREM', pk, rt)
+    end
+    return 0
+  end
+  for _, entry in ipairs(res[1][2]) do
+    local eid, id = entry[1], entry[2][2]
+    local jk = jkey(id)
+    local h = hm(jk, 'state', 'entry', 'body')
+    if h[1] == 'queued' and h[2] == eid then
+      take(id, jk, h[3], true)
+    else
+      -- A stale entry (its job was cancelled, purged or queued again elsewhere).
+      redis.call('XACK', q, GROUP, eid)
+      redis.call('XDEL', q, eid)
+    end
+  end
+  return #res[1][2]
+end
+-- The next n entries of a route no consumer has read yet (peeked, not taken), as
+-- {enqueue count, route}.
+local function peek(rt, n)
+  local q = qkey(dev, rt)
+  local last = '0-0'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', q)) do
+    local name, lid
+    for j = 1, #g - 1, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then lid = g[j + 1] end
+    end
+    if name == GROUP then last = lid end
+  end
+  local ids = {}
+  for _, e in ipairs(redis.call('XRANGE', q, '(' .. last, '+', 'COUNT', n)) do
+    local f = e[2]
+    local seq = 0  -- an entry without one (stray, or an older build's) goes first
+    for j = 1, #f - 1, 2 do
+      if f[j] == 'n' then seq = tonumber(f[j + 1]) or 0 end
+    end
+    ids[#ids + 1] = {seq, rt}
+  end
+  if #ids == 0 and redis.call('XLEN', q) == 0 then
+    redis.call('DEL', q)
+    redis.call('ZREM', pk, rt)
+  end
+  return ids
+end
+local function older(a, b) return a[1] < b[1] end
+local routes = {}
+if #out < limit then routes = redis.call('ZREVRANGE', pk, 0, -1, 'WITHSCORES') end
+local i = 1
+while i <= #routes and #out < limit do
+  local score, group = routes[i + 1], {}
+  while i <= #routes and routes[i + 1] == score do
+    if serves(routes[i]) then group[#group + 1] = routes[i] end
+    i = i + 2
+  end
+  if #group == 1 then
+    while #out < limit and read(group[1], limit - #out) > 0 do end
+  elseif #group > 1 then
     while #out < limit do
-      local res = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', limit - #out,
-        'STREAMS', q, '>')
-      if not res then
-        -- Nothing left to read; a stream with no entry at all (none queued, none
-        -- running) goes, with its group, so idle priorities leave no keys behind.
-        if redis.call('XLEN', q) == 0 then
-          redis.call('DEL', q)
-          redis.call('ZREM', pk, prio)
-        end
-        break
+      local need, heads = limit - #out, {}
+      for _, rt in ipairs(group) do
+        for _, head in ipairs(peek(rt, need)) do heads[#heads + 1] = head end
       end
-      for _, entry in ipairs(res[1][2]) do
-        local eid, id = entry[1], entry[2][2]
-        local jk = jkey(id)
-        local h = hm(jk, 'state', 'entry', 'body')
-        if h[1] == 'queued' and h[2] == eid then
-          take(id, jk, h[3], true)
-        else
-          -- A stale entry (its job was cancelled, purged or queued again elsewhere).
-          redis.call('XACK', q, GROUP, eid)
-          redis.call('XDEL', q, eid)
-        end
+      if #heads == 0 then break end
+      table.sort(heads, older)
+      -- Taken in that order, a run of one route's entries in one read.
+      local j, last = 1, math.min(need, #heads)
+      while j <= last do
+        local run = j
+        while run < last and heads[run + 1][2] == heads[j][2] do run = run + 1 end
+        read(heads[j][2], run - j + 1)
+        j = run + 1
       end
     end
-    if #out >= limit then break end
   end
 end
 return {num(NOW), tostring(redis.call('XLEN', INBOX)), out, finals, until_}
@@ -439,11 +530,12 @@ local id, tok = ARGV[3], ARGV[4]
 local jk = jkey(id)
 if not holds(jk, tok) then return false end
 local until_ = num(NOW + tonumber(ARGV[5]))
-local h = hm(jk, 'device', 'priority', 'entry', 'worker', 'cancel')
-check_device(h[1], {h[2]})
+local h = hm(jk, 'device', 'priority', 'entry', 'worker', 'cancel', 'route')
+local rt = h[6] or h[2]
+check_device(h[1], {rt})
 redis.call('HSET', jk, 'lease_until', until_)
 redis.call('ZADD', leases_key(h[1]), until_, id)
-if h[3] then redis.call('XCLAIM', qkey(h[1], h[2]), GROUP, h[4], 0, h[3], 'JUSTID') end
+if h[3] then redis.call('XCLAIM', qkey(h[1], rt), GROUP, h[4], 0, h[3], 'JUSTID') end
 return {until_, h[5] or ''}
 
 -- == ack ==
@@ -474,8 +566,9 @@ return out
 local id, tok = ARGV[4], ARGV[5]
 local jk = jkey(id)
 if not holds(jk, tok) then return replayed(jk, tok, ARGV[3]) or 'lost' end
-local h = hm(jk, 'attempt', 'max_attempts', 'device', 'priority')
-check_device(h[3], {h[4]})
+local h = hm(jk, 'attempt', 'max_attempts', 'device', 'priority', 'route')
+local rt = h[5] or h[4]
+check_device(h[3], {rt})
 if tonumber(h[1]) >= tonumber(h[2]) then
   finish(id, 'dead', ARGV[7], ARGV[8], 'running', tok, 'dead')
   return 'dead'
@@ -490,7 +583,7 @@ local delay = tonumber(ARGV[6])
 if delay > 0 then
   redis.call('ZADD', DELAYED, num(NOW + delay), id)
 else
-  enqueue(id, h[3], h[4])
+  enqueue(id, h[3], rt)
 end
 return 'scheduled'
 
@@ -515,8 +608,9 @@ if not holds(jk, tok) then
   if replayed(jk, tok, ARGV[3]) == 'released' then return 1 end
   return 0
 end
-local h = hm(jk, 'device', 'priority')
-check_device(h[1], {h[2]})
+local h = hm(jk, 'device', 'priority', 'route')
+local rt = h[3] or h[2]
+check_device(h[1], {rt})
 unqueue(jk)
 redis.call('ZREM', leases_key(h[1]), id)
 redis.call('HINCRBY', jk, 'attempt', -1)
@@ -524,7 +618,7 @@ redis.call('HSET', jk, 'state', 'queued', 'prev', tok .. ' released')
 redis.call('HDEL', jk, 'token', 'lease_until')
 redis.call('HINCRBY', COUNTS, 'running', -1)
 redis.call('HINCRBY', COUNTS, 'queued', 1)
-enqueue(id, h[1], h[2])
+enqueue(id, h[1], rt)
 return 1
 
 -- == cancel ==
@@ -651,6 +745,36 @@ for i = 3, #ARGV do
   local h = hm(undo_key(ARGV[i]), 'body', 'undone_by', 'at')
   if h[1] then out[#out + 1] = {ARGV[i], h[1], h[2] or '', h[3]} end
 end
+return out
+
+-- == queued_routes ==
+-- Jobs waiting in the streams (due, not yet leased), by device and route: a flat list of
+-- (device, executor or '', count). Read-only.
+local out = {}
+local base = P .. '$priorities'
+local pattern = string.gsub(base, '[%*%?%[%]\\]', '\\%0') .. '*'
+local cursor = '0'
+repeat
+  local r = redis.call('SCAN', cursor, 'MATCH', pattern, 'COUNT', 1000)
+  cursor = r[1]
+  for _, pk in ipairs(r[2]) do
+    local dev = string.sub(pk, #base + 1)
+    for _, rt in ipairs(redis.call('ZRANGE', pk, 0, -1)) do
+      local q = qkey(dev, rt)
+      if redis.call('TYPE', q)['ok'] == 'stream' then
+        local pending = 0
+        for _, g in ipairs(redis.call('XINFO', 'GROUPS', q)) do
+          for j = 1, #g - 1, 2 do
+            if g[j] == 'pending' then pending = pending + g[j + 1] end
+          end
+        end
+        out[#out + 1] = dev
+        out[#out + 1] = route_exec(rt) or ''
+        out[#out + 1] = tostring(redis.call('XLEN', q) - pending)
+      end
+    end
+  end
+until cursor == '0'
 return out
 
 -- == set_aside ==

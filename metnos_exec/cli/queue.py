@@ -1,6 +1,7 @@
-"""What an operator looks at and tidies: ``status`` (the queue's counts, the sandbox arms
-of this machine, recent dead letters), ``tail`` (a worker's JSON log, readably) and
-``purge`` (finished jobs past retention forgotten, their space given back)."""
+"""What an operator looks at and tidies: ``status`` (the queue's counts, the workers and
+what they serve, the sandbox arms of this machine, recent dead letters), ``tail`` (a
+worker's JSON log, readably) and ``purge`` (finished jobs past retention forgotten, their
+space given back)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import contextlib
 import difflib
 import os
 import sys
+import time
 from typing import Any
 
 import msgspec
 
 from .._terminal import visible
 from ..brokers import DEFAULT_RETENTION_S
+from ..brokers.presence import WorkerInfo, is_live, unserved
 from ..errors import BadConfig, MetnosError
+from ..messages import UNDO_EXECUTOR
 from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
 
 
@@ -57,14 +61,70 @@ def _readable(doc: dict[str, Any], *, indent: str) -> list[str]:
     return lines
 
 
+def _fleet(workers: list[WorkerInfo], queued: dict[tuple[str, str], int]) -> dict[str, Any]:
+    """The workers (live, stopped, lost: gone without a word) and the executors whose
+    queued jobs no live worker serves."""
+    now = time.time()
+
+    def state(w: WorkerInfo) -> str:
+        return "live" if is_live(w, now) else "stopped" if w.stopped_at else "lost"
+
+    return {
+        "workers": [
+            {
+                "id": w.id,
+                "state": state(w),
+                "host": w.host,
+                "pid": w.pid,
+                "device": w.device,
+                "executors": list(w.executors),
+                "slots": w.slots,
+                "running": len(w.running),
+                "running_jobs": list(w.running),
+                "version": w.version,
+                "started_at": w.started_at,
+                "seen_at": w.seen_at,
+                "stopped_at": w.stopped_at,
+            }
+            for w in workers
+        ],
+        "waiting_for_a_worker": [
+            {"device": device, "executor": name or None, "queued": n}
+            for (device, name), n in sorted(unserved(queued, workers, now).items())
+        ],
+    }
+
+
+def _fleet_lines(fleet: dict[str, Any]) -> list[str]:
+    workers = fleet["workers"]
+    live = sum(w["state"] == "live" for w in workers)
+    out = [f"workers ({live} live, {len(workers) - live} gone in the last hour)"]
+    for w in workers:
+        out.append(
+            visible(
+                f"  {w['id']}  {w['state']}  {w['host']}:{w['pid']}  device={w['device']}  "
+                f"slots={w['slots']}  running={w['running']}  executors: "
+                f"{', '.join(e for e in w['executors'] if e != UNDO_EXECUTOR) or '-'}"
+            )
+        )
+    if fleet["waiting_for_a_worker"]:
+        out.append("waiting for a worker (no live worker serves these executors)")
+        for item in fleet["waiting_for_a_worker"]:
+            name = item["executor"] or "(jobs of an older build)"
+            out.append(visible(f"  {name} on {item['device']}: {item['queued']} queued"))
+    return out
+
+
 def _cmd_status(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
             stats = await broker.stats()
             dead = await broker.dead_letters(limit=5)
+            fleet = _fleet(await broker.workers(), await broker.queued_executors())
         sandbox = _sandbox_status()
         doc: dict[str, Any] = {
             "broker": {"url": ns.broker, **msgspec.to_builtins(stats)},
+            **fleet,
             "sandbox": sandbox,
             "recent_dead_letters": [
                 {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
@@ -78,6 +138,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         counts = [f"queued={stats.queued} ({stats.delayed} delayed)"]
         counts += [f"{k}={getattr(stats, k)}" for k in ("running", "done", "dead")]
         out.append("  " + "  ".join(counts))
+        out.extend(_fleet_lines(fleet))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
         if dead:
@@ -186,11 +247,13 @@ def register(subparsers: Subparsers) -> None:
     st = add_command(
         subparsers,
         "status",
-        "sandbox arms available here and queue counts",
-        "Queue counts, the sandbox arms available on this machine, recent dead letters. "
-        "Error codes are listed by `metnos-exec codes`.",
+        "queue counts, the workers, and the sandbox arms available here",
+        "Queue counts; the workers serving the queue (live, and gone in the last hour) with "
+        "their executors; executors whose queued jobs no live worker serves; the sandbox "
+        "arms available on this machine; recent dead letters. Error codes are listed by "
+        "`metnos-exec codes`.",
     )
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="one JSON document instead of text")
     st.set_defaults(fn=_cmd_status)
 
     t = add_command(

@@ -9,18 +9,27 @@ the layers below (see `state`).
 from __future__ import annotations
 
 import logging
+import os
+import socket
+from importlib import metadata
 
 import anyio
 import sniffio
 import structlog
 from anyio.abc import TaskStatus
 
+from ..brokers.presence import MAX_RUNNING_LISTED, WORKER_BEAT_S, WorkerInfo
 from ..messages import SERVER_DEVICE
 from .pipeline import Pipeline
 
 __all__ = ("Supervisor",)
 
 _log = structlog.get_logger("metnos_exec")
+
+try:
+    _VERSION = metadata.version("metnos-exec")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = ""
 
 
 class Supervisor(Pipeline):
@@ -112,12 +121,15 @@ class Supervisor(Pipeline):
                     tg.start_soon(self._retention_loop, self.retention_s, name="retention")
                 if publishes:
                     tg.start_soon(self._catalog_loop, published, name="catalog")
+                tg.start_soon(self._presence_loop, name="presence")
                 task_status.started()
                 async with anyio.create_task_group() as jobs:
                     await self._lease_loop(jobs, burst=burst)
                 tg.cancel_scope.cancel()
         finally:
             self._tg = None
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await self._say_presence(stopped=True)
             if self._owns_staging and self._staging is not None:
                 with anyio.CancelScope(shield=True):
                     await self._staging.aclose()  # the staging helper process
@@ -166,6 +178,36 @@ class Supervisor(Pipeline):
             if self._republish.is_set():
                 self._republish = anyio.Event()
             failures = 0 if await self._publish_executors() else failures + 1
+
+    async def _say_presence(self, *, stopped: bool = False) -> None:
+        """Store this worker's presence record (`brokers.presence`): who it is, what it
+        serves and runs. Advice for ``status``: a failure is only logged at debug level,
+        never a reason to stop leasing (the queue's own calls say the store failed)."""
+        now = self.clock()
+        if self._started_at is None:
+            self._started_at = now
+        info = WorkerInfo(
+            id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=self.device,
+            executors=self.served,
+            slots=self.concurrency,
+            running=tuple(list(self._running)[:MAX_RUNNING_LISTED]),
+            version=_VERSION,
+            started_at=self._started_at,
+            seen_at=now,
+            stopped_at=now if stopped else None,
+        )
+        try:
+            await self.broker.register_worker(info)
+        except Exception as exc:
+            _log.debug("broker.error", op="register_worker", error=f"{type(exc).__name__}: {exc}")
+
+    async def _presence_loop(self) -> None:
+        while True:
+            await self._say_presence()
+            await anyio.sleep(WORKER_BEAT_S)
 
     async def wait_stopped(self) -> None:
         """Return once `run` has returned."""

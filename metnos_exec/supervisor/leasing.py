@@ -139,6 +139,7 @@ class Leasing(Settling):
                         # Those for free run slots launch now and count at once; the
                         # rest wait for a slot and count once marked (`_mark_started`).
                         started=max(0, self.concurrency - self._busy),
+                        executors=self.served,
                     )
             except Exception as exc:
                 # The store is down or busy: keep the worker (and its running jobs)

@@ -25,6 +25,7 @@ from ..brokers.base import Broker, Lease
 from ..devices.signing import TrustStore
 from ..errors import MetnosError
 from ..manifest import ExecutorRegistry
+from ..messages import UNDO_EXECUTOR
 from ..sandbox._types import Sandbox, SandboxOutcome
 from ..undo.staging import Staging
 from .config import SupervisorConfig
@@ -128,6 +129,11 @@ class SupervisorState:
         self.trust = trust
         self.store_backoff = store_backoff
         self._tg: anyio.abc.TaskGroup | None = None
+        self._started_at: float | None = None
+        #: The executors this worker leases (executor routing, `brokers.base`): those it
+        #: loaded, those whose manifest failed to load (a job for one is rejected with
+        #: the load error, which its author needs to see), and undo jobs.
+        self.served: tuple[str, ...] = tuple(sorted({*registry, *registry.errors, UNDO_EXECUTOR}))
         self._running: dict[str, _Running] = {}
         self._draining = False
         self._stopped = anyio.Event()

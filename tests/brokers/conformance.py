@@ -722,6 +722,130 @@ class BrokerConformance:
             assert [le.job.id for le in server] == [untargeted.id, on_server.id]
             assert {le.device for le in server} == {"server"}
 
+    # --- executor routing (issue 18, item 3) ------------------------------------------
+
+    async def test_a_worker_leases_only_the_executors_it_serves(self) -> None:
+        """Heterogeneous workers on one queue: each takes only jobs it can run, the others
+        stay queued with no attempt spent, and the order (priority, then age) holds
+        across the executors one worker serves."""
+        async with self.broker() as (b, _clock):
+            a1, b1, c1, a2, b2 = (
+                job(executor="alpha"),
+                job(executor="beta"),
+                job(executor="gamma", priority=2),
+                job(executor="alpha"),
+                job(executor="beta"),
+            )
+            for j in (a1, b1, c1, a2, b2):
+                await b.submit(j)
+            assert await b.lease("w0", visibility_s=VIS, limit=10, executors=()) == []
+            assert await b.lease("w0", visibility_s=VIS, limit=10, executors=["delta"]) == []
+            alpha = await b.lease("wa", visibility_s=VIS, limit=10, executors=["alpha"])
+            assert [le.job.id for le in alpha] == [a1.id, a2.id]
+            for j in (b1, c1, b2):
+                state = await b.get_job_state(j.id)
+                assert state is not None and (state.state, state.attempt) == ("queued", 0)
+            # One at a time: the oldest of the executors served, the higher priority first.
+            order = []
+            while le := await b.lease("wbg", visibility_s=VIS, executors=["beta", "gamma"]):
+                order.append(le[0].job.id)
+            assert order == [c1.id, b1.id, b2.id]
+
+    async def test_routing_holds_for_a_large_set_of_executors(self) -> None:
+        async with self.broker() as (b, _clock):
+            served = [f"tool{i:03d}" for i in range(100)]
+            js = [job(executor=served[i * 7 % 100], priority=i % 2) for i in range(12)]
+            other = job(executor="elsewhere")
+            await b.submit(other)
+            for j in js:
+                await b.submit(j)
+            leases = await b.lease("w", visibility_s=VIS, limit=50, executors=served)
+            want = [j.id for j in js if j.priority == 1] + [j.id for j in js if j.priority == 0]
+            assert [le.job.id for le in leases] == want
+            state = await b.get_job_state(other.id)
+            assert state is not None and state.state == "queued"
+
+    async def test_a_job_back_in_the_queue_keeps_its_route(self) -> None:
+        """Released, retried, lapsed or delayed: a job goes back to its executor's
+        workers only."""
+        async with self.broker() as (b, clock):
+            rel, ret, lap = job(executor="alpha"), job(executor="alpha"), job(executor="alpha")
+            later = job(executor="alpha", not_before=T0 + 5)
+            for j in (rel, ret, lap, later):
+                await b.submit(j)
+            leases = {
+                le.job.id: le
+                for le in await b.lease("wa", visibility_s=10, limit=3, executors=["alpha"])
+            }
+            assert set(leases) == {rel.id, ret.id, lap.id}
+            assert await b.release(leases[rel.id])
+            err = ErrorInfo(code="E_X", message="x")
+            assert await b.retry(leases[ret.id], error=err, delay_s=0) == "scheduled"
+            clock.advance(10)  # lap's lease lapses; later falls due
+            assert await b.lease("wb", visibility_s=10, limit=10, executors=["beta"]) == []
+            again = await b.lease("wa2", visibility_s=10, limit=10, executors=["alpha"])
+            assert {le.job.id for le in again} == {rel.id, ret.id, lap.id, later.id}
+            attempts = {le.job.id: le.attempt for le in again}
+            assert attempts == {rel.id: 1, ret.id: 2, lap.id: 2, later.id: 1}
+
+    async def test_an_undecodable_message_is_dead_lettered_by_a_routing_worker(self) -> None:
+        """A message with no readable executor has no route: any server worker takes it
+        and dead-letters it (it never waits for a worker that cannot exist)."""
+        async with self.broker() as (b, _clock):
+            bad = await b.submit_raw(b'{"v": 1, "executor": 7}')
+            good = await b.submit_raw(encode(job(executor="alpha")))
+            leases = await b.lease("w", visibility_s=VIS, limit=10, executors=["alpha"])
+            assert [le.job.id for le in leases] == [good]
+            result = await b.get_result(bad)
+            assert result is not None and result.status == "dead"
+
+    async def test_queued_jobs_are_counted_by_device_and_executor(self) -> None:
+        async with self.broker() as (b, _clock):
+            for j in (job(executor="alpha"), job(executor="alpha", priority=3)):
+                await b.submit(j)
+            await b.submit(job(executor="beta", device="phone"))
+            leased = job(executor="gamma")
+            await b.submit(leased)
+            [lease] = await b.lease("w", visibility_s=VIS, executors=["gamma"])
+            assert lease.job.id == leased.id
+            counts = {k: n for k, n in (await b.queued_executors()).items() if n}
+            assert counts == {("server", "alpha"): 2, ("phone", "beta"): 1}
+
+    async def test_worker_presence_records(self) -> None:
+        """Registered, renewed, stopped; a record gone longer than asked is forgotten."""
+        from metnos_exec.brokers.presence import WORKER_TTL_S, WorkerInfo, is_live
+
+        async with self.broker() as (b, clock):
+
+            def info(wid: str, **kw: Any) -> WorkerInfo:
+                fields: dict[str, Any] = {
+                    "id": wid,
+                    "host": "h",
+                    "pid": 1,
+                    "device": "server",
+                    "executors": ("alpha",),
+                    "slots": 4,
+                    "started_at": T0,
+                    "seen_at": clock.now,
+                }
+                return WorkerInfo(**{**fields, **kw})
+
+            assert await b.workers() == []
+            await b.register_worker(info("w1"))
+            await b.register_worker(info("w2"))
+            clock.advance(5)
+            await b.register_worker(info("w1", running=("j1",)))
+            await b.register_worker(info("w2", stopped_at=clock.now))
+            found = {w.id: w for w in await b.workers()}
+            assert found["w1"].running == ("j1",) and is_live(found["w1"], clock.now)
+            assert not is_live(found["w2"], clock.now)
+            clock.advance(WORKER_TTL_S)  # w1 stopped renewing: gone without a word
+            found = {w.id: w for w in await b.workers()}
+            assert set(found) == {"w1", "w2"} and not is_live(found["w1"], clock.now)
+            clock.advance(100)
+            assert [w.id for w in await b.workers(gone_within_s=50)] == []
+            assert await b.workers() == []  # forgotten, not only hidden
+
     # --- housekeeping -----------------------------------------------------------------
 
     async def test_purge_forgets_old_finished_jobs_only(self) -> None:

@@ -137,7 +137,7 @@ async def test_a_heartbeating_lease_is_never_taken_over(redis_server: RedisServe
             clock.advance(8)
             assert (await b.heartbeat(lease)).ok
             assert await b.lease("w2", visibility_s=10, limit=5) == []
-        [(_entry, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0))
+        [(_entry, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0, "echo"))
         assert (consumer, deliveries) == ("w1", 1)
         assert await b.ack(lease, _ok(lease))
         # Without heartbeats the same window lapses: the renewal is what kept it.
@@ -156,7 +156,7 @@ async def test_the_delivery_count_dead_letters_a_poison_job(redis_server: RedisS
     async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
         j = Job(executor="crasher", max_attempts=3)
         await b.submit(j)
-        stream = b.keys.stream("server", 0)
+        stream = b.keys.stream("server", 0, "crasher")
         for n, worker in enumerate(("w1", "w2", "w3"), 1):
             [lease] = await b.lease(worker, visibility_s=5)
             assert lease.attempt == n
@@ -189,7 +189,7 @@ async def test_streams_hold_only_live_jobs(redis_server: RedisServer) -> None:
         for i in range(3):
             await b.submit(Job(executor="echo", args={"cancel": i}, priority=7))
         err = ErrorInfo(code="E_X", message="x")
-        streams = {b.keys.stream(d, p) for d in ("server", "phone") for p in range(3)}
+        streams = {b.keys.stream(d, p, "echo") for d in ("server", "phone") for p in range(3)}
         assert streams <= await _keys(raw, b)
         for device in ("server", "phone"):
             leases = await b.lease("w1", visibility_s=5, device=device, limit=100)
@@ -208,7 +208,7 @@ async def test_streams_hold_only_live_jobs(redis_server: RedisServer) -> None:
         for cancelled in (await b.stats(),):
             assert cancelled.queued > 0
         for key in await _keys(raw, b):
-            if ":q:" in key and key.endswith(":7"):
+            if ":q:" in key and key.endswith(":7:echo"):
                 for job in await raw.xrange(key):
                     await b.cancel(job.field_values[b"id"].decode())
         clock.advance(5)
@@ -286,7 +286,7 @@ async def test_a_late_ack_after_an_xclaim_takeover_changes_nothing(
         assert mine_again.token != slow.token
         clock.advance(5)
         [fast] = await b.lease("w2", visibility_s=5)
-        [(_e, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0))
+        [(_e, consumer, deliveries)] = await _pending(raw, b.keys.stream("server", 0, "echo"))
         assert (consumer, deliveries) == ("w2", 3)
         for stale in (slow, mine_again):
             assert not (await b.heartbeat(stale)).ok
@@ -409,7 +409,7 @@ async def test_entries_written_past_the_inbox_never_hide_the_queue(
     group: every job submitted at that priority afterwards was queued and never leased,
     and nothing said why. The stream gets the group; the stray entries are dropped."""
     async with _broker(redis_server.url) as b, _raw(redis_server.url) as raw:
-        stream = b.keys.stream("server", 0)
+        stream = b.keys.stream("server", 0, "echo")
         await raw.xadd(stream, {"id": "no-such-job"})
         await raw.xadd(stream, {b"\xff": b"\xff"})
         job = Job(executor="echo")
@@ -470,7 +470,7 @@ async def _spoil(raw: coredis.Redis[bytes], b: RedisBroker, which: str, how: str
         "counts": b.keys.counts,
         "priorities": b.keys.priorities("server"),
         "leases": b.keys.leases("server"),
-        "stream": b.keys.stream("server", 7),  # a priority no job had yet
+        "stream": b.keys.stream("server", 7, "echo"),  # a route no job had yet
     }[which]
     if how == "set":
         await raw.delete([key])

@@ -714,3 +714,62 @@ async def test_a_running_row_without_a_lease_is_swept(tmp_path: Path) -> None:
         [again] = await broker.lease("w2", visibility_s=30)
         assert (again.job.id, again.attempt) == (job.id, 2)
         assert not await broker.ack(lease, Result(job_id=job.id, status="succeeded"))
+
+
+@pytest.mark.anyio
+async def test_a_backlog_for_another_executor_costs_an_idle_worker_nothing(tmp_path: Path) -> None:
+    """Executor routing: 20,000 jobs queued for an executor whose worker is away cost the
+    poll (and the lease) of a worker serving other executors one index probe each, not a
+    walk of the backlog. Measured in SQLite VM instructions, not in time."""
+
+    async def cost(broker: SQLiteBroker, served: list[str]) -> tuple[int, int]:
+        ticks = 0
+
+        def tick() -> int:
+            nonlocal ticks
+            ticks += 1
+            return 0
+
+        broker._db.set_progress_handler(tick, 100)
+        try:
+            got = await broker.lease("w", visibility_s=30, limit=8, executors=served)
+        finally:
+            broker._db.set_progress_handler(None, 100)
+        return ticks, len(got)
+
+    async with SQLiteBroker(tmp_path / "empty.db") as empty:
+        baseline, _ = await cost(empty, ["alpha"])
+    async with SQLiteBroker(tmp_path / "backlog.db") as broker:
+        for _ in range(20):
+            await broker.submit_many([Job(executor="beta") for _ in range(1000)])
+        idle, got = await cost(broker, ["alpha"])
+        assert got == 0 and idle <= baseline + 2
+        await broker.submit(Job(executor="alpha"))
+        busy, got = await cost(broker, ["alpha", "gamma"])
+        assert got == 1 and busy < 200  # a full walk of the backlog is thousands
+
+
+@pytest.mark.anyio
+async def test_a_file_without_the_routing_column_gains_it_and_routes_its_queue(
+    tmp_path: Path,
+) -> None:
+    """A queue file of the previous build (version 2, no `executor` column): opening it
+    adds the column, gives the queued jobs their routes from their bodies, and a routing
+    worker then takes only its own."""
+    db = tmp_path / "queue.db"
+    alpha, beta = Job(executor="alpha"), Job(executor="beta")
+    async with SQLiteBroker(db) as broker:
+        await broker.submit_many([alpha, beta])
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        conn.execute("DROP INDEX jobs_route")
+        conn.execute("ALTER TABLE jobs DROP COLUMN executor")
+        conn.execute("DROP TRIGGER job_inbox_insert")
+    async with SQLiteBroker(db) as broker:
+        leases = await broker.lease("w", visibility_s=30, limit=5, executors=["beta"])
+        assert [le.job.id for le in leases] == [beta.id]
+        raw = Job(executor="alpha")
+        with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+            # Another language's producer, through the inbox view's new trigger.
+            conn.execute("INSERT INTO job_inbox (id, body) VALUES (?, ?)", (raw.id, encode(raw)))
+        leases = await broker.lease("w", visibility_s=30, limit=5, executors=["alpha"])
+        assert sorted(le.job.id for le in leases) == sorted([alpha.id, raw.id])

@@ -191,7 +191,6 @@ async def test_context_is_bound_on_every_job_record(
         broker = MemoryBroker()
         ran = (await broker.submit(Job(executor="echo", correlation_id="run-1/3"))).job_id
         bad_args = (await broker.submit(Job(executor="echo", args={"x": "no"}))).job_id
-        unknown = (await broker.submit(Job(executor="nope"))).job_id
         broken = (await broker.submit(Job(executor="broken"))).job_id
         malformed = await broker.submit_raw(b'{"executor": 42')
         await make(broker, registry, ScriptedArm(), device="server").run(burst=True)
@@ -208,11 +207,10 @@ async def test_context_is_bound_on_every_job_record(
     for e in seen:
         if "job_id" in e:
             by_job.setdefault(e["job_id"], []).append(e)
-    assert set(by_job) == {ran, bad_args, unknown, broken, malformed, degraded}
+    assert set(by_job) == {ran, bad_args, broken, malformed, degraded}
     expected_sandbox = {
         ran: "scripted",
         bad_args: "scripted",  # vetting failed, but the arm was known: it is bound
-        unknown: None,
         broken: None,
         malformed: None,
         degraded: "none",
@@ -232,11 +230,10 @@ async def test_context_is_bound_on_every_job_record(
     ]
     worker_records = [e for e in seen if e["event"].startswith("worker.")]
     assert worker_records and all("job_id" not in e and "attempt" not in e for e in worker_records)
-    for job_id in (bad_args, unknown, broken):
+    for job_id in (bad_args, broken):
         assert events[job_id] == ["job.received", "job.rejected", "job.finished"]
     assert events[malformed] == ["job.bad_message"]
     assert by_job[malformed][0]["executor"] is None
-    assert by_job[unknown][0]["executor"] == "nope"
     assert events[degraded][:3] == ["job.received", "sandbox.degraded", "job.started"]
     assert events[degraded][-1] == "job.finished"
 
@@ -280,6 +277,12 @@ async def test_rejections_run_nothing(registry: ExecutorRegistry) -> None:
     ok = (await broker.submit(Job(executor="echo"))).job_id
     with capture_logs() as logs:
         await make(broker, registry, arm).run(burst=True)
+    # An executor this worker does not have is not its job (executor routing): the job
+    # waits for a worker that serves it, untouched, no attempt spent.
+    unknown = ids.pop("unknown")
+    state = await broker.get_job_state(unknown)
+    assert state is not None and (state.state, state.attempt) == ("queued", 0)
+    assert await broker.get_result(unknown) is None
     codes = {}
     for k, job_id in ids.items():
         r = await broker.get_result(job_id)
@@ -287,7 +290,6 @@ async def test_rejections_run_nothing(registry: ExecutorRegistry) -> None:
         assert r.error is not None
         codes[k] = r.error.code
     assert codes == {
-        "unknown": "E_UNKNOWN_EXECUTOR",
         "manifest": "E_BAD_MANIFEST",
         "capability": "E_CAPABILITY_DENIED",
         "args": "E_BAD_ARGS",

@@ -1,0 +1,55 @@
+"""The memory broker's records beside the queue: the executor catalog, the workers'
+presence records and the queued jobs by executor (see `metnos_exec.brokers.presence`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio.lowlevel
+
+from ..devices.catalog import ExecutorInfo
+from .presence import RECENTLY_GONE_S, WorkerInfo, gone_at, is_live
+
+__all__ = ("MemoryCatalog",)
+
+
+class MemoryCatalog:
+    """The catalog and presence part of `MemoryBroker` (its state is set up there)."""
+
+    _clock: Callable[[], float]
+    _catalog: dict[str, ExecutorInfo]
+    _workers: dict[str, WorkerInfo]
+    _entries: dict[str, Any]  # job id -> the memory broker's entry
+
+    async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
+        for info in infos:
+            self._catalog[info.name] = info
+
+    async def executor_info(self, name: str) -> ExecutorInfo | None:
+        return self._catalog.get(name)
+
+    async def executor_names(self) -> set[str]:
+        await anyio.lowlevel.checkpoint()
+        return set(self._catalog)
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        await anyio.lowlevel.checkpoint()
+        self._workers[info.id] = info
+
+    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
+        await anyio.lowlevel.checkpoint()
+        now = self._clock()
+        for info in list(self._workers.values()):
+            if not is_live(info, now) and now - gone_at(info) > gone_within_s:
+                del self._workers[info.id]
+        return sorted(self._workers.values(), key=lambda w: (w.started_at, w.id))
+
+    async def queued_executors(self) -> dict[tuple[str, str], int]:
+        await anyio.lowlevel.checkpoint()
+        counts: dict[tuple[str, str], int] = {}
+        for entry in self._entries.values():
+            if entry.state == "queued":
+                key = (entry.device, entry.job.executor if entry.job is not None else "")
+                counts[key] = counts.get(key, 0) + 1
+        return counts

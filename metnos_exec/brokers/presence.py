@@ -1,0 +1,112 @@
+"""Who serves the queue: each worker's presence record, and which queued executors no live
+worker serves (``status``; issue 18, items 3 and 4).
+
+A worker registers when it starts (`Broker.register_worker`), again every `WORKER_BEAT_S`
+with its running jobs, and once more when it stops (``stopped_at`` set). A record not
+renewed for `WORKER_TTL_S` is a worker that died without saying so (SIGKILL, a lost
+machine): it counts as gone. Records of workers gone for longer than the ``gone_within_s``
+a reader asks for are forgotten by that reader (`Broker.workers`), so the table stays the
+size of the fleet.
+
+A presence record is advice for people and for ``status``, never a lock or a lease: the
+queue's delivery guarantees do not depend on it (a worker that cannot write it keeps
+serving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import msgspec
+
+__all__ = (
+    "RECENTLY_GONE_S",
+    "WORKER_BEAT_S",
+    "WORKER_TTL_S",
+    "WorkerInfo",
+    "decode_worker",
+    "encode_worker",
+    "gone_at",
+    "is_live",
+    "unserved",
+)
+
+#: How often a worker renews its presence record.
+WORKER_BEAT_S: Final = 10.0
+#: A record not renewed for this long is a worker gone without a word.
+WORKER_TTL_S: Final = 3 * WORKER_BEAT_S
+#: How long ``status`` lists a gone worker (and readers keep its record).
+RECENTLY_GONE_S: Final = 3600.0
+
+#: Running job ids kept in one record (a record stays small with 1,000 slots).
+MAX_RUNNING_LISTED: Final = 200
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's presence record.
+
+    Attributes:
+        id: the worker id (``--id``; by default host and pid).
+        host: the machine's name. pid: the worker's process id there.
+        device: the device it serves (``server`` for server workers).
+        executors: the executors it leases (executor routing).
+        slots: run slots (``--concurrency``).
+        running: ids of the jobs it runs now (at most `MAX_RUNNING_LISTED`).
+        version: the metnos-exec version it runs.
+        started_at, seen_at: unix seconds it started and last renewed the record.
+        stopped_at: unix seconds it stopped, ``None`` while it runs (or if it died).
+    """
+
+    id: str
+    host: str
+    pid: int
+    device: str
+    executors: tuple[str, ...]
+    slots: int
+    running: tuple[str, ...] = ()
+    version: str = ""
+    started_at: float
+    seen_at: float
+    stopped_at: float | None = None
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(WorkerInfo)
+
+
+def encode_worker(info: WorkerInfo) -> bytes:
+    return _ENCODER.encode(info)
+
+
+def decode_worker(data: bytes | str) -> WorkerInfo | None:
+    """The record, or ``None`` for one that does not decode (written by hand, or by a
+    newer build): a reader skips it rather than fail ``status``."""
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return None
+
+
+def is_live(info: WorkerInfo, now: float) -> bool:
+    """Running, and renewed within `WORKER_TTL_S`."""
+    return info.stopped_at is None and now - info.seen_at < WORKER_TTL_S
+
+
+def gone_at(info: WorkerInfo) -> float:
+    """When a worker that is not live went: its stop, or its last renewal."""
+    return info.stopped_at if info.stopped_at is not None else info.seen_at
+
+
+def unserved(
+    queued: Mapping[tuple[str, str], int], workers: Iterable[WorkerInfo], now: float
+) -> dict[tuple[str, str], int]:
+    """Of the queued jobs counted by (device, executor), those no live worker serves
+    (an executor of ``""``: jobs an older build stored, which any worker takes)."""
+    served = {(w.device, name) for w in workers if is_live(w, now) for name in w.executors}
+    devices = {w.device for w in workers if is_live(w, now)}
+    return {
+        (device, name): n
+        for (device, name), n in queued.items()
+        if n and (device, name) not in served and not (name == "" and device in devices)
+    }
