@@ -23,6 +23,7 @@ user, slot uids and trust keys) and makes the report.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,52 +57,81 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     uid: int
 
 
-async def _broker_finding(url: str) -> Finding:
+_APPENDONLY = (
+    "redis-cli CONFIG SET appendonly yes, and in its configuration: appendonly yes, "
+    "appendfsync everysec (queue/redis.conf has both)"
+)
+
+
+async def _broker_findings(given: str) -> list[Finding]:
+    """The broker: reachable (required), durable, its data lost lately."""
     from .brokers import open_broker
 
+    url = given
     scheme = url.partition(":")[0]
     missing = _missing_sqlite_file(url) if scheme == "sqlite" else None
     if missing is not None:
-        return Finding(
-            check="broker",
-            state="info",
-            detail=f"{url}: no queue file yet ({missing})",
-            meaning="the first `metnos-exec worker` or `submit` creates it",
-            fix=f"metnos-exec worker --broker {url} --executors DIR   # creates it",
-        )
+        return [
+            Finding(
+                check="broker",
+                state="info",
+                detail=f"{url}: no queue file yet ({missing})",
+                meaning="the first `metnos-exec worker` or `submit` creates it",
+                fix=f"metnos-exec worker --broker {url} --executors DIR   # creates it",
+            )
+        ]
     try:
-        broker = open_broker(url, create=False)
+        broker = open_broker(given, create=False)
         async with broker:
             stats = await broker.stats()
             weak = await broker.durability()
+            losses = await broker.data_lost()
     except (MetnosError, OSError, ValueError) as exc:
-        fix = (
-            "redis-server --port PORT   # or check host, port and password in the URL"
-            if scheme.startswith("redis")
-            else "check the URL (an absolute SQLite path takes four slashes) and the file's "
-            "permissions"
-        )
-        return Finding(
-            check="broker",
-            state="missing",
-            detail=f"{url}: {exc}",
-            meaning="a worker cannot lease jobs and a producer cannot submit",
-            fix=fix,
-            required=True,
-        )
-    if weak is not None:
-        return Finding(
+        return [_unusable_broker_finding(url, exc)]
+    reach = f"{url}: reachable ({stats.queued} queued, {stats.running} running)"
+    found = [
+        Finding(
             check="broker",
             state="weakened",
-            detail=f"{url}: reachable ({stats.queued} queued, {stats.running} running); {weak}",
+            detail=f"{reach}; {weak}",
             meaning="a job a producer was told is queued, or its result, may be lost",
-            fix="redis-cli CONFIG SET appendonly yes, and in its configuration: appendonly "
-            "yes, appendfsync everysec (queue/redis.conf has both)",
+            fix=_APPENDONLY,
+        )
+        if weak is not None
+        else Finding(check="broker", state="ok", detail=reach, required=True)
+    ]
+    if losses:
+        latest = losses[0]
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(latest.at))
+        found.append(
+            Finding(
+                check="broker_data",
+                state="weakened",
+                detail=f"{url}: its data were lost {len(losses)} time(s) this week; the "
+                f"last, found at {when}: {latest.detail}",
+                meaning="jobs producers were told are queued, and results workers stored, "
+                "are gone: their results will never come (submit them again)",
+                fix=f"{_APPENDONLY}; the record goes after a week (or: redis-cli DEL "
+                "'{PREFIX}:lost')",
+            )
+        )
+    return found
+
+
+def _unusable_broker_finding(url: str, exc: Exception) -> Finding:
+    scheme = url.partition(":")[0]
+    if scheme.startswith("redis"):
+        fix = "redis-server --port PORT   # or check host, port and password in the URL"
+    else:
+        fix = (
+            "check the URL (an absolute SQLite path takes four slashes) and the file's permissions"
         )
     return Finding(
         check="broker",
-        state="ok",
-        detail=f"{url}: reachable ({stats.queued} queued, {stats.running} running)",
+        state="missing",
+        detail=f"{url}: {exc}",
+        meaning="a worker cannot lease jobs and a producer cannot submit",
+        fix=fix,
         required=True,
     )
 
@@ -341,7 +371,7 @@ async def diagnose(
     findings.append(_staging_finding(st))
     findings.extend(_wasm_findings(st, runtimes))
     if broker_url is not None:
-        findings.append(await _broker_finding(broker_url))
+        findings.extend(await _broker_findings(broker_url))
     if executors_finding is not None:
         findings.append(executors_finding)
     findings.append(_user_finding(st))

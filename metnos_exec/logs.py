@@ -67,6 +67,12 @@ EVENTS: Mapping[str, str] = {
     "be; the Redis broker: broker, error); no new job is leased until the store works",
     "broker.not_durable": "at start: a restart of the store would lose what it "
     "acknowledged (detail; e.g. Redis without appendonly); `doctor` says the fix",
+    "broker.data_lost": "the store's data set is not the one this process saw (a Redis "
+    "restarted without persistence, or flushed): once per loss, with cause (restart, flush, "
+    "unknown), last_seen (the counts then: what was lost), last_seen_at, run_id_before, "
+    "run_id_now, detail; kept for `status` and `doctor` for a week",
+    "broker.restarted": "the Redis server restarted or failed over and kept the queue's data "
+    "(broker, prefix, run_id_before, run_id_now)",
     "broker.recovered": "the store works again after failures (op, failures, down_s; Redis: "
     "broker, down_s)",
     "queue.purged": "finished jobs past retention were forgotten (jobs, collected, "

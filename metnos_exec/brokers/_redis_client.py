@@ -23,6 +23,7 @@ from ..errors import BrokerBusy, BrokerError, BrokerFull, BrokerReadOnly, Broker
 from ..messages import SERVER_DEVICE, ErrorInfo, encode
 from ._common import PolledWaits, dead_records
 from ._redis_keys import SCRIPTS, Keys
+from ._redis_watch import DataWatch
 from .base import Lease
 
 __all__ = ("BATCH", "RedisStore", "as_str", "error_fields", "inbox_text")
@@ -75,8 +76,9 @@ def _before_sending(exc: BaseException) -> bool:
     )
 
 
-def _closing_buffers(cls: type[Any]) -> type[Any]:
-    """`cls` (a coredis connection class) whose failed connect closes its buffers.
+def _closing_buffers(cls: type[Any], connected: Callable[[], None]) -> type[Any]:
+    """`cls` (a coredis connection class) whose failed connect closes its buffers, and
+    whose connect made calls `connected` (the watch on the data set looks again).
 
     coredis 6.9 creates six in-memory streams per connection and closes them only once
     connected: each failed attempt (Redis down) leaves them to the garbage collector,
@@ -87,7 +89,7 @@ def _closing_buffers(cls: type[Any]) -> type[Any]:
     class Connection(cls):  # type: ignore[misc]
         async def _connect(self) -> Any:
             try:
-                return await super()._connect()
+                out = await super()._connect()
             except BaseException:
                 for stream in (
                     self._write_buffer_in,
@@ -99,6 +101,8 @@ def _closing_buffers(cls: type[Any]) -> type[Any]:
                 ):
                     stream.close()
                 raise
+            connected()
+            return out
 
     Connection.__name__ = Connection.__qualname__ = f"Closing{cls.__name__}"
     return Connection
@@ -134,7 +138,6 @@ class RedisStore(PolledWaits):
         settle_patience_s: float = 5.0,
         create: bool = True,
     ) -> None:
-        del create
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
             raise ValueError(f"expected redis://host:port/db or rediss://..., got {url!r}")
@@ -156,8 +159,17 @@ class RedisStore(PolledWaits):
             # client's would resend a lease whose reply was lost, for instance.
             retry_policy=coredis.retry.NoRetryPolicy(),
         )
+        self._watch = DataWatch(
+            self._redis,
+            marker=self.keys.epoch,
+            lost=self.keys.lost,
+            where=self.where,
+            prefix=prefix,
+            create=create,
+            stats=lambda: self._evalsha("stats", self.keys.base, self._now_arg()),
+        )
         pool = self._redis.connection_pool
-        pool.connection_class = _closing_buffers(pool.connection_class)
+        pool.connection_class = _closing_buffers(pool.connection_class, self._watch.connected)
         self._scripts = {name: self._redis.register_script(src) for name, src in SCRIPTS.items()}
         self._shas = {name: script.sha for name, script in self._scripts.items()}
         self._conn: Any = None
@@ -260,6 +272,11 @@ class RedisStore(PolledWaits):
         wrote it by hand) is set aside (`_set_aside`) and the script run again: the guard
         stops a script before it changes anything, so nothing is done twice and no job
         loses an attempt to it."""
+        self._check_open()
+        conn = self._conn
+        if self._watch.due(conn is not None and conn.usable):
+            # Before the call: a loss is said before anything is done on the new data set.
+            await self._watch.look(self._wall())
         for _ in range(_MAX_SET_ASIDE):
             self._check_open()  # before the coroutine exists: a closed broker makes none
             try:

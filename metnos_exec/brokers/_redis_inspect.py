@@ -1,6 +1,6 @@
 """The Redis broker's control and inspection: cancelling, and reading a job's result,
-state, the dead letters, the counts by state and whether Redis keeps what it
-acknowledged across a restart."""
+state, the dead letters, the counts by state, whether Redis keeps what it
+acknowledged across a restart, and the data losses found."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..messages import (
     decode_result,
 )
 from ._redis_client import BATCH, RedisStore, as_str
-from .base import BrokerStats, CancelOutcome, JobState
+from ._redis_watch import decode_losses
+from .base import BrokerStats, CancelOutcome, DataLoss, JobState
 
 __all__ = ("RedisInspection",)
 
@@ -120,4 +121,16 @@ class RedisInspection(RedisStore):
 
     async def stats(self) -> BrokerStats:
         queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
-        return BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
+        stats = BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
+        self._watch.saw(stats, self._wall())
+        return stats
+
+    async def data_lost(self) -> list[DataLoss]:
+        """See `Broker.data_lost`: the losses the brokers of this queue found (a marker
+        gone, `metnos_exec.brokers._redis_watch`) and recorded in the data set that
+        replaced the lost one, kept a week; newest first."""
+        conn = self._conn
+        if self._watch.due(conn is not None and conn.usable):
+            await self._watch.look(self._wall())  # a loss this very call can find
+        found = await self._guard(self._redis.hgetall(self.keys.lost))
+        return decode_losses(list(found.values()))

@@ -34,6 +34,8 @@ KEY_NAMES: Final = {
     "job_undos": "undos:",  # undos:<job id> set
     "undo_at": "undo-at",
     "blobs": "undo-blobs",
+    "epoch": "epoch",  # the data set's marker (string, `_redis_watch`)
+    "lost": "lost",  # hash: marker -> a data loss found (`_redis_watch`)
     "aside": "aside:",  # aside:<key name>:<time>: a key set aside by the guard (any type)
     "group": GROUP,  # not a key: the consumer group of every stream
 }
@@ -72,6 +74,8 @@ class Keys:
         self.executors = self.base + KEY_NAMES["executors"]
         self.workers = self.base + KEY_NAMES["workers"]
         self.blobs = self.base + KEY_NAMES["blobs"]
+        self.epoch = self.base + KEY_NAMES["epoch"]
+        self.lost = self.base + KEY_NAMES["lost"]
 
     def job(self, job_id: str) -> str:
         return self.base + KEY_NAMES["job"] + job_id

@@ -298,6 +298,21 @@ class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
     dead: int
 
 
+class DataLoss(msgspec.Struct, frozen=True, kw_only=True):
+    """A store found to have lost its data (`Broker.data_lost`): when (unix s), why
+    (``restart``: no persistence; ``flush``: keys deleted, server up; ``unknown``), what
+    the finder saw last (those jobs and results are gone), the run ids, one sentence."""
+
+    at: float
+    broker: str
+    cause: Literal["restart", "flush", "unknown"]
+    detail: str
+    last_seen: BrokerStats | None = None
+    last_seen_at: float | None = None
+    run_id_before: str | None = None
+    run_id_now: str | None = None
+
+
 class UndoRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A stored undo entry.
 
@@ -544,6 +559,12 @@ class Broker(abc.ABC):
         results), or ``None``: it keeps them, or it cannot be told. Said by the worker at
         start and by ``doctor``; the default knows nothing."""
         return None
+
+    async def data_lost(self) -> list[DataLoss]:
+        """The times the store was found to have lost its data (a Redis restarted without
+        persistence), newest first, as kept in the store for ``status`` and ``doctor``;
+        the default knows of none."""
+        return []
 
     # --- the executor catalog (see `metnos_exec.devices.catalog`) -------------------------------
 

@@ -25,6 +25,8 @@ both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
 - ``leases:<device>`` (sorted set, score = lease deadline): the running jobs' leases.
 - ``delayed`` (sorted set, score = due time): ``not_before`` and retry backoff; due jobs
   join their stream inside `lease`.
+- ``epoch`` (string): the data set's marker, ``lost`` (hash): the data losses found
+  (`_redis_watch`).
 - ``idem:<key>``: idempotency key → job id. ``finished`` / ``dead`` (sorted sets, score =
   when): for `purge` and `dead_letters`. ``counts`` (hash): jobs per state, for `stats`.
 - ``undo:<entry id>`` (hash: the entry, its job, when, ``undone_by``, its blobs),
@@ -64,13 +66,17 @@ a finished job's result is kept in memory and stored once Redis is back; a retri
 whose first try did reach Redis reports the outcome that try had (the scripts remember
 the last settle per token, and the broker remembers which tokens' settles failed with
 their outcome unknown), never a false "lease lost". With the append-only file on
-(``queue/redis.conf``) nothing acknowledged is lost across a restart.
+(``queue/redis.conf``) nothing acknowledged is lost across a restart. Without it, a
+restart loses everything: a broker that saw the queue before finds its marker gone and
+logs ``broker.data_lost`` once, with what it last saw, and records it for ``status`` and
+``doctor`` (`_redis_watch`).
 
 Where the code is: `RedisBroker` (here) joins one class per concept, each on top of the
 client (`_redis_client`: the pool, scripts and commands, errors, settling with retries):
 the queue (`_redis_queue`: submit, the inbox, lease, heartbeat, settle), control and
 inspection (`_redis_inspect`) and the records beside the jobs (`_redis_records`: undo
-entries, the catalog, purge); the key names and the scripts are `_redis_keys`.
+entries, the catalog, purge); the key names and the scripts are `_redis_keys`; the watch
+on the data set is `_redis_watch`.
 """
 
 from __future__ import annotations
@@ -106,8 +112,9 @@ class RedisBroker(RedisQueue, RedisInspection, RedisRecords):
             worker keeps the result and tries again itself (with its own backoff, and the
             replay flags still apply), so this only smooths over a blip: a long wait here
             would keep a drained worker from stopping.
-        create: accepted for the URL contract (readers pass ``False``); Redis needs no
-            store to be created, so it changes nothing.
+        create: ``False`` for readers (``status``, ``doctor``): Redis needs no store to
+            be created, and a reader writes nothing, not even the queue's marker
+            (``epoch``, `_redis_watch`).
     """
 
     scheme = "redis"

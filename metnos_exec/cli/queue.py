@@ -121,9 +121,17 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             stats = await broker.stats()
             dead = await broker.dead_letters(limit=5)
             fleet = _fleet(await broker.workers(), await broker.queued_executors())
+            lost = await broker.data_lost()
         sandbox = _sandbox_status()
+        url = ns.broker
         doc: dict[str, Any] = {
-            "broker": {"url": ns.broker, **msgspec.to_builtins(stats)},
+            "broker": {
+                "url": url,
+                **msgspec.to_builtins(stats),
+                # The store lost its data (a Redis restarted without persistence): the
+                # counts above are the new data set's (newest first; kept a week).
+                "data_lost": msgspec.to_builtins(lost),
+            },
             **fleet,
             "sandbox": sandbox,
             "recent_dead_letters": [
@@ -133,11 +141,14 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         if ns.json:
             _dump_json(doc, sys.stdout)
             return 0
-        out = [f"broker {ns.broker}"]
+        out = [f"broker {url}"]
         # `delayed` is the part of `queued` not yet due: shown inside it, not beside it.
         counts = [f"queued={stats.queued} ({stats.delayed} delayed)"]
         counts += [f"{k}={getattr(stats, k)}" for k in ("running", "done", "dead")]
         out.append("  " + "  ".join(counts))
+        for loss in lost:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.at))
+            out.append(visible(f"  DATA LOST (found {when}): {loss.detail}"))
         out.extend(_fleet_lines(fleet))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
