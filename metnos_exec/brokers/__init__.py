@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import MetnosError
+from ._url import redact_url
 from .base import (
     DEFAULT_RETENTION_S,
     Broker,
@@ -52,6 +53,7 @@ __all__ = (
     "SubmitReceipt",
     "UndoRecord",
     "open_broker",
+    "redact_url",
 )
 
 #: scheme -> "module:class"; the class has ``from_url(url, **options)``. Imported lazily so
@@ -91,14 +93,14 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (a port that is not a number is refused here, not later)
     except ValueError as exc:  # "Invalid IPv6 URL" for a stray [, a port not a number
-        raise BadBrokerURL(f"{url!r} is not a URL: {exc}") from None
+        raise BadBrokerURL(f"{redact_url(url)!r} is not a URL: {exc}") from None
     scheme = parts.scheme
     target = _REGISTRY.get(scheme)
     if target is None:
         known = ", ".join(f"{s}://" for s in _REGISTRY)
         # A queue file's path given where its URL goes: say the URL.
         meant = f"; did you mean sqlite:///{url}?" if not scheme and url.endswith(".db") else ""
-        raise BadBrokerURL(f"unknown broker URL {url!r}; use one of {known}{meant}")
+        raise BadBrokerURL(f"unknown broker URL {redact_url(url)!r}; use one of {known}{meant}")
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -113,7 +115,7 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     try:
         broker: Broker = cls.from_url(url, **merged)
     except (ValueError, TypeError) as exc:  # a malformed URL, an unknown or bad option
-        raise BadBrokerURL(f"{url}: {exc}") from None
+        raise BadBrokerURL(f"{redact_url(url)}: {exc}") from None
     return broker
 
 

@@ -12,8 +12,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ("flag", "take_options")
+__all__ = ("flag", "redact_url", "take_options")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (``redis://:secret@host``) written as ``***``: what
+    messages, logs and ``status`` show of a broker URL. A URL that does not parse is
+    shown without what could be a password (everything up to the last ``@``)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+    if not password:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{name}:***@{host}"))
 
 
 def flag(value: object) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Final, TextIO, TypeAlias
 import anyio
 import msgspec
 
-from ..brokers import BadBrokerURL, Broker, open_broker
+from ..brokers import BadBrokerURL, Broker, open_broker, redact_url
 from ..client import NotImplementedYet, default_broker_url
 from ..errors import (
     AutonomyDenied,
@@ -104,7 +104,7 @@ def _open(url: str, *, create: bool = False) -> Broker:
         raise _Exit(_exit_for(exc), str(exc)) from None
     except OSError as exc:
         raise _Exit(
-            EXIT["broker"], f"{BrokerError.code}: cannot open broker {url}: {exc}"
+            EXIT["broker"], f"{BrokerError.code}: cannot open broker {redact_url(url)}: {exc}"
         ) from None
 
 

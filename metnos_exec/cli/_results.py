@@ -14,7 +14,7 @@ from typing import Final, TextIO
 import msgspec
 
 from .._terminal import visible
-from ..brokers import JobState
+from ..brokers import JobState, redact_url
 from ..client import Client
 from ..messages import Result
 from ._common import _dump_json
@@ -153,7 +153,7 @@ async def _wait_result(
 def _pending_message(job_id: str, wait: float | None, state: JobState | None, url: str) -> str:
     base = f"no result for {job_id} within {wait:g} s" if wait is not None else f"{job_id}"
     if _never_leased(state):
-        return f"{base}: {_NO_WORKER.format(url=url)}"
+        return f"{base}: {_NO_WORKER.format(url=redact_url(url))}"
     if state is not None:
         return f"{base}: it is {state.state} (attempt {state.attempt})"
     return base

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from ..brokers import redact_url
 from ..client import Client
 from ..errors import SubmitOutcomeUnknown
 from ._common import (
@@ -141,7 +142,7 @@ def _cmd_result(ns: argparse.Namespace) -> int:
                     raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
                 message = f"job {ns.job_id} is {state.state}, no result yet"
                 if _never_leased(state):
-                    message += "; " + _NO_WORKER.format(url=ns.broker)
+                    message += "; " + _NO_WORKER.format(url=redact_url(ns.broker))
                 raise _Exit(EXIT["pending"], message)
             _print_result(result, as_json=ns.json, out=sys.stdout)
             return _STATUS_EXIT[result.status]

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from .._terminal import visible
-from ..brokers import DEFAULT_RETENTION_S
+from ..brokers import DEFAULT_RETENTION_S, redact_url
 from ..brokers.presence import WorkerInfo, is_live, unserved
 from ..errors import BadConfig, MetnosError
 from ..messages import UNDO_EXECUTOR
@@ -123,7 +123,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             fleet = _fleet(await broker.workers(), await broker.queued_executors())
             lost = await broker.data_lost()
         sandbox = _sandbox_status()
-        url = ns.broker
+        url = redact_url(ns.broker)
         doc: dict[str, Any] = {
             "broker": {
                 "url": url,
