@@ -64,10 +64,10 @@ _APPENDONLY = (
 
 
 async def _broker_findings(given: str) -> list[Finding]:
-    """The broker: reachable (required), durable, its data lost lately."""
-    from .brokers import open_broker
+    """The broker: reachable (required), durable, its data lost lately, open to all."""
+    from .brokers import open_broker, redact_url
 
-    url = given
+    url = redact_url(given)  # what is shown: never the password
     scheme = url.partition(":")[0]
     missing = _missing_sqlite_file(url) if scheme == "sqlite" else None
     if missing is not None:
@@ -86,6 +86,7 @@ async def _broker_findings(given: str) -> list[Finding]:
             stats = await broker.stats()
             weak = await broker.durability()
             losses = await broker.data_lost()
+            open_to_all = await broker.open_access()
     except (MetnosError, OSError, ValueError) as exc:
         return [_unusable_broker_finding(url, exc)]
     reach = f"{url}: reachable ({stats.queued} queued, {stats.running} running)"
@@ -115,12 +116,21 @@ async def _broker_findings(given: str) -> list[Finding]:
                 "'{PREFIX}:lost')",
             )
         )
+    if open_to_all is not None:
+        found.append(_open_broker_finding(open_to_all))
     return found
 
 
 def _unusable_broker_finding(url: str, exc: Exception) -> Finding:
+    from .errors import BrokerAuth
+
     scheme = url.partition(":")[0]
-    if scheme.startswith("redis"):
+    if isinstance(exc, BrokerAuth):
+        fix = (
+            "check the user and password in the URL (redis://USER:PASSWORD@host:port/db) "
+            "and the server's ACL (README: Redis)"
+        )
+    elif scheme.startswith("redis"):
         fix = "redis-server --port PORT   # or check host, port and password in the URL"
     else:
         fix = (
@@ -133,6 +143,19 @@ def _unusable_broker_finding(url: str, exc: Exception) -> Finding:
         meaning="a worker cannot lease jobs and a producer cannot submit",
         fix=fix,
         required=True,
+    )
+
+
+def _open_broker_finding(detail: str) -> Finding:
+    return Finding(
+        check="broker_auth",
+        state="weakened",
+        detail=detail,
+        meaning="anyone who reaches its port (another user of this machine, a job outside "
+        "the network wall) may read every job's arguments and results, submit jobs for any "
+        "executor and forge results (SECURITY.md)",
+        fix="requirepass PASSWORD, or an ACL user for the queue and `user default off` "
+        "(README: Redis; queue/redis.conf), then --broker redis://USER:PASSWORD@host:port/db",
     )
 
 

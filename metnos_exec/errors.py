@@ -17,6 +17,7 @@ __all__ = (
     "BadManifest",
     "BadMessage",
     "BadOutput",
+    "BrokerAuth",
     "BrokerBusy",
     "BrokerCorrupt",
     "BrokerError",
@@ -251,6 +252,17 @@ class BrokerReadOnly(BrokerError):
     code = "E_BROKER_READONLY"
 
 
+class BrokerAuth(BrokerError):
+    """The store refused this client: a wrong or missing password, an unknown or disabled
+    user, or an ACL that forbids a command or key the queue needs (Redis ``WRONGPASS``,
+    ``NOAUTH``, ``NOPERM``). The message never holds the password.
+
+    Retried like an outage: the server's credentials may be fixed while a worker waits
+    (a worker keeps its results and says it once, with reminders)."""
+
+    code = "E_BROKER_AUTH"
+
+
 class BrokerGone(BrokerError):
     """The store was deleted or replaced under the broker (the path names another file).
 
@@ -333,6 +345,8 @@ ERROR_CODES: dict[str, str] = {
     "E_BROKER_BUSY": "another process held the queue's write lock longer than the broker waits",
     "E_BROKER_FULL": "the broker's store is out of space (disk full, quota, file size limit)",
     "E_BROKER_READONLY": "the broker's store refuses writes (read-only file or file system)",
+    "E_BROKER_AUTH": "the broker refused this client: wrong or missing password, unknown user, "
+    "or an ACL",
     "E_BROKER_GONE": "the queue file was deleted or replaced while in use; the worker stopped",
     "E_BROKER_CORRUPT": "the broker's store holds data that cannot be read (damaged file?)",
     "E_IDEMPOTENCY_CONFLICT": "an idempotency key was reused for a different job",

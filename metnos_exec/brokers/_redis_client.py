@@ -19,14 +19,22 @@ import coredis.exceptions
 import coredis.retry
 import structlog
 
-from ..errors import BrokerBusy, BrokerError, BrokerFull, BrokerReadOnly, BrokerUnavailable
+from ..errors import (
+    BrokerAuth,
+    BrokerBusy,
+    BrokerError,
+    BrokerFull,
+    BrokerReadOnly,
+    BrokerUnavailable,
+)
 from ..messages import SERVER_DEVICE, ErrorInfo, encode
 from ._common import PolledWaits, dead_records
 from ._redis_keys import SCRIPTS, Keys
 from ._redis_watch import DataWatch
+from ._url import redact_url
 from .base import Lease
 
-__all__ = ("BATCH", "RedisStore", "as_str", "error_fields", "inbox_text")
+__all__ = ("BATCH", "RedisStore", "as_str", "closing_buffers", "error_fields", "inbox_text")
 
 _log = structlog.get_logger("metnos_exec")
 
@@ -42,6 +50,15 @@ _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, TimeoutError, OSError
 #: (a replica, e.g. just after a failover), ``MASTERDOWN``, ``BUSY`` (a script running too
 #: long elsewhere), ``LOADING``, ``TRYAGAIN``; and the `BrokerError` each one is (the
 #: rest: `BrokerUnavailable`).
+#: Replies by which Redis refuses this client (``WRONGPASS``, ``NOAUTH``, ``NOPERM``).
+_REFUSED_CLIENT: Final = (
+    coredis.exceptions.AuthenticationError,
+    coredis.exceptions.AuthorizationError,
+)
+
+#: What Redis says of a command in a script that the user's ACL forbids (no NOPERM code).
+_SCRIPT_DENIED: Final = "The user executing the script can't"
+
 _REFUSING: Final = ("OOM", "READONLY", "MASTERDOWN", "BUSY", "LOADING", "TRYAGAIN")
 _REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
     "OOM": BrokerFull,
@@ -76,7 +93,7 @@ def _before_sending(exc: BaseException) -> bool:
     )
 
 
-def _closing_buffers(cls: type[Any], connected: Callable[[], None]) -> type[Any]:
+def closing_buffers(cls: type[Any], connected: Callable[[], None]) -> type[Any]:
     """`cls` (a coredis connection class) whose failed connect closes its buffers, and
     whose connect made calls `connected` (the watch on the data set looks again).
 
@@ -140,16 +157,23 @@ class RedisStore(PolledWaits):
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(f"expected redis://host:port/db or rediss://..., got {url!r}")
+            raise ValueError(
+                f"expected redis://host:port/db or rediss://..., got {redact_url(url)!r}"
+            )
         self.keys = Keys(prefix)
         self._clock = clock
         self._poll = poll_interval_s
         self._patience = settle_patience_s
         # For messages and logs: never the password.
+        self._user = parts.username or ""
         self.where = f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}"
         db = parts.path.strip("/") or "0"
         self._queue_id = f"redis://{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}"
         self._queue_id += f"/{db}?prefix={prefix}"
+        self._connect_timeout = connect_timeout_s
+        host = parts.netloc.rpartition("@")[2]
+        #: The URL without its user and password (`open_access` tries it).
+        self._anonymous_url = urlunsplit(parts._replace(netloc=host, query=""))
         self._redis: coredis.Redis[bytes] = coredis.Redis.from_url(
             urlunsplit(parts._replace(query="")),
             decode_responses=False,
@@ -169,7 +193,7 @@ class RedisStore(PolledWaits):
             stats=lambda: self._evalsha("stats", self.keys.base, self._now_arg()),
         )
         pool = self._redis.connection_pool
-        pool.connection_class = _closing_buffers(pool.connection_class, self._watch.connected)
+        pool.connection_class = closing_buffers(pool.connection_class, self._watch.connected)
         self._scripts = {name: self._redis.register_script(src) for name, src in SCRIPTS.items()}
         self._shas = {name: script.sha for name, script in self._scripts.items()}
         self._conn: Any = None
@@ -239,10 +263,16 @@ class RedisStore(PolledWaits):
             # mid-call) may have reached Redis (`submit` says so: `SubmitOutcomeUnknown`).
             error.maybe_done = not _before_sending(exc)  # type: ignore[attr-defined]
             raise error from None
+        except _REFUSED_CLIENT as exc:
+            self._failed(exc)
+            raise self._auth_error(exc) from None
         except coredis.exceptions.ResponseError as exc:
             text = str(exc)
             if text.startswith("METNOS_BADKEY|"):
                 raise _BadKey(text) from None
+            if _SCRIPT_DENIED in text:  # a command of a script the ACL forbids
+                self._failed(exc)
+                raise self._auth_error(exc) from None
             if not text.startswith(_REFUSING):
                 # A refused command, or a failed script: a bug of ours or a damaged key,
                 # said as a store error rather than the client library's exception.
@@ -258,6 +288,25 @@ class RedisStore(PolledWaits):
             )
             self._failing_since = None
         return out
+
+    def _auth_error(self, exc: BaseException) -> BrokerAuth:
+        """`BrokerAuth` for a refused client, naming the user (never the password)."""
+        who = f"user {self._user!r}" if self._user else "the default user"
+        text = str(exc).rstrip(".")
+        if isinstance(exc, coredis.exceptions.AuthorizationError) or _SCRIPT_DENIED in text:
+            return BrokerAuth(
+                f"Redis at {self.where} does not allow {who} a command or key the queue "
+                f"needs: {text}; the ACL it needs is in the README (Redis)"
+            )
+        if isinstance(exc, coredis.exceptions.AuthenticationRequiredError):
+            return BrokerAuth(
+                f"Redis at {self.where} needs a password and the broker URL gives none: "
+                "redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db"
+            )
+        return BrokerAuth(
+            f"Redis at {self.where} refused the credentials of {who} ({text}): check the "
+            "user and password in the broker URL (redis://USER:PASSWORD@host:port/db)"
+        )
 
     def _failed(self, exc: BaseException) -> None:
         # At debug level: the call's caller gets the error, and a worker says it once

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio.lowlevel
+import coredis
+import coredis.retry
 
 from ..errors import BadMessage, BrokerCorrupt
 from ..messages import (
@@ -17,7 +19,7 @@ from ..messages import (
     decode_dead_letter,
     decode_result,
 )
-from ._redis_client import BATCH, RedisStore, as_str
+from ._redis_client import BATCH, RedisStore, as_str, closing_buffers
 from ._redis_watch import decode_losses
 from .base import BrokerStats, CancelOutcome, DataLoss, JobState
 
@@ -134,3 +136,26 @@ class RedisInspection(RedisStore):
             await self._watch.look(self._wall())  # a loss this very call can find
         found = await self._guard(self._redis.hgetall(self.keys.lost))
         return decode_losses(list(found.values()))
+
+    async def open_access(self) -> str | None:
+        """See `Broker.open_access`: a connection without user or password (whatever the
+        URL gives) that may read the queue's keys (``EXISTS`` of its counts) means anyone
+        who reaches the port may read, submit and settle its jobs."""
+        anon: coredis.Redis[bytes] = coredis.Redis.from_url(
+            self._anonymous_url,
+            decode_responses=False,
+            connect_timeout=self._connect_timeout,
+            stream_timeout=self._connect_timeout,
+            retry_policy=coredis.retry.NoRetryPolicy(),
+        )
+        pool = anon.connection_pool
+        pool.connection_class = closing_buffers(pool.connection_class, lambda: None)
+        try:
+            async with anon:
+                await anon.exists([self.keys.counts])
+        except Exception:  # refused (NOAUTH, NOPERM), or not reached: not open to all
+            return None
+        return (
+            f"Redis at {self.where} lets a client that gives no password read and write "
+            f"this queue's keys ({self.keys.base}*)"
+        )

@@ -27,7 +27,7 @@ nothing: neither the marker nor the record.
 A look that fails (Redis down) is said by the call that follows it, not by the watch; the
 next look comes with the next connection made, or after `every_s`. Commands: ``INFO``
 (optional: without it a loss is still found, its cause ``unknown``), ``GET``, ``SET``,
-``HSETNX``, ``EXPIRE`` and the ``stats`` script.
+``HSETNX``, ``EXPIRE`` and the ``stats`` script; the README's ACL has them.
 """
 
 from __future__ import annotations

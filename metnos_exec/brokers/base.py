@@ -566,6 +566,11 @@ class Broker(abc.ABC):
         the default knows of none."""
         return []
 
+    async def open_access(self) -> str | None:
+        """What a client giving no credentials may do with the queue, or ``None`` (nothing,
+        or it cannot be told): ``doctor`` warns of it. The default knows nothing."""
+        return None
+
     # --- the executor catalog (see `metnos_exec.devices.catalog`) -------------------------------
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:

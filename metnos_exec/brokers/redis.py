@@ -71,6 +71,11 @@ restart loses everything: a broker that saw the queue before finds its marker go
 logs ``broker.data_lost`` once, with what it last saw, and records it for ``status`` and
 ``doctor`` (`_redis_watch`).
 
+Credentials. ``redis://:PASSWORD@host`` (``requirepass``) and ``redis://USER:PASSWORD@host``
+(an ACL user; the least one the queue works with is in the README) are passed to Redis at
+connect; a refusal (``WRONGPASS``, ``NOAUTH``, ``NOPERM``) is `BrokerAuth`
+(``E_BROKER_AUTH``). Messages and logs name the server as ``where``: never the password.
+
 Where the code is: `RedisBroker` (here) joins one class per concept, each on top of the
 client (`_redis_client`: the pool, scripts and commands, errors, settling with retries):
 the queue (`_redis_queue`: submit, the inbox, lease, heartbeat, settle), control and

@@ -1,16 +1,19 @@
-"""Running the Redis broker in earnest (issue 18, item 8), on a real private
+"""Running the Redis broker in earnest (issue 18, items 8 and 9), each on a real private
 redis-server: a restart that loses the data set is said (``broker.data_lost``, kept for
-``status`` and ``doctor``)."""
+``status`` and ``doctor``), and a broker URL with a password or an ACL user works, with
+the least ACL the README documents, and a refusal is ``E_BROKER_AUTH`` without the
+password in any message or log."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,15 +24,21 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from metnos_exec.brokers import BrokerStats, Lease
+from metnos_exec.brokers import Broker, BrokerStats, Lease
 from metnos_exec.brokers._redis_watch import DataWatch
 from metnos_exec.brokers.redis import RedisBroker
-from metnos_exec.errors import BrokerUnavailable
+from metnos_exec.errors import BrokerAuth, BrokerUnavailable
 from metnos_exec.messages import Job, Result
-from tests.conftest import need
+from tests.conftest import ALLOWED_CHILDREN, need
 from tests.helpers.redis_server import RedisServer, redis_server_path
 
+from .conformance import BrokerConformance, VirtualClock
+
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
+
+ADMIN_PW = "admin-Secret-8f3a"
+USER_PW = "user-Secret-41c9"
 
 
 def _prefix() -> str:
@@ -167,6 +176,135 @@ async def test_a_reader_writes_nothing(redis_server: RedisServer) -> None:
         assert [k async for k in raw.scan_iter(match="{" + prefix + "}:*")] == []
 
 
+# --- item 9: passwords and ACL users ------------------------------------------------
+
+
+def documented_acl() -> str:
+    """The ACL rules the README gives the queue's user (``ACL SETUSER metnos ...``)."""
+    text = (ROOT / "README.md").read_text()
+    [rules] = re.findall(r"^\s*ACL SETUSER metnos (.+)$", text, flags=re.MULTILINE)
+    conf = (ROOT / "queue" / "redis.conf").read_text()
+    [in_conf] = re.findall(r"^#\s*user metnos (.+)$", conf, flags=re.MULTILINE)
+    assert in_conf == rules, "queue/redis.conf's ACL line differs from the README's"
+    return rules
+
+
+@pytest.fixture(scope="module")
+def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server with a password for the default user, and the queue's user made
+    with the README's ACL for the prefixes ``t-*`` (each test uses its own)."""
+    need(redis_server_path() is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis-acl"), extra=["--requirepass", ADMIN_PW])
+    server.start()
+    assert server.proc is not None
+    ALLOWED_CHILDREN.add(server.proc.pid)
+    rules = documented_acl().replace(">PASSWORD", ">" + USER_PW)
+    rules = rules.replace("~{metnos}:*", "~{t-*}:*")
+    admin = f"redis://:{ADMIN_PW}@127.0.0.1:{server.port}/0"
+
+    async def make_user() -> None:
+        async with _raw(admin) as raw:
+            assert await raw.acl_setuser("metnos", "reset", *rules.split())
+
+    try:
+        anyio.run(make_user)
+        yield server
+    finally:
+        ALLOWED_CHILDREN.discard(server.proc.pid)
+        server.stop()
+
+
+def _url(server: RedisServer, credentials: str) -> str:
+    return f"redis://{credentials}@127.0.0.1:{server.port}/0"
+
+
+class TestRedisBrokerAsTheDocumentedAclUser(BrokerConformance):
+    """The whole broker contract as the README's least ACL user: every command the
+    queue sends (its scripts' too) is one the ACL allows, on the prefix's keys only."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, acl_server: RedisServer) -> None:
+        self.server = acl_server
+
+    @contextlib.asynccontextmanager
+    async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
+        async with RedisBroker(
+            _url(self.server, f"metnos:{USER_PW}"),
+            prefix=_prefix(),
+            clock=clock,
+            poll_interval_s=30.0,
+            settle_patience_s=0.2,
+        ) as broker:
+            yield broker
+
+    @contextlib.asynccontextmanager
+    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
+        async with _raw(_url(self.server, f":{ADMIN_PW}")) as raw:
+            await raw.replicaof("127.0.0.1", 1)
+            try:
+                yield
+            finally:
+                await raw.replicaof()
+
+
+@pytest.mark.anyio
+async def test_a_password_and_an_acl_user_work_on_the_servers_clock(
+    acl_server: RedisServer,
+) -> None:
+    """``requirepass`` (``redis://:PASSWORD@``) and the ACL user (``redis://USER:PASSWORD@``)
+    run a job through, with the server's clock (TIME), the inbox and the watch (INFO)."""
+    for credentials in (f":{ADMIN_PW}", f"metnos:{USER_PW}"):
+        async with RedisBroker(_url(acl_server, credentials), prefix=_prefix()) as b:
+            job = Job(executor="echo")
+            await b.submit(job)
+            await b.submit_raw(b"not json")  # the inbox: dead-lettered by the next lease
+            [lease] = await b.lease("w1", visibility_s=30)
+            assert lease.job == job
+            assert (await b.heartbeat(lease)).ok
+            assert await b.ack(lease, _ok(lease))
+            result = await b.get_result(job.id)
+            assert result is not None and result.status == "succeeded"
+            assert (await b.stats()).dead == 1
+            assert b._watch.run_id is not None  # INFO is allowed: a loss's cause is known
+            assert await b.open_access() is None  # the default user needs the password
+
+
+@pytest.mark.anyio
+async def test_a_refused_client_is_e_broker_auth_and_never_shows_the_password(
+    acl_server: RedisServer,
+) -> None:
+    """A wrong password, none, an unknown user, and the ACL user on another queue's keys:
+    each one ``E_BROKER_AUTH`` (a `BrokerError`: the CLI's exit 4), saying what to check,
+    with no password in the message or in any log record."""
+    wrong = "wrong-Secret-77d1"
+    cases = [
+        (f":{wrong}", "my-queue", "refused the credentials of the default user"),
+        ("", "my-queue", "needs a password and the broker URL gives none"),
+        (f"nobody:{wrong}", "my-queue", "refused the credentials of user 'nobody'"),
+        (f"metnos:{USER_PW}", "other-queue", "does not allow user 'metnos' a command or key"),
+    ]
+    for credentials, prefix, said in cases:
+        url = _url(acl_server, credentials) if credentials else acl_server.url
+        with capture_logs() as logs:
+            async with RedisBroker(url, prefix=prefix) as b:
+                for call in (b.stats, lambda: b.submit(Job(executor="echo"))):
+                    with pytest.raises(BrokerAuth) as caught:
+                        await call()
+                    assert caught.value.code == "E_BROKER_AUTH" and caught.value.retry
+                    assert said in caught.value.message, caught.value.message
+        text = str(caught.value) + repr(logs)
+        for secret in (wrong, USER_PW, ADMIN_PW):
+            assert secret not in text
+
+
+@pytest.mark.anyio
+async def test_open_access_is_found(redis_server: RedisServer) -> None:
+    """The suite's server asks no password: anyone on its port may use the queue."""
+    async with RedisBroker(redis_server.url, prefix=_prefix()) as b:
+        said = await b.open_access()
+    assert said is not None and "gives no password" in said
+
+
 # --- what status and doctor say -----------------------------------------------------
 
 
@@ -186,11 +324,12 @@ def _findings(out: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]
     return {f["check"]: f for f in json.loads(out.stdout)["findings"]}
 
 
-def test_status_and_doctor_say_a_data_loss(tmp_path: Path) -> None:
-    """After a loss (a Redis without persistence, restarted), a ``status`` and a
-    ``doctor`` started afterwards say it: what was lost and when."""
-    server = _server(tmp_path)
-    url = f"{server.url}?prefix={_prefix()}"
+def test_status_and_doctor_say_a_data_loss_and_never_the_password(tmp_path: Path) -> None:
+    """After a loss (a password-protected Redis without persistence, restarted), a
+    ``status`` and a ``doctor`` started afterwards say it: what was lost and when. The
+    URL they show has its password as ``***``; a wrong one is exit 4, E_BROKER_AUTH."""
+    server = _server(tmp_path, extra=["--requirepass", ADMIN_PW])
+    url = f"{_url(server, f':{ADMIN_PW}')}?prefix={_prefix()}"
 
     async def lose() -> None:
         async with RedisBroker(url.split("?")[0], prefix=url.split("=")[1]) as b:
@@ -206,6 +345,7 @@ def test_status_and_doctor_say_a_data_loss(tmp_path: Path) -> None:
         broker = json.loads(status.stdout)["broker"]
         [loss] = broker["data_lost"]
         assert loss["cause"] == "restart" and loss["last_seen"]["queued"] == 3
+        assert broker["url"].startswith("redis://:***@127.0.0.1:")
         text = _cli("status", "--broker", url)
         assert "DATA LOST (found " in text.stdout and "3 queued" in text.stdout
         doctor = _cli("doctor", "--broker", url, "--json")
@@ -213,5 +353,23 @@ def test_status_and_doctor_say_a_data_loss(tmp_path: Path) -> None:
         assert found["broker_data"]["state"] == "weakened"
         assert "lost 1 time(s)" in found["broker_data"]["detail"]
         assert "appendonly yes" in found["broker_data"]["fix"]
+        assert "broker_auth" not in found  # the default user needs the password
+        bad = _cli("status", "--broker", url.replace(ADMIN_PW, "wrong-Secret-77d1"))
+        assert bad.returncode == 4 and bad.stderr.startswith("metnos-exec: E_BROKER_AUTH: "), (
+            bad.stderr
+        )
+        for out in (status, text, doctor, bad):
+            assert ADMIN_PW not in out.stdout + out.stderr
+            assert "wrong-Secret-77d1" not in out.stdout + out.stderr
     finally:
         server.stop()
+
+
+def test_doctor_warns_of_a_redis_that_asks_no_password(redis_server: RedisServer) -> None:
+    found = _findings(
+        _cli("doctor", "--broker", f"{redis_server.url}?prefix={_prefix()}", "--json")
+    )
+    auth = found["broker_auth"]
+    assert auth["state"] == "weakened" and not auth["required"]
+    assert "gives no password" in auth["detail"] and "forge results" in auth["meaning"]
+    assert "requirepass" in auth["fix"] and "broker_data" not in found

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,8 @@ def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            # A server with a password answers, refusing: it is up all the same.
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -46,11 +48,15 @@ class RedisServer:
     Args:
         folder: its working folder (AOF, log).
         appendonly: keep the append-only file (``appendfsync everysec``, as documented).
+        extra: more command-line settings (``--requirepass``, ``--user ...``).
     """
 
-    def __init__(self, folder: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self, folder: Path, *, appendonly: bool = False, extra: Sequence[str] = ()
+    ) -> None:
         self.folder = folder
         self.appendonly = appendonly
+        self.extra = list(extra)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
@@ -79,6 +85,7 @@ class RedisServer:
                 str(self.folder / "redis.log"),
                 "--daemonize",
                 "no",
+                *self.extra,
             ]
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
