@@ -29,6 +29,7 @@ KEY_NAMES: Final = {
     "counts": "counts",
     "inbox": "inbox",
     "executors": "executors",
+    "devices": "devices",  # set: the devices with job streams (status's queued counts)
     "workers": "workers",  # hash: worker id -> its presence record (brokers/presence.py)
     "undo": "undo:",  # undo:<entry id> hash
     "job_undos": "undos:",  # undos:<job id> set

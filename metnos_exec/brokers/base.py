@@ -124,7 +124,7 @@ import msgspec
 from ..devices.catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
-from .presence import RECENTLY_GONE_S, WorkerInfo
+from .presence import FleetRecords
 
 __all__ = (
     "DEFAULT_RETENTION_S",
@@ -328,7 +328,7 @@ class UndoRecord(msgspec.Struct, frozen=True, kw_only=True):
     recorded_at: float = 0.0
 
 
-class Broker(abc.ABC):
+class Broker(FleetRecords, abc.ABC):
     """A job queue backend. Every method is safe to call from asyncio and trio (anyio).
 
     Every method may raise a `BrokerError` subclass when the store fails (see the module
@@ -584,27 +584,6 @@ class Broker(abc.ABC):
     async def executor_info(self, name: str) -> ExecutorInfo | None:
         """The latest published entry for `name`, or ``None`` (unknown, or no catalog)."""
         return None
-
-    async def executor_names(self) -> set[str]:
-        """Every name in the catalog (empty: none published, or no catalog)."""
-        return set()
-
-    # --- who serves the queue (see `metnos_exec.brokers.presence`) --------------------
-
-    async def register_worker(self, info: WorkerInfo) -> None:
-        """Store or renew a worker's presence record (replacing its id's). The default
-        keeps nothing: ``status`` then lists no workers."""
-        return None
-
-    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
-        """The workers live now and those gone within `gone_within_s`, by start time;
-        records of workers gone for longer are forgotten."""
-        return []
-
-    async def queued_executors(self) -> dict[tuple[str, str], int]:
-        """Queued jobs, due or delayed, counted by (device, executor); ``""`` for the
-        jobs of a build before executor routing (any worker takes them)."""
-        return {}
 
     @abc.abstractmethod
     async def purge(self, *, older_than_s: float) -> PurgeReport:

@@ -24,6 +24,7 @@ __all__ = (
     "RECENTLY_GONE_S",
     "WORKER_BEAT_S",
     "WORKER_TTL_S",
+    "FleetRecords",
     "WorkerInfo",
     "decode_worker",
     "encode_worker",
@@ -110,3 +111,26 @@ def unserved(
         for (device, name), n in queued.items()
         if n and (device, name) not in served and not (name == "" and device in devices)
     }
+
+
+class FleetRecords:
+    """`Broker`'s part for the fleet (its defaults: a broker that keeps none of it)."""
+
+    async def executor_names(self) -> set[str]:
+        """Every name in the catalog (empty: none published, or no catalog)."""
+        return set()
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        """Store or renew a worker's presence record (replacing its id's). The default
+        keeps nothing: ``status`` then lists no workers."""
+        return None
+
+    async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
+        """The workers live now and those gone within `gone_within_s`, by start time;
+        records of workers gone for longer are forgotten."""
+        return []
+
+    async def queued_executors(self) -> dict[tuple[str, str], int]:
+        """Queued jobs, due or delayed, counted by (device, executor); ``""`` for the
+        jobs of a build before executor routing (any worker takes them)."""
+        return {}

@@ -31,6 +31,7 @@ local DELAYED = P .. '$delayed'
 local FINISHED = P .. '$finished'
 local DEAD = P .. '$dead'
 local INBOX = P .. '$inbox'
+local DEVICES = P .. '$devices'
 
 local function num(x) return string.format('%.17g', x) end
 local function jkey(id) return P .. '$job' .. id end
@@ -72,6 +73,7 @@ if SCRIPT ~= 'set_aside' then
   expect(FINISHED, 'zset')
   expect(DEAD, 'zset')
   expect(INBOX, 'stream')
+  expect(DEVICES, 'set')
   expect(UNDO_AT, 'zset')
   expect(BLOBS, 'hash')
   local c = redis.call('HGETALL', COUNTS)
@@ -141,6 +143,7 @@ local function enqueue(id, dev, rt)
   if redis.call('EXISTS', q) == 0 then
     redis.call('XGROUP', 'CREATE', q, GROUP, '0', 'MKSTREAM')
     redis.call('ZADD', prios_key(dev), prio, rt)
+    redis.call('SADD', DEVICES, dev)
   elseif not redis.call('ZSCORE', prios_key(dev), rt) then
     -- A stream we did not make (a producer writing past the inbox): without our group
     -- and its priority listed, nothing queued here would ever be leased. Its stray
@@ -423,14 +426,16 @@ local pk = prios_key(dev)
 -- Read up to n entries of one route's stream; how many it returned (0: none left, and a
 -- stream with no entry at all, none queued, none running, goes with its group, so idle
 -- routes leave no keys behind).
+local function forget(rt)
+  redis.call('DEL', qkey(dev, rt))
+  redis.call('ZREM', pk, rt)
+  if redis.call('ZCARD', pk) == 0 then redis.call('SREM', DEVICES, dev) end
+end
 local function read(rt, n)
   local q = qkey(dev, rt)
   local res = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', n, 'STREAMS', q, '>')
   if not res then
-    if redis.call('XLEN', q) == 0 then
-      redis.call('DEL', q)
-      redis.call('ZREM', pk, rt)
-    end
+    if redis.call('XLEN', q) == 0 then forget(rt) end
     return 0
   end
   for _, entry in ipairs(res[1][2]) do
@@ -468,15 +473,14 @@ local function peek(rt, n)
     end
     ids[#ids + 1] = {seq, rt}
   end
-  if #ids == 0 and redis.call('XLEN', q) == 0 then
-    redis.call('DEL', q)
-    redis.call('ZREM', pk, rt)
-  end
+  if #ids == 0 and redis.call('XLEN', q) == 0 then forget(rt) end
   return ids
 end
 local function older(a, b) return a[1] < b[1] end
 local routes = {}
 if #out < limit then routes = redis.call('ZREVRANGE', pk, 0, -1, 'WITHSCORES') end
+-- (Listed for `queued_routes`; a queue an older build made has its devices listed here.)
+if #routes > 0 then redis.call('SADD', DEVICES, dev) end
 local i = 1
 while i <= #routes and #out < limit do
   local score, group = routes[i + 1], {}
@@ -749,32 +753,25 @@ return out
 
 -- == queued_routes ==
 -- Jobs waiting in the streams (due, not yet leased), by device and route: a flat list of
--- (device, executor or '', count). Read-only.
+-- (device, executor or '', count). Read-only (a device with no route left is forgotten
+-- by the next lease that finds so; this only reads).
 local out = {}
-local base = P .. '$priorities'
-local pattern = string.gsub(base, '[%*%?%[%]\\]', '\\%0') .. '*'
-local cursor = '0'
-repeat
-  local r = redis.call('SCAN', cursor, 'MATCH', pattern, 'COUNT', 1000)
-  cursor = r[1]
-  for _, pk in ipairs(r[2]) do
-    local dev = string.sub(pk, #base + 1)
-    for _, rt in ipairs(redis.call('ZRANGE', pk, 0, -1)) do
-      local q = qkey(dev, rt)
-      if redis.call('TYPE', q)['ok'] == 'stream' then
-        local pending = 0
-        for _, g in ipairs(redis.call('XINFO', 'GROUPS', q)) do
-          for j = 1, #g - 1, 2 do
-            if g[j] == 'pending' then pending = pending + g[j + 1] end
-          end
+for _, dev in ipairs(redis.call('SMEMBERS', DEVICES)) do
+  for _, rt in ipairs(redis.call('ZRANGE', prios_key(dev), 0, -1)) do
+    local q = qkey(dev, rt)
+    if redis.call('TYPE', q)['ok'] == 'stream' then
+      local pending = 0
+      for _, g in ipairs(redis.call('XINFO', 'GROUPS', q)) do
+        for j = 1, #g - 1, 2 do
+          if g[j] == 'pending' then pending = pending + g[j + 1] end
         end
-        out[#out + 1] = dev
-        out[#out + 1] = route_exec(rt) or ''
-        out[#out + 1] = tostring(redis.call('XLEN', q) - pending)
       end
+      out[#out + 1] = dev
+      out[#out + 1] = route_exec(rt) or ''
+      out[#out + 1] = tostring(redis.call('XLEN', q) - pending)
     end
   end
-until cursor == '0'
+end
 return out
 
 -- == set_aside ==

@@ -243,11 +243,12 @@ async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: Re
         for lease in leases[3:-1]:  # one stays running
             await b.ack(lease, _ok(lease, "w2"))
         documented = _documented_keys()
-        assert len(documented) == 18
+        assert len(documented) == 20
         await b.publish_executors([])  # the catalog is tested in tests/devices/test_catalog.py
         documented.pop("executors")
         documented.pop("aside:<key>:<time>")  # made by the wrong-kind test below
         documented.pop("lost")  # made by the data-loss tests below
+        documented.pop("workers")  # written by a supervisor (tests/test_fleet_routing.py)
         # An undo entry recorded by the job that stays running (never acked).
         assert await b.record_undo(leases[-1], [undo_entry(leases[-1].job.id, "a" * 64)])
         seen = set()
