@@ -182,6 +182,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
             schema declares (``integer``, ``number``, ``boolean``, ``array``, ``object``)
             and refuses the job with ``E_BAD_ARGS`` when it does not convert. Producers
             with typed values leave it empty.
+        result_ttl_s: keep this job's result (and the rest of the finished job) this long
+            after it finished rather than the whole retention period: the first purge
+            after that forgets it (workers purge hourly). ``None``: the retention.
     """
 
     v: int = WIRE_VERSION
@@ -198,6 +201,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
     not_before: float | None = None
     text_args: tuple[_NAME, ...] = ()
+    result_ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):

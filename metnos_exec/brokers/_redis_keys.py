@@ -25,6 +25,7 @@ KEY_NAMES: Final = {
     "idempotency": "idem:",  # idem:<key> string
     "delayed": "delayed",
     "finished": "finished",
+    "expiring": "expiring",  # finished jobs with a result_ttl_s, by when they may go
     "dead": "dead",
     "counts": "counts",
     "inbox": "inbox",
@@ -70,6 +71,7 @@ class Keys:
         self.counts = self.base + KEY_NAMES["counts"]
         self.delayed = self.base + KEY_NAMES["delayed"]
         self.finished = self.base + KEY_NAMES["finished"]
+        self.expiring = self.base + KEY_NAMES["expiring"]
         self.dead = self.base + KEY_NAMES["dead"]
         self.inbox = self.base + KEY_NAMES["inbox"]
         self.executors = self.base + KEY_NAMES["executors"]

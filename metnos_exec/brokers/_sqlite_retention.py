@@ -25,7 +25,21 @@ __all__ = ("SQLiteRetention",)
 # deletes of what it found take the write lock, a short transaction each. A result whose
 # job row is gone (written by hand, or left by a crash of an older version between two
 # deletes) is purged with the rest: `orphan` is 1 for it.
-_PURGEABLE = "r.at < :cut AND (j.id IS NULL OR j.state IN ('done', 'dead'))"
+#
+# A job with a ``result_ttl_s`` (read from its body) goes once that long has passed. The
+# text tests spare the JSON parse for the others: a body without the field, or with it
+# ``null`` as this package writes it (a ``null`` text inside the arguments can only make a
+# job be kept for the whole retention, never go early). CASE keeps the order of the
+# tests, so a body that is not JSON is never parsed.
+_TTL_PASSED = (
+    "CASE WHEN j.id IS NULL OR instr(j.body, '\"result_ttl_s\"') = 0 "
+    "OR instr(j.body, '\"result_ttl_s\":null') > 0 OR NOT json_valid(j.body) THEN 0 "
+    "WHEN json_type(j.body, '$.result_ttl_s') IN ('integer', 'real') "
+    "THEN r.at + json_extract(j.body, '$.result_ttl_s') < :now ELSE 0 END"
+)
+_PURGEABLE = (
+    "(r.at < :cut OR " + _TTL_PASSED + ") AND (j.id IS NULL OR j.state IN ('done', 'dead'))"
+)
 _SCAN = (
     "SELECT r.job_id, " + _PURGEABLE + ", j.id IS NULL FROM results r "
     "LEFT JOIN jobs j ON j.id = r.job_id WHERE r.job_id > :after ORDER BY r.job_id LIMIT :n"
@@ -79,15 +93,18 @@ class _Batches:
 class SQLiteRetention(SQLiteStore):
     """Purging and vacuuming the SQLite store."""
 
-    def _forget(self, db: sqlite3.Connection, _now: float, *, ids: list[str], cut: float) -> int:
+    def _forget(
+        self, db: sqlite3.Connection, _txn_now: float, *, ids: list[str], now: float, cut: float
+    ) -> int:
         """Delete the finished jobs among `ids` (candidates the scan found; each is checked
         again here, inside the transaction), with their results, dead letters and undo
         entries; hand the ids of those with a job row to the purge hooks."""
         marks = ",".join("?" * len(ids))
         rows = db.execute(
             f"SELECT r.job_id, j.id IS NULL FROM results r LEFT JOIN jobs j ON j.id = "
-            f"r.job_id WHERE r.job_id IN ({marks}) AND " + _PURGEABLE.replace(":cut", "?"),
-            [*ids, cut],
+            f"r.job_id WHERE r.job_id IN ({marks}) AND "
+            + _PURGEABLE.replace(":cut", "?").replace(":now", "?"),
+            [*ids, cut, now],
         ).fetchall()
         jobs = [column_text(r[0]) for r in rows if not r[1]]
         if jobs:
@@ -109,7 +126,9 @@ class SQLiteRetention(SQLiteStore):
             db.execute(f"DELETE FROM undo_entries WHERE job_id IN ({marks})", gone)
         return len(gone)
 
-    def _purge_jobs(self, db: sqlite3.Connection, cut: float, stop: threading.Event) -> int:
+    def _purge_jobs(
+        self, db: sqlite3.Connection, now: float, cut: float, stop: threading.Event
+    ) -> int:
         """Walk `results` by job id, a window at a time (reads), and forget what is past
         the cut in short transactions sized by `_Batches`, yielding the lock after each."""
         after, purged = "", 0
@@ -118,7 +137,8 @@ class SQLiteRetention(SQLiteStore):
         scanned_all = False
         while not stop.is_set():
             if not scanned_all and len(found) < batches.size:
-                window = db.execute(_SCAN, {"cut": cut, "after": after, "n": _SCAN_WINDOW})
+                at = {"cut": cut, "now": now, "after": after, "n": _SCAN_WINDOW}
+                window = db.execute(_SCAN, at)
                 rows = window.fetchall()
                 scanned_all = len(rows) < _SCAN_WINDOW
                 if rows:
@@ -132,7 +152,7 @@ class SQLiteRetention(SQLiteStore):
             if stop.is_set():
                 break
             start = time.monotonic()
-            purged += self._txn(functools.partial(self._forget, ids=batch, cut=cut), db)
+            purged += self._txn(functools.partial(self._forget, ids=batch, now=now, cut=cut), db)
             last_commit = time.monotonic()
             held = last_commit - start
             batches.held(held, len(batch))
@@ -215,8 +235,8 @@ class SQLiteRetention(SQLiteStore):
         """The purge itself, in the calling thread, on a connection of its own."""
         db = self._aux_connection()
         try:
-            cut = self._clock() - older_than_s
-            jobs = self._purge_jobs(db, cut, stop)
+            now = self._clock()
+            jobs = self._purge_jobs(db, now, now - older_than_s, stop)
             collected = 0
             if not stop.is_set():
                 collected = self._txn(

@@ -545,8 +545,15 @@ class MemoryBroker(MemoryCatalog, Broker):
     async def purge(self, *, older_than_s: float) -> PurgeReport:
         """See `Broker.purge`; hooks get this broker as their ``store``."""
         await anyio.lowlevel.checkpoint()
-        cut = self._clock() - older_than_s
-        old = {job_id for job_id, at in self._result_at.items() if at < cut}
+        now = self._clock()
+        cut = now - older_than_s
+
+        def expired(job_id: str, at: float) -> bool:
+            job = self._entries[job_id].job if job_id in self._entries else None
+            ttl = None if job is None else job.result_ttl_s
+            return at < cut or (ttl is not None and at + ttl < now)
+
+        old = {job_id for job_id, at in self._result_at.items() if expired(job_id, at)}
         old = {j for j in old if self._entries[j].state in ("done", "dead")}
         if old:
             for hook in self.purge_hooks:

@@ -29,6 +29,7 @@ local GROUP = '$group'
 local COUNTS = P .. '$counts'
 local DELAYED = P .. '$delayed'
 local FINISHED = P .. '$finished'
+local EXPIRING = P .. '$expiring'
 local DEAD = P .. '$dead'
 local INBOX = P .. '$inbox'
 local DEVICES = P .. '$devices'
@@ -71,6 +72,7 @@ if SCRIPT ~= 'set_aside' then
   expect(COUNTS, 'hash')
   expect(DELAYED, 'zset')
   expect(FINISHED, 'zset')
+  expect(EXPIRING, 'zset')
   expect(DEAD, 'zset')
   expect(INBOX, 'stream')
   expect(DEVICES, 'set')
@@ -188,10 +190,23 @@ local function replayed(jk, token, replay)
   return nil
 end
 
+-- The job's result_ttl_s, when its body gives one (a search for a number first: only
+-- such a body is decoded, not one with "result_ttl_s":null as the Python side writes).
+local function result_ttl(body)
+  if not body or not string.match(body, '"result_ttl_s"%s*:%s*%d') then return nil end
+  local ok, doc = pcall(cjson.decode, body)
+  local ttl = ok and type(doc) == 'table' and doc.result_ttl_s
+  if type(ttl) == 'number' and ttl > 0 then return ttl end
+  return nil
+end
+
 -- A job reaches its end (done, or dead): out of its stream and the leases, result
--- stored, counted, listed for retention (and among the dead letters).
+-- stored, counted, listed for retention (and among the dead letters; with a
+-- result_ttl_s, by when it may go).
 local function finish(id, state, result, letter, from, token, outcome)
   local jk = jkey(id)
+  local ttl = result_ttl(hm(jk, 'body')[1])
+  if ttl then redis.call('ZADD', EXPIRING, num(NOW + ttl), id) end
   unqueue(jk)
   redis.call('ZREM', leases_key(hm(jk, 'device')[1] or ''), id)
   redis.call('HSET', jk, 'state', state, 'result', result, 'done_at', num(NOW))
@@ -680,11 +695,21 @@ return out
 
 -- == purge ==
 -- ARGV[3] age in seconds, [4] batch size. Forgets up to a batch of jobs that finished
--- more than that long ago: job, result, dead letter, idempotency key, undo entries.
+-- more than that long ago, or whose result_ttl_s has passed: job, result, dead letter,
+-- idempotency key, undo entries.
 -- Returns {their ids, how many unconfirmed old undo entries went}.
 local cut = num(NOW - tonumber(ARGV[3]))
 local gone = redis.call('ZRANGEBYSCORE', FINISHED, '-inf', '(' .. cut, 'LIMIT', 0,
   tonumber(ARGV[4]))
+-- And jobs whose result_ttl_s has passed, within the same batch size.
+if #gone < tonumber(ARGV[4]) then
+  local seen = {}
+  for _, id in ipairs(gone) do seen[id] = true end
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', EXPIRING, '-inf', '(' .. num(NOW), 'LIMIT',
+      0, tonumber(ARGV[4]) - #gone)) do
+    if not seen[id] then gone[#gone + 1] = id end
+  end
+end
 for _, id in ipairs(gone) do
   local jk = jkey(id)
   local h = hm(jk, 'state', 'ikey')
@@ -695,6 +720,7 @@ for _, id in ipairs(gone) do
   for _, e in ipairs(redis.call('SMEMBERS', job_undos_key(id))) do drop_undo(e) end
   redis.call('DEL', jk)
   redis.call('ZREM', FINISHED, id)
+  redis.call('ZREM', EXPIRING, id)
   redis.call('ZREM', DEAD, id)
 end
 -- Undo entries recorded before the cut-off that no result lists (their worker died

@@ -81,6 +81,7 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
         ("correlation_id", "correlation_id"),
         ("id", "id"),
         ("priority", "priority"),
+        ("result_ttl_s", "result_ttl"),
     ):
         value = getattr(ns, attr)
         if value is not None:
@@ -169,6 +170,29 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
     return _run(go)
 
 
+def _add_when_options(s: argparse.ArgumentParser) -> None:
+    """``submit``'s options for when the job runs and how long it is kept."""
+    s.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="higher runs first; equal priorities run in submission order (default 0)",
+    )
+    s.add_argument(
+        "--result-ttl",
+        type=_positive_float,
+        metavar="S",
+        help="forget the finished job S seconds after it finished, at the next purge, "
+        "rather than after the retention (default: the retention)",
+    )
+    s.add_argument(
+        "--delay",
+        type=_non_negative_float,
+        metavar="S",
+        help="do not run before S seconds from now",
+    )
+
+
 def register(subparsers: Subparsers) -> None:
     """Add ``submit``, ``result`` and ``cancel``."""
     s = add_command(
@@ -210,18 +234,7 @@ def register(subparsers: Subparsers) -> None:
         "answers with the first job's id",
     )
     s.add_argument("--correlation-id", metavar="ID")
-    s.add_argument(
-        "--priority",
-        type=int,
-        metavar="N",
-        help="higher runs first; equal priorities run in submission order (default 0)",
-    )
-    s.add_argument(
-        "--delay",
-        type=_non_negative_float,
-        metavar="S",
-        help="do not run before S seconds from now",
-    )
+    _add_when_options(s)
     s.add_argument(
         "--wait",
         nargs="?",

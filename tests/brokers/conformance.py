@@ -883,6 +883,34 @@ class BrokerConformance:
             assert (await b.purge(older_than_s=50)).jobs == 0
             assert hook.collected == 2
 
+    async def test_a_result_ttl_shortens_the_retention_of_its_job(self) -> None:
+        """``Job.result_ttl_s`` (issue 18, item 7): the first purge once that long has
+        passed since the job finished forgets it; other jobs wait for the retention, and
+        a queued job is never purged, whatever its ttl."""
+        async with self.broker() as (b, clock):
+            short = job(result_ttl_s=60, idempotency_key="short")
+            dead = job(result_ttl_s=60, max_attempts=1)
+            plain, queued = job(), job(result_ttl_s=1, priority=-5)
+            for j in (short, dead, plain, queued):
+                await b.submit(j)
+            l_short, l_dead, l_plain = await b.lease("w", visibility_s=VIS, limit=3)
+            await b.ack(l_short, ok_result(l_short))
+            assert await b.dead_letter(l_dead, error=ErrorInfo(code="E_X", message="x"))
+            await b.ack(l_plain, ok_result(l_plain))
+            clock.advance(30)
+            assert (await b.purge(older_than_s=86400)).jobs == 0
+            clock.advance(31)
+            report = await b.purge(older_than_s=86400)
+            assert report.jobs == 2
+            for gone in (short, dead):
+                assert await b.get_result(gone.id) is None
+                assert await b.get_job_state(gone.id) is None
+            assert await b.dead_letters() == []
+            assert await b.get_result(plain.id) is not None
+            assert (await b.get_job_state(queued.id)).state == "queued"  # type: ignore[union-attr]
+            assert not (await b.submit(job(idempotency_key="short"))).duplicate
+            assert (await b.purge(older_than_s=86400)).jobs == 0
+
     # --- store failures ---------------------------------------------------------------
 
     async def test_a_store_failure_is_a_broker_error_and_changes_nothing(self) -> None:
