@@ -1,5 +1,6 @@
 """The memory broker's records beside the queue: the executor catalog, the workers'
-presence records and the queued jobs by executor (see `metnos_exec.brokers.presence`)."""
+presence records, the queued jobs by executor (see `metnos_exec.brokers.presence`), and
+reading undo entries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo
+from .base import UndoRecord
 from .presence import RECENTLY_GONE_S, WorkerInfo, gone_at, is_live
 
 __all__ = ("MemoryCatalog",)
@@ -21,6 +23,7 @@ class MemoryCatalog:
     _catalog: dict[str, ExecutorInfo]
     _workers: dict[str, WorkerInfo]
     _entries: dict[str, Any]  # job id -> the memory broker's entry
+    _undo: dict[str, UndoRecord]
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         for info in infos:
@@ -53,3 +56,11 @@ class MemoryCatalog:
                 key = (entry.device, entry.job.executor if entry.job is not None else "")
                 counts[key] = counts.get(key, 0) + 1
         return counts
+
+    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
+        await anyio.lowlevel.checkpoint()
+        return [self._undo[i] for i in entry_ids if i in self._undo]
+
+    async def undo_blobs(self) -> set[str]:
+        await anyio.lowlevel.checkpoint()
+        return {digest for record in self._undo.values() for digest in record.entry.blobs()}

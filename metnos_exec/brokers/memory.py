@@ -591,14 +591,6 @@ class MemoryBroker(MemoryCatalog, Broker):
                 )
         return True
 
-    async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
-        await anyio.lowlevel.checkpoint()
-        return [self._undo[i] for i in entry_ids if i in self._undo]
-
-    async def undo_blobs(self) -> set[str]:
-        await anyio.lowlevel.checkpoint()
-        return {digest for record in self._undo.values() for digest in record.entry.blobs()}
-
     async def close(self) -> None:
         self._closed = True
         await anyio.lowlevel.checkpoint()
