@@ -4,14 +4,15 @@ reading undo entries."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo
+from ..messages import Result
 from .base import UndoRecord
-from .presence import RECENTLY_GONE_S, WorkerInfo, gone_at, is_live
+from .presence import JOB_STATES, RECENTLY_GONE_S, JobListing, WorkerInfo, gone_at, is_live
 
 __all__ = ("MemoryCatalog",)
 
@@ -24,6 +25,7 @@ class MemoryCatalog:
     _workers: dict[str, WorkerInfo]
     _entries: dict[str, Any]  # job id -> the memory broker's entry
     _undo: dict[str, UndoRecord]
+    _results: dict[str, Result]
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         for info in infos:
@@ -64,3 +66,36 @@ class MemoryCatalog:
     async def undo_blobs(self) -> set[str]:
         await anyio.lowlevel.checkpoint()
         return {digest for record in self._undo.values() for digest in record.entry.blobs()}
+
+    async def list_jobs(
+        self,
+        *,
+        states: Collection[str] = JOB_STATES,
+        executor: str | None = None,
+        device: str | None = None,
+        limit: int = 50,
+    ) -> list[JobListing]:
+        await anyio.lowlevel.checkpoint()
+        out: list[JobListing] = []
+        for entry in sorted(self._entries.values(), key=lambda e: -e.seq):
+            name = entry.job.executor if entry.job is not None else ""
+            if entry.state not in states or (executor is not None and name != executor):
+                continue
+            if device is not None and entry.device != device:
+                continue
+            if len(out) >= limit:
+                break
+            result = self._results.get(entry.job_id)
+            out.append(
+                JobListing(
+                    job_id=entry.job_id,
+                    executor=name,
+                    device=entry.device,
+                    state=entry.state,
+                    attempt=entry.attempt,
+                    worker=entry.worker,
+                    status=result.status if result else None,
+                    finished_at=result.finished_at if result else None,
+                )
+            )
+        return out

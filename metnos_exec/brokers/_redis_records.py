@@ -4,7 +4,7 @@ their lease, see `metnos_exec.brokers.base`), the executor catalog server worker
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import anyio.lowlevel
 
@@ -13,7 +13,16 @@ from ..errors import BadMessage, BrokerCorrupt
 from ..messages import UndoEntry, decode_undo_entry, encode
 from ._redis_client import BATCH, RedisStore, as_str
 from .base import Lease, PurgeReport, UndoRecord
-from .presence import RECENTLY_GONE_S, WorkerInfo, decode_worker, encode_worker, gone_at, is_live
+from .presence import (
+    JOB_STATES,
+    RECENTLY_GONE_S,
+    JobListing,
+    WorkerInfo,
+    decode_worker,
+    encode_worker,
+    gone_at,
+    is_live,
+)
 
 __all__ = ("RedisRecords",)
 
@@ -94,6 +103,39 @@ class RedisRecords(RedisStore):
         if old:
             await self._guard(self._redis.hdel(self.keys.workers, old))
         return sorted(keep, key=lambda w: (w.started_at, w.id))
+
+    async def list_jobs(
+        self,
+        *,
+        states: Collection[str] = JOB_STATES,
+        executor: str | None = None,
+        device: str | None = None,
+        limit: int = 50,
+    ) -> list[JobListing]:
+        if not states or limit <= 0:
+            await anyio.lowlevel.checkpoint()
+            return []
+        flat = await self._script(
+            "list_jobs", " ".join(states), executor or "", device or "", str(limit)
+        )
+        out = []
+        for i in range(0, len(flat) - 7, 8):
+            job_id, name, dev, state, attempt, worker, status, at = (
+                as_str(x) for x in flat[i : i + 8]
+            )
+            out.append(
+                JobListing(
+                    job_id=job_id,
+                    executor=name,
+                    device=dev,
+                    state=state,
+                    attempt=int(attempt),
+                    worker=worker or None,
+                    status=status or None,
+                    finished_at=float(at) if at else None,
+                )
+            )
+        return out
 
     async def queued_executors(self) -> dict[tuple[str, str], int]:
         flat = await self._script("queued_routes")

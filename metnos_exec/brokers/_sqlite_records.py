@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -14,12 +14,26 @@ import anyio.lowlevel
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, BrokerCorrupt, BrokerError
 from ..messages import UndoEntry, decode_undo_entry, encode
-from ._sqlite_store import IN_CHUNK, SQLiteStore
+from ._sqlite_store import IN_CHUNK, SQLiteStore, column_text
 from .base import Lease, UndoRecord
-from .presence import RECENTLY_GONE_S, WorkerInfo, decode_worker, encode_worker, gone_at, is_live
+from .presence import (
+    JOB_STATES,
+    RECENTLY_GONE_S,
+    JobListing,
+    WorkerInfo,
+    decode_worker,
+    encode_worker,
+    gone_at,
+    is_live,
+)
 
 __all__ = ("SQLiteRecords",)
 
+# A row an older build stored names its executor only in its body (which may not be JSON).
+_OLD_ROUTE = (
+    "CASE WHEN j.executor IS NULL AND typeof(j.body) = 'text' AND json_valid(j.body) "
+    "THEN json_extract(j.body, '$.executor') END"
+)
 _LEASE_IS_CURRENT = "SELECT 1 FROM jobs WHERE id = ? AND token = ? AND state = 'running'"
 
 
@@ -96,6 +110,47 @@ class SQLiteRecords(SQLiteStore):
             with contextlib.suppress(sqlite3.Error, BrokerError):  # a read-only reader
                 await self._run(self._txn, forget)
         return sorted(keep, key=lambda w: (w.started_at, w.id))
+
+    async def list_jobs(
+        self,
+        *,
+        states: Collection[str] = JOB_STATES,
+        executor: str | None = None,
+        device: str | None = None,
+        limit: int = 50,
+    ) -> list[JobListing]:
+        if not states:
+            return []
+        where = [f"j.state IN ({', '.join('?' * len(states))})"]
+        params: list[object] = list(states)
+        if executor is not None:
+            where.append(f"coalesce(j.executor, {_OLD_ROUTE}) = ?")
+            params.append(executor)
+        if device is not None:
+            where.append("j.device = ?")
+            params.append(device)
+        rows = await self._run(
+            self._read_missing_ok,
+            f"SELECT j.id, j.executor, {_OLD_ROUTE}, "
+            "j.device, j.state, j.attempt, j.worker, r.status, r.at "
+            "FROM jobs j LEFT JOIN results r ON r.job_id = j.id "
+            f"WHERE {' AND '.join(where)} ORDER BY j.seq DESC LIMIT ?",
+            *params,
+            max(0, limit),
+        )
+        return [
+            JobListing(
+                job_id=column_text(job_id),
+                executor=str(name or old or ""),
+                device=str(dev),
+                state=str(state),
+                attempt=int(attempt),
+                worker=worker,
+                status=status,
+                finished_at=at,
+            )
+            for job_id, name, old, dev, state, attempt, worker, status, at in rows
+        ]
 
     async def queued_executors(self) -> dict[tuple[str, str], int]:
         rows = await self._run(

@@ -15,7 +15,7 @@ serving).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
 import msgspec
@@ -24,7 +24,9 @@ __all__ = (
     "RECENTLY_GONE_S",
     "WORKER_BEAT_S",
     "WORKER_TTL_S",
+    "JOB_STATES",
     "FleetRecords",
+    "JobListing",
     "WorkerInfo",
     "decode_worker",
     "encode_worker",
@@ -71,6 +73,31 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     seen_at: float
     stopped_at: float | None = None
 
+
+class JobListing(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of ``status --jobs`` (`FleetRecords.list_jobs`).
+
+    Attributes:
+        job_id, executor, device: the job (``executor`` ``""`` when its message does not
+            decode).
+        state: ``queued``, ``running``, ``done`` or ``dead``; ``status``: the result's
+            status once finished (``succeeded``, ``failed``, ...).
+        attempt: deliveries so far; ``worker``: the last worker that took it.
+        finished_at: unix seconds of the result, once finished.
+    """
+
+    job_id: str
+    executor: str
+    device: str
+    state: str
+    attempt: int = 0
+    worker: str | None = None
+    status: str | None = None
+    finished_at: float | None = None
+
+
+#: The states `list_jobs` takes, and the default (all).
+JOB_STATES: Final = ("queued", "running", "done", "dead")
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(WorkerInfo)
@@ -134,3 +161,15 @@ class FleetRecords:
         """Queued jobs, due or delayed, counted by (device, executor); ``""`` for the
         jobs of a build before executor routing (any worker takes them)."""
         return {}
+
+    async def list_jobs(
+        self,
+        *,
+        states: Collection[str] = JOB_STATES,
+        executor: str | None = None,
+        device: str | None = None,
+        limit: int = 50,
+    ) -> list[JobListing]:
+        """Up to `limit` jobs in `states`, the most recently submitted first, optionally
+        of one `executor` or `device`. The default lists none (a broker that cannot)."""
+        return []

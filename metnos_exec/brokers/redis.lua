@@ -800,6 +800,74 @@ for _, dev in ipairs(redis.call('SMEMBERS', DEVICES)) do
 end
 return out
 
+-- == list_jobs ==
+-- ARGV[3] the states wanted (space-separated), [4] an executor or '', [5] a device or '',
+-- [6] the most to return. Jobs newest first by id (ids are time-ordered ULIDs unless a
+-- producer chose its own), as a flat list of (id, executor, device, state, attempt,
+-- worker or '', status or '', done_at or ''). Read-only.
+local want = {}
+for st in string.gmatch(ARGV[3], '%S+') do want[st] = true end
+local exec_f, dev_f, limit = ARGV[4], ARGV[5], tonumber(ARGV[6])
+local ids, seen = {}, {}
+local function add(id)
+  if not seen[id] then
+    seen[id] = true
+    ids[#ids + 1] = id
+  end
+end
+local devices = redis.call('SMEMBERS', DEVICES)
+devices[#devices + 1] = 'server'
+if want['queued'] or want['running'] then
+  for _, dev in ipairs(devices) do
+    if dev_f == '' or dev == dev_f then
+      if want['running'] then
+        for _, id in ipairs(redis.call('ZRANGE', leases_key(dev), 0, -1)) do add(id) end
+      end
+      for _, rt in ipairs(redis.call('ZRANGE', prios_key(dev), 0, -1)) do
+        local q = qkey(dev, rt)
+        if redis.call('TYPE', q)['ok'] == 'stream' and (exec_f == '' or route_exec(rt) == exec_f) then
+          for _, e in ipairs(redis.call('XREVRANGE', q, '+', '-', 'COUNT', limit)) do
+            add(e[2][2])
+          end
+        end
+      end
+    end
+  end
+  if want['queued'] then
+    for _, id in ipairs(redis.call('ZRANGE', DELAYED, 0, -1)) do add(id) end
+  end
+end
+if want['done'] or want['dead'] then
+  local from = FINISHED
+  if not want['done'] then from = DEAD end
+  for _, id in ipairs(redis.call('ZREVRANGE', from, 0, limit * 4)) do add(id) end
+end
+table.sort(ids, function(a, b) return a > b end)
+local out, n = {}, 0
+for _, id in ipairs(ids) do
+  if n >= limit then break end
+  local jk = jkey(id)
+  local h = hm(jk, 'state', 'device', 'route', 'attempt', 'worker', 'done_at')
+  local e = h[3] and route_exec(h[3])
+  if h[1] and not e then  -- a job an older build queued: its executor is in its body
+    e = string.match(hm(jk, 'body')[1] or '', '"executor":"([^"\\]*)"')
+  end
+  e = e or ''
+  if h[1] and want[h[1]] and (exec_f == '' or e == exec_f) and (dev_f == '' or h[2] == dev_f) then
+    local status = ''
+    if h[6] then
+      -- The result's own status: the first key of that name (msgspec writes it before
+      -- the executor's output, and a quote inside a string is escaped).
+      status = string.match(hm(jk, 'result')[1] or '', '"status":"(%a+)"') or ''
+    end
+    for _, v in ipairs({id, e, h[2] or '', h[1], h[4] or '0', h[5] or '', status, h[6] or ''}) do
+      out[#out + 1] = v
+    end
+    n = n + 1
+  end
+end
+return out
+
 -- == set_aside ==
 -- ARGV[3] a key the guard named, [4] its problem. A key of another type is renamed to
 -- aside:<its name>:<now> (kept as evidence; the queue goes on with a fresh one); a counter

@@ -16,11 +16,21 @@ from typing import Any
 import msgspec
 
 from .._terminal import visible
-from ..brokers import DEFAULT_RETENTION_S, redact_url
-from ..brokers.presence import WorkerInfo, is_live, unserved
+from ..brokers import DEFAULT_RETENTION_S, Broker, redact_url
+from ..brokers.presence import JOB_STATES, JobListing, WorkerInfo, is_live, unserved
 from ..errors import BadConfig, MetnosError
 from ..messages import UNDO_EXECUTOR
 from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
 
 
 def _sandbox_status() -> dict[str, Any]:
@@ -115,12 +125,37 @@ def _fleet_lines(fleet: dict[str, Any]) -> list[str]:
     return out
 
 
+def _job_lines(jobs: list[JobListing]) -> list[str]:
+    out = [f"jobs ({len(jobs)}, newest first)"]
+    for j in jobs:
+        status = f" {j.status}" if j.status else ""
+        worker = f" on {j.worker}" if j.worker else ""
+        out.append(
+            visible(
+                f"  {j.job_id}  {j.state}{status}  {j.executor or '-'}  device={j.device}  "
+                f"attempt={j.attempt}{worker}"
+            )
+        )
+    return out
+
+
+async def _list_jobs(broker: Broker, ns: argparse.Namespace) -> list[JobListing]:
+    states = ns.state or list(JOB_STATES)
+    return await broker.list_jobs(
+        states=states, executor=ns.executor, device=ns.device, limit=ns.limit
+    )
+
+
 def _cmd_status(ns: argparse.Namespace) -> int:
+    if not ns.jobs and (ns.state or ns.executor or ns.device):
+        raise _Exit(EXIT["usage"], "--state, --executor and --device filter --jobs: add --jobs")
+
     async def go() -> int:
         async with _open(ns.broker) as broker:
             stats = await broker.stats()
             dead = await broker.dead_letters(limit=5)
             fleet = _fleet(await broker.workers(), await broker.queued_executors())
+            jobs = await _list_jobs(broker, ns) if ns.jobs else None
             lost = await broker.data_lost()
         sandbox = _sandbox_status()
         url = redact_url(ns.broker)
@@ -133,6 +168,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
                 "data_lost": msgspec.to_builtins(lost),
             },
             **fleet,
+            **({"jobs": msgspec.to_builtins(jobs)} if jobs is not None else {}),
             "sandbox": sandbox,
             "recent_dead_letters": [
                 {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
@@ -150,6 +186,8 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.at))
             out.append(visible(f"  DATA LOST (found {when}): {loss.detail}"))
         out.extend(_fleet_lines(fleet))
+        if jobs is not None:
+            out.extend(_job_lines(jobs))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
         if dead:
@@ -265,6 +303,20 @@ def register(subparsers: Subparsers) -> None:
         "`metnos-exec codes`.",
     )
     st.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    st.add_argument(
+        "--jobs", action="store_true", help="list jobs too: queued, running and recent ones"
+    )
+    st.add_argument(
+        "--state",
+        action="append",
+        choices=JOB_STATES,
+        help="with --jobs: only jobs in this state (repeat for several)",
+    )
+    st.add_argument("--executor", help="with --jobs: only this executor's jobs")
+    st.add_argument("--device", help="with --jobs: only jobs for this device")
+    st.add_argument(
+        "--limit", type=_positive_int, default=50, help="with --jobs: at most this many (50)"
+    )
     st.set_defaults(fn=_cmd_status)
 
     t = add_command(

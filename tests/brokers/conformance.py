@@ -811,6 +811,30 @@ class BrokerConformance:
             counts = {k: n for k, n in (await b.queued_executors()).items() if n}
             assert counts == {("server", "alpha"): 2, ("phone", "beta"): 1}
 
+    async def test_list_jobs_by_state_executor_and_device(self) -> None:
+        async with self.broker() as (b, _clock):
+            js = [job(executor="alpha"), job(executor="beta"), job(executor="alpha")]
+            phone = job(executor="beta", device="phone")
+            later = job(executor="alpha", not_before=T0 + 60)
+            for j in (*js, phone, later):
+                await b.submit(j)
+            [run] = await b.lease("w", visibility_s=VIS, executors=["alpha"])
+            assert run.job.id == js[0].id
+            [fin] = await b.lease("w", visibility_s=VIS, executors=["beta"])
+            assert await b.ack(fin, ok_result(fin))
+            listed = await b.list_jobs()
+            assert [x.job_id for x in listed] == [later.id, phone.id, js[2].id, js[1].id, js[0].id]
+            by_id = {x.job_id: x for x in listed}
+            assert (by_id[js[0].id].state, by_id[js[0].id].worker) == ("running", "w")
+            assert (by_id[js[1].id].state, by_id[js[1].id].status) == ("done", "succeeded")
+            assert by_id[js[1].id].finished_at is not None
+            assert (by_id[phone.id].device, by_id[later.id].state) == ("phone", "queued")
+            queued = await b.list_jobs(states=["queued"], executor="alpha")
+            assert [x.job_id for x in queued] == [later.id, js[2].id]
+            assert [x.job_id for x in await b.list_jobs(device="phone")] == [phone.id]
+            assert len(await b.list_jobs(limit=2)) == 2
+            assert await b.list_jobs(states=["dead"]) == []
+
     async def test_worker_presence_records(self) -> None:
         """Registered, renewed, stopped; a record gone longer than asked is forgotten."""
         from metnos_exec.brokers.presence import WORKER_TTL_S, WorkerInfo, is_live

@@ -893,3 +893,48 @@ def test_status_counts_delayed_jobs_inside_queued_and_says_so(env: dict[str, str
     assert "queued=2 (1 delayed)" in counts and " delayed=" not in counts, counts
     doc = json.loads(cli(env, "status", "--json").stdout)["broker"]
     assert (doc["queued"], doc["delayed"]) == (2, 1)
+
+
+def test_status_lists_workers_jobs_and_what_waits_for_a_worker(env: dict[str, str]) -> None:
+    """Issue 18, item 4: the live and the gone workers with what they serve, the jobs
+    (filtered), and executors whose queued jobs no live worker serves."""
+    import time
+
+    import anyio
+
+    from metnos_exec.brokers import open_broker
+    from metnos_exec.brokers.presence import WorkerInfo
+    from metnos_exec.messages import Job
+
+    now = time.time()
+
+    async def setup() -> list[str]:
+        async with open_broker(env["METNOS_BROKER"], create=True) as b:
+            for wid, seen, stopped in (("live", now, None), ("lost", now - 60, None)):
+                await b.register_worker(
+                    WorkerInfo(
+                        id=wid,
+                        host="h",
+                        pid=7,
+                        device="server",
+                        executors=("sleepy",),
+                        slots=2,
+                        started_at=now - 100,
+                        seen_at=seen,
+                        stopped_at=stopped,
+                    )
+                )
+            ids = [(await b.submit(Job(executor=e))).job_id for e in ("sleepy", "gpu", "gpu")]
+            return ids
+
+    sleepy, gpu1, gpu2 = anyio.run(setup)
+    doc = json.loads(cli(env, "status", "--json", "--jobs", "--state", "queued").stdout)
+    assert [(w["id"], w["state"]) for w in doc["workers"]] == [("live", "live"), ("lost", "lost")]
+    assert doc["waiting_for_a_worker"] == [{"device": "server", "executor": "gpu", "queued": 2}]
+    assert [j["job_id"] for j in doc["jobs"]] == [gpu2, gpu1, sleepy]
+    only = json.loads(cli(env, "status", "--json", "--jobs", "--executor", "sleepy").stdout)
+    assert [j["job_id"] for j in only["jobs"]] == [sleepy]
+    text = cli(env, "status", "--jobs", "--limit", "1").stdout
+    assert "waiting for a worker" in text and "gpu on server: 2 queued" in text
+    assert f"{gpu2}  queued  gpu" in text and gpu1 not in text
+    assert cli(env, "status", "--executor", "gpu").returncode == EXIT["usage"]
