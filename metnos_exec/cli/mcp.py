@@ -55,6 +55,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
                 undo_tool=ns.undo_tool,
                 assume_staged=ns.assume_staged,
                 progress_every=ns.progress_every,
+                log=(lambda _line: None) if ns.quiet else None,
             )
             if ns.http is None:
                 await mcp_server.serve_stdio(gateway)
@@ -127,6 +128,9 @@ def register(subparsers: Subparsers) -> None:
         default=1.0,
         metavar="S",
         help="seconds between progress notifications while a job runs (default 1)",
+    )
+    m.add_argument(
+        "--quiet", action="store_true", help="no line on stderr per call (job id, verdict)"
     )
     m.add_argument(
         "--backend",
