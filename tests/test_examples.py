@@ -361,3 +361,48 @@ async def test_no_network_capability_means_no_network(
         assert outcome.exit == Failure(5), outcome
     else:
         assert arm.containment(inv.job).network.state == "not_kept"
+
+
+def test_the_mcp_client_example_runs_against_a_worker(tmp_path: Path) -> None:
+    """Issue 19: ``examples/mcp_client.py`` drives ``metnos-exec mcp --stdio`` with the mcp
+    SDK's client, against a real worker with the real sandbox: it lists the tools, reads a
+    note and shows a refusal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers.worker_cli import wait_for_event, worker_argv
+    from tests.sandbox.test_bwrap import need_bwrap
+
+    from .conftest import need_import
+
+    need_import("mcp", "mcp")
+    need_bwrap()
+    (tmp_path / "home" / "notes").mkdir(parents=True)
+    (tmp_path / "home" / "notes" / "today.md").write_text("milk\n")
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    env.pop("METNOS_ARM_OVERRIDE", None)
+    broker = f"sqlite:///{tmp_path / 'q.db'}"
+    log = tmp_path / "worker.jsonl"
+    worker = subprocess.Popen(
+        worker_argv(broker, EXAMPLES, log), cwd=tmp_path, env=env, stdin=subprocess.DEVNULL
+    )
+    try:
+        wait_for_event(log, "worker.started", worker, timeout=60)
+        example = EXAMPLES.parent / "mcp_client.py"
+        out = subprocess.run(
+            [sys.executable, str(example), "--broker", broker, "--path", "~/notes/today.md"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+    assert out.returncode == 0, out.stderr
+    assert "tool read_notes (read-only)" in out.stdout
+    assert "read_notes -> succeeded" in out.stdout and '"milk\\n"' in out.stdout
+    assert "isError=True" in out.stdout and "E_CAPABILITY_DENIED" in out.stdout
