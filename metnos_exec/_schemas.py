@@ -1,9 +1,11 @@
-"""Generate the queue's JSON Schemas from the msgspec Structs.
+"""Generate the queue's JSON Schemas, and ``manifest.toml``'s, from the msgspec Structs.
 
 ``python -m metnos_exec._schemas`` rewrites ``queue/schemas/*.json`` in a source checkout;
 ``--check`` only reports whether they are stale (exit 1), which is what the test does. The
-Structs in `metnos_exec.messages` are the single source of truth: never edit the JSON by
-hand.
+Structs in `metnos_exec.messages` (and `manifest.Manifest`, for ``manifest.json``: the
+schema of an executor's ``manifest.toml`` read as TOML, for editors and CI, and of the
+manifests the workers publish in the catalog) are the single source of truth: never edit
+the JSON by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from .manifest import Manifest
 from .messages import DeadLetter, Job, Result, UndoEntry
 
 __all__ = ("SCHEMA_DIR", "main", "render")
@@ -29,15 +32,21 @@ _MESSAGES: dict[str, type[msgspec.Struct]] = {
     "undo_entry.json": UndoEntry,
 }
 
+_TITLES: dict[str, str] = {
+    "manifest.json": "metnos-exec executor manifest (manifest.toml, read as TOML)",
+}
+
 
 def render() -> dict[str, bytes]:
     """File name -> schema text (JSON Schema 2020-12, two-space indent, final newline)."""
     out: dict[str, bytes] = {}
-    for name, struct in _MESSAGES.items():
+    structs: dict[str, type[msgspec.Struct]] = {**_MESSAGES, "manifest.json": Manifest}
+    for name, struct in structs.items():
+        title = _TITLES.get(name, f"metnos-exec {struct.__name__} message, wire version 1")
         schema: dict[str, Any] = {
             "$schema": "https://json-schema.org/draft/2020-12/schema",
             "$id": f"https://metnos.invalid/queue/schemas/{name}",
-            "title": f"metnos-exec {struct.__name__} message, wire version 1",
+            "title": title,
             **msgspec.json.schema(struct),
         }
         text = msgspec.json.format(msgspec.json.encode(schema), indent=2)

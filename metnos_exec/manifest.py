@@ -71,12 +71,29 @@ PYTHON_WASM_ABSENT: Final = frozenset(
 
 
 class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One argument of the executor's schema.
+    """One argument of the executor's schema (or, nested, one element or property of it).
 
-    `format` tells argument vetting what the value designates: ``"path"`` values must fall
-    under an active ``fs:*`` hint, ``"url"`` / ``"host"`` values under a ``network:*`` hint;
-    ``"text"`` marks free text that vetting must not mistake for a path or URL (without a
-    format, a string that looks like a path or URL is vetted as one, as defence in depth).
+    The argument language is a subset of JSON Schema, and `capabilities.final_args`
+    enforces all of it: each field below has its JSON Schema meaning (`toolspec` writes it
+    out), and a manifest using it in a way that has none is refused at load.
+
+    * `type`, `description`, `enum`: the JSON Schema keywords (a value must be of the type,
+      and one of the enum's values when there is one; an ``integer`` is a JSON integer,
+      ``1.0`` is refused).
+    * `default`: applied by the worker when the argument is absent or ``null`` (top-level
+      arguments only: the worker fills in no default inside a value).
+    * `required`: the argument is listed in its object's ``required``.
+    * `items` (``type = "array"`` only): the schema of every element.
+    * `properties` (``type = "object"`` only): the object's properties, each with its own
+      `required`; no other key is accepted (``additionalProperties: false``), and a
+      ``null`` property counts as absent, as at the top. An ``object`` without
+      `properties` takes any object, an ``array`` without `items` any elements.
+
+    `format` is not JSON Schema's (it exports as nothing): it tells argument vetting what a
+    top-level value designates: ``"path"`` values must fall under an active ``fs:*`` hint,
+    ``"url"`` / ``"host"`` values under a ``network:*`` hint; ``"text"`` marks free text
+    that vetting must not mistake for a path or URL (without a format, a string that looks
+    like a path or URL is vetted as one, at any depth, as defence in depth).
     """
 
     type: ArgType = "string"
@@ -85,6 +102,8 @@ class ArgSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default: Any = None
     required: bool = False
     format: Literal["path", "url", "host", "text"] | None = None
+    items: ArgSpec | None = None
+    properties: dict[str, ArgSpec] | None = None
 
 
 class CapabilitySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -136,6 +155,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Whether the executor mutates user files (refused under ``read_only`` autonomy even
     #: when it declares no ``fs:write``). Defaults to "has an fs:write capability".
     mutating: bool | None = None
+    #: Whether running it twice with the same arguments does no more than running it once
+    #: (an agent may retry it freely; MCP's ``idempotentHint``).
+    idempotent: bool = False
 
     @property
     def is_mutating(self) -> bool:
@@ -155,10 +177,54 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _default_fits(spec: ArgSpec) -> bool:
+    return _fits(spec.type, spec.default)
+
+
+def _fits(type_: str, value: Any) -> bool:
     # bool is an int subclass in Python; TOML and JSON keep them apart, and so do we.
-    if isinstance(spec.default, bool) and spec.type != "boolean":
+    if isinstance(value, bool) and type_ != "boolean":
         return False
-    return isinstance(spec.default, _PY_TYPES[spec.type])
+    return isinstance(value, _PY_TYPES[type_])
+
+
+def _arg_problem(
+    spec: ArgSpec, at: str, *, top: bool, item: bool = False
+) -> tuple[str, str] | None:
+    """(field, problem) for the first construct of `spec` without a JSON Schema meaning the
+    worker enforces, or None. `top`: a top-level argument; `item`: an array's `items`."""
+    if spec.default is not None:
+        if not top:
+            return f"{at}.default", "a default applies to top-level arguments only"
+        if not _default_fits(spec):
+            return f"{at}.default", f"{spec.default!r} is not of type {spec.type}"
+    if spec.format is not None and not top:
+        return f"{at}.format", "format is honoured on top-level arguments only"
+    if spec.required and item:
+        return f"{at}.required", "an array's items are not properties; drop required"
+    if spec.enum is not None:
+        if not spec.enum:
+            return f"{at}.enum", "must not be empty"
+        for i, value in enumerate(spec.enum):
+            if not _fits(spec.type, value):
+                return f"{at}.enum[{i}]", f"{value!r} is not of type {spec.type}"
+        if spec.default is not None and spec.default not in spec.enum:
+            return f"{at}.default", f"{spec.default!r} is not in the enum"
+    if spec.required and spec.default is not None:
+        return at, "an argument with a default can not be required"
+    if spec.items is not None:
+        if spec.type != "array":
+            return f"{at}.items", f"items describes an array's elements, not a {spec.type}"
+        found = _arg_problem(spec.items, f"{at}.items", top=False, item=True)
+        if found is not None:
+            return found
+    if spec.properties is not None:
+        if spec.type != "object":
+            return f"{at}.properties", f"properties describes an object, not a {spec.type}"
+        for name, sub in spec.properties.items():
+            found = _arg_problem(sub, f"{at}.properties.{name}", top=False)
+            if found is not None:
+                return found
+    return None
 
 
 def _hint_problem(kind: str, hint: str) -> str | None:
@@ -236,18 +302,9 @@ def _validate(manifest: Manifest, where: Path) -> None:
     if not (where.parent / entry).is_file():
         raise bad("entry", f"{manifest.entry!r} does not exist next to the manifest")
     for arg_name, spec in manifest.args.items():
-        if spec.default is not None and not _default_fits(spec):
-            raise bad(
-                f"args.{arg_name}.default",
-                f"{spec.default!r} is not of type {spec.type}",
-            )
-        if spec.enum is not None:
-            if not spec.enum:
-                raise bad(f"args.{arg_name}.enum", "must not be empty")
-            if spec.default is not None and spec.default not in spec.enum:
-                raise bad(f"args.{arg_name}.default", f"{spec.default!r} is not in the enum")
-        if spec.required and spec.default is not None:
-            raise bad(f"args.{arg_name}", "an argument with a default can not be required")
+        arg_problem = _arg_problem(spec, f"args.{arg_name}", top=True)
+        if arg_problem is not None:
+            raise bad(*arg_problem)
     for i, cap in enumerate(manifest.capabilities):
         if not _CAP_RE.match(cap.name):
             raise bad(f"capabilities[{i}].name", f"{cap.name!r} is not of the form kind:mode")

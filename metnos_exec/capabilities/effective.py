@@ -185,8 +185,45 @@ def final_args(
                 f"{manifest.name}: argument `{name}` = {value!r:.80} is not one of "
                 f"{list(spec.enum)}"
             )
-        out[name] = value
+        out[name] = _conform(manifest.name, name, spec, value)
     return out
+
+
+def _conform(executor: str, at: str, spec: ArgSpec, value: Any) -> Any:
+    """`value` (of `spec`'s type already) checked against the nested `items` and
+    `properties`; an object's optional property given as ``null`` is dropped (absent, as a
+    top-level ``null`` is: strict tool schemas send ``null`` for "not given")."""
+    if spec.items is not None and isinstance(value, list | tuple):
+        return [_nested(executor, f"{at}[{i}]", spec.items, v) for i, v in enumerate(value)]
+    if spec.properties is None or not isinstance(value, Mapping):
+        return value
+    unknown = sorted(str(k) for k in value if k not in spec.properties)
+    if unknown:
+        raise BadArguments(
+            f"{executor}: argument `{at}` has unknown key(s) {', '.join(unknown)}; "
+            f"declared: {', '.join(sorted(spec.properties)) or 'none'}"
+        )
+    out: dict[str, Any] = {}
+    for key, sub in spec.properties.items():
+        if value.get(key) is None:
+            if sub.required:
+                raise BadArguments(f"{executor}: argument `{at}.{key}` is required")
+            continue
+        out[key] = _nested(executor, f"{at}.{key}", sub, value[key])
+    return out
+
+
+def _nested(executor: str, at: str, spec: ArgSpec, value: Any) -> Any:
+    if not _type_ok(spec, value):
+        raise BadArguments(
+            f"{executor}: argument `{at}` must be of type {spec.type}, "
+            f"got {type(value).__name__} {value!r:.80}"
+        )
+    if spec.enum is not None and not any(_same(value, e) for e in spec.enum):
+        raise BadArguments(
+            f"{executor}: argument `{at}` = {value!r:.80} is not one of {list(spec.enum)}"
+        )
+    return _conform(executor, at, spec, value)
 
 
 def when_string(value: Any) -> str | None:
