@@ -13,6 +13,11 @@ Every failure is a `MetnosError` with a code: the queue's store failing is a `Br
 exception that is not is `TimeoutError` from `Client.run`: no result yet is not an error
 of the queue.
 
+A model's tool call (OpenAI or Anthropic, as the SDK gives it) in, the message to send
+back out (`run_tool_call`; the definitions to offer come from `metnos_exec.tools`)::
+
+    reply = await client.run_tool_call(response.choices[0].message.tool_calls[0])
+
 Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
 
     with SyncClient("sqlite:///./metnos.db") as client:
@@ -37,6 +42,7 @@ from .brokers import Broker, CancelOutcome, open_broker
 from .devices.catalog import device_refusal
 from .errors import (
     BadMessage,
+    BrokerError,
     MetnosError,
     ServerPinned,
     UndoConflict,
@@ -44,6 +50,8 @@ from .errors import (
     UnknownExecutor,
 )
 from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Result
+from .toolcall import error_result, parse_tool_call, tool_result
+from .toolspec import executor_for_tool
 from .undo.apply import undo_job_args
 
 __all__ = (
@@ -227,6 +235,54 @@ class Client:
             raise TimeoutError(f"no result for job {job_id} within {wait} s")
         return result
 
+    async def run_tool_call(
+        self,
+        call: Any,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the job's budget, as in `run`)
+        wait: float | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Run a model's tool call and return the result in its provider's shape.
+
+        Args:
+            call: an OpenAI Chat ``tool_call``, a Responses ``function_call`` item or an
+                Anthropic ``tool_use`` block, as a dict or as the SDK's object (see
+                `metnos_exec.toolcall` for the shapes in and out).
+            timeout, wait, **fields: as for `run`.
+
+        Returns:
+            ``{"role": "tool", ...}``, ``{"type": "function_call_output", ...}`` or
+            ``{"type": "tool_result", ..., "is_error"}``: the executor's JSON output with
+            a line on its containment and undo ids; for a job that did not succeed, or a
+            call the queue refused (an unknown tool, arguments that are not a JSON
+            object, a job the queue will not take), a text starting ``ERROR:`` that says
+            what was refused and why (``is_error`` true for Anthropic). No result within
+            `wait` is an error result too, naming the job (still queued or running).
+
+        Raises:
+            BadMessage: `call` is not a tool call of any of the three shapes.
+            BrokerError: the queue's store failed (not the model's doing: the loop, not
+                the model, has to handle it).
+        """
+        parsed = parse_tool_call(call)
+        if parsed.problem is not None or parsed.args is None:
+            return error_result(parsed, f"{parsed.name}: {parsed.problem}; nothing ran")
+        executor = parsed.name
+        if executor not in self._known:
+            executor = executor_for_tool(parsed.name, await self._broker.executor_names()) or (
+                parsed.name
+            )
+        try:
+            result = await self.run(executor, parsed.args, timeout=timeout, wait=wait, **fields)
+        except BrokerError:
+            raise
+        except MetnosError as exc:
+            return error_result(parsed, f"the call was refused ({exc}); nothing ran")
+        except TimeoutError as exc:
+            return error_result(parsed, f"{exc}; it may still run, its result is not known")
+        return tool_result(parsed, result)
+
     async def cancel(self, job_id: str) -> CancelOutcome:
         """Cancel a queued or running job; see `Broker.cancel` for the outcomes."""
         return await self._broker.cancel(job_id)
@@ -343,6 +399,15 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         """See `Client.run`."""
         out: Result = self._call(
             self._client.run, executor, args, timeout=timeout, wait=wait, **fields
+        )
+        return out
+
+    def run_tool_call(
+        self, call: Any, *, timeout: float | None = None, wait: float | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """See `Client.run_tool_call`."""
+        out: dict[str, Any] = self._call(
+            self._client.run_tool_call, call, timeout=timeout, wait=wait, **fields
         )
         return out
 
