@@ -1,9 +1,9 @@
 """``metnos-exec``: run workers, submit jobs, read results and logs.
 
 Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``purge``, ``tail``,
-``undo``, ``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``, ``mcp``. ``metnos-exec COMMAND
---help`` explains each. The broker URL comes from ``--broker``, else ``$METNOS_BROKER``,
-else ``sqlite:///./metnos.db``.
+``undo``, ``tools``, ``mcp``, ``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``.
+``metnos-exec COMMAND --help`` explains each. The broker URL comes from ``--broker``,
+else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
 
 Exit codes (stable; scripts may rely on them):
 
@@ -29,9 +29,10 @@ shown only with ``METNOS_DEBUG=1``.
 
 Each command group is one module that adds its subparsers next to the code that runs
 them (its ``register``): `worker`; `jobs` (``submit``, ``result``, ``cancel``); `queue`
-(``status``, ``tail``, ``purge``); `undo`; `codes`; `doctor`; `keys` (``keygen``,
-``sign``); `bench`; `mcp`. `_common` holds what they share (`EXIT`, the ``--broker`` option, the
-epilog, the option types, opening a broker), `_results` how a job waited for is shown.
+(``status``, ``tail``, ``purge``); `undo`; `tools` (tool definitions for a model API);
+`mcp` (the MCP server); `codes`; `doctor`; `keys` (``keygen``, ``sign``); `bench`.
+`_common` holds what they share (`EXIT`, the ``--broker`` option, the epilog, the option
+types, opening a broker), `_results` how a job waited for is shown.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ from typing import NoReturn
 
 from .._terminal import visible
 from ..errors import MetnosError
-from . import bench, codes, doctor, jobs, keys, mcp, queue, undo, worker
+from . import bench, codes, doctor, jobs, keys, mcp, queue, tools, undo, worker
 from ._common import _EPILOG, EXIT, _Exit, _exit_for, _Formatter
 from ._results import _print_result as _print_result
 
 __all__ = ("EXIT", "main")
 
 #: The command groups, in the order ``metnos-exec --help`` lists their commands.
-_GROUPS = (worker, jobs, queue, undo, codes, doctor, keys, bench, mcp)
+_GROUPS = (worker, jobs, queue, undo, tools, mcp, codes, doctor, keys, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,8 +22,7 @@ annotation for every call of the tool, so it must hold for the worst call):
   falls back to backing up the declared targets only (``sandbox.degraded``, reason
   ``no_staging``; the undo entry says what it does not cover in ``lost``), and then a
   write is not fully undoable. So by default every writer is ``destructiveHint: true``.
-- ``idempotentHint``: false. A manifest has no field that says an executor is
-  idempotent yet; until one exists no tool claims it.
+- ``idempotentHint``: the manifest's ``idempotent`` (false unless its author says so).
 
 **Results**: a succeeded job is ``structuredContent`` (its JSON output: an object as it
 is, any other value as ``{"result": value}``, since MCP before 2026-07-28 allows only an
@@ -84,7 +83,7 @@ def tool_annotations(manifest: Manifest, *, assume_staged: bool = False) -> dict
         "title": manifest.name,
         "readOnlyHint": not writes and not open_world,
         "openWorldHint": open_world,
-        "idempotentHint": False,
+        "idempotentHint": manifest.idempotent,
     }
     if not out["readOnlyHint"]:
         out["destructiveHint"] = not (assume_staged and writes and not open_world)
