@@ -122,14 +122,14 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _override_chooser(name: str) -> Callable[..., Any]:
+def _override_chooser(name: str, env: Mapping[str, str]) -> Callable[..., Any]:
     from .sandbox import doubles
 
     if name != "echo":
         raise BadConfig(f"{ARM_OVERRIDE_ENV}={name!r}: only 'echo' is supported (tests, bench)")
     from .sandbox.select import ArmChoice
 
-    arm = doubles.EchoSandbox()
+    arm = doubles.echo_from_env(env)  # METNOS_ECHO_DELAY_S: its wait per job (bench/fleet)
 
     def choose(runtime: str, *, require_sandbox: bool = False, **_: Any) -> Any:
         return ArmChoice(sandbox=arm)
@@ -171,7 +171,7 @@ def check_worker_config(
         raise BadConfig(f"the drain grace must be zero or more, got {grace_s} s")
     policy = _policy_from_env(env)
     if ARM_OVERRIDE_ENV in env:
-        _override_chooser(env[ARM_OVERRIDE_ENV])
+        _override_chooser(env[ARM_OVERRIDE_ENV], env)
     check_bwrap_setting(env)
     # Checked whoever runs the worker: a typo is one, and for root it would weaken a wall.
     slot_uid_range(env)
@@ -232,7 +232,7 @@ async def serve(
             e.g. the queue file was deleted under it), raised once it has stopped.
     """
     if ARM_OVERRIDE_ENV in os.environ and "arm_chooser" not in supervisor_kw:
-        supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV])
+        supervisor_kw["arm_chooser"] = _override_chooser(os.environ[ARM_OVERRIDE_ENV], os.environ)
         # Every record of the job says "echo", from job.received on.
         supervisor_kw.setdefault("predict_arm", lambda runtime: "echo")
     if supervisor_kw.get("policy") is None:

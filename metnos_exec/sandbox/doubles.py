@@ -4,16 +4,25 @@ Neither runs anything. Their containment reports say exactly that — every axis
 ``kept`` with the reason "nothing runs: test double" — so a result produced by a double can
 never be mistaken for one where a real wall stood or fell. They exist for unit tests of the
 supervisor, the queue and the conformance suite, never for production dispatch.
+
+`EchoSandbox` can wait before it answers (``delay_s``: a fixed time, or a range drawn
+from per run), as a tool call waiting on the network does: the fleet benchmark
+(``bench/fleet.py``) measures the queue and the supervisor with jobs that wait. A worker
+process gets it from ``METNOS_ECHO_DELAY_S`` (`echo_from_env`), read only with
+``METNOS_ARM_OVERRIDE=echo``, itself a test and bench hook.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
-from collections.abc import Iterable
-from typing import final
+from collections.abc import Iterable, Mapping
+from typing import Final, final
 
-from ..errors import HostFault
+import anyio
+
+from ..errors import BadConfig, HostFault
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -28,7 +37,18 @@ from ._types import (
     Usage,
 )
 
-__all__ = ("EchoSandbox", "FaultScriptExhausted", "FaultSandbox")
+__all__ = (
+    "ECHO_DELAY_ENV",
+    "EchoSandbox",
+    "FaultScriptExhausted",
+    "FaultSandbox",
+    "echo_from_env",
+    "parse_echo_delay",
+)
+
+#: The echo double's wait per run, for a worker started with ``METNOS_ARM_OVERRIDE=echo``:
+#: seconds (``0.1``), or a range ``LO-HI`` (``0.05-0.2``) drawn from uniformly per run.
+ECHO_DELAY_ENV: Final = "METNOS_ECHO_DELAY_S"
 
 _NOTHING_RUNS = AxisVerdict("kept", "nothing runs: test double")
 
@@ -58,22 +78,36 @@ class EchoSandbox:
         stdout: bytes appended after the echoed stdin.
         stderr: bytes returned as stderr.
         exit: the exit every run reports (default `Success`).
+        delay_s: seconds each run waits before it answers (a sleep: no CPU, cancellable),
+            or ``(lo, hi)``: a time drawn uniformly from that range per run.
     """
 
     name = "echo"
 
     def __init__(
-        self, stdout: bytes = b"", stderr: bytes = b"", exit: SandboxExit | None = None
+        self,
+        stdout: bytes = b"",
+        stderr: bytes = b"",
+        exit: SandboxExit | None = None,
+        *,
+        delay_s: float | tuple[float, float] = 0.0,
     ) -> None:
         self.stdout = stdout
         self.stderr = stderr
         self.exit: SandboxExit = Success() if exit is None else exit
+        lo, hi = delay_s if isinstance(delay_s, tuple) else (delay_s, delay_s)
+        if not 0 <= lo <= hi:
+            raise ValueError(f"delay_s: expected 0 <= lo <= hi, got {delay_s!r}")
+        self.delay_s = (float(lo), float(hi))
         #: Every job `run` received, in order.
         self.jobs: list[SandboxJob] = []
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
         start = time.monotonic()
         self.jobs.append(job)
+        lo, hi = self.delay_s
+        if hi > 0:
+            await anyio.sleep(lo if lo == hi else random.uniform(lo, hi))
         cap = job.limits.output_bytes
         out, out_cut = _cap(job.stdin + self.stdout, cap)
         err, err_cut = _cap(self.stderr, cap)
@@ -89,6 +123,38 @@ class EchoSandbox:
 
     def containment(self, job: SandboxJob) -> ContainmentReport:
         return _report(self.name)
+
+
+def parse_echo_delay(text: str, *, what: str = ECHO_DELAY_ENV) -> tuple[float, float]:
+    """``0.1`` → ``(0.1, 0.1)``; ``0.05-0.2`` → ``(0.05, 0.2)`` (seconds).
+
+    Raises:
+        BadConfig: not a number of seconds from 0 to 3600, nor a range ``LO-HI`` of them
+            with ``LO <= HI``.
+    """
+    parts = text.strip().split("-")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or not 0 <= values[0] <= values[1] <= 3600:
+        raise BadConfig(
+            f"{what}={text!r}: expected seconds (0.1) or a range LO-HI (0.05-0.2), 0-3600"
+        )
+    return values[0], values[1]
+
+
+def echo_from_env(environ: Mapping[str, str]) -> EchoSandbox:
+    """The echo double a worker with ``METNOS_ARM_OVERRIDE=echo`` runs every job in,
+    waiting ``METNOS_ECHO_DELAY_S`` per run (none when unset).
+
+    Raises:
+        BadConfig: a bad ``METNOS_ECHO_DELAY_S`` (`parse_echo_delay`).
+    """
+    text = environ.get(ECHO_DELAY_ENV, "")
+    return EchoSandbox(delay_s=parse_echo_delay(text) if text.strip() else 0.0)
 
 
 class FaultScriptExhausted(AssertionError):

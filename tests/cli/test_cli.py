@@ -252,6 +252,7 @@ def test_worker_refuses_bad_numbers(
     ("variable", "value"),
     [
         ("METNOS_ARM_OVERRIDE", "direct"),
+        ("METNOS_ECHO_DELAY_S", "0.2-0.1"),  # read with METNOS_ARM_OVERRIDE=echo (env)
         ("METNOS_REQUIRE_SANDBOX", "sometimes"),
         ("METNOS_BWRAP", "/nonexistent/bwrap"),
         # Issue 15: each of these started a root worker whose every job ran as host root.

@@ -7,6 +7,7 @@ never a skip. Only a missing *system component* (a usable bwrap, wasmtime) skips
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,39 @@ async def test_echo_records_jobs_and_appends_scripted_output() -> None:
     report = echo.containment(a)
     assert report.sandbox == "echo"
     assert {v.reason for v in report.axes().values()} == {"nothing runs: test double"}
+
+
+@pytest.mark.anyio
+async def test_echo_waits_its_scripted_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metnos_exec.sandbox import doubles
+
+    t = time.monotonic()
+    out = await EchoSandbox(delay_s=0.03).run(SandboxJob(stdin=b"a"))
+    assert time.monotonic() - t >= 0.03 and out.stdout == b"a"
+    drawn: list[tuple[float, float]] = []
+
+    def uniform(lo: float, hi: float) -> float:
+        drawn.append((lo, hi))
+        return 0.001
+
+    monkeypatch.setattr(doubles.random, "uniform", uniform)
+    await EchoSandbox(delay_s=(0.05, 0.2)).run(SandboxJob())
+    assert drawn == [(0.05, 0.2)]
+    with pytest.raises(ValueError, match="delay_s"):
+        EchoSandbox(delay_s=(0.2, 0.1))
+
+
+def test_echo_delay_from_the_environment() -> None:
+    from metnos_exec.errors import BadConfig
+    from metnos_exec.sandbox.doubles import echo_from_env, parse_echo_delay
+
+    assert parse_echo_delay("0.1") == (0.1, 0.1)
+    assert parse_echo_delay(" 0.05-0.2 ") == (0.05, 0.2)
+    assert echo_from_env({}).delay_s == (0.0, 0.0)
+    assert echo_from_env({"METNOS_ECHO_DELAY_S": "0.05-0.2"}).delay_s == (0.05, 0.2)
+    for bad in ("soon", "0.2-0.1", "-1", "1-2-3", "nan", "4000"):
+        with pytest.raises(BadConfig, match="METNOS_ECHO_DELAY_S"):
+            parse_echo_delay(bad)
 
 
 @pytest.mark.anyio
