@@ -502,10 +502,14 @@ def main(argv: list[str]) -> int:
             if n == 1:
                 continue
             m = med[(kind, n)]
-            cpu = m.broker_cpu_us / one.broker_cpu_us if one.broker_cpu_us else float("nan")
+            cpu = (
+                f"{m.broker_cpu_us / one.broker_cpu_us:.2f}x"
+                if one.broker_cpu_us
+                else "not measured (--plain)"
+            )
             print(
                 f"  {kind}: {n} workers / 1 = {m.rate / one.rate:.2f}x jobs/s "
-                f"(ideal {n}x), broker CPU per job {cpu:.2f}x"
+                f"(ideal {n}x), broker CPU per job {cpu}"
             )
     return 0
 
