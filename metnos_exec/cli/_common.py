@@ -56,17 +56,23 @@ EXIT: Final = {
     "interrupted": 130,
 }
 
-_EPILOG = """\
+_EXIT_CODES = """\
 exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage or configuration
 error (also a bad broker URL) · 3 rejected (capability/manifest/policy/idempotency
 conflict) · 4 broker store unavailable or failing (E_BROKER_*) · 5 not found · 6 still
 pending · 7 not implemented yet · 70 internal error · 130 interrupted
+"""
 
+_BROKER_URLS = """
 broker URL: --broker, else $METNOS_BROKER, else sqlite:///./metnos.db
   sqlite:///rel/q.db is relative to the current folder; an absolute path takes four
   slashes: sqlite:////var/lib/metnos/q.db. memory:// lives in one process only (worker).
-error codes (E_...): metnos-exec codes
 """
+
+_CODES = "error codes (E_...): metnos-exec codes\n"
+
+#: The epilog every command's help ends with (the broker URLs only where it takes one).
+_EPILOG = _EXIT_CODES + _BROKER_URLS + _CODES
 
 _BROKER_HELP = (
     "broker URL: sqlite:///relative/path.db or sqlite:////absolute/path.db (four slashes), "
@@ -236,14 +242,21 @@ def _common_options() -> argparse.ArgumentParser:
 
 
 def add_command(
-    subparsers: Subparsers, name: str, help_: str, desc: str | None = None
+    subparsers: Subparsers,
+    name: str,
+    help_: str,
+    desc: str | None = None,
+    *,
+    broker: bool = True,
 ) -> argparse.ArgumentParser:
-    """A command with the shared options and the epilog (`desc` defaults to `help_`)."""
+    """A command with the epilog (`desc` defaults to `help_`) and, when it opens a queue
+    (`broker`), the shared ``--broker``: a command that reads no queue (``tail``) does not
+    offer one it would ignore."""
     return subparsers.add_parser(
         name,
         help=help_,
         description=desc or help_,
-        epilog=_EPILOG,
-        parents=[_common_options()],
+        epilog=_EPILOG if broker else _EXIT_CODES + "\n" + _CODES,
+        parents=[_common_options()] if broker else [],
         formatter_class=_Formatter,
     )

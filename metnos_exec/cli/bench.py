@@ -17,7 +17,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 
 def register(subparsers: Subparsers) -> None:
     """Add ``bench``."""
-    b = add_command(subparsers, "bench", "run benchmarks from bench/ (all when none named)")
+    # No shared --broker: the benchmarks that use a queue take their own (after the name).
+    b = add_command(
+        subparsers, "bench", "run benchmarks from bench/ (all when none named)", broker=False
+    )
     b.add_argument(
         "argv",
         nargs=argparse.REMAINDER,

@@ -216,7 +216,12 @@ def register(subparsers: Subparsers) -> None:
     )
     s.add_argument("--args-json", metavar="JSON", help="all arguments as one JSON object")
     s.add_argument("--timeout", type=_positive_float, metavar="S", help="wall-time budget")
-    s.add_argument("--autonomy", choices=["read_only", "supervised", "full"])
+    s.add_argument(
+        "--autonomy",
+        choices=["read_only", "supervised", "full"],
+        help="read_only refuses mutating executors and makes writes read-only; full may "
+        "open the network whatever the executor declares (default: supervised)",
+    )
     s.add_argument("--device", metavar="ID", help="target device (default: a server worker)")
     s.add_argument(
         "--max-attempts", type=_positive_int, metavar="N", help="deliveries before it is dead"
@@ -233,7 +238,11 @@ def register(subparsers: Subparsers) -> None:
         help="a key of the caller's: a second submit with the same key queues nothing and "
         "answers with the first job's id",
     )
-    s.add_argument("--correlation-id", metavar="ID")
+    s.add_argument(
+        "--correlation-id",
+        metavar="ID",
+        help="a tag of the caller's (the agent step, say), on every log record of the job",
+    )
     _add_when_options(s)
     s.add_argument(
         "--wait",
@@ -248,7 +257,7 @@ def register(subparsers: Subparsers) -> None:
     s.set_defaults(fn=_cmd_submit)
 
     r = add_command(subparsers, "result", "show a job's result")
-    r.add_argument("job_id")
+    r.add_argument("job_id", help="the id submit printed")
     r.add_argument(
         "--wait", type=_wait_seconds, default=0.0, metavar="S", help="wait up to S seconds"
     )
@@ -256,5 +265,5 @@ def register(subparsers: Subparsers) -> None:
     r.set_defaults(fn=_cmd_result)
 
     c = add_command(subparsers, "cancel", "cancel a queued or running job")
-    c.add_argument("job_id")
+    c.add_argument("job_id", help="the id submit printed")
     c.set_defaults(fn=_cmd_cancel)

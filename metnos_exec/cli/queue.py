@@ -325,14 +325,27 @@ def register(subparsers: Subparsers) -> None:
         "show (and follow) a worker's JSON log",
         "Show a JSON-lines log readably; filter by job, event (exact, or a family such as "
         "'job.') and minimum level.",
+        broker=False,
     )
-    t.add_argument("file")
-    t.add_argument("--job", metavar="JOB_ID")
-    t.add_argument("--event", metavar="NAME")
-    t.add_argument("--level", choices=["debug", "info", "warning", "error", "critical"])
+    t.add_argument("file", help="the log file (a worker's --log-file)")
+    t.add_argument("--job", metavar="JOB_ID", help="only the records of this job")
+    t.add_argument(
+        "--event", metavar="NAME", help="only this event, or a family ending in '.' (job.)"
+    )
+    t.add_argument(
+        "--level",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="only records at this level or above",
+    )
     t.add_argument("-f", "--follow", action="store_true", help="keep following the file")
-    t.add_argument("--color", dest="color", action="store_true", default=None)
-    t.add_argument("--no-color", dest="color", action="store_false")
+    t.add_argument(
+        "--color",
+        dest="color",
+        action="store_true",
+        default=None,
+        help="colour the lines (default: when stdout is a terminal)",
+    )
+    t.add_argument("--no-color", dest="color", action="store_false", help="no colours")
     t.add_argument("--json", action="store_true", help="print the matching raw JSON lines")
     t.set_defaults(fn=_cmd_tail)
 

@@ -47,7 +47,7 @@ def register(subparsers: Subparsers) -> None:
         "(E_UNDO_CONFLICT, exit 3, nothing changed) when a file changed since. An undo "
         "can be undone: `metnos-exec undo <the undo job's id>`.",
     )
-    u.add_argument("job_id")
+    u.add_argument("job_id", help="the job whose file changes to undo")
     u.add_argument(
         "--wait", type=_positive_float, default=None, metavar="S", help="wait at most S seconds"
     )

@@ -75,7 +75,12 @@ def register(subparsers: Subparsers) -> None:
         "--concurrency", type=_positive_int, default=4, metavar="N", help="jobs at once (4)"
     )
     w.add_argument("--log-file", metavar="FILE", help="JSON-lines log file (default: stderr)")
-    w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    w.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the lowest level written (info)",
+    )
     w.add_argument("--worker-id", metavar="ID", help="default: HOSTNAME-PID")
     w.add_argument("--device", default="server", metavar="ID", help="device id (server)")
     w.add_argument(
@@ -123,7 +128,12 @@ def register(subparsers: Subparsers) -> None:
         "repeatable; also $METNOS_TRUST_KEYS (comma-separated). Required with --device",
     )
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
-    w.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    w.add_argument(
+        "--backend",
+        default="asyncio",
+        choices=["asyncio", "trio"],
+        help="the async library the worker runs on (asyncio)",
+    )
     # Tests and benchmarks only: run every job in the echo double (queue cost alone).
     w.add_argument("--arm", choices=["echo"], help=argparse.SUPPRESS)
     w.set_defaults(fn=_cmd_worker)
