@@ -19,6 +19,7 @@ Exit codes (stable; scripts may rely on them):
 5     not found (unknown job id, missing log file)
 6     still pending: no result within the wait
 7     not implemented yet (no command answers it today)
+8     already finished: ``cancel`` of a job that had its result (named; nothing cancelled)
 70    internal error (``E_INTERNAL``: a bug in metnos-exec; ``METNOS_DEBUG=1`` shows the
       traceback)
 130   interrupted (Ctrl-C)

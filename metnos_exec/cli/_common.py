@@ -52,6 +52,7 @@ EXIT: Final = {
     "not_found": 5,
     "pending": 6,
     "not_implemented": 7,
+    "finished": 8,
     "internal": 70,
     "interrupted": 130,
 }
@@ -60,7 +61,8 @@ _EXIT_CODES = """\
 exit codes: 0 ok · 1 job failed/timed_out/cancelled/dead · 2 usage or configuration
 error (also a bad broker URL) · 3 rejected (capability/manifest/policy/idempotency
 conflict) · 4 broker store unavailable or failing (E_BROKER_*) · 5 not found · 6 still
-pending · 7 not implemented yet · 70 internal error · 130 interrupted
+pending · 7 not implemented yet · 8 already finished (cancel: nothing to cancel) · 70
+internal error · 130 interrupted
 """
 
 _BROKER_URLS = """
@@ -88,6 +90,16 @@ class _Exit(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _no_job(job_id: str, url: str) -> _Exit:
+    """Exit 5 for a job id the queue does not know, naming the queue asked (a wrong
+    --broker or $METNOS_BROKER is the usual cause) and what else makes one unknown."""
+    return _Exit(
+        EXIT["not_found"],
+        f"no job {job_id} in {redact_url(url)} (a mistyped id, another queue: check "
+        "--broker or $METNOS_BROKER; or a finished job forgotten by a purge)",
+    )
 
 
 def _open(url: str, *, create: bool = False) -> Broker:

@@ -17,6 +17,7 @@ from ._common import (
     EXIT,
     Subparsers,
     _Exit,
+    _no_job,
     _non_negative_float,
     _open,
     _positive_float,
@@ -140,7 +141,7 @@ def _cmd_result(ns: argparse.Namespace) -> int:
             if result is None:
                 state = await broker.get_job_state(ns.job_id)
                 if state is None:
-                    raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
+                    raise _no_job(ns.job_id, ns.broker)
                 message = f"job {ns.job_id} is {state.state}, no result yet"
                 if _never_leased(state):
                     message += "; " + _NO_WORKER.format(url=redact_url(ns.broker))
@@ -155,14 +156,22 @@ def _cmd_cancel(ns: argparse.Namespace) -> int:
     async def go() -> int:
         async with _open(ns.broker) as broker:
             outcome = await broker.cancel(ns.job_id)
+            result = await broker.get_result(ns.job_id) if outcome == "finished" else None
         if outcome == "unknown":
-            raise _Exit(EXIT["not_found"], f"no job {ns.job_id}")
+            raise _no_job(ns.job_id, ns.broker)
+        if outcome == "finished":
+            # Not an error, but not a cancel either: a script must be able to tell (exit 8).
+            status = result.status if result is not None else "its result already stored"
+            raise _Exit(
+                EXIT["finished"],
+                f"job {ns.job_id} had already finished ({status}): nothing was cancelled; "
+                f"its result stands (metnos-exec result {ns.job_id})",
+            )
         messages = {
             "cancelled": "cancelled: it was waiting in the queue and will not run",
             "cancelling": (
                 "cancelling: the worker running it will stop it (a result it stores first stands)"
             ),
-            "finished": "already finished; nothing to cancel",
         }
         sys.stdout.write(f"{ns.job_id}: {messages[outcome]}\n")
         return 0

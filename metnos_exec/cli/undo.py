@@ -8,7 +8,16 @@ import sys
 
 from ..client import Client
 from ..errors import UndoUnavailable
-from ._common import EXIT, Subparsers, _Exit, _open, _positive_float, _run, add_command
+from ._common import (
+    EXIT,
+    Subparsers,
+    _Exit,
+    _no_job,
+    _open,
+    _positive_float,
+    _run,
+    add_command,
+)
 from ._results import _STATUS_EXIT, _pending_message, _print_job_id, _print_result, _wait_result
 
 
@@ -20,7 +29,7 @@ def _cmd_undo(ns: argparse.Namespace) -> int:
                 undo_id = await client.submit_undo(ns.job_id)
             except UndoUnavailable as exc:
                 if await broker.get_job_state(ns.job_id) is None:
-                    raise _Exit(EXIT["not_found"], f"no job {ns.job_id}") from None
+                    raise _no_job(ns.job_id, ns.broker) from None
                 raise _Exit(EXIT["rejected"], str(exc)) from None
             if ns.no_wait:
                 _print_job_id(undo_id, as_json=ns.json)

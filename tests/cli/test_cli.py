@@ -133,7 +133,7 @@ def test_submit_wait_exit_codes(env: dict[str, str], tmp_path: Path) -> None:
     gone = cli(env, "cancel", "01NOSUCHJOB")
     assert gone.returncode == EXIT["not_found"]
     # An error, like `result`'s and `undo`'s: on stderr, not in the output.
-    assert gone.stdout == "" and one_clear_line(gone) == "metnos-exec: no job 01NOSUCHJOB"
+    assert gone.stdout == "" and one_clear_line(gone).startswith("metnos-exec: no job 01NOSUCHJOB")
     job = cli(env, "submit", "sleepy").stdout.strip()
     c = cli(env, "cancel", job)
     assert c.returncode == 0 and "cancelled" in c.stdout
@@ -977,3 +977,22 @@ def test_only_commands_that_use_a_broker_offer_broker(env: dict[str, str], tmp_p
     log.write_text("")
     out = cli(env, "tail", str(log), "--broker", "sqlite:///q.db")
     assert out.returncode == EXIT["usage"] and "unrecognized arguments: --broker" in out.stderr
+
+
+def test_cancel_of_a_finished_job_says_so_with_its_own_exit_code(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 18, item 11: cancelling a job that had finished exited 0 ("already finished")
+    as if it had been cancelled; a script could not tell. It exits 8 and names the status."""
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    work = cli(env, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert work.returncode == 0, work.stderr
+    out = cli(env, "cancel", job)
+    assert out.returncode == EXIT["finished"] == 8, out.stderr
+    line = one_clear_line(out)
+    assert f"job {job} had already finished (succeeded)" in line and "nothing" in line, line
+    assert out.stdout == ""
+    assert cli(env, "result", job).returncode == 0  # its result stands
+    gone = cli(env, "cancel", "01NOSUCHJOB")
+    assert gone.returncode == EXIT["not_found"]
+    assert "no job 01NOSUCHJOB in sqlite:///" in one_clear_line(gone)
