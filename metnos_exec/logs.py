@@ -426,9 +426,71 @@ def configure_logging(
     )
 
 
+class _CurrentStderr:
+    """`_SafeStream`'s stream for a process that configured no logging: whatever
+    ``sys.stderr`` is when a record is written (a test's capture, a redirected stream)."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        err = sys.stderr
+        if err is not None:
+            err.flush()  # text written before stays before
+            buffer = getattr(err, "buffer", None)
+            if buffer is not None:
+                buffer.write(bytes(data))
+            else:
+                err.write(bytes(data).decode(errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        err = sys.stderr
+        if err is not None:
+            getattr(err, "buffer", err).flush()
+
+
+_unconfigured: Any = None
+
+
+def _unconfigured_logger() -> Any:
+    global _unconfigured
+    if _unconfigured is None:
+        stream: Any = _CurrentStderr()
+        _unconfigured = structlog.wrap_logger(
+            _LineLogger(_SafeStream(stream, owned=False)),
+            processors=[_json_line],
+            wrapper_class=_line_bound_logger(_LEVEL_NUMS["warning"]),
+            cache_logger_on_first_use=True,
+        )
+    return _unconfigured
+
+
+class _PackageLogger:
+    """The package's logger: structlog's, as configured, once anything configured
+    structlog (`configure_logging`, an application, ``capture_logs``); until then
+    warnings and errors as JSON lines on stderr, and nothing else.
+
+    structlog's own default prints every record to stdout: a program using the Python API
+    (a client, an agent printing its transcript) found the library's records in the
+    middle of its own output. A library's records belong to whoever configures logging,
+    and, unconfigured, only the ones a person must see go to stderr (as the standard
+    library's `logging` does).
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if structlog.is_configured():
+            return getattr(_CONFIGURED, name)
+        return getattr(_unconfigured_logger(), name)
+
+
+_CONFIGURED: Any = structlog.get_logger("metnos_exec")
+_PACKAGE_LOGGER = _PackageLogger()
+
+
 def get_logger() -> Any:
-    """The package logger (what library code uses)."""
-    return structlog.get_logger("metnos_exec")
+    """The package logger, what library code logs with (see `_PackageLogger`): never
+    ``structlog.get_logger`` directly, whose default writes to stdout."""
+    return _PACKAGE_LOGGER
 
 
 # --- reading logs back ----------------------------------------------------------------

@@ -14,16 +14,16 @@ from collections.abc import Mapping
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from .devices.signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
 from .errors import BadConfig, BadManifest, HostFault, MetnosError, SignatureError
+from .logs import get_logger
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
 
 __all__ = ("dry_run_executors", "preload_wasm", "trust_store_for", "verify_executors")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 def trust_store_for(

@@ -34,11 +34,11 @@ import os
 import stat
 from pathlib import Path
 
-import structlog
+from .logs import get_logger
 
 __all__ = ("create_private_file", "private_dir", "private_file", "tighten")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 _OTHER = stat.S_IRWXO
 _GROUP = stat.S_IRWXG

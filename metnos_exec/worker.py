@@ -40,14 +40,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import anyio
-import structlog
 
 from .backoff import store_backoff
 from .brokers import DEFAULT_RETENTION_S, Broker, open_broker
 from .devices.signing import default_verified_dir
 from .errors import BadConfig, BrokerBusy, BrokerFull, MetnosError
 from .identities import slot_uid_range
-from .logs import configure_logging
+from .logs import configure_logging, get_logger
 from .manifest import ExecutorRegistry
 from .policy import Policy
 from .preflight import dry_run_executors, preload_wasm, trust_store_for, verify_executors
@@ -84,7 +83,7 @@ RETENTION_ENV: Final = "METNOS_RETENTION_DAYS"
 
 _NEVER = ("never", "off", "forever", "none")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 def parse_retention_days(text: str, *, what: str = RETENTION_ENV) -> float | None:

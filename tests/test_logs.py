@@ -395,3 +395,79 @@ def test_a_record_cut_short_by_a_full_disk_leaves_every_other_line_whole() -> No
     assert len(lines) == 3 and lines[0] == b'{"ts":"'  # the torn record, ended
     events = [json.loads(x)["event"] for x in lines[1:]]
     assert events == ["log.dropped", "broker.recovered"]
+
+
+#: A program using the Python API that never configures logging; its queue file was made
+#: readable by everyone, so opening it logs `files.tightened` warnings (and `--configured`
+#: configures structlog itself first, as an application with its own logging does).
+API_PROGRAM = """\
+import sys
+import anyio
+import structlog
+from metnos_exec.client import Client
+
+if "--configured" in sys.argv:
+    structlog.configure(
+        processors=[lambda _l, _m, ev: f"APP {ev['event']}"],
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+    )
+
+async def main() -> None:
+    async with Client("sqlite:///q.db") as client:
+        print("result:", await client.result("01NOSUCHJOB"))
+
+anyio.run(main)
+"""
+
+
+def test_the_python_api_never_prints_log_records_on_stdout(tmp_path: Path) -> None:
+    """Issue 18, item 10: a program using `Client` without configuring logging got the
+    library's records on its stdout (structlog's default prints there), in the middle of
+    what the program prints. Unconfigured, the package writes warnings and errors as JSON
+    lines on stderr and nothing else; an application that configures structlog gets them
+    its way."""
+    import subprocess
+    import sys
+
+    (tmp_path / "prog.py").write_text(API_PROGRAM)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "prog.py", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    first = run()
+    assert first.returncode == 0 and first.stdout == "result: None\n", first
+    for name in ("q.db", "q.db-wal", "q.db-shm"):
+        if (tmp_path / name).exists():
+            (tmp_path / name).chmod(0o644)
+    out = run()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "result: None\n"
+    records = [json.loads(line) for line in out.stderr.splitlines()]
+    assert records and {r["event"] for r in records} == {"files.tightened"}
+    assert all(r["level"] == "warning" and TS_RE.match(r["ts"]) for r in records)
+
+    (tmp_path / "q.db").chmod(0o644)
+    app = run("--configured")
+    assert app.returncode == 0 and app.stderr == "", app.stderr
+    *logged, printed = app.stdout.splitlines()
+    assert printed == "result: None" and logged and set(logged) == {"APP files.tightened"}
+
+
+def test_library_code_logs_only_through_the_package_logger() -> None:
+    # `structlog.get_logger()` directly would print to stdout in a program that configured
+    # nothing (see the test above): every module takes `metnos_exec.logs.get_logger()`.
+    import metnos_exec.logs as logs_mod
+
+    root = Path(logs_mod.__file__).parent
+    direct = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "logs.py" and "structlog.get_logger(" in p.read_text()
+    ]
+    assert direct == []

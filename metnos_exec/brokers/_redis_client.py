@@ -17,7 +17,6 @@ import anyio
 import coredis
 import coredis.exceptions
 import coredis.retry
-import structlog
 
 from ..errors import (
     BrokerAuth,
@@ -27,6 +26,7 @@ from ..errors import (
     BrokerReadOnly,
     BrokerUnavailable,
 )
+from ..logs import get_logger
 from ..messages import SERVER_DEVICE, ErrorInfo, encode
 from ._common import PolledWaits, dead_records
 from ._redis_keys import SCRIPTS, Keys
@@ -36,7 +36,7 @@ from .base import Lease
 
 __all__ = ("BATCH", "RedisStore", "as_str", "closing_buffers", "error_fields", "inbox_text")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 #: Jobs per script call for batches (submit_many, ack_many, cancel polls, inbox).
 BATCH: Final = 200

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Final
 
 import anyio.lowlevel
-import structlog
 
 from ..errors import BadMessage, BrokerUnavailable, IdempotencyConflict, SubmitOutcomeUnknown
+from ..logs import get_logger
 from ..messages import (
     E_CANCELLED,
     MAX_JOB_BYTES,
@@ -39,7 +39,7 @@ from .base import (
 
 __all__ = ("RedisQueue",)
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 #: What an inbox entry may have beyond its job's bound (its `id` field, field names).
 _INBOX_SLACK: Final = 4096
 #: How much of an oversized inbox entry's `job` its dead letter keeps.

@@ -40,14 +40,14 @@ from typing import Any, ClassVar, Final, Literal
 
 import coredis
 import msgspec
-import structlog
 from coredis.tokens import PureToken
 
+from ..logs import get_logger
 from .base import BrokerStats, DataLoss
 
 __all__ = ("LOST_KEEP_S", "DataWatch", "decode_losses")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 #: How long the record of a data loss is kept in the new data set (``status``, ``doctor``).
 LOST_KEEP_S: Final = 7 * 86400

@@ -17,9 +17,8 @@ import sqlite3
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import structlog
-
 from ..errors import BadMessage
+from ..logs import get_logger
 from ..messages import (
     E_CANCELLED,
     SERVER_DEVICE,
@@ -44,7 +43,7 @@ from .base import (
 
 __all__ = ("DUE", "SQLiteQueue")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 # --- SQL ------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
-import structlog
 
 from ..devices.catalog import ExecutorInfo
 from ..errors import BadMessage
+from ..logs import get_logger
 from ..messages import (
     E_CANCELLED,
     E_LEASE_EXPIRED,
@@ -54,7 +54,7 @@ from .presence import WorkerInfo
 
 __all__ = ("MemoryBroker",)
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 _State = Literal["queued", "running", "done", "dead"]
 

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Final, Literal, TextIO, cast
 
 import anyio
-import structlog
 
 from ..errors import MetnosError, ToolUnavailable
+from ..logs import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
@@ -78,7 +78,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _UNSATISFIED = re.compile(r"^bytes \*/(\d+)$")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class FetchError(MetnosError):

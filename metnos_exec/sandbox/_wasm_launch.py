@@ -33,16 +33,16 @@ import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
-import structlog
 
 from ..errors import HostFault, SandboxDenied, SymlinkedFolder
+from ..logs import get_logger
 from ..process import ProcessResult, ProcessSpec, Stopped, run_process
 from . import _wasm_child, _wasm_engine, _wasm_guest
 from ._types import Mount
 from ._wasm_engine import _refuse_oversized
 from .mount_sources import open_source
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 #: Seconds past its wall deadline after which the arm kills the guest's process itself.
 #: The process's own watchdog ends it `WATCHDOG_SLACK_S` past the deadline (a compile or

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
-import structlog
 
 from ..errors import HostFault, SandboxDenied
+from ..logs import get_logger
 from ._types import (
     AxisVerdict,
     ContainmentReport,
@@ -46,7 +46,7 @@ from ._types import (
 from ._wasm_guest import MAX_ELEMENTS_PER_TABLE, MAX_TABLE_ELEMENTS, PAGE, TABLE_STEP
 from ._wasm_launch import Ran
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 #: A writable preopen: the guest writes straight into the host folder, and nothing bounds
 #: a file's size or the total (no staging in this arm; the worker backs up the declared

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
-import structlog
 
 from ..errors import BadConfig, SandboxRequired
+from ..logs import get_logger
 from ._types import AXES, Sandbox
 from .absent import AbsentSandbox
 from .bwrap import BwrapProbe, BwrapSandbox, bwrap_probe, find_bwrap
@@ -56,7 +56,7 @@ DegradeReason = Literal["bwrap_missing", "sandbox_off", "userns_unavailable"]
 #: Values of ``METNOS_SANDBOX`` that switch the kernel wall off (case-insensitive).
 SANDBOX_OFF_VALUES = frozenset({"off", "0", "false", "none"})
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class Degradation(msgspec.Struct, frozen=True):

@@ -87,9 +87,9 @@ from typing import Any, Final, final
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from ..errors import HostFault, SandboxDenied, ToolUnavailable
+from ..logs import get_logger
 from ..private import private_dir
 from ._types import (
     PYTHON_WASM_MODULE,
@@ -139,7 +139,7 @@ from ._wasm_runtime import (
 )
 from ._wasm_runtime import python_argv as _python_argv
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 __all__ = (
     "KILL_AFTER_S",

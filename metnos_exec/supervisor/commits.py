@@ -18,10 +18,10 @@ from typing import Final
 
 import anyio
 import msgspec
-import structlog
 
 from ..brokers.base import Lease
 from ..errors import BrokerError, CommitConflict, HostFault
+from ..logs import get_logger
 from ..messages import ErrorInfo, Result, UndoEntry
 from ..undo.journal import Blocked
 from ..undo.staging import Reversible, Staging, default_state_dir
@@ -34,7 +34,7 @@ _FILTERED_LOGGED: Final = 100
 #: Paths listed in an ``undo.recorded`` / ``undo.applied`` record at most.
 _PATHS_LOGGED: Final = 50
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class Commits(Leasing):

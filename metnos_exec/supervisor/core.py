@@ -19,12 +19,13 @@ import structlog
 from anyio.abc import TaskStatus
 
 from ..brokers.presence import MAX_RUNNING_LISTED, WORKER_BEAT_S, WorkerInfo
+from ..logs import get_logger
 from ..messages import SERVER_DEVICE
 from .pipeline import Pipeline
 
 __all__ = ("Supervisor",)
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 try:
     _VERSION = metadata.version("metnos-exec")

@@ -15,13 +15,14 @@ import anyio
 import anyio.abc
 import structlog
 
+from ..logs import get_logger
 from ..process import reap_orphans
 from .settle import Settling
 from .state import _Running
 
 __all__ = ("Leasing",)
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class _Slots:

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-import structlog
+from ..logs import get_logger
 
 __all__ = ("REMIND_S", "OutageLog")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 #: Seconds between two ``broker.error`` records of one outage.
 REMIND_S: Final = 30.0

@@ -24,6 +24,7 @@ import structlog
 from ..brokers.base import Lease
 from ..devices.signing import default_verified_dir
 from ..errors import HostFault, MetnosError, ServerPinned, SignatureError
+from ..logs import get_logger
 from ..manifest import Executor
 from ..messages import SERVER_DEVICE, UNDO_EXECUTOR, ErrorInfo, Result, cap_text
 from ..plan import Invocation, default_skills_root, plan_invocation
@@ -45,7 +46,7 @@ from .undo_jobs import UndoJobs
 __all__ = ("Pipeline",)
 
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class Pipeline(UndoJobs):

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 import anyio
-import structlog
 
 from ..brokers.base import Lease, RetryOutcome
 from ..errors import BadMessage, BrokerError, HostFault, MetnosError
-from ..logs import finished_level
+from ..logs import finished_level, get_logger
 from ..messages import ErrorInfo, Result
 from .outage import OutageLog
 from .outcome import _containment_summary, _exit_fields
@@ -32,7 +31,7 @@ __all__ = ("Settling",)
 #: (`Supervisor._wait_for_store`), and one that works again ends the wait.
 _GATING: Final = frozenset({"lease", "mark_started", "ack", "record_undo", "retry", "release"})
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 _T = TypeVar("_T")
 _I = TypeVar("_I")

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from ..brokers.base import Lease
 from ..errors import BadArguments, HostFault, MetnosError, UndoUnavailable
+from ..logs import get_logger
 from ..messages import UNDO_EXECUTOR, ErrorInfo, UndoEntry
 from ..undo.apply import AppliedUndo, apply_undo, entries_to_undo
 from ..undo.folder_lock import FolderLock
@@ -26,7 +26,7 @@ from .state import _Running
 __all__ = ("UndoJobs",)
 
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 class UndoJobs(Commits):

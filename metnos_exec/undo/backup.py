@@ -27,9 +27,9 @@ from typing import Literal
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from ..errors import BadArguments, CommitConflict, HostFault
+from ..logs import get_logger
 from ..messages import Absent, FileState, LinkState, PathState, Put, UndoEntry, UndoOp
 from ..sandbox._types import SandboxJob
 from ._types import Committed
@@ -54,7 +54,7 @@ from .seal import UndoSeal
 
 __all__ = ("BackupRun",)
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 @dataclass(eq=False)

@@ -47,9 +47,8 @@ import time
 from collections.abc import Iterable
 from typing import Final
 
-import structlog
-
 from ..errors import HostFault
+from ..logs import get_logger
 
 __all__ = ("WAIT_S", "FolderLock", "wait_settled")
 
@@ -60,7 +59,7 @@ _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _POLL_MIN_S: Final = 0.001
 _POLL_MAX_S: Final = 0.05
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 def _targets(roots: Iterable[str]) -> list[tuple[str, int]]:

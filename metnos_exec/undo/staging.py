@@ -37,9 +37,9 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 import msgspec
-import structlog
 
 from ..brokers.base import Broker
+from ..logs import get_logger
 from ..private import private_dir
 from ..sandbox._types import AxisVerdict, ContainmentReport, SandboxJob
 from ._types import Committed, Reversible
@@ -76,7 +76,7 @@ BLOB_MIN_AGE_S: Final = 24 * 3600.0
 #: How long a staging helper that failed to start is trusted before it is tried again.
 RETRY_UNAVAILABLE_S: Final = 30.0
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 
 
 def default_state_dir(queue: str | None = None) -> Path:

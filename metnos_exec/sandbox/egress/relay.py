@@ -17,14 +17,14 @@ import time
 from collections.abc import Iterator
 
 import anyio
-import structlog
 
+from ...logs import get_logger
 from .policy import Authorized, EgressPolicy, Refused, Resolver, authorize
 from .record import EgressRecord, Via
 
 __all__ = ("Conn", "JobTraffic", "recv_some", "send_all")
 
-_log = structlog.get_logger("metnos_exec")
+_log = get_logger()
 _CHUNK = 256 * 1024
 #: fcntl(2): resize a pipe (<linux/fcntl.h>; Python names it from 3.10 on some builds).
 _F_SETPIPE_SZ = 1031
