@@ -7,6 +7,7 @@ action is an observation too: the agent sees ``E_CAPABILITY_DENIED`` and adapts.
 
     python examples/agent_loop.py                      # self-contained: a worker in-process
     python examples/agent_loop.py --broker sqlite:///./metnos.db   # against your workers
+    python examples/agent_loop.py --log-file agent.jsonl   # the worker's records, kept
 
 With ``--broker``, start a worker first (``metnos-exec worker --executors
 examples/executors``); the notes folder is then your worker's ``~/notes``.
@@ -117,9 +118,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--broker", help="use this queue (and its workers) instead of an embedded one")
     p.add_argument("--run-id", default="agent-run-1", help="correlation id prefix")
-    p.add_argument("--log-level", default="warning", help="worker log level (stderr)")
+    p.add_argument(
+        "--log-file", help="the embedded worker's JSON-lines log (default: errors only, on stderr)"
+    )
+    p.add_argument("--log-level", help="its lowest level (default: info to a file, else error)")
     ns = p.parse_args()
-    configure_logging(level=ns.log_level)  # the embedded worker's JSON lines, on stderr
+    # The transcript is for a person: a refused action is an observation in it already,
+    # so the worker's records (its `job.rejected` warning, a raw JSON line) stay out of it.
+    # They go to --log-file; without one, only an error reaches the terminal, readably.
+    if ns.log_file:
+        configure_logging(file=ns.log_file, level=ns.log_level or "info")
+    else:
+        configure_logging(level=ns.log_level or "error", json=False)
     anyio.run(main_async, ns)
 
 

@@ -10,6 +10,7 @@ HOME is a tmp folder in every test; nothing touches the real home or the real ne
 from __future__ import annotations
 
 import http.server
+import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -406,3 +407,45 @@ def test_the_mcp_client_example_runs_against_a_worker(tmp_path: Path) -> None:
     assert "tool read_notes (read-only)" in out.stdout
     assert "read_notes -> succeeded" in out.stdout and '"milk\\n"' in out.stdout
     assert "isError=True" in out.stdout and "E_CAPABILITY_DENIED" in out.stdout
+
+
+def test_agent_loop_transcript_has_no_log_record_in_it(tmp_path: Path) -> None:
+    """Issue 18, item 11: `python examples/agent_loop.py` showed the embedded worker's
+    `job.rejected` record, a raw JSON line, between "Action 4" and "Observation 4" (both
+    streams on one terminal). The refusal is an observation of the transcript; the
+    worker's records go to --log-file, and only errors reach the terminal, readable."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    script = Path(__file__).resolve().parent.parent / "examples" / "agent_loop.py"
+    log = tmp_path / "agent.jsonl"
+    out = subprocess.run(
+        [sys.executable, str(script), "--log-file", str(log)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # as a terminal shows them: one stream
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert all(line.startswith(("Thought ", "Action ", "Observation ")) for line in lines), lines
+    assert len(lines) == 15 and "E_CAPABILITY_DENIED" in lines[11], lines
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert "job.rejected" in {r["event"] for r in records}  # the record went to the file
+
+    plain = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stdout
+    assert not [line for line in plain.stdout.splitlines() if line.lstrip().startswith("{")]
+    assert plain.stdout.count("Observation ") == 5
