@@ -34,9 +34,10 @@ import os
 import stat
 from pathlib import Path
 
+from .errors import BadConfig
 from .logs import get_logger
 
-__all__ = ("create_private_file", "private_dir", "private_file", "tighten")
+__all__ = ("check_folder", "create_private_file", "private_dir", "private_file", "tighten")
 
 _log = get_logger()
 
@@ -50,7 +51,7 @@ def tighten(path: str | os.PathLike[str]) -> bool:
     p = os.fspath(path)
     try:
         st = os.lstat(p)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # missing, or under a file
         return False
     if stat.S_ISLNK(st.st_mode) or not st.st_mode & (_OTHER | _GROUP):
         return False
@@ -130,3 +131,33 @@ def create_private_file(path: str | os.PathLike[str], *, tighten_existing: bool 
 def private_file(path: str | os.PathLike[str]) -> None:
     """`tighten` `path` if it exists (a file something else creates, e.g. SQLite's)."""
     tighten(path)
+
+
+def check_folder(path: str | os.PathLike[str], *, what: str, fix: str) -> None:
+    """Refuse a folder of the worker it could not use, before anything is made.
+
+    `path`, or the nearest of its parents that exists, must be a folder this process can
+    write and search (and read, for `path` itself). Creates and changes nothing.
+
+    Raises:
+        BadConfig: naming `what` (``"cache folder"``), `path`, the problem and `fix`.
+    """
+    p = Path(path)
+    problem = "no folder above it exists"
+    for candidate in (p, *p.parents):
+        try:
+            st = os.stat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # missing, or under a file: the file is found further up
+        except OSError as exc:  # EACCES: a folder above it cannot be searched
+            problem = f"{candidate}: {exc.strerror}"
+            break
+        if not stat.S_ISDIR(st.st_mode):
+            problem = f"{candidate} is a file, not a folder"
+        elif not os.access(candidate, os.W_OK | os.X_OK | (os.R_OK if candidate == p else 0)):
+            problem = f"{candidate} is not {'readable and ' if candidate == p else ''}writable "
+            problem += "by this user, or is on a read-only file system"
+        else:
+            return
+        break
+    raise BadConfig(f"the worker's {what} {p} cannot be used: {problem}; {fix}")

@@ -50,7 +50,7 @@ from .logs import configure_logging, get_logger
 from .manifest import ExecutorRegistry
 from .policy import Policy
 from .preflight import dry_run_executors, preload_wasm, trust_store_for, verify_executors
-from .private import tighten
+from .private import check_folder, tighten
 from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
@@ -488,6 +488,7 @@ def _start(
         except OSError as exc:
             raise BadConfig(f"cannot open the log file {log_file}: {exc}") from None
     registry = ExecutorRegistry.load(executors_dir)
+    _check_caches(trust is not None, registry)  # before the broker: no queue made for it
     wid = worker_id or default_worker_id()
     _prepare_process()
     # A folder named (else the queue's own, known once the broker is open): checked
@@ -555,6 +556,17 @@ def _prepare_process() -> None:
         tighten(cache)
 
 
+def _check_caches(verifies: bool, registry: ExecutorRegistry) -> None:
+    """Refuse a cache the worker will use (verified copies when it checks signatures,
+    compiled modules when it has wasm executors) but could not: configuration, said
+    with the fix, not a broker failure."""
+    fix = "set METNOS_CACHE_DIR to a folder this user can write (default ~/.cache/metnos-exec)"
+    wasm = any(registry[name].manifest.runtime != "python" for name in registry)
+    for cache, used in ((default_verified_dir(), verifies), (default_cache_dir(), wasm)):
+        if used:
+            check_folder(cache, what="cache folder", fix=fix)
+
+
 async def _serve_queue(
     broker_url: str,
     early: list[int],
@@ -594,4 +606,7 @@ def _open_staging(state_dir: str | os.PathLike[str]) -> Staging:
     try:
         return Staging(state_dir)
     except OSError as exc:
-        raise BadConfig(f"cannot use the state folder {state_dir}: {exc}") from None
+        raise BadConfig(
+            f"cannot use the state folder {state_dir}: {exc}; name another with --state-dir "
+            "or METNOS_STATE_DIR"
+        ) from None

@@ -996,3 +996,64 @@ def test_cancel_of_a_finished_job_says_so_with_its_own_exit_code(
     gone = cli(env, "cancel", "01NOSUCHJOB")
     assert gone.returncode == EXIT["not_found"]
     assert "no job 01NOSUCHJOB in sqlite:///" in one_clear_line(gone)
+
+
+def _cache_under_a_file(tmp: Path) -> Path:
+    (tmp / "afile").write_text("")
+    return tmp / "afile" / "cache"  # its parent is a file: refused for root too
+
+
+def _cache_is_a_file(tmp: Path) -> Path:
+    (tmp / "afile").write_text("")
+    return tmp / "afile"
+
+
+def _cache_not_writable(tmp: Path) -> Path:
+    need(os.geteuid() != 0, "permission bits do not stop root (the cases above do)")
+    (tmp / "ro").mkdir(mode=0o500)
+    return tmp / "ro" / "cache"
+
+
+def _uses_verified(env: dict[str, str], tmp: Path) -> list[str]:
+    """A worker checking signatures: it keeps verified copies in the cache."""
+    assert cli(env, "keygen", "--out", str(tmp / "k.key")).returncode == 0
+    return ["--trust-key", next(str(p) for p in tmp.glob("k.*") if p.name != "k.key")]
+
+
+def _uses_wasm(env: dict[str, str], tmp: Path) -> list[str]:
+    """A worker with a wasm executor: it keeps compiled modules in the cache."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "executors"
+    shutil.copytree(examples / "wasm_hello", tmp / "ex" / "wasm_hello")
+    return []
+
+
+@pytest.mark.parametrize("uses", [_uses_verified, _uses_wasm])
+@pytest.mark.parametrize("make", [_cache_under_a_file, _cache_is_a_file, _cache_not_writable])
+def test_a_worker_whose_cache_folder_is_unusable_says_so_not_the_broker(
+    env: dict[str, str], tmp_path: Path, make: object, uses: object
+) -> None:
+    """Issue 18, item 10: METNOS_CACHE_DIR under a file stopped the worker with
+    "E_BROKER_UNAVAILABLE: the broker failed: Not a directory". It is configuration: the
+    folder is named with the fix, and the worker refuses before it opens the queue (no
+    queue file made) or makes any folder of the cache."""
+    cache = make(tmp_path)  # type: ignore[operator]
+    options = uses(env, tmp_path)  # type: ignore[operator]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    bad = {**env, "METNOS_CACHE_DIR": str(cache)}
+    out = cli(bad, "worker", "--executors", str(tmp_path / "ex"), "--burst", *options)
+    assert out.returncode == EXIT["usage"], out.stderr
+    line = one_clear_line(out)
+    assert "E_CONFIG" in line and "BROKER" not in line, line
+    assert f"cache folder {cache}/" in line and "METNOS_CACHE_DIR" in line, line
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_worker_that_needs_no_cache_serves_with_an_unusable_one(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # No signature checks, no wasm executor: nothing is kept in the cache, nothing refused.
+    job = cli(env, "submit", "sleepy").stdout.strip()
+    bad = {**env, "METNOS_CACHE_DIR": str(_cache_under_a_file(tmp_path))}
+    out = cli(bad, "worker", "--executors", str(tmp_path / "ex"), "--burst")
+    assert out.returncode == 0, out.stderr
+    assert cli(env, "result", job).returncode == 0
