@@ -65,10 +65,16 @@ _APPENDONLY = (
 
 async def _broker_findings(given: str) -> list[Finding]:
     """The broker: reachable (required), durable, its data lost lately, open to all."""
-    from .brokers import open_broker, redact_url
+    from .brokers import BadBrokerURL, open_broker, redact_url
 
     url = redact_url(given)  # what is shown: never the password
     scheme = url.partition(":")[0]
+    try:
+        open_broker(given, create=False)  # the URL read; the store is judged below
+    except BadBrokerURL as exc:
+        return [_unusable_broker_finding(url, exc)]
+    except (MetnosError, OSError):
+        pass
     missing = _missing_sqlite_file(url) if scheme == "sqlite" else None
     if missing is not None:
         return [
@@ -125,7 +131,9 @@ def _unusable_broker_finding(url: str, exc: Exception) -> Finding:
     from .errors import BrokerAuth
 
     scheme = url.partition(":")[0]
-    if isinstance(exc, BrokerAuth):
+    if isinstance(exc, MetnosError) and exc.code == "E_BAD_BROKER_URL":
+        fix = "correct the URL (metnos-exec worker --help shows its forms)"
+    elif isinstance(exc, BrokerAuth):
         fix = (
             "check the user and password in the URL (redis://USER:PASSWORD@host:port/db) "
             "and the server's ACL (README: Redis)"

@@ -346,3 +346,19 @@ def test_a_malformed_slot_uid_setting_is_a_required_finding(
     assert code == 1 and report["healthy"] is False
     _, fine = doctor(world, unprivileged=unprivileged, METNOS_SLOT_UIDS="off")
     assert [f for f in fine["findings"] if f["check"] == "slot_uids"] == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("url", ["sqlite:///q.db?busy_timeout_s=0", "redis://[bad"])
+async def test_a_malformed_broker_url_is_a_missing_broker_with_the_url_to_fix(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The SQLite one was "info: no queue file yet" (healthy); the Redis one said to start
+    # a Redis server. The CLI refuses both before diagnosing (exit 2).
+    from metnos_exec.doctor import _broker_findings
+
+    monkeypatch.chdir(tmp_path)
+    [found] = await _broker_findings(url)
+    assert (found.check, found.state, found.required) == ("broker", "missing", True)
+    assert "E_BAD_BROKER_URL" in found.detail and "correct the URL" in (found.fix or "")
+    assert os.listdir(tmp_path) == []

@@ -102,6 +102,21 @@ def _no_job(job_id: str, url: str) -> _Exit:
     )
 
 
+def _check_url(url: str) -> None:
+    """Refuse a malformed broker URL or option (exit 2) before a command does anything
+    else: ``worker`` would start its keeper and configure its logs, ``doctor`` report on
+    the host, before the URL was read. Nothing is made (``create=False``: SQLite's missing
+    file stays missing); what the store itself says (missing, corrupt, unreachable) is
+    left to the command's own open, which reports it its way."""
+    try:
+        broker = open_broker(url, create=False)
+    except BadBrokerURL as exc:
+        raise _Exit(EXIT["usage"], str(exc)) from None
+    except (MetnosError, OSError):
+        return
+    del broker  # the command opens its own (an SQLite connection is closed with it)
+
+
 def _open(url: str, *, create: bool = False) -> Broker:
     """Open the broker for a client command.
 

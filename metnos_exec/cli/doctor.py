@@ -10,13 +10,15 @@ from typing import Any
 
 import anyio
 
-from ._common import Subparsers, _dump_json, add_command
+from ._common import Subparsers, _check_url, _dump_json, add_command
 
 _MARK = {"ok": "ok  ", "weakened": "WEAK", "missing": "MISS", "info": "info"}
 
 
 def _cmd_doctor(ns: argparse.Namespace) -> int:
     from ..doctor import diagnose
+
+    _check_url(ns.broker)  # a mistyped URL is a usage error, not a finding about the host
 
     async def go() -> Any:
         return await diagnose(

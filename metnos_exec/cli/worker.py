@@ -11,6 +11,7 @@ from ..errors import BrokerError, MetnosError
 from ._common import (
     EXIT,
     Subparsers,
+    _check_url,
     _count,
     _Exit,
     _non_negative_float,
@@ -24,6 +25,7 @@ from ._common import (
 def _cmd_worker(ns: argparse.Namespace) -> int:
     from ..worker import ARM_OVERRIDE_ENV, run_worker
 
+    _check_url(ns.broker)
     if ns.arm:
         os.environ[ARM_OVERRIDE_ENV] = ns.arm
     retention: Any = "env"

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from metnos_exec.cli import EXIT, build_parser
+from metnos_exec.cli import EXIT, build_parser, main
 from metnos_exec.cli.jobs import _parse_arg
 from tests.conftest import need
 from tests.helpers.worker_cli import wait_for_event, worker_argv
@@ -856,7 +856,11 @@ BAD_URLS = [
 
 @pytest.mark.parametrize(("url", "named"), BAD_URLS)
 def test_a_malformed_broker_url_is_a_clear_usage_error_everywhere(
-    env: dict[str, str], tmp_path: Path, url: str, named: str
+    env: dict[str, str],
+    tmp_path: Path,
+    url: str,
+    named: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from metnos_exec.brokers import BadBrokerURL, open_broker
 
@@ -870,7 +874,32 @@ def test_a_malformed_broker_url_is_a_clear_usage_error_everywhere(
         assert out.returncode == EXIT["usage"], (command, out.stderr)
         line = one_clear_line(out)
         assert "E_BAD_BROKER_URL" in line and named in line, line
+    # Every command that takes --broker (in this process: a hundred processes are slow).
+    assert set(BROKER_COMMANDS) == {
+        name
+        for name, parser in _commands().items()
+        if any("--broker" in a.option_strings for a in parser._actions)
+    }
+    for command in BROKER_COMMANDS.values():
+        with contextlib.chdir(work), pytest.raises(SystemExit) as exited:
+            main([*command, "--broker", url])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == EXIT["usage"], (command, err)
+        assert len(err) == 1 and "E_BAD_BROKER_URL" in err[0] and named in err[0], err
     assert list(work.iterdir()) == []  # refused before anything was made
+
+
+#: Each command that takes --broker, as typed with everything else it needs.
+BROKER_COMMANDS = {
+    "worker": ("worker", "--executors", ".", "--burst", "--log-file", "w.jsonl"),
+    "submit": ("submit", "sleepy"),
+    "result": ("result", "01JOB"),
+    "cancel": ("cancel", "01JOB"),
+    "status": ("status",),
+    "purge": ("purge",),
+    "undo": ("undo", "01JOB"),
+    "doctor": ("doctor",),
+}
 
 
 def test_wait_refuses_negative_and_nan_seconds_and_zero_looks_once(env: dict[str, str]) -> None:
