@@ -32,6 +32,7 @@ from metnos_exec.tools import (
     definitions_from_folder,
     tool_definition,
 )
+from metnos_exec.tools.mcp_spec import tool_annotations
 from metnos_exec.toolspec import TOOL_NAME_RE, input_schema
 from tests.helpers.rich_manifest import LOOSE, write_executor
 
@@ -166,10 +167,13 @@ def test_mcp_definitions_carry_annotations_from_the_capabilities() -> None:
         assert set(tool) == {"name", "description", "inputSchema", "annotations"}
     hints = {n: t["annotations"] for n, t in tools.items()}
     assert hints["read_notes"]["readOnlyHint"] and not hints["read_notes"]["openWorldHint"]
-    assert hints["fetch_url"]["readOnlyHint"] and hints["fetch_url"]["openWorldHint"]
-    # Its deletions are staged and undoable; write_note's sync reaches a server.
-    assert not hints["delete_note"]["readOnlyHint"] and not hints["delete_note"]["destructiveHint"]
+    # The MCP server's own rules (tools/mcp_spec): a network request is never read-only,
+    # and a writer is destructive unless the operator says every worker stages writes.
+    assert not hints["fetch_url"]["readOnlyHint"] and hints["fetch_url"]["openWorldHint"]
+    assert not hints["delete_note"]["readOnlyHint"] and hints["delete_note"]["destructiveHint"]
     assert hints["write_note"]["destructiveHint"] and hints["write_note"]["openWorldHint"]
+    for name in registry:
+        assert hints[name] == tool_annotations(registry[name].manifest)
 
 
 @pytest.mark.anyio
