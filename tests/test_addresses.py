@@ -27,6 +27,8 @@ DATA_ONLY: dict[str, str] = {
     "tests/sandbox/egress/test_policy.py": "classification data for the pure decision "
     "function (`policy.authorize`, with a resolver the test controls): the file makes "
     "no socket",
+    "tests/tools/test_mcp_spec.py": "hosts fed to the MCP server's pure bind rule "
+    "(`needs_token`, `check_http_bind`): nothing is bound or connected",
     "tests/sandbox/egress/test_wall_bwrap.py": "answers of the test's own resolver that "
     "the wall must refuse before any connect: tests/sandbox/egress/conftest.py refuses, "
     "and fails the test on, any upstream connection to an address outside loopback",
