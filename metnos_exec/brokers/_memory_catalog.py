@@ -12,7 +12,7 @@ import anyio.lowlevel
 from ..devices.catalog import ExecutorInfo
 from ..messages import Result
 from .base import UndoRecord
-from .presence import JOB_STATES, RECENTLY_GONE_S, JobListing, WorkerInfo, gone_at, is_live
+from .presence import JOB_STATES, RECENTLY_GONE_S, JobListing, WorkerInfo, sort_out
 
 __all__ = ("MemoryCatalog",)
 
@@ -44,11 +44,10 @@ class MemoryCatalog:
 
     async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
         await anyio.lowlevel.checkpoint()
-        now = self._clock()
-        for info in list(self._workers.values()):
-            if not is_live(info, now) and now - gone_at(info) > gone_within_s:
-                del self._workers[info.id]
-        return sorted(self._workers.values(), key=lambda w: (w.started_at, w.id))
+        keep, forget = sort_out(self._workers.values(), self._clock(), gone_within_s)
+        for wid in forget:
+            del self._workers[wid]
+        return keep
 
     async def queued_executors(self) -> dict[tuple[str, str], int]:
         await anyio.lowlevel.checkpoint()

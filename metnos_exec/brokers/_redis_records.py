@@ -20,8 +20,7 @@ from .presence import (
     WorkerInfo,
     decode_worker,
     encode_worker,
-    gone_at,
-    is_live,
+    sort_out,
 )
 
 __all__ = ("RedisRecords",)
@@ -90,19 +89,11 @@ class RedisRecords(RedisStore):
 
     async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
         found = await self._guard(self._redis.hgetall(self.keys.workers))
-        now = self._wall()
-        keep, old = [], []
-        for wid, body in found.items():
-            info = decode_worker(body)
-            if info is None:
-                continue
-            if is_live(info, now) or now - gone_at(info) <= gone_within_s:
-                keep.append(info)
-            else:
-                old.append(as_str(wid))
+        infos = [info for body in found.values() if (info := decode_worker(body)) is not None]
+        keep, old = sort_out(infos, self._wall(), gone_within_s)
         if old:
-            await self._guard(self._redis.hdel(self.keys.workers, old))
-        return sorted(keep, key=lambda w: (w.started_at, w.id))
+            await self._guard(self._redis.hdel(self.keys.workers, list(old)))
+        return keep
 
     async def list_jobs(
         self,

@@ -23,8 +23,7 @@ from .presence import (
     WorkerInfo,
     decode_worker,
     encode_worker,
-    gone_at,
-    is_live,
+    sort_out,
 )
 
 __all__ = ("SQLiteRecords",)
@@ -98,18 +97,16 @@ class SQLiteRecords(SQLiteStore):
 
     async def workers(self, *, gone_within_s: float = RECENTLY_GONE_S) -> list[WorkerInfo]:
         rows = await self._run(self._read_missing_ok, "SELECT CAST(body AS BLOB) FROM workers")
-        now = self._clock()
         found = [info for (body,) in rows if (info := decode_worker(body)) is not None]
-        keep = [w for w in found if is_live(w, now) or now - gone_at(w) <= gone_within_s]
-        if len(keep) < len(found):
-            old = {w.id for w in found} - {w.id for w in keep}
+        keep, old = sort_out(found, self._clock(), gone_within_s)
+        if old:
 
             def forget(db: sqlite3.Connection, _now: float) -> None:
                 db.executemany("DELETE FROM workers WHERE id = ?", [(i,) for i in old])
 
             with contextlib.suppress(sqlite3.Error, BrokerError):  # a read-only reader
                 await self._run(self._txn, forget)
-        return sorted(keep, key=lambda w: (w.started_at, w.id))
+        return keep
 
     async def list_jobs(
         self,

@@ -30,8 +30,8 @@ __all__ = (
     "WorkerInfo",
     "decode_worker",
     "encode_worker",
-    "gone_at",
     "is_live",
+    "sort_out",
     "unserved",
 )
 
@@ -121,9 +121,21 @@ def is_live(info: WorkerInfo, now: float) -> bool:
     return info.stopped_at is None and now - info.seen_at < WORKER_TTL_S
 
 
-def gone_at(info: WorkerInfo) -> float:
-    """When a worker that is not live went: its stop, or its last renewal."""
-    return info.stopped_at if info.stopped_at is not None else info.seen_at
+def sort_out(
+    found: Iterable[WorkerInfo], now: float, gone_within_s: float
+) -> tuple[list[WorkerInfo], set[str]]:
+    """What `FleetRecords.workers` returns of the records `found` (the live ones and
+    those gone within `gone_within_s`, by start time), and the ids of the records gone
+    for longer, which the reader forgets."""
+    keep: list[WorkerInfo] = []
+    forget: set[str] = set()
+    for info in found:
+        went = info.stopped_at if info.stopped_at is not None else info.seen_at
+        if is_live(info, now) or now - went <= gone_within_s:
+            keep.append(info)
+        else:
+            forget.add(info.id)
+    return sorted(keep, key=lambda w: (w.started_at, w.id)), forget
 
 
 def unserved(

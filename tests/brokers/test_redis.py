@@ -35,12 +35,20 @@ class TestRedisBroker(BrokerConformance):
     def _server(self, redis_server: RedisServer) -> None:
         self.server = redis_server
 
+    def broker_url(self) -> str:
+        """Where the broker under test connects (a subclass may give credentials)."""
+        return self.server.url
+
+    def admin_url(self) -> str:
+        """A connection that may reconfigure the server (`storage_fault`)."""
+        return self.server.url
+
     @contextlib.asynccontextmanager
     async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
         # A long poll interval: the suite's wait tests must be woken in process. A short
         # settle patience, for `storage_fault` (no other test of the suite fails a call).
         async with RedisBroker(
-            self.server.url,
+            self.broker_url(),
             prefix=_prefix(),
             clock=clock,
             poll_interval_s=30.0,
@@ -54,7 +62,7 @@ class TestRedisBroker(BrokerConformance):
         # failover: it refuses every write (READONLY) and keeps its data. (A full Redis
         # is no fault for a settle: its scripts free memory first, and Redis lets a
         # script that already wrote go on.)
-        async with _raw(self.server.url) as raw:
+        async with _raw(self.admin_url()) as raw:
             await raw.replicaof("127.0.0.1", 1)
             try:
                 yield

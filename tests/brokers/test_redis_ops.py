@@ -24,7 +24,7 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from metnos_exec.brokers import Broker, BrokerStats, Lease
+from metnos_exec.brokers import BrokerStats, Lease
 from metnos_exec.brokers._redis_watch import DataWatch
 from metnos_exec.brokers.redis import RedisBroker
 from metnos_exec.errors import BrokerAuth, BrokerUnavailable
@@ -32,7 +32,7 @@ from metnos_exec.messages import Job, Result
 from tests.conftest import ALLOWED_CHILDREN, need
 from tests.helpers.redis_server import RedisServer, redis_server_path
 
-from .conformance import BrokerConformance, VirtualClock
+from . import test_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -218,7 +218,7 @@ def _url(server: RedisServer, credentials: str) -> str:
     return f"redis://{credentials}@127.0.0.1:{server.port}/0"
 
 
-class TestRedisBrokerAsTheDocumentedAclUser(BrokerConformance):
+class TestRedisBrokerAsTheDocumentedAclUser(test_redis.TestRedisBroker):
     """The whole broker contract as the README's least ACL user: every command the
     queue sends (its scripts' too) is one the ACL allows, on the prefix's keys only."""
 
@@ -226,25 +226,11 @@ class TestRedisBrokerAsTheDocumentedAclUser(BrokerConformance):
     def _server(self, acl_server: RedisServer) -> None:
         self.server = acl_server
 
-    @contextlib.asynccontextmanager
-    async def open_broker(self, clock: VirtualClock) -> AsyncIterator[Broker]:
-        async with RedisBroker(
-            _url(self.server, f"metnos:{USER_PW}"),
-            prefix=_prefix(),
-            clock=clock,
-            poll_interval_s=30.0,
-            settle_patience_s=0.2,
-        ) as broker:
-            yield broker
+    def broker_url(self) -> str:
+        return _url(self.server, f"metnos:{USER_PW}")
 
-    @contextlib.asynccontextmanager
-    async def storage_fault(self, broker: Broker) -> AsyncIterator[None]:
-        async with _raw(_url(self.server, f":{ADMIN_PW}")) as raw:
-            await raw.replicaof("127.0.0.1", 1)
-            try:
-                yield
-            finally:
-                await raw.replicaof()
+    def admin_url(self) -> str:
+        return _url(self.server, f":{ADMIN_PW}")
 
 
 @pytest.mark.anyio
