@@ -236,7 +236,23 @@ def _run(fn: Callable[[], Awaitable[int]]) -> int:
     except MetnosError as exc:
         raise _Exit(_exit_for(exc), str(exc)) from None
     except OSError as exc:
-        raise _Exit(EXIT["broker"], f"{BrokerError.code}: the broker failed: {exc}") from None
+        raise os_error_exit(exc) from None
+
+
+def os_error_exit(exc: OSError) -> _Exit:
+    """The exit for an `OSError` no layer below turned into a `MetnosError`.
+
+    A broker wraps its store's failures (`BrokerError`), so one that reaches a command
+    with a file name is about a file the command itself was given or keeps (a log, an
+    output, a folder): a configuration error naming the file, not "the broker failed",
+    which sent operators to a healthy queue. Without a file name (a socket's error that
+    escaped a client library) it is still reported as the broker's.
+    """
+    if exc.filename is not None:
+        where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else exc.filename
+        reason = exc.strerror or type(exc).__name__
+        return _Exit(EXIT["usage"], f"{BadConfig.code}: {where}: {reason}")
+    return _Exit(EXIT["broker"], f"{BrokerError.code}: the broker failed: {exc}")
 
 
 def _retention(text: str, what: str) -> float | None:

@@ -19,6 +19,7 @@ from ._common import (
     _positive_int,
     _retention,
     add_command,
+    os_error_exit,
 )
 
 
@@ -59,7 +60,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         # variables, the broker URL, the executors folder.
         raise _Exit(EXIT["usage"], str(exc)) from None
     except OSError as exc:
-        raise _Exit(EXIT["broker"], f"{BrokerError.code}: the broker failed: {exc}") from None
+        raise os_error_exit(exc) from None
 
 
 def register(subparsers: Subparsers) -> None:

@@ -1092,3 +1092,31 @@ def test_a_worker_that_needs_no_cache_serves_with_an_unusable_one(
     out = cli(bad, "worker", "--executors", str(tmp_path / "ex"), "--burst")
     assert out.returncode == 0, out.stderr
     assert cli(env, "result", job).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "words"),
+    [
+        (NotADirectoryError(20, "Not a directory", "/srv/logs/w.jsonl"), "usage", "E_CONFIG"),
+        (PermissionError(13, "Permission denied", "/a", None, "/b"), "usage", "/a -> /b"),
+        (ConnectionResetError(104, "Connection reset by peer"), "broker", "E_BROKER"),
+    ],
+)
+def test_an_os_error_no_layer_wrapped_names_its_file_not_the_broker(
+    raised: OSError, code: str, words: str
+) -> None:
+    """An OSError that reached a command's last resort was always "the broker failed"
+    (exit 4), sending the operator to a healthy queue for a log file or folder of their
+    own. With a file name it is that file's configuration (exit 2, the file named); only a
+    nameless one (a socket's) is still the broker's."""
+    from metnos_exec.cli._common import _Exit, _run
+
+    async def fails() -> int:
+        raise raised
+
+    with pytest.raises(_Exit) as caught:
+        _run(fails)
+    assert caught.value.code == EXIT[code]
+    assert words in caught.value.message, caught.value.message
+    if raised.filename is not None:
+        assert str(raised.filename) in caught.value.message and "broker" not in caught.value.message
