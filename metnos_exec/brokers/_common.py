@@ -5,10 +5,13 @@ wake-ups with the idle waits built on them (`PolledWaits`).
 Wake-ups are per event loop (a RunVar) and per store (its key): a submit or ack through
 any broker object on the same store in the same event loop (say, a client and a worker
 embedded in one program) wakes the waiters at once. Other loops and other processes fall
-back to polling; events are never touched across threads.
+back to polling, or (a store that names its ``_watch_files``, SQLite) to a write seen by
+inotify (`_file_wake`); events are never touched across threads.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -23,6 +26,7 @@ from ..messages import (
     Result,
     decode_job,
 )
+from ._file_wake import FileWatch
 from .base import Broker
 
 __all__ = (
@@ -138,11 +142,22 @@ def lapsed_error(*, started: bool, attempt: int, lapses: int) -> ErrorInfo:
 
 class PolledWaits(Broker):
     """`wait_for_work` and `wait_result` for a store other processes cannot signal: an
-    in-process wake-up (keyed by ``_wake_key``) or the next poll (every ``_poll``
-    seconds), whichever comes first."""
+    in-process wake-up (keyed by ``_wake_key``), a write to one of ``_watch_files`` seen
+    by inotify (`_file_wake`: another process's commit), or the next poll (every
+    ``_poll`` seconds), whichever comes first.
+
+    The work waits share one watch, kept open between them, so a commit landing between a
+    worker's empty lease and its next wait is already queued on it and wakes that wait at
+    once; a second task waiting for work at the same moment (rare: one leasing loop per
+    worker) only polls. A result wait makes its watch before its look, for the same
+    reason."""
 
     _wake_key: str
     _poll: float
+    #: Files whose writes mean "look again" (SQLite: the database's ``-wal``); none: poll.
+    _watch_files: tuple[Path, ...] = ()
+    _work_watch: FileWatch | None = None
+    _work_watch_busy: bool = False
 
     def _wake_workers(self) -> None:
         notify(self._wake_key, "work")
@@ -150,10 +165,31 @@ class PolledWaits(Broker):
     def _wake_results(self) -> None:
         notify(self._wake_key, "result")
 
+    def _open_watch(self) -> FileWatch | None:
+        return FileWatch.open(self._watch_files) if self._watch_files else None
+
+    def _close_watches(self) -> None:
+        if self._work_watch is not None:
+            self._work_watch.close()
+            self._work_watch = None
+        self._watch_files = ()  # closed: no new watch is made
+
     async def wait_for_work(self, timeout: float) -> None:  # noqa: ASYNC109
         event = wake_event(self._wake_key, "work")
-        with anyio.move_on_after(min(timeout, self._poll)):
-            await event.wait()
+        if self._work_watch_busy:
+            watch = None
+        else:
+            if self._work_watch is None:
+                self._work_watch = self._open_watch()
+            watch = self._work_watch
+        if watch is not None:
+            self._work_watch_busy = True
+        try:
+            with anyio.move_on_after(min(timeout, self._poll)):
+                await _first_of(event, watch)
+        finally:
+            if watch is not None:
+                self._work_watch_busy = False
 
     async def wait_result(
         self,
@@ -161,13 +197,31 @@ class PolledWaits(Broker):
         *,
         timeout: float | None,  # noqa: ASYNC109
     ) -> Result | None:
-        with anyio.move_on_after(timeout if timeout is not None else float("inf")):
-            while True:
-                # Registered before the look, so an ack landing in between still wakes us.
-                event = wake_event(self._wake_key, "result")
-                result = await self.get_result(job_id)
-                if result is not None:
-                    return result
-                with anyio.move_on_after(self._poll):
-                    await event.wait()
-        return await self.get_result(job_id)
+        watch = self._open_watch()
+        try:
+            with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+                while True:
+                    # Registered before the look, so an ack landing in between still wakes us.
+                    event = wake_event(self._wake_key, "result")
+                    result = await self.get_result(job_id)
+                    if result is not None:
+                        return result
+                    with anyio.move_on_after(self._poll):
+                        await _first_of(event, watch)
+            return await self.get_result(job_id)
+        finally:
+            if watch is not None:
+                watch.close()
+
+
+async def _first_of(event: anyio.Event, watch: FileWatch | None) -> None:
+    """Return when `event` is set, or, with a `watch`, when it sees a write.
+
+    With a watch the event is not waited on: a submit or ack through another broker
+    object in this loop is a commit to the same file, which the watch sees as well; one
+    task instead of a task group of two is most of an idle worker's CPU (measured: 15 ms of
+    CPU per idle second polling alone, 20-22 with the pair, every 50 ms)."""
+    if watch is None:
+        await event.wait()
+    else:
+        await watch.changed()

@@ -225,6 +225,10 @@ class SQLiteStore(PolledWaits):
         self._gone: BrokerGone | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._wake_key = str(self.path.resolve())
+        # Every commit in WAL mode writes the -wal file: another process's submit or ack
+        # wakes our idle waits at once (`_file_wake`), the poll stays for what it misses.
+        resolved = Path(self._wake_key)
+        self._watch_files = (resolved.with_name(resolved.name + "-wal"),)
         self._closed = False
 
     @property
@@ -398,6 +402,7 @@ class SQLiteStore(PolledWaits):
         if self._closed:
             return
         self._closed = True
+        self._close_watches()
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(1)
         # Through the limiter: a call still running in a worker thread finishes first.

@@ -19,11 +19,13 @@ jobs, acks or start marks of more than 128) go straight to the thread so they ne
 loop for long; a worker's own batches (at most about its concurrency) stay inline. A call that
 finds the connection busy with another call of ours waits for it, then runs inline too.
 
-Idle waiting (`wait_for_work`, `wait_result`) polls every ``poll_interval_s`` (50 ms by
-default): other processes cannot signal us, and the idle check is a plain read through
-one index probe (``jobs_due``) that takes no lock, however many delayed jobs wait. A
-submit or ack through any broker object on the same file in the same event loop wakes
-waiters at once.
+Idle waiting (`wait_for_work`, `wait_result`) is woken by any commit to the file, from any
+process: every commit in WAL mode writes the ``-wal`` file, and an inotify watch on it
+(`_file_wake`) ends the wait at once (an echo job through an idle worker went from one
+50 ms poll period to a few ms). The poll stays, every ``poll_interval_s`` (50 ms by
+default), for what no write announces (a delayed job falling due, a lapsed lease) and
+for where no watch can be made; the idle check is a plain read through one index probe
+(``jobs_due``) that takes no lock, however many delayed jobs wait.
 
 Failures are `BrokerError` subclasses (see `metnos_exec.brokers.base`), mapped from
 SQLite's result codes by `_store_error`: a lock held past the busy timeout is

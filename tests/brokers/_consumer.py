@@ -4,6 +4,8 @@ python _consumer.py drain DB RECORD WORKER BACKEND GO OTHER
     lease -> record id -> ack, until empty; the first batch is held until OTHER (the
     other consumer's record) has leased its own first batch too
 python _consumer.py hold DB READY VISIBILITY_S BACKEND   lease one job, report it, hang
+python _consumer.py answer DB READY COUNT BACKEND POLL_S   wait for work (polling every
+    POLL_S), lease, ack with output {"by": "answer"}, COUNT times
 """
 
 from __future__ import annotations
@@ -72,12 +74,26 @@ async def hold(db: str, ready: str, visibility_s: float) -> None:
         await anyio.sleep_forever()
 
 
+async def answer(db: str, ready: str, count: int, poll_s: float) -> None:
+    async with SQLiteBroker(db, poll_interval_s=poll_s) as broker:
+        Path(ready).touch()  # noqa: ASYNC240
+        for _ in range(count):
+            while not (leases := await broker.lease("answer", visibility_s=60)):
+                await broker.wait_for_work(3600)
+            result = Result(
+                job_id=leases[0].job.id, status="succeeded", output={"by": "answer"}, worker="a"
+            )
+            assert await broker.ack(leases[0], result)
+
+
 def main(argv: list[str]) -> int:
     mode, db, path = argv[:3]
     if mode == "drain":
         anyio.run(drain, db, path, argv[3], argv[5], argv[6], backend=argv[4])
     elif mode == "hold":
         anyio.run(hold, db, path, float(argv[3]), backend=argv[4])
+    elif mode == "answer":
+        anyio.run(answer, db, path, int(argv[3]), float(argv[5]), backend=argv[4])
     else:
         raise SystemExit(f"unknown mode {mode}")
     return 0

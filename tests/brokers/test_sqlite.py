@@ -359,6 +359,78 @@ async def test_a_second_broker_object_on_the_same_file_is_woken_in_process(
         assert got and got[0] is not None and got[0].status == "succeeded"
 
 
+async def _answered_by_another_process(
+    db: Path, backend: str, *, poll_s: float, jobs: int = 3
+) -> list[Result | None]:
+    """Submit `jobs` jobs one after another and wait for each result, answered by a
+    consumer process polling every `poll_s`, this side polling every `poll_s` too."""
+    ready = db.with_name("ready")
+    proc = _spawn("answer", str(db), str(ready), str(jobs), backend, str(poll_s))
+    got: list[Result | None] = []
+    try:
+        async with SQLiteBroker(db, poll_interval_s=poll_s) as client:
+            with anyio.fail_after(30):
+                while not ready.exists():  # noqa: ASYNC110 (another process's signal)
+                    await anyio.sleep(0.01)
+                for _ in range(jobs):
+                    job = Job(executor="echo")
+                    await client.submit(job)
+                    got.append(await client.wait_result(job.id, timeout=None))
+        # The consumer leaves after its last ack: it must end by itself.
+        await anyio.to_thread.run_sync(proc.wait, 30)
+    finally:
+        _reap([proc])
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    return got
+
+
+async def test_another_process_s_submit_and_ack_wake_the_waits_without_the_poll(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Issue 22: an idle worker and a waiting client in other processes noticed a new row
+    only at their next poll (50 ms: an echo job took 51 ms through a worker). With both
+    polls at an hour, only the inotify watch on the -wal file can pass this: the consumer
+    is woken by our submits, we by its acks."""
+    got = await _answered_by_another_process(tmp_path / "q.db", anyio_backend, poll_s=3600)
+    assert [r.output if r else None for r in got] == [{"by": "answer"}] * 3
+
+
+async def test_where_no_watch_can_be_made_the_waits_still_poll(
+    tmp_path: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel refuses inotify (no support, the instance limit reached): the poll is
+    # what finds the rows, in both processes (the consumer's watch is refused by the same
+    # limit: here, its poll is short too).
+    from metnos_exec.brokers import _file_wake
+
+    monkeypatch.setattr(_file_wake.FileWatch, "open", classmethod(lambda cls, files: None))
+    got = await _answered_by_another_process(tmp_path / "q.db", anyio_backend, poll_s=0.02)
+    assert [r.status if r else None for r in got] == ["succeeded"] * 3
+
+
+async def test_a_watch_wakes_for_its_files_only(tmp_path: Path, anyio_backend: str) -> None:
+    from metnos_exec.brokers._file_wake import FileWatch
+
+    wal = tmp_path / "q.db-wal"
+    watch = FileWatch.open((wal,))
+    assert watch is not None
+    try:
+        (tmp_path / "worker.jsonl").write_text("a log line beside the queue\n")
+        with anyio.move_on_after(0.3) as scope:
+            await watch.changed()
+        assert scope.cancelled_caught, "a write to another file of the folder woke it"
+        wal.write_bytes(b"x")  # made: IN_CREATE
+        with anyio.fail_after(10):
+            await watch.changed()
+        with wal.open("ab") as f:  # written: IN_MODIFY, seen although nobody waited yet
+            f.write(b"y")
+        with anyio.fail_after(10):
+            await watch.changed()
+    finally:
+        watch.close()
+        watch.close()  # idempotent
+
+
 def test_an_unopenable_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(BrokerUnavailable, match="cannot open the queue database") as info:
         SQLiteBroker(tmp_path / "missing-dir" / "queue.db")
