@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from .manifest import Manifest
-from .messages import DeadLetter, Job, Result, UndoEntry
+from .messages import DeadLetter, Job, Progress, Result, UndoEntry
 
 __all__ = ("SCHEMA_DIR", "main", "render")
 
@@ -30,6 +30,7 @@ _MESSAGES: dict[str, type[msgspec.Struct]] = {
     "result.json": Result,
     "dead_letter.json": DeadLetter,
     "undo_entry.json": UndoEntry,
+    "progress.json": Progress,
 }
 
 _TITLES: dict[str, str] = {

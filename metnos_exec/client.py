@@ -18,6 +18,11 @@ back out (`run_tool_call`; the definitions to offer come from `metnos_exec.tools
 
     reply = await client.run_tool_call(response.choices[0].message.tool_calls[0])
 
+While a job runs, its executor may report progress (README, "Reporting progress"): read
+the latest with `Client.progress`, or follow it while waiting::
+
+    result = await client.run("slow_count", {"n": 5}, on_progress=print)
+
 Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
 
     with SyncClient("sqlite:///./metnos.db") as client:
@@ -28,13 +33,15 @@ Synchronous, for scripts and notebooks (runs an event loop in a helper thread)::
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
+import anyio
 import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -49,18 +56,27 @@ from .errors import (
     UndoUnavailable,
     UnknownExecutor,
 )
-from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Result
+from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Progress, Result
 from .toolcall import error_result, parse_tool_call, tool_result
 from .toolspec import executor_for_tool
 from .undo.apply import undo_job_args
 
 __all__ = (
     "DEFAULT_BROKER_URL",
+    "PROGRESS_POLL_S",
     "Client",
+    "ProgressCallback",
     "NotImplementedYet",
     "SyncClient",
     "default_broker_url",
 )
+
+#: How often a wait with ``on_progress`` reads the job's progress (workers store it at
+#: most once a second).
+PROGRESS_POLL_S: Final = 0.5
+
+#: What ``on_progress`` may be: a plain function or a coroutine function.
+ProgressCallback = Callable[[Progress], Awaitable[None] | None]
 
 #: Used when neither an argument nor ``METNOS_BROKER`` names a broker.
 DEFAULT_BROKER_URL: Final = "sqlite:///./metnos.db"
@@ -192,17 +208,57 @@ class Client:
                 "Start a worker whose --executors folder has it, then submit again"
             )
 
-    async def result(self, job_id: str, *, wait: bool | float = False) -> Result | None:
+    async def result(
+        self,
+        job_id: str,
+        *,
+        wait: bool | float = False,
+        on_progress: ProgressCallback | None = None,
+    ) -> Result | None:
         """The job's result.
 
         Args:
             wait: ``False`` returns at once (``None`` while there is no result); ``True``
                 waits as long as it takes; a number waits at most that many seconds.
+            on_progress: while waiting, called with each new `Progress` the job's
+                executor reported (read every `PROGRESS_POLL_S`); may be async.
         """
         if wait is False:
             return await self._broker.get_result(job_id)
         timeout = None if wait is True else float(wait)
-        return await self._broker.wait_result(job_id, timeout=timeout)
+        return await self._wait(job_id, timeout, on_progress)
+
+    async def progress(self, job_id: str) -> Progress | None:
+        """The latest progress the job's executor reported (``None``: none yet, or an
+        unknown job). `Progress.attempt` says which delivery reported it."""
+        return await self._broker.get_progress(job_id)
+
+    async def _wait(
+        self, job_id: str, wait_s: float | None, on_progress: ProgressCallback | None
+    ) -> Result | None:
+        """`Broker.wait_result` for at most `wait_s` (``None``: forever), reading the
+        progress between short waits when asked."""
+        if on_progress is None:
+            return await self._broker.wait_result(job_id, timeout=wait_s)
+        deadline = None if wait_s is None else anyio.current_time() + wait_s
+        last: Progress | None = None
+        while True:
+            step = PROGRESS_POLL_S
+            if deadline is not None:
+                step = max(0.0, min(step, deadline - anyio.current_time()))
+            # A wait that returns as soon as the result is stored: a short step costs
+            # no latency, only a progress read per step.
+            result = await self._broker.wait_result(job_id, timeout=step)
+            if result is not None:
+                return result
+            if deadline is not None and anyio.current_time() >= deadline:
+                return None
+            progress = await self._broker.get_progress(job_id)
+            if progress is not None and progress != last:
+                last = progress
+                called = on_progress(progress)
+                if inspect.isawaitable(called):
+                    await called
 
     async def run(
         self,
@@ -212,6 +268,7 @@ class Client:
         # The job's budget (shipped as ``timeout_s``), not a deadline for this call.
         timeout: float | None = None,  # noqa: ASYNC109
         wait: float | None = None,
+        on_progress: ProgressCallback | None = None,
         **fields: Any,
     ) -> Result:
         """Submit and await the result.
@@ -220,6 +277,7 @@ class Client:
             timeout: the job's wall-time budget (``timeout_s``); ``None``: the manifest's.
             wait: how long to wait for a result (default: the job's timeout plus time to
                 be picked up, or forever when no timeout is given).
+            on_progress: called with each new `Progress` while it runs (see `result`).
 
         Raises:
             TimeoutError: no result within `wait` (the job stays queued; cancel it if
@@ -230,7 +288,7 @@ class Client:
         job_id = await self.submit(executor, args, **fields)
         if wait is None and timeout is not None:
             wait = timeout * 3 + 30
-        result = await self._broker.wait_result(job_id, timeout=wait)
+        result = await self._wait(job_id, wait, on_progress)
         if result is None:
             raise TimeoutError(f"no result for job {job_id} within {wait} s")
         return result
@@ -382,9 +440,22 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         out: str = self._call(self._client.submit, executor, args, **fields)
         return out
 
-    def result(self, job_id: str, *, wait: bool | float = False) -> Result | None:
-        """See `Client.result`."""
-        out: Result | None = self._call(self._client.result, job_id, wait=wait)
+    def result(
+        self,
+        job_id: str,
+        *,
+        wait: bool | float = False,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> Result | None:
+        """See `Client.result` (`on_progress` is called on the client's helper thread)."""
+        out: Result | None = self._call(
+            self._client.result, job_id, wait=wait, on_progress=on_progress
+        )
+        return out
+
+    def progress(self, job_id: str) -> Progress | None:
+        """See `Client.progress`."""
+        out: Progress | None = self._call(self._client.progress, job_id)
         return out
 
     def run(
@@ -394,11 +465,18 @@ class SyncClient(AbstractContextManager["SyncClient"]):
         *,
         timeout: float | None = None,
         wait: float | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
         **fields: Any,
     ) -> Result:
-        """See `Client.run`."""
+        """See `Client.run` (`on_progress` is called on the client's helper thread)."""
         out: Result = self._call(
-            self._client.run, executor, args, timeout=timeout, wait=wait, **fields
+            self._client.run,
+            executor,
+            args,
+            timeout=timeout,
+            wait=wait,
+            on_progress=on_progress,
+            **fields,
         )
         return out
 

@@ -51,6 +51,9 @@ __all__ = (
     "LinkState",
     "Move",
     "PathState",
+    "Progress",
+    "decode_progress",
+    "describe_progress",
     "Put",
     "UndoEntry",
     "UndoOp",
@@ -249,6 +252,31 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     egress: tuple[EgressRecord, ...] = ()
 
 
+class Progress(msgspec.Struct, frozen=True, kw_only=True):
+    """The latest progress a running job's executor reported (README, "Reporting
+    progress"): stored by the worker at most once a second, read by ``result``,
+    ``status --jobs``, `Client.progress` and the MCP server.
+
+    Attributes:
+        fraction: how far it is, 0.0 to 1.0; ``None`` when it sent a message only.
+        message: what it is doing (at most 200 characters), ``""`` for none.
+        at: unix seconds (the worker's clock) the worker read it.
+        attempt: the delivery that reported it.
+        lines: progress lines the worker read from this delivery so far.
+        dropped: lines superseded before they were read alone (coalesced, or past the
+            rate), counted in `lines`.
+        malformed: lines that were not a progress object (ignored, counted in `lines`).
+    """
+
+    fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    message: str = ""
+    at: float = 0.0
+    attempt: int = 0
+    lines: int = 0
+    dropped: int = 0
+    malformed: int = 0
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     """A job that will not be retried, with the last error.
 
@@ -407,9 +435,10 @@ _job_msgpack_decoder = msgspec.msgpack.Decoder(Job)
 _result_decoder = msgspec.json.Decoder(Result)
 _dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
 _undo_entry_decoder = msgspec.json.Decoder(UndoEntry)
+_progress_decoder = msgspec.json.Decoder(Progress)
 
 
-def encode(msg: Job | Result | DeadLetter | ErrorInfo | UndoEntry) -> bytes:
+def encode(msg: Job | Result | DeadLetter | ErrorInfo | UndoEntry | Progress) -> bytes:
     """JSON-encode a message."""
     return _json_encoder.encode(msg)
 
@@ -548,6 +577,25 @@ def decode_result(data: bytes | str) -> Result:
         return _result_decoder.decode(data)
     except Exception as exc:
         raise BadMessage(f"result message unreadable: {_decode_error(exc)}") from None
+
+
+def describe_progress(progress: Progress) -> str:
+    """One line for people: ``progress 40% (step 2 of 5)``."""
+    parts = ["progress"]
+    if progress.fraction is not None:
+        parts.append(f"{progress.fraction:.0%}")
+    if progress.message:
+        parts.append(f"({progress.message})")
+    return " ".join(parts)
+
+
+def decode_progress(data: bytes | str) -> Progress | None:
+    """Decode a stored progress record; ``None`` for one that does not decode (written by
+    hand, or by a newer build): progress is advice, and a reader skips it."""
+    try:
+        return _progress_decoder.decode(data)
+    except Exception:
+        return None
 
 
 def decode_dead_letter(data: bytes | str) -> DeadLetter:

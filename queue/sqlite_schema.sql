@@ -32,7 +32,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     lapses           INTEGER NOT NULL DEFAULT 0,  -- leases that lapsed before launch
     -- Routing: workers lease only the executors they serve. NULL (a row an older build
     -- wrote): any server worker leases it.
-    executor         TEXT
+    executor         TEXT,
+    -- The latest progress its executor reported (queue/schemas/progress.json), written
+    -- by the worker holding the lease at most once a second; NULL: none reported.
+    progress         TEXT
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).

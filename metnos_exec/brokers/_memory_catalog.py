@@ -1,6 +1,6 @@
 """The memory broker's records beside the queue: the executor catalog, the workers'
-presence records, the queued jobs by executor (see `metnos_exec.brokers.presence`), and
-reading undo entries."""
+presence records, the queued jobs by executor (see `metnos_exec.brokers.presence`),
+reading undo entries, and the running jobs' progress (`metnos_exec.brokers.progress`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo
-from ..messages import Result
-from .base import UndoRecord
+from ..messages import Progress, Result
+from .base import Lease, UndoRecord
 from .presence import JOB_STATES, RECENTLY_GONE_S, JobListing, WorkerInfo, sort_out
 
 __all__ = ("MemoryCatalog",)
@@ -26,6 +26,20 @@ class MemoryCatalog:
     _entries: dict[str, Any]  # job id -> the memory broker's entry
     _undo: dict[str, UndoRecord]
     _results: dict[str, Result]
+    _live: Callable[[Lease], Any]  # the entry `lease` holds, else None
+
+    async def report_progress(self, lease: Lease, progress: Progress) -> bool:
+        await anyio.lowlevel.checkpoint()
+        entry = self._live(lease)
+        if entry is None:
+            return False
+        entry.progress = progress
+        return True
+
+    async def get_progress(self, job_id: str) -> Progress | None:
+        await anyio.lowlevel.checkpoint()
+        entry = self._entries.get(job_id)
+        return None if entry is None else entry.progress
 
     async def publish_executors(self, infos: Sequence[ExecutorInfo]) -> None:
         for info in infos:

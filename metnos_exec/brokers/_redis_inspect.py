@@ -15,13 +15,16 @@ from ..messages import (
     MAX_JOB_BYTES,
     DeadLetter,
     ErrorInfo,
+    Progress,
     Result,
     decode_dead_letter,
+    decode_progress,
     decode_result,
+    encode,
 )
 from ._redis_client import BATCH, RedisStore, as_str, closing_buffers
 from ._redis_watch import decode_losses
-from .base import BrokerStats, CancelOutcome, DataLoss, JobState
+from .base import BrokerStats, CancelOutcome, DataLoss, JobState, Lease
 
 __all__ = ("RedisInspection",)
 
@@ -56,6 +59,14 @@ class RedisInspection(RedisStore):
             raise BrokerCorrupt(
                 f"the stored result of job {job_id} in {self.where} cannot be read: {exc.message}"
             ) from None
+
+    async def report_progress(self, lease: Lease, progress: Progress) -> bool:
+        done = await self._script("progress", lease.job.id, lease.token, encode(progress))
+        return bool(done)
+
+    async def get_progress(self, job_id: str) -> Progress | None:
+        body = await self._guard(self._redis.hget(self.keys.job(job_id), "progress"))
+        return None if body is None else decode_progress(body)
 
     async def get_job_state(self, job_id: str) -> JobState | None:
         state, attempt, worker, until, cancel = await self._guard(

@@ -14,17 +14,22 @@ from ..messages import (
     MAX_JOB_BYTES,
     DeadLetter,
     ErrorInfo,
+    Progress,
     Result,
     decode_dead_letter,
+    decode_progress,
     decode_result,
+    encode,
 )
 from ._sqlite_queue import DUE
 from ._sqlite_store import IN_CHUNK, SQLiteStore, column_text, store_result
-from .base import BrokerStats, CancelOutcome, JobState, queued_cancel_message
+from .base import BrokerStats, CancelOutcome, JobState, Lease, queued_cancel_message
 
 __all__ = ("SQLiteInspection",)
 
 _GET_RESULT = "SELECT CAST(body AS BLOB) FROM results WHERE job_id = ?"
+_SET_PROGRESS = "UPDATE jobs SET progress = ? WHERE id = ? AND token = ? AND state = 'running'"
+_GET_PROGRESS = "SELECT progress FROM jobs WHERE id = ?"
 _GET_STATE = "SELECT state, attempt, worker, lease_until, cancel_requested FROM jobs WHERE id = ?"
 
 
@@ -98,6 +103,19 @@ class SQLiteInspection(SQLiteStore):
             raise BrokerCorrupt(
                 f"the stored result of job {job_id} in {self.path} cannot be read: {exc.message}"
             ) from None
+
+    async def report_progress(self, lease: Lease, progress: Progress) -> bool:
+        body = encode(progress).decode()
+
+        def work() -> bool:
+            return self._db.execute(_SET_PROGRESS, (body, lease.job.id, lease.token)).rowcount == 1
+
+        ok: bool = await self._run(work)
+        return ok
+
+    async def get_progress(self, job_id: str) -> Progress | None:
+        row = await self._run(lambda: self._db.execute(_GET_PROGRESS, (job_id,)).fetchone())
+        return None if row is None or row[0] is None else decode_progress(row[0])
 
     async def get_job_state(self, job_id: str) -> JobState | None:
         row = await self._run(lambda: self._db.execute(_GET_STATE, (job_id,)).fetchone())

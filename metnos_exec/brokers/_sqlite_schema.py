@@ -56,7 +56,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     lapses           INTEGER NOT NULL DEFAULT 0,  -- leases that lapsed before launch
     -- Routing: workers lease only the executors they serve. NULL (a row an older build
     -- wrote): any server worker leases it.
-    executor         TEXT
+    executor         TEXT,
+    -- The latest progress its executor reported (queue/schemas/progress.json), written
+    -- by the worker holding the lease at most once a second; NULL: none reported.
+    progress         TEXT
 );
 
 -- The producer edge: INSERT INTO job_inbox (id, body) VALUES (?, ?).
@@ -177,6 +180,7 @@ _COLUMNS: Final = {
     "started": "INTEGER NOT NULL DEFAULT 0",
     "lapses": "INTEGER NOT NULL DEFAULT 0",
     "executor": "TEXT",
+    "progress": "TEXT",
 }
 
 #: A file gaining the routing column: its unfinished jobs get their routes from their
@@ -216,15 +220,16 @@ def init_schema(db: sqlite3.Connection, path: Path, *, _retried: bool = False) -
     if missing:
         # From version 1 (or a file of this version made without them): by what the
         # file lacks rather than by its number, so a file is brought up to date
-        # whatever build made it. (The routing column needs no new version: a build
-        # before it ignores it, and the rows that build writes go to any worker.)
+        # whatever build made it. (The routing and progress columns need no new
+        # version: a build before them ignores them, and the rows that build writes go
+        # to any worker, with no progress.)
         migrate = (
             "".join(f"ALTER TABLE jobs ADD COLUMN {n} {_COLUMNS[n]};\n" for n in sorted(missing))
             + _MIGRATE_TRIGGER
         )
         if "executor" in missing:
             migrate += _BACKFILL_ROUTES
-        if missing - {"executor"}:
+        if missing - {"executor", "progress"}:
             # Recorded now, applied by the first full `vacuum` (``purge --vacuum``).
             db.execute("PRAGMA auto_vacuum = INCREMENTAL")
     # BEGIN IMMEDIATE around the script: two processes opening a fresh file at once

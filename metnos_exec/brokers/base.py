@@ -125,6 +125,7 @@ from ..devices.catalog import ExecutorInfo
 from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
 from .presence import FleetRecords
+from .progress import ProgressRecords
 
 __all__ = (
     "DEFAULT_RETENTION_S",
@@ -328,7 +329,7 @@ class UndoRecord(msgspec.Struct, frozen=True, kw_only=True):
     recorded_at: float = 0.0
 
 
-class Broker(FleetRecords, abc.ABC):
+class Broker(FleetRecords, ProgressRecords, abc.ABC):
     """A job queue backend. Every method is safe to call from asyncio and trio (anyio).
 
     Every method may raise a `BrokerError` subclass when the store fails (see the module

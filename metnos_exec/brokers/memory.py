@@ -27,6 +27,7 @@ from ..messages import (
     DeadLetter,
     ErrorInfo,
     Job,
+    Progress,
     Result,
     UndoEntry,
     check_job_size,
@@ -82,6 +83,7 @@ class _Entry:
     lapses: int = 0
     # Bumped whenever the entry is (re)queued, so stale heap items are recognised.
     version: int = 0
+    progress: Progress | None = None  # the latest reported (`brokers.progress`)
 
 
 @dataclass

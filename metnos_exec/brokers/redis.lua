@@ -557,6 +557,14 @@ redis.call('ZADD', leases_key(h[1]), until_, id)
 if h[3] then redis.call('XCLAIM', qkey(h[1], rt), GROUP, h[4], 0, h[3], 'JUSTID') end
 return {until_, h[5] or ''}
 
+-- == progress ==
+-- ARGV[3] id, [4] token, [5] the progress JSON. Stored in the job's hash (field
+-- 'progress') only while the lease is current: 1, else 0.
+local jk = jkey(ARGV[3])
+if not holds(jk, ARGV[4]) then return 0 end
+redis.call('HSET', jk, 'progress', ARGV[5])
+return 1
+
 -- == ack ==
 -- ARGV[3] replay flags (one character per job), ARGV[4..]: groups of (id, token, result,
 -- status). One 1/0 each.

@@ -13,6 +13,7 @@ import msgspec
 from ..brokers import redact_url
 from ..client import Client
 from ..errors import SubmitOutcomeUnknown
+from ..messages import describe_progress
 from ._common import (
     EXIT,
     Subparsers,
@@ -143,6 +144,9 @@ def _cmd_result(ns: argparse.Namespace) -> int:
                 if state is None:
                     raise _no_job(ns.job_id, ns.broker)
                 message = f"job {ns.job_id} is {state.state}, no result yet"
+                progress = await broker.get_progress(ns.job_id)
+                if progress is not None and state.state == "running":
+                    message += f"; {describe_progress(progress)}"
                 if _never_leased(state):
                     message += "; " + _NO_WORKER.format(url=redact_url(ns.broker))
                 raise _Exit(EXIT["pending"], message)

@@ -19,7 +19,7 @@ from .._terminal import visible
 from ..brokers import DEFAULT_RETENTION_S, Broker, redact_url
 from ..brokers.presence import JOB_STATES, JobListing, WorkerInfo, is_live, unserved
 from ..errors import BadConfig, MetnosError
-from ..messages import UNDO_EXECUTOR
+from ..messages import UNDO_EXECUTOR, Progress, describe_progress
 from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
 
 
@@ -125,18 +125,42 @@ def _fleet_lines(fleet: dict[str, Any]) -> list[str]:
     return out
 
 
-def _job_lines(jobs: list[JobListing]) -> list[str]:
+def _job_lines(jobs: list[JobListing], progress: dict[str, Progress]) -> list[str]:
     out = [f"jobs ({len(jobs)}, newest first)"]
     for j in jobs:
         status = f" {j.status}" if j.status else ""
         worker = f" on {j.worker}" if j.worker else ""
+        p = progress.get(j.job_id)
+        shown = f"  {describe_progress(p)}" if p is not None else ""
         out.append(
             visible(
                 f"  {j.job_id}  {j.state}{status}  {j.executor or '-'}  device={j.device}  "
-                f"attempt={j.attempt}{worker}"
+                f"attempt={j.attempt}{worker}{shown}"
             )
         )
     return out
+
+
+async def _progress_of(broker: Broker, jobs: list[JobListing]) -> dict[str, Progress]:
+    """The latest progress of the running jobs listed (one read each: a listing holds at
+    most ``--limit`` jobs)."""
+    out: dict[str, Progress] = {}
+    for j in jobs:
+        if j.state == "running":
+            p = await broker.get_progress(j.job_id)
+            if p is not None:
+                out[j.job_id] = p
+    return out
+
+
+def _jobs_doc(jobs: list[JobListing], progress: dict[str, Progress]) -> list[Any]:
+    """The listing for ``--json``: each running job with its latest ``progress``."""
+    docs: list[Any] = msgspec.to_builtins(jobs)
+    for doc in docs:
+        p = progress.get(doc["job_id"])
+        if p is not None:
+            doc["progress"] = msgspec.to_builtins(p)
+    return docs
 
 
 async def _list_jobs(broker: Broker, ns: argparse.Namespace) -> list[JobListing]:
@@ -156,6 +180,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             dead = await broker.dead_letters(limit=5)
             fleet = _fleet(await broker.workers(), await broker.queued_executors())
             jobs = await _list_jobs(broker, ns) if ns.jobs else None
+            progress = await _progress_of(broker, jobs) if jobs is not None else {}
             lost = await broker.data_lost()
         sandbox = _sandbox_status()
         url = redact_url(ns.broker)
@@ -168,7 +193,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
                 "data_lost": msgspec.to_builtins(lost),
             },
             **fleet,
-            **({"jobs": msgspec.to_builtins(jobs)} if jobs is not None else {}),
+            **({"jobs": _jobs_doc(jobs, progress)} if jobs is not None else {}),
             "sandbox": sandbox,
             "recent_dead_letters": [
                 {"job_id": d.job_id, "code": d.error.code, "message": d.error.message} for d in dead
@@ -187,7 +212,7 @@ def _cmd_status(ns: argparse.Namespace) -> int:
             out.append(visible(f"  DATA LOST (found {when}): {loss.detail}"))
         out.extend(_fleet_lines(fleet))
         if jobs is not None:
-            out.extend(_job_lines(jobs))
+            out.extend(_job_lines(jobs, progress))
         out.append("sandbox")
         out.extend(_readable(sandbox, indent="  "))
         if dead:

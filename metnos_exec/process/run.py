@@ -462,6 +462,8 @@ async def _watch(
         out_done, err_done = anyio.Event(), anyio.Event()
         tg.start_soon(_pump, child.fds["stdout"], out, out_done)
         tg.start_soon(_pump, child.fds["stderr"], err, err_done)
+        if spec.beside is not None:
+            tg.start_soon(spec.beside)
         # No task for stdin unless it does not fit the pipe at once.
         rest = _feed_now(child, spec.stdin)
         if rest is not None:

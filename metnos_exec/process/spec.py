@@ -8,8 +8,8 @@ itself (`metnos_exec.process.run`), importing none of them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Final
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final
 
 import msgspec
 
@@ -55,6 +55,9 @@ class ProcessSpec(msgspec.Struct, frozen=True):
             namespace: `metnos_exec.undo.staging`): the child is forked as the worker, and
             `ProcessResult.uid` is the slot's. The caller builds that command from the
             same `Slot.identity`; nsenter runs nothing when it cannot drop.
+        beside: a task run beside the child (a progress reader,
+            `metnos_exec.sandbox.progress`): started with the output pumps, cancelled
+            once the child has exited and its output is drained. It must not raise.
     """
 
     argv: tuple[str, ...]
@@ -77,6 +80,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     on_spawn: Callable[[int, Callable[[], list[int]] | None], Awaitable[None]] | None = None
     as_slot_user: bool = False
     drops_to_slot_user: bool = False
+    beside: Callable[[], Coroutine[Any, Any, None]] | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ from .flags import (
     derive_bwrap_argv,
     private_files,
 )
+from .progress import ProgressChannel
 
 #: Processes bubblewrap itself keeps in the job's cgroup: its monitor and the init.
 _BWRAP_PIDS = 2
@@ -166,9 +167,11 @@ def process_spec(
     status_w: int,
     gate: _LimitGate | None,
     seccomp_r: int | None,
+    progress: ProgressChannel | None = None,
 ) -> ProcessSpec:
     """How the process layer starts `argv` for `job`; `in_guest`: the gate or the prefix
-    sets `rlimits`, not the process layer before exec."""
+    sets `rlimits`, not the process layer before exec; `progress`: the job's progress
+    channel (its write end handed down to the guest, its reader beside the run)."""
     return ProcessSpec(
         argv=tuple(argv),
         # bubblewrap needs no environment; the guest's comes from --setenv.
@@ -182,8 +185,10 @@ def process_spec(
             (status_w,)
             + (() if gate is None else (gate.block_r,))
             + (() if seccomp_r is None else (seccomp_r,))
+            + (() if progress is None else (progress.write_fd,))
             + _bound_fds(argv, place.sources)
         ),
+        beside=None if progress is None else progress.pump,
         # --die-with-parent sets bubblewrap's own parent-death signal before the
         # guest may start (the monitor sets it, then releases the sandbox), so a
         # second one from us only costs the preexec_fn. Kept when the rlimits need

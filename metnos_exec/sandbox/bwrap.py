@@ -117,6 +117,7 @@ from .egress.policy import Resolver, system_resolver
 from .egress.wall import Wall
 from .flags import BwrapFeatures, derive_rlimits
 from .hardening import Hardening, guest_job, host_hardening, seccomp_fd
+from .progress import ProgressChannel, open_channel
 
 __all__ = (
     "BwrapProbe",
@@ -197,6 +198,11 @@ class BwrapSandbox:
         if wall is not None:
             # The proxy variables point into the job's namespace, at the wall.
             job = msgspec.structs.replace(job, env={**job.env, **wall.env()})
+        progress = open_channel()
+        if progress is not None:
+            # The guest inherits the pipe's write end (bubblewrap keeps an inherited fd
+            # that is not close-on-exec, and so does everything it execs on the way).
+            job = msgspec.structs.replace(job, env={**job.env, **progress.env()})
         # Landlock is applied by the guest's first process (the in-guest step): the
         # command bubblewrap execs is the job's, behind it (and behind the limits prefix).
         guest = guest_job(
@@ -209,17 +215,26 @@ class BwrapSandbox:
         )
         # Every job mount and interpreter root opened without following a symlink (a
         # swapped hint folder refuses the job here), and bound from that fd.
-        sources = _open_sources(job, host.roots)
+        try:
+            sources = _open_sources(job, host.roots)
+        except BaseException:
+            if progress is not None:
+                progress.finish()
+            raise
         try:
             async with pooled_slot() as slot:
                 place = await _placement(slot, sources, stage=job.stage)
                 gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
-                    return await self._run(job, guest, rlimits, gated, prefix, host, place, wall)
+                    return await self._run(
+                        job, guest, rlimits, gated, prefix, host, place, wall, progress
+                    )
                 finally:
                     place.close()
         finally:
+            if progress is not None:
+                progress.finish()  # what the guest wrote last, before the outcome is used
             for fd in sources.values():
                 os.close(fd)
 
@@ -233,6 +248,7 @@ class BwrapSandbox:
         host: _HostFacts,
         place: _Placement,
         wall: Wall | None,
+        progress: ProgressChannel | None,
     ) -> SandboxOutcome:
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
@@ -271,6 +287,7 @@ class BwrapSandbox:
                 status_w=status_w,
                 gate=gate,
                 seccomp_r=seccomp_r,
+                progress=progress,
             )
             result, interrupted = await _launch(job, spec, place, wall)
             with anyio.CancelScope(shield=interrupted is not None):

@@ -46,6 +46,7 @@ from ._types import (
     Usage,
     record_stopped,
 )
+from .progress import open_channel
 
 __all__ = ("DirectSandbox", "direct_rlimits", "map_direct_exit")
 
@@ -165,14 +166,17 @@ class DirectSandbox:
         if not job.argv:
             raise HostFault("the direct arm got a job without argv (a wasm job misrouted)")
         limits = job.limits
+        progress = open_channel()
         spec = ProcessSpec(
             argv=job.argv,
-            env=dict(job.env),
+            env=dict(job.env) if progress is None else {**job.env, **progress.env()},
             stdin=job.stdin,
             cwd=job.cwd,
             rlimits=direct_rlimits(limits),
+            pass_fds=() if progress is None else (progress.write_fd,),
             output_bytes=limits.output_bytes,
             pids_max=limits.pids,
+            beside=None if progress is None else progress.pump,
         )
         stopped = Stopped()
         try:
@@ -182,6 +186,9 @@ class DirectSandbox:
                 # Stopped from outside once launched: what it used, for the caller.
                 record_stopped(self._outcome(job, stopped.result))
             raise
+        finally:
+            if progress is not None:
+                progress.finish()
         return self._outcome(job, result)
 
     def _outcome(self, job: SandboxJob, result: ProcessResult) -> SandboxOutcome:

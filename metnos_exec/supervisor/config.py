@@ -34,6 +34,10 @@ CANCEL_POLL_S: Final = 0.5
 #: grace) before they are given up to the lease's expiry.
 SETTLE_GRACE_S: Final = 5.0
 
+#: How often the latest progress a running job reported is stored (at most one write a
+#: job per period, and none while it reports nothing new).
+PROGRESS_EVERY_S: Final = 1.0
+
 #: How often a worker purges finished jobs past their retention (and once at start).
 PURGE_EVERY_S: Final = 3600.0
 #: How often a server worker publishes its executors again (`Supervisor._catalog_loop`).
@@ -70,10 +74,13 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
             `_catalog_loop`).
         settle_grace_s: after a drain's grace, how long results still waiting for the
             store may keep the worker before they are given up.
+        progress_every_s: how often the latest progress each running job reported
+            (`metnos_exec.sandbox.progress`) is stored, when it changed.
 
     Raises:
-        ValueError: ``concurrency`` below 1, a ``visibility_s`` or ``cancel_poll_s`` that
-            is not positive, a negative ``prefetch``, a ``retention_s`` that is neither
+        ValueError: ``concurrency`` below 1, a ``visibility_s``, ``cancel_poll_s`` or
+            ``progress_every_s`` that is not positive, a negative ``prefetch``, a
+            ``retention_s`` that is neither
             positive nor ``None``.
     """
 
@@ -94,6 +101,7 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
     purge_every_s: float = PURGE_EVERY_S
     catalog_every_s: float = CATALOG_EVERY_S
     settle_grace_s: float = SETTLE_GRACE_S
+    progress_every_s: float = PROGRESS_EVERY_S
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -102,6 +110,8 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("visibility_s must be positive")
         if self.cancel_poll_s <= 0:
             raise ValueError("cancel_poll_s must be positive")
+        if self.progress_every_s <= 0:
+            raise ValueError("progress_every_s must be positive")
         if self.prefetch < 0:
             raise ValueError("prefetch must be zero or more")
         if self.retention_s is not None and not self.retention_s > 0:

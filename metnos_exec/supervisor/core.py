@@ -118,6 +118,7 @@ class Supervisor(Pipeline):
                 # would cost more than the echo arm's whole run.
                 tg.start_soon(self._heartbeat_loop, name="heartbeats")
                 tg.start_soon(self._cancel_poll_loop, name="cancel polls")
+                tg.start_soon(self._progress_loop, name="progress")
                 if self.retention_s is not None:
                     tg.start_soon(self._retention_loop, self.retention_s, name="retention")
                 if publishes:

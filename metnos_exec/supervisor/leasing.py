@@ -3,7 +3,8 @@
 The lease loop takes jobs for free slots (and ``prefetch`` ahead) and starts each in its
 own task (`_job_task`); while the store fails it leases nothing new. One heartbeat task
 beats every running job's lease (a lost lease stops the run); one cancel-poll task asks
-the broker, for all running jobs at once, which are to be cancelled. `_Slots` hands the
+the broker, for all running jobs at once, which are to be cancelled; one progress task
+stores the latest progress each running job reported, when it changed. `_Slots` hands the
 run slots out in lease order.
 """
 
@@ -16,6 +17,7 @@ import anyio.abc
 import structlog
 
 from ..logs import get_logger
+from ..messages import Progress
 from ..process import reap_orphans
 from .settle import Settling
 from .state import _Running
@@ -266,3 +268,33 @@ class Leasing(Settling):
                 elif reply.cancel_requested:
                     running.stop = "cancel_requested"
                     running.scope.cancel()
+
+    async def _progress_loop(self) -> None:
+        """Every ``progress_every_s``, store the progress of each running job that
+        reported something new since (one write per job and period at most: a job that
+        floods its channel costs the store no more than one that reports once a second)."""
+        while True:
+            await anyio.sleep(self.progress_every_s)
+            for running in list(self._running.values()):
+                report = running.progress
+                if report is None or report is running.progress_stored:
+                    continue
+                if running.stop is not None or running.settling:
+                    continue  # its result is what counts now
+                running.progress_stored = report
+                progress = Progress(
+                    fraction=report.fraction,
+                    message=report.message,
+                    at=running.progress_at,
+                    attempt=running.lease.attempt,
+                    lines=report.lines,
+                    dropped=report.dropped,
+                    malformed=report.malformed,
+                )
+                try:
+                    await self.broker.report_progress(running.lease, progress)
+                except Exception as exc:
+                    # Advice only: the next change is stored at the next period.
+                    self._broker_failed("progress", exc, job_id=running.lease.job.id)
+                    continue
+                self._broker_ok("progress")

@@ -38,6 +38,7 @@ from ..sandbox._types import (
     stopped_outcomes,
 )
 from ..sandbox._wasm_engine import default_cache_dir
+from ..sandbox.progress import reporting_progress
 from ..undo.staging import Reversible, default_state_dir, disk_verdict
 from .outcome import EX_TEMPFAIL, _containment_summary, _outcome_result, _stopped_usage
 from .state import _ArmChoice, _Running
@@ -508,7 +509,11 @@ class Pipeline(UndoJobs):
                     running.scope.deadline = (
                         anyio.current_time() + sjob.limits.wall_time_s + self.backstop_margin_s
                     )
-                    with stopped_outcomes() as stopped:
+                    clock = self.clock
+                    with (
+                        stopped_outcomes() as stopped,
+                        reporting_progress(lambda r: running.note_progress(r, clock())),
+                    ):
                         try:
                             outcome = await arm.run(sjob)
                         except (HostFault, MetnosError) as exc:

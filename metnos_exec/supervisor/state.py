@@ -27,6 +27,7 @@ from ..errors import MetnosError
 from ..manifest import ExecutorRegistry
 from ..messages import UNDO_EXECUTOR
 from ..sandbox._types import Sandbox, SandboxOutcome
+from ..sandbox.progress import ProgressReport
 from ..undo.staging import Staging
 from .config import SupervisorConfig
 
@@ -88,6 +89,16 @@ class _Running:
     #: What the arm measured of its run when that was stopped from outside after launch
     #: (a cancel, a drain, a lost lease, the backstop): usage and the containment that held.
     measured: SandboxOutcome | None = None
+    #: The latest progress its executor reported (`metnos_exec.sandbox.progress`), with
+    #: when it was read (unix s), and the last one given to the store.
+    progress: ProgressReport | None = None
+    progress_at: float = 0.0
+    progress_stored: ProgressReport | None = None
+
+    def note_progress(self, report: ProgressReport, at: float) -> None:
+        """The arm's progress sink: kept in memory, stored by `Leasing._progress_loop`."""
+        self.progress = report
+        self.progress_at = at
 
 
 class SupervisorState:
@@ -180,6 +191,7 @@ class SupervisorState:
         self.purge_every_s = config.purge_every_s
         self.catalog_every_s = config.catalog_every_s
         self.settle_grace_s = config.settle_grace_s
+        self.progress_every_s = config.progress_every_s
 
     def _init_parts(self) -> None:
         """Each layer sets up its own state here (overriding, then calling ``super()``)."""

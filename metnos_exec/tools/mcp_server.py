@@ -7,7 +7,10 @@ tool is and how a result reads is `mcp_spec`; this module is the wiring.
 A call submits a job (`Client.submit`) and waits for its result; while it waits it sends
 ``notifications/progress`` when the caller gave a progress token: one right after the
 submit (``job <id> queued``: the job id, so a client can follow it elsewhere), then every
-`McpGateway.progress_every` seconds the job's state and the time since the submit. A
+`McpGateway.progress_every` seconds the job's state and the time since the submit, with
+the executor's own progress when it reports some (README, "Reporting progress"): its
+message after the state, and its fraction as the notification's ``progress`` with
+``total`` 1 (without one, ``progress`` counts the seconds, with no total). A
 ``notifications/cancelled`` from the client cancels the handler (the SDK does) and the
 handler cancels the job (`Client.cancel`, shielded), whose result is then ``cancelled``.
 A job's own failure is an ``isError`` result; only a call this server cannot place (an
@@ -179,12 +182,22 @@ class McpGateway:
         return tool_result(result)
 
     async def _tick(self, session: Any, job_id: str, started: float) -> None:
+        fraction: float | None = None  # the executor's last, once it gave one
         while True:
             await anyio.sleep(self.progress_every)
             state = await self.client.broker.get_job_state(job_id)
             elapsed = time.monotonic() - started
             where = state.state if state is not None else "unknown"
-            await _progress(session, elapsed, f"job {job_id} {where}, {elapsed:.0f} s")
+            text = f"job {job_id} {where}, {elapsed:.0f} s"
+            reported = await self.client.progress(job_id) if where == "running" else None
+            if reported is not None and state is not None and reported.attempt == state.attempt:
+                fraction = reported.fraction if reported.fraction is not None else fraction
+                if reported.message:
+                    text += f": {reported.message}"
+            if fraction is None:
+                await _progress(session, elapsed, text)
+            else:
+                await _progress(session, fraction, text, total=1.0)
 
     async def _undo(self, args: dict[str, Any]) -> dict[str, Any]:
         job_id = args.get("job_id")
@@ -204,9 +217,11 @@ class McpGateway:
         return tool_result(result)
 
 
-async def _progress(session: Any, progress: float, message: str) -> None:
+async def _progress(
+    session: Any, progress: float, message: str, *, total: float | None = None
+) -> None:
     # A no-op when the caller sent no progress token (the SDK checks).
-    await session.report_progress(progress, None, message)
+    await session.report_progress(progress, total, message)
 
 
 async def serve_stdio(gateway: McpGateway) -> None:
