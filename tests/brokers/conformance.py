@@ -33,6 +33,7 @@ from metnos_exec.messages import (
     ErrorInfo,
     FileState,
     Job,
+    Progress,
     Put,
     Result,
     UndoEntry,
@@ -361,6 +362,32 @@ class BrokerConformance:
             assert taken.attempt == 2
             assert not (await b.heartbeat(lease)).ok
             assert (await b.heartbeat(taken)).ok
+
+    async def test_progress_is_stored_while_the_lease_holds(self) -> None:
+        """The latest progress is kept per job, fenced like a heartbeat: a lost lease (or
+        a finished job) writes nothing, and the new delivery's write replaces the old."""
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [lease] = await b.lease("w1", visibility_s=10)
+            assert await b.get_progress(lease.job.id) is None
+            first = Progress(fraction=0.25, message="a quarter", at=T0, attempt=1, lines=3)
+            assert await b.report_progress(lease, first)
+            assert await b.get_progress(lease.job.id) == first
+            later = Progress(fraction=None, message="still going", at=T0 + 1, attempt=1)
+            assert await b.report_progress(lease, later)
+            assert await b.get_progress(lease.job.id) == later
+            clock.advance(11)
+            [taken] = await b.lease("w2", visibility_s=10)
+            stale = Progress(fraction=0.9, message="stale", attempt=1)
+            assert not await b.report_progress(lease, stale)  # the lease was lost
+            assert await b.get_progress(lease.job.id) == later
+            fresh = Progress(fraction=0.5, message="second try", attempt=2)
+            assert await b.report_progress(taken, fresh)
+            assert await b.get_progress(taken.job.id) == fresh
+            assert await b.ack(taken, ok_result(taken, "done"))
+            assert not await b.report_progress(taken, Progress(fraction=1.0, attempt=2))
+            assert await b.get_progress(taken.job.id) == fresh  # the last, kept with the job
+            assert await b.get_progress("nope") is None
 
     async def test_ack_after_a_lost_lease_is_refused_and_overwrites_nothing(self) -> None:
         async with self.broker() as (b, clock):
