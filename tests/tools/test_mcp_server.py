@@ -60,6 +60,35 @@ SLEEPY = {
         """,
 }
 
+#: Reports half way, then waits (60 s at most) for ~/notes/go, which the test creates once
+#: the MCP client saw the executor's progress forwarded.
+STEPPER = {
+    "manifest.toml": """\
+        name = "stepper"
+        version = "1.0.0"
+        description = "Report progress half way, then wait for a file (a test's job)"
+        runtime = "python"
+        entry = "main.py"
+
+        [[capabilities]]
+        name = "fs:read"
+        hints = ["~/notes/**"]
+
+        [limits]
+        timeout_s = 90
+        """,
+    "main.py": """\
+        import json, os, sys, time
+        json.load(sys.stdin)
+        out = os.fdopen(int(os.environ["METNOS_PROGRESS_FD"]), "w", buffering=1)
+        out.write(json.dumps({"progress": 0.5, "message": "half way"}) + "\\n")
+        gate, end = os.path.expanduser("~/notes/go"), time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < end:
+            time.sleep(0.05)
+        print(json.dumps({"released": os.path.exists(gate)}))
+        """,
+}
+
 
 @dataclass
 class Queue:
@@ -82,6 +111,9 @@ def queue(tmp_path: Path) -> Iterator[Queue]:
     (executors / "sleepy").mkdir()
     for name, text in SLEEPY.items():
         (executors / "sleepy" / name).write_text(textwrap.dedent(text))
+    (executors / "stepper").mkdir()
+    for name, text in STEPPER.items():
+        (executors / "stepper" / name).write_text(textwrap.dedent(text))
     home = tmp_path / "home"
     (home / "notes").mkdir(parents=True)
     (home / "notes" / "today.md").write_text("milk\n")
@@ -133,7 +165,7 @@ def _stdio(q: Queue, backend: str) -> McpClient:
 
 async def check_tools(client: McpClient) -> None:
     tools = {t.name: t for t in (await client.list_tools()).tools}
-    assert sorted(tools) == sorted([*EXAMPLE_NAMES, "sleepy"])
+    assert sorted(tools) == sorted([*EXAMPLE_NAMES, "sleepy", "stepper"])
     read = tools["read_notes"]
     assert read.input_schema["properties"]["path"]["type"] == "string"
     assert read.input_schema["additionalProperties"] is False
@@ -240,6 +272,29 @@ async def test_stdio_progress_and_undo_tool(queue: Queue) -> None:
         assert not note.exists()
         again = await client.call_tool("metnos_undo", {"job_id": "01NOTAJOBOFTHISSERVER000"})
         assert again.is_error is True
+
+
+async def test_stdio_forwards_the_executors_progress(queue: Queue) -> None:
+    """The executor's fraction and message reach the MCP client's progress callback
+    (``progress`` the fraction, ``total`` 1), while the job runs."""
+    q = queue
+    gate = q.home / "notes" / "go"
+    seen: list[tuple[float, float | None, str]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append((value, total, message or ""))
+        if total == 1.0 and "half way" in (message or ""):
+            gate.write_text("")  # seen: let the executor finish
+
+    async with _stdio(q, "asyncio") as client:
+        with anyio.fail_after(90):
+            out = await client.call_tool("stepper", {}, progress_callback=progress)
+    assert out.is_error is False, out.content
+    assert out.structured_content == {"released": True}
+    forwarded = [s for s in seen if s[1] == 1.0]
+    assert forwarded, seen
+    value, _, message = forwarded[0]
+    assert value == 0.5 and " running, " in message and message.endswith(": half way")
 
 
 # --- streamable HTTP --------------------------------------------------------------------
