@@ -33,8 +33,6 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
 
     token = ns.token or os.environ.get(TOKEN_ENV) or None
     if ns.http is not None:
-        if ns.backend != "asyncio":
-            raise _Exit(EXIT["usage"], "--http runs on asyncio only (uvicorn); drop --backend")
         try:
             mcp_server.check_http_bind(ns.http[0], token)
         except ValueError as exc:
@@ -136,6 +134,6 @@ def register(subparsers: Subparsers) -> None:
         "--backend",
         choices=("asyncio", "trio"),
         default="asyncio",
-        help="the event loop (stdio: either; --http: asyncio)",
+        help="the event loop (asyncio or trio, for either transport)",
     )
     m.set_defaults(fn=_cmd_mcp)

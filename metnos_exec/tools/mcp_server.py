@@ -24,14 +24,17 @@ another address is a choice to be reached by others, and we do not guess who. Wh
 token is set, every request must carry ``Authorization: Bearer <token>`` (compared in
 constant time), on loopback too; a request without it gets 401 and never reaches MCP.
 
-asyncio and trio: the SDK is anyio-based and stdio serving works on both. Streamable HTTP
-is served by uvicorn, which runs on asyncio only: `serve_http` on trio is refused.
+asyncio and trio: the SDK is anyio-based and both transports serve on either backend
+(streamable HTTP through hypercorn, which runs on asyncio and trio alike).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -287,38 +290,48 @@ async def serve_http(
     token: str | None = None,
     ready: Callable[[int], None] | None = None,
 ) -> None:
-    """Serve MCP over streamable HTTP at ``http://host:port/mcp`` (asyncio only).
+    """Serve MCP over streamable HTTP at ``http://host:port/mcp`` until SIGINT or SIGTERM.
+
+    Served by hypercorn, which runs on asyncio and trio (the backend this is called on).
+    `ready(port)` is called once the socket listens (the bound port: ``HOST:0`` works).
 
     Raises:
         ValueError: no token for an address that needs one (`check_http_bind`).
-        RuntimeError: not running on asyncio.
     """
     import sniffio
-    import uvicorn
+    from hypercorn.config import Config
 
     check_http_bind(host, token)
-    if sniffio.current_async_library() != "asyncio":
-        raise RuntimeError("streamable HTTP is served by uvicorn, which runs on asyncio only")
     bare = host.strip("[]")
     app: ASGIApp = gateway.server().streamable_http_app(host=bare)
     if token:
         app = bearer_guard(app, token)
-    config = uvicorn.Config(app, host=bare, port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    if ready is not None:
-        _announce_when_started(server, ready)
-    await server.serve()
+    # We bind the socket ourselves so the port is known (and announced) before hypercorn
+    # takes it over by its descriptor; connections made in between wait in the backlog.
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
+        sock.listen(128)
+        config = Config()
+        # A duplicate: hypercorn's socket object owns (and closes) its own descriptor.
+        config.bind = [f"fd://{os.dup(sock.fileno())}"]
+        config.accesslog = None
+        config.graceful_timeout = 2.0
+        if ready is not None:
+            ready(sock.getsockname()[1])
+        if sniffio.current_async_library() == "trio":
+            from hypercorn.trio import serve as serve_trio
+
+            await serve_trio(app, config, shutdown_trigger=_until_signalled, mode="asgi")  # type: ignore[arg-type]
+        else:
+            from hypercorn.asyncio import serve as serve_asyncio
+
+            await serve_asyncio(app, config, shutdown_trigger=_until_signalled, mode="asgi")  # type: ignore[arg-type]
 
 
-def _announce_when_started(server: Any, ready: Callable[[int], None]) -> None:
-    """Call `ready(port)` once uvicorn listens (the bound port: ``--http HOST:0`` works)."""
-    startup = server.startup
-
-    async def started(sockets: Any = None) -> None:
-        await startup(sockets=sockets)
-        for srv in server.servers:
-            for sock in srv.sockets:
-                ready(sock.getsockname()[1])
-                return
-
-    server.startup = started
+async def _until_signalled() -> None:
+    """Return at the first SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return

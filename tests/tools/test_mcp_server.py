@@ -320,19 +320,25 @@ class HttpServer:
             raise AssertionError(f"the server exited ({self.proc.wait()}) without a URL")
 
     def stop(self) -> None:
+        """SIGINT, and the server must exit by itself (hypercorn's graceful shutdown)."""
         self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(20)
+            code = self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        assert self.proc.stderr is not None
-        self.proc.stderr.close()
+            raise AssertionError("the HTTP server did not stop on SIGINT") from None
+        finally:
+            assert self.proc.stderr is not None
+            self.proc.stderr.close()
+        assert code == 0, code
 
 
-async def test_http_on_loopback(queue: Queue) -> None:
-    """Acceptance 2: the same checks through streamable HTTP on 127.0.0.1 (no token)."""
-    server = HttpServer(queue, "127.0.0.1")
+@pytest.mark.parametrize("server_backend", ["asyncio", "trio"])
+async def test_http_on_loopback(queue: Queue, server_backend: str) -> None:
+    """Acceptance 2: the same checks through streamable HTTP on 127.0.0.1 (no token), a
+    server on each backend (hypercorn serves both) and both client backends."""
+    server = HttpServer(queue, "127.0.0.1", "--backend", server_backend)
     try:
         async with McpClient(server.url) as client:
             await check_tools(client)
@@ -368,12 +374,13 @@ def test_http_elsewhere_refuses_to_start_without_a_token(tmp_path: Path) -> None
         assert "needs a bearer token" in refused.stderr and host in refused.stderr
 
 
-async def test_http_elsewhere_needs_the_token(queue: Queue) -> None:
+@pytest.mark.parametrize("server_backend", ["asyncio", "trio"])
+async def test_http_elsewhere_needs_the_token(queue: Queue, server_backend: str) -> None:
     """Bound to 127.0.0.2 with --token: a request without the token (or with another) gets
     401; a client that sends it is served."""
     from mcp.client.streamable_http import streamable_http_client
 
-    server = HttpServer(queue, "127.0.0.2", "--token", "s3cret")
+    server = HttpServer(queue, "127.0.0.2", "--token", "s3cret", "--backend", server_backend)
     try:
         async with _http_client(None) as http:
             bare = await http.post(
