@@ -158,6 +158,13 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Whether running it twice with the same arguments does no more than running it once
     #: (an agent may retry it freely; MCP's ``idempotentHint``).
     idempotent: bool = False
+    #: The JSON output's schema, when the author declares one: the properties of the one
+    #: object the executor writes, in the argument language (``[output.text]``, with
+    #: ``type``, ``description``, ``enum``, ``required``, ``items``, ``properties``; no
+    #: ``default`` and no ``format``, which mean something for arguments only). Exported as
+    #: MCP's ``outputSchema`` (`toolspec.output_schema`); the worker does not check it,
+    #: the MCP server does before it calls an output structured content of that schema.
+    output: dict[str, ArgSpec] | None = None
 
     @property
     def is_mutating(self) -> bool:
@@ -225,6 +232,23 @@ def _arg_problem(
             if found is not None:
                 return found
     return None
+
+
+def _output_problem(spec: ArgSpec, at: str) -> tuple[str, str] | None:
+    """(field, problem) for an output property (or a nested part of one) that uses what
+    only an argument can (a default, a format), else `_arg_problem`'s answer."""
+    if spec.default is not None:
+        return f"{at}.default", "an output has no default (defaults are for arguments)"
+    if spec.format is not None:
+        return f"{at}.format", "format tells argument vetting what to check; not for an output"
+    parts = [(f"{at}.properties.{k}", sub) for k, sub in (spec.properties or {}).items()]
+    if spec.items is not None:
+        parts.append((f"{at}.items", spec.items))
+    for where, sub in parts:
+        found = _output_problem(sub, where)
+        if found is not None:
+            return found
+    return _arg_problem(spec, at, top=False)
 
 
 def _hint_problem(kind: str, hint: str) -> str | None:
@@ -305,6 +329,10 @@ def _validate(manifest: Manifest, where: Path) -> None:
         arg_problem = _arg_problem(spec, f"args.{arg_name}", top=True)
         if arg_problem is not None:
             raise bad(*arg_problem)
+    for out_name, spec in (manifest.output or {}).items():
+        out_problem = _output_problem(spec, f"output.{out_name}")
+        if out_problem is not None:
+            raise bad(*out_problem)
     for i, cap in enumerate(manifest.capabilities):
         if not _CAP_RE.match(cap.name):
             raise bad(f"capabilities[{i}].name", f"{cap.name!r} is not of the form kind:mode")
@@ -343,19 +371,20 @@ def _field_of(exc: msgspec.ValidationError, raw: bytes) -> tuple[str, str]:
     if " - at `$" in text:
         text, _, at = text.rpartition(" - at `$")
         at = at.rstrip("`").lstrip(".")
-    if at.startswith("args[...]"):
-        # msgspec does not name the dict key; find the argument by checking each one.
+    table_name = at.partition("[...]")[0]
+    if table_name in ("args", "output") and at.startswith(f"{table_name}[...]"):
+        # msgspec does not name the dict key; find the entry by checking each one.
         try:
             table = msgspec.toml.decode(raw)
-            bad_args = [
+            bad_keys = [
                 name
-                for name, value in dict(table.get("args", {})).items()
+                for name, value in dict(table.get(table_name) or {}).items()
                 if not _converts(value, ArgSpec)
             ]
         except (msgspec.DecodeError, AttributeError, TypeError):
-            bad_args = []
-        if len(bad_args) == 1:
-            at = f"args.{bad_args[0]}" + at[len("args[...]") :]
+            bad_keys = []
+        if len(bad_keys) == 1:
+            at = f"{table_name}.{bad_keys[0]}" + at[len(f"{table_name}[...]") :]
     named = _UNKNOWN_FIELD.search(text) or _MISSING_FIELD.search(text)
     if named:
         # "Object contains unknown field `bogus` - at `$.limits`" → `limits.bogus`.

@@ -39,6 +39,8 @@ __all__ = (
     "arg_schema",
     "executor_for_tool",
     "input_schema",
+    "output_problem",
+    "output_schema",
     "strict_schema",
     "tool_description",
     "tool_name",
@@ -100,6 +102,83 @@ def _object_schema(props: dict[str, ArgSpec]) -> dict[str, Any]:
 def input_schema(manifest: Manifest) -> dict[str, Any]:
     """The executor's arguments as one JSON Schema object (a tool's input schema)."""
     return {"type": "object", **_object_schema(manifest.args)}
+
+
+def output_schema(manifest: Manifest) -> dict[str, Any] | None:
+    """The executor's declared JSON output (``[output.*]``) as one JSON Schema object (a
+    tool's output schema), or ``None`` when the manifest declares none."""
+    if manifest.output is None:
+        return None
+    return {"type": "object", **_object_schema(manifest.output)}
+
+
+def output_problem(manifest: Manifest, output: Any) -> str | None:
+    """Why `output` (a job's JSON output) does not conform to `output_schema`, or ``None``
+    (also when no output schema is declared).
+
+    Exactly JSON Schema's rules, with two stricter: an ``integer`` is a JSON integer
+    (``1.0`` is not), and booleans are never numbers. So an output this accepts also
+    validates against the exported schema in any JSON Schema validator.
+    """
+    if manifest.output is None:
+        return None
+    if not isinstance(output, dict):
+        return f"the output is {_json_type(output)}, not an object"
+    return _props_problem(manifest.output, output, "output")
+
+
+_JSON_TYPES: Final = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    for name in ("boolean", "integer", "number", "string", "array", "object"):
+        if isinstance(value, _JSON_TYPES[name]):
+            return f"a JSON {name}"
+    return type(value).__name__
+
+
+def _props_problem(props: dict[str, ArgSpec], value: dict[str, Any], at: str) -> str | None:
+    for key in value:
+        if key not in props:
+            return f"{at} has the key {key!r}, which the schema does not declare"
+    for key, spec in props.items():
+        if key not in value:
+            if spec.required:
+                return f"{at}.{key} is required and missing"
+            continue
+        found = _value_problem(spec, value[key], f"{at}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def _value_problem(spec: ArgSpec, value: Any, at: str) -> str | None:
+    fits = isinstance(value, _JSON_TYPES[spec.type])
+    if isinstance(value, bool) and spec.type != "boolean":
+        fits = False
+    if not fits:
+        return f"{at} must be of type {spec.type}, got {_json_type(value)}"
+    if spec.enum is not None and not any(
+        isinstance(value, bool) == isinstance(e, bool) and value == e for e in spec.enum
+    ):
+        return f"{at} = {json.dumps(value)[:80]} is not one of {json.dumps(list(spec.enum))}"
+    if spec.items is not None:
+        for i, item in enumerate(value):
+            found = _value_problem(spec.items, item, f"{at}[{i}]")
+            if found is not None:
+                return found
+    if spec.properties is not None:
+        return _props_problem(spec.properties, value, at)
+    return None
 
 
 class StrictSchema(NamedTuple):

@@ -144,3 +144,27 @@ def test_manifest_schema_describes_every_example_and_the_rich_one(tmp_path: Path
         assert not errors, errors
     assert not validator.is_valid({**manifests[0], "bogus": 1})
     assert not validator.is_valid({**manifests[0], "runtime": "node"})
+
+
+@pytest.mark.parametrize(
+    ("table", "field", "problem"),
+    [
+        ('[output.a]\ntype = "string"\ndefault = "x"', "output.a.default", "no default"),
+        ('[output.a]\ntype = "string"\nformat = "path"', "output.a.format", "not for an output"),
+        (
+            '[output.a]\ntype = "array"\n[output.a.items]\ntype = "object"\n'
+            '[output.a.items.properties.b]\ntype = "integer"\ndefault = 1',
+            "output.a.items.properties.b.default",
+            "no default",
+        ),
+        ('[output.a]\ntype = "integer"\nenum = ["one"]', "output.a.enum[0]", "not of type"),
+        ('[output.a]\ntype = "string"\npattern = "x"', "output.a.pattern", "unknown field"),
+    ],
+)
+def test_an_output_schema_takes_the_argument_language_without_defaults_or_formats(
+    tmp_path: Path, table: str, field: str, problem: str
+) -> None:
+    text = 'name = "t"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n' + table
+    with pytest.raises(BadManifest, match=problem) as info:
+        load_manifest(write_executor(tmp_path, text, "t"))
+    assert f"field `{field}`" in str(info.value)

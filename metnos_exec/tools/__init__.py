@@ -11,7 +11,8 @@ the broker (`Broker.executor_names` / `executor_info`), in one of `FORMATS`:
   "parameters", "strict"}``;
 * ``anthropic``: Messages, ``{"name", "description", "input_schema"}``;
 * ``mcp``: a Model Context Protocol ``Tool``, ``{"name", "description", "inputSchema",
-  "annotations"}`` (annotations from the capabilities, `mcp_annotations`).
+  "outputSchema", "annotations"}`` (``outputSchema`` only where the manifest declares its
+  output; annotations from the capabilities, `mcp_annotations`).
 
 The OpenAI shapes are strict (``strict: true``, the schema normalised by
 `toolspec.strict_schema`) unless strict mode would change what the tool accepts; then

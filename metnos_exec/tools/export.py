@@ -13,7 +13,7 @@ from typing import Any, Final, Literal, get_args
 from ..brokers import Broker
 from ..errors import BadManifest
 from ..manifest import ExecutorRegistry, Manifest
-from ..toolspec import input_schema, strict_schema, tool_description, tool_name
+from ..toolspec import input_schema, output_schema, strict_schema, tool_description, tool_name
 from .mcp_spec import tool_annotations
 
 __all__ = (
@@ -77,12 +77,16 @@ def tool_definition(manifest: Manifest, fmt: ToolFormat) -> dict[str, Any]:
     if fmt == "anthropic":
         return {"name": name, "description": description, "input_schema": input_schema(manifest)}
     if fmt == "mcp":
-        return {
+        tool: dict[str, Any] = {
             "name": name,
             "description": description,
             "inputSchema": input_schema(manifest),
-            "annotations": mcp_annotations(manifest),
         }
+        declared = output_schema(manifest)
+        if declared is not None:
+            tool["outputSchema"] = declared
+        tool["annotations"] = mcp_annotations(manifest)
+        return tool
     raise ValueError(f"unknown tool format {fmt!r}; known: {', '.join(FORMATS)}")
 
 

@@ -182,7 +182,7 @@ class McpGateway:
         self._log(f"mcp: {executor}: job {job_id} {result.status}")
         if result.undo_ids:
             self._undoable.add(job_id)
-        return tool_result(result)
+        return tool_result(result, manifest)
 
     async def _tick(self, session: Any, job_id: str, started: float) -> None:
         fraction: float | None = None  # the executor's last, once it gave one

@@ -26,7 +26,11 @@ annotation for every call of the tool, so it must hold for the worst call):
 
 **Results**: a succeeded job is ``structuredContent`` (its JSON output: an object as it
 is, any other value as ``{"result": value}``, since MCP before 2026-07-28 allows only an
-object there) and one text block (the output as JSON, a string output as itself). Any
+object there) and one text block (the output as JSON, a string output as itself). When
+the manifest declares its output (``[output.*]``, the tool's ``outputSchema``), MCP
+requires ``structuredContent`` to conform: an output that does not is an ``isError``
+result (``error_code`` ``E_BAD_OUTPUT``) whose text says what broke the schema and
+shows the output, never structured content that a client's validator would reject. Any
 other verdict is ``isError: true`` with a text that names the verdict, the error code and
 its sentence, so a model can adapt; never a protocol error. ``_meta`` holds ``job_id``,
 ``status``, ``containment`` (the report of which walls held), ``undo_ids``, and for an
@@ -43,9 +47,10 @@ import msgspec
 
 from ..manifest import Manifest
 from ..messages import UNDO_EXECUTOR, Result
-from ..toolspec import input_schema, tool_name
+from ..toolspec import input_schema, output_problem, output_schema, tool_name
 
 __all__ = (
+    "BAD_STRUCTURED_OUTPUT",
     "UNDO_TOOL",
     "tool_annotations",
     "error_result",
@@ -56,6 +61,9 @@ __all__ = (
 
 #: The name of the undo tool (``--undo-tool``).
 UNDO_TOOL: Final = tool_name(UNDO_EXECUTOR)
+
+#: The ``error_code`` of a succeeded job whose output breaks the tool's ``outputSchema``.
+BAD_STRUCTURED_OUTPUT: Final = "E_BAD_OUTPUT"
 
 #: Capability kinds whose effects leave the machine.
 _OPEN_WORLD_KINDS: Final = ("network", "provider")
@@ -101,14 +109,19 @@ def _description(manifest: Manifest) -> str:
 
 
 def tool_definition(manifest: Manifest, *, assume_staged: bool = False) -> dict[str, Any]:
-    """`manifest` as an MCP tool (``tools/list`` entry)."""
-    return {
+    """`manifest` as an MCP tool (``tools/list`` entry); ``outputSchema`` when the manifest
+    declares its output (``[output.*]``)."""
+    out: dict[str, Any] = {
         "name": tool_name(manifest.name),
         "description": _description(manifest),
         "inputSchema": input_schema(manifest),
-        "annotations": tool_annotations(manifest, assume_staged=assume_staged),
-        "_meta": {"executor": manifest.name, "version": manifest.version},
     }
+    declared = output_schema(manifest)
+    if declared is not None:
+        out["outputSchema"] = declared
+    out["annotations"] = tool_annotations(manifest, assume_staged=assume_staged)
+    out["_meta"] = {"executor": manifest.name, "version": manifest.version}
+    return out
 
 
 def undo_tool_definition() -> dict[str, Any]:
@@ -166,9 +179,19 @@ def _lost_walls(result: Result) -> Iterable[str]:
     return () if result.containment is None else result.containment.lost()
 
 
-def tool_result(result: Result) -> dict[str, Any]:
-    """`result` as an MCP ``CallToolResult`` (see the module's text)."""
+def tool_result(result: Result, manifest: Manifest | None = None) -> dict[str, Any]:
+    """`result` as an MCP ``CallToolResult`` (see the module's text), its output checked
+    against `manifest`'s output schema when it declares one."""
     meta = _meta(result)
+    problem = None if manifest is None else output_problem(manifest, result.output)
+    if result.status == "succeeded" and problem is not None:
+        meta["error_code"] = BAD_STRUCTURED_OUTPUT
+        text = (
+            f"the job succeeded (job {result.job_id}) but its output does not match the "
+            f"tool's output schema: {problem}. {BAD_STRUCTURED_OUTPUT}; the output was: "
+            f"{_text(result.output)[:2000]}"
+        )
+        return {"content": [{"type": "text", "text": text}], "isError": True, "_meta": meta}
     if result.status == "succeeded":
         output = result.output
         structured = output if isinstance(output, dict) else {"result": output}

@@ -33,7 +33,7 @@ from metnos_exec.tools import (
     tool_definition,
 )
 from metnos_exec.tools.mcp_spec import tool_annotations
-from metnos_exec.toolspec import TOOL_NAME_RE, input_schema
+from metnos_exec.toolspec import TOOL_NAME_RE, input_schema, output_schema
 from tests.helpers.rich_manifest import LOOSE, write_executor
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples" / "executors"
@@ -163,8 +163,14 @@ def test_what_strict_mode_cannot_express_is_exported_not_strict(tmp_path: Path) 
 def test_mcp_definitions_carry_annotations_from_the_capabilities() -> None:
     registry = ExecutorRegistry.load(EXAMPLES)
     tools = {n: tool_definition(registry[n].manifest, "mcp") for n in registry}
-    for tool in tools.values():
-        assert set(tool) == {"name", "description", "inputSchema", "annotations"}
+    for name, tool in tools.items():
+        declared = output_schema(registry[name].manifest)
+        keys = {"name", "description", "inputSchema", "annotations"}
+        assert set(tool) == (keys | {"outputSchema"} if declared else keys)
+        if declared:
+            assert tool["outputSchema"] == declared
+            jsonschema.Draft202012Validator.check_schema(declared)
+    assert "outputSchema" in tools["read_notes"]  # the example that declares its output
     hints = {n: t["annotations"] for n, t in tools.items()}
     assert hints["read_notes"]["readOnlyHint"] and not hints["read_notes"]["openWorldHint"]
     # The MCP server's own rules (tools/mcp_spec): a network request is never read-only,

@@ -169,6 +169,9 @@ async def check_tools(client: McpClient) -> None:
     read = tools["read_notes"]
     assert read.input_schema["properties"]["path"]["type"] == "string"
     assert read.input_schema["additionalProperties"] is False
+    assert read.output_schema is not None  # read_notes declares its output
+    assert read.output_schema["required"] == ["kind", "path"]
+    assert tools["word_count"].output_schema is None
     a = read.annotations
     assert a is not None and a.read_only_hint is True and a.open_world_hint is False
     assert a.idempotent_hint is False
@@ -185,6 +188,16 @@ async def check_read_notes(client: McpClient, q: Queue) -> None:
     assert out.is_error is False, out.content
     assert out.structured_content is not None
     assert out.structured_content["text"] == "milk\n"
+    # The SDK client validated it against the listed outputSchema (it raises otherwise);
+    # say so here too, with a validator of our own choosing.
+    import jsonschema
+
+    listed = {t.name: t for t in (await client.list_tools()).tools}["read_notes"]
+    jsonschema.Draft202012Validator(listed.output_schema).validate(out.structured_content)
+    folder = await client.call_tool("read_notes", {"path": str(q.home / "notes")})
+    assert folder.is_error is False, folder.content
+    assert folder.structured_content is not None
+    assert folder.structured_content["notes"][0]["path"] == "today.md"
     assert "milk" in out.content[0].text  # type: ignore[union-attr]
     meta = out.meta or {}
     assert meta["status"] == "succeeded" and meta["job_id"]

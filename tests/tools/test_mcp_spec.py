@@ -11,7 +11,7 @@ import pytest
 from metnos_exec.manifest import ExecutorRegistry, Manifest
 from metnos_exec.messages import ErrorInfo, Result
 from metnos_exec.tools.mcp_spec import error_result, tool_annotations, tool_definition, tool_result
-from metnos_exec.toolspec import input_schema
+from metnos_exec.toolspec import input_schema, output_schema
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "executors"
 REGISTRY = ExecutorRegistry.load(EXAMPLES)
@@ -54,6 +54,25 @@ def test_tool_definition_uses_toolspec() -> None:
     tool = tool_definition(m)
     assert tool["name"] == "read_notes" and tool["inputSchema"] == input_schema(m)
     assert "fs:read ~/notes/**" in tool["description"]
+
+
+def test_a_declared_output_is_the_output_schema_and_is_enforced() -> None:
+    """read_notes declares its output: the tool has outputSchema; a conforming output is
+    structured content, one that breaks the schema is an isError result saying why."""
+    m = REGISTRY["read_notes"].manifest
+    assert tool_definition(m)["outputSchema"] == output_schema(m)
+    assert "outputSchema" not in tool_definition(REGISTRY["word_count"].manifest)
+    good = {"kind": "note", "path": "/n/a.md", "text": "milk", "truncated": False}
+    ok = tool_result(Result(job_id="j", status="succeeded", output=good), m)
+    assert ok["isError"] is False and ok["structuredContent"] == good
+    bad = tool_result(Result(job_id="j", status="succeeded", output={"kind": "note"}), m)
+    assert bad["isError"] is True and "structuredContent" not in bad
+    text = bad["content"][0]["text"]
+    assert "does not match the tool's output schema" in text
+    assert "output.path is required" in text and '{"kind": "note"}' in text
+    assert bad["_meta"]["error_code"] == "E_BAD_OUTPUT" and bad["_meta"]["status"] == "succeeded"
+    failed = tool_result(Result(job_id="j", status="failed", output={"error": "x"}), m)
+    assert failed["isError"] is True and "job failed" in failed["content"][0]["text"]
 
 
 def test_a_succeeded_result() -> None:
