@@ -21,6 +21,16 @@ def _host_port(text: str) -> tuple[str, int]:
     return (host or "127.0.0.1"), int(port)
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds, 0 or more")
+    return value
+
+
 def _cmd_mcp(ns: argparse.Namespace) -> int:
     try:
         from ..tools import mcp_server
@@ -54,6 +64,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
                 assume_staged=ns.assume_staged,
                 progress_every=ns.progress_every,
                 log=(lambda _line: None) if ns.quiet else None,
+                tasks=None if ns.no_tasks else mcp_server.TaskPolicy(ns.tasks_over),
             )
             if ns.http is None:
                 await mcp_server.serve_stdio(gateway)
@@ -126,6 +137,20 @@ def register(subparsers: Subparsers) -> None:
         default=1.0,
         metavar="S",
         help="seconds between progress notifications while a job runs (default 1)",
+    )
+    m.add_argument(
+        "--tasks-over",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="answer a call as an MCP Task (io.modelcontextprotocol/tasks; task id = job id) "
+        "when the client declares the extension and the tool's timeout exceeds S seconds "
+        "(0: every call; default 30)",
+    )
+    m.add_argument(
+        "--no-tasks",
+        action="store_true",
+        help="never answer with a task, and do not advertise the tasks extension",
     )
     m.add_argument(
         "--quiet", action="store_true", help="no line on stderr per call (job id, verdict)"

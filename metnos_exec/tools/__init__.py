@@ -27,7 +27,8 @@ Running a model's call is `Client.run_tool_call` (`metnos_exec.toolcall`), in `c
   for a refusal or a failed job). It imports no MCP SDK.
 - `tools.mcp_server`: ``metnos-exec mcp``, the MCP server over the queue (stdio and
   streamable HTTP), built on the ``mcp`` SDK (the ``metnos-exec[mcp]`` extra), imported
-  only there.
+  only there and in `tools.mcp_tasks`: the MCP Tasks extension, a long call answered
+  with a task whose id is the job id.
 
 Tool names and input schemas come from `metnos_exec.toolspec`, never from here.
 """

@@ -50,9 +50,18 @@ from ..client import Client
 from ..errors import MetnosError, UndoConflict, UndoUnavailable
 from ..manifest import ExecutorRegistry, Manifest
 from ..toolspec import executor_for_tool
+from . import mcp_tasks
 from .mcp_spec import UNDO_TOOL, error_result, tool_definition, tool_result, undo_tool_definition
+from .mcp_tasks import TaskPolicy
 
-__all__ = ("LOOPBACK_HOSTS", "McpGateway", "needs_token", "serve_http", "serve_stdio")
+__all__ = (
+    "LOOPBACK_HOSTS",
+    "McpGateway",
+    "TaskPolicy",
+    "needs_token",
+    "serve_http",
+    "serve_stdio",
+)
 
 #: The addresses `serve_http` binds without a token.
 LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -77,6 +86,7 @@ class McpGateway:
         undo_tool: serve ``metnos_undo`` (``--undo-tool``).
         assume_staged: the operator says every worker stages writes (see `mcp_spec`).
         log: where one line per call goes (stderr: stdout is the wire on stdio).
+        tasks: when calls may be answered as MCP Tasks (`mcp_tasks`); ``None``: never.
     """
 
     def __init__(
@@ -88,8 +98,10 @@ class McpGateway:
         assume_staged: bool = False,
         progress_every: float = PROGRESS_EVERY_S,
         log: Callable[[str], None] | None = None,
+        tasks: TaskPolicy | None = None,
     ) -> None:
         self.client = client
+        self.tasks = tasks
         self.undo_tool = undo_tool
         self.assume_staged = assume_staged
         self.progress_every = progress_every
@@ -97,6 +109,10 @@ class McpGateway:
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         #: Jobs of this server whose results carried undo ids (what the undo tool takes).
         self._undoable: set[str] = set()
+
+    def note(self, line: str) -> None:
+        """Log one line about a call (stderr, unless ``--quiet``)."""
+        self._log(line)
 
     async def manifests(self) -> dict[str, Manifest]:
         """The executors served, by name."""
@@ -113,7 +129,7 @@ class McpGateway:
         """The SDK server with this gateway's handlers."""
         from .. import __version__
 
-        return Server(
+        server: Server[Any] = Server(
             "metnos-exec",
             version=__version__,
             instructions=(
@@ -123,6 +139,9 @@ class McpGateway:
             on_list_tools=self.list_tools,
             on_call_tool=self.call_tool,
         )
+        if self.tasks is not None:
+            mcp_tasks.install(server, self, self.tasks)
+        return server
 
     async def list_tools(
         self, ctx: Any, params: types.PaginatedRequestParams | None
