@@ -419,10 +419,9 @@ def test_agent_loop_transcript_has_no_log_record_in_it(tmp_path: Path) -> None:
     import sys
 
     env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
-    script = Path(__file__).resolve().parent.parent / "examples" / "agent_loop.py"
     log = tmp_path / "agent.jsonl"
     out = subprocess.run(
-        [sys.executable, str(script), "--log-file", str(log)],
+        [sys.executable, str(AGENT_LOOP), "--log-file", str(log)],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -432,13 +431,15 @@ def test_agent_loop_transcript_has_no_log_record_in_it(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout
     lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert all(line.startswith(("Thought ", "Action ", "Observation ")) for line in lines), lines
-    assert len(lines) == 15 and "E_CAPABILITY_DENIED" in lines[11], lines
+    assert lines[0].startswith("Tools "), lines
+    steps = lines[1:]
+    assert all(line.startswith(("Thought ", "Action ", "Observation ")) for line in steps), lines
+    assert len(steps) == 15 and "E_CAPABILITY_DENIED" in steps[11], lines
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert "job.rejected" in {r["event"] for r in records}  # the record went to the file
 
     plain = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(AGENT_LOOP)],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -449,3 +450,64 @@ def test_agent_loop_transcript_has_no_log_record_in_it(tmp_path: Path) -> None:
     assert plain.returncode == 0, plain.stdout
     assert not [line for line in plain.stdout.splitlines() if line.lstrip().startswith("{")]
     assert plain.stdout.count("Observation ") == 5
+
+
+AGENT_LOOP = Path(__file__).resolve().parent.parent / "examples" / "agent_loop.py"
+
+
+@pytest.mark.parametrize("fmt", ["openai", "openai-responses", "anthropic"])
+def test_agent_loop_offers_the_exported_tools_and_dispatches_with_run_tool_call(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Issue 19: the loop's tool list is the exporter's, every action is a tool call in the
+    provider's own shape (parse_tool_call reads it as that provider's), and every
+    observation is the provider-shaped result run_tool_call returned: the output and the
+    containment line on success, an ERROR text (is_error for Anthropic) for the refusal."""
+    import json
+    import subprocess
+    import sys
+
+    from metnos_exec.toolcall import parse_tool_call
+    from metnos_exec.tools import definitions_from_folder
+
+    _bwrap()  # the containment line says every wall held: the bwrap arm's report
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    out = subprocess.run(
+        [sys.executable, str(AGENT_LOOP), "--format", fmt],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    exported, _ = definitions_from_folder(EXAMPLES, fmt)  # type: ignore[arg-type]
+    names = sorted(t["function"]["name"] if "function" in t else t["name"] for t in exported)
+    assert lines[0] == f"Tools ({fmt}, from the exporter): {', '.join(names)}"
+    provider = {"openai": "openai-chat"}.get(fmt, fmt)
+    actions = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("Action")]
+    replies = [
+        json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("Observation")
+    ]
+    assert len(actions) == len(replies) == 5
+    for action, reply in zip(actions, replies, strict=True):
+        call = parse_tool_call(action)
+        assert call.provider == provider and call.name in names
+        if fmt == "openai":
+            assert reply["role"] == "tool" and reply["tool_call_id"] == call.id
+        elif fmt == "openai-responses":
+            assert reply["type"] == "function_call_output" and reply["call_id"] == call.id
+        else:
+            assert reply["type"] == "tool_result" and reply["tool_use_id"] == call.id
+    if fmt != "anthropic":  # strict tools: every property sent, null for those left out
+        first = parse_tool_call(actions[0])
+        assert first.args == {"path": None, "max_bytes": None}
+    texts = [r.get("content", r.get("output")) for r in replies]
+    assert json.loads(texts[0].splitlines()[0])["notes"][0]["path"] == "ideas.md"
+    assert parse_tool_call(actions[1]).args["path"] == "~/notes/ideas.md"  # read from obs 1
+    assert "every wall held" in texts[0] and "can be undone" in texts[2]
+    assert texts[3].startswith("ERROR:") and "E_CAPABILITY_DENIED" in texts[3]
+    if fmt == "anthropic":
+        assert [r["is_error"] for r in replies] == [False, False, False, True, False]
+    assert "- reply to Ada about the queue" in texts[4]
