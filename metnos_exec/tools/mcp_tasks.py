@@ -32,7 +32,9 @@ extension is refused with ``-32021`` (missing required client capability).
 
 Not served: ``tasks/result`` and ``tasks/list`` (the 2025-11-25 experimental utility; the
 extension replaced the first by the inlined ``result`` and dropped the second), and
-``notifications/tasks`` (optional; clients poll).
+``notifications/tasks`` (optional; clients poll). The ``metnos_undo`` tool takes only the
+synchronous calls of its server: a task's changes are undone with ``metnos-exec undo
+<task id>`` (its undo ids are in the inlined result's ``_meta``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ __all__ = ("TASKS_EXTENSION", "TaskPolicy", "install", "wants_task")
 #: The extension's identifier (SEP-2663).
 TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
 
+#: How many tasks' executors a server remembers (for the output schema check), newest kept.
+MAX_REMEMBERED: Final = 10_000
+
 #: The poll interval suggested to clients, in milliseconds.
 POLL_INTERVAL_MS: Final = 500
 
@@ -80,9 +85,10 @@ class TaskPolicy:
     def __init__(self, over_s: float = 30.0, *, ttl_s: float = DEFAULT_RETENTION_S) -> None:
         self.over_s = over_s
         self.ttl_s = ttl_s
-        #: The executor of each task this process created: a result names no executor,
-        #: and its output is checked against that executor's output schema. A task of
-        #: another process (or of this one before a restart) is shown without the check.
+        #: The executor of each task this process created (the newest `MAX_REMEMBERED`): a
+        #: result names no executor, and its output is checked against that executor's
+        #: output schema. A task of another process (or of this one before a restart) is
+        #: shown without the check.
         self.executors: dict[str, str] = {}
 
 
@@ -155,6 +161,8 @@ async def create_task(
     except MetnosError as exc:
         return error_result(exc.code, str(exc))
     policy.executors[job_id] = executor
+    while len(policy.executors) > MAX_REMEMBERED:
+        del policy.executors[next(iter(policy.executors))]  # the oldest task
     gateway.note(f"mcp: {executor}: job {job_id} submitted as a task")
     return {
         "resultType": "task",
@@ -209,6 +217,8 @@ def install(server: Server[Any], gateway: McpGateway, policy: TaskPolicy) -> Non
     """
 
     async def on_call(ctx: Any, params: types.CallToolRequestParams) -> Any:
+        if not _declares(ctx):  # the common case costs one dict lookup, nothing more
+            return await gateway.call_tool(ctx, params)
         manifests = await gateway.manifests()
         executor = executor_for_tool(params.name, manifests)
         if executor is not None and wants_task(policy, ctx, manifests[executor]):
