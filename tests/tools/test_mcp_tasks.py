@@ -265,3 +265,16 @@ def test_which_calls_become_tasks_and_when_a_task_was_created(anyio_backend: str
     assert not wants_task(None, modern, manifest(120))
     assert wants_task(TaskPolicy(0), modern, manifest(1))
     assert abs(_created_s(new_job_id()) - time.time()) < 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # argument parsing: no event loop
+def test_tasks_over_takes_seconds_zero_or_more(
+    anyio_backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from metnos_exec.cli import main
+
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as exited:
+            main(["mcp", "--stdio", "--executors", ".", "--tasks-over", bad])
+        assert exited.value.code == 2, bad
+        assert "--tasks-over" in capsys.readouterr().err
