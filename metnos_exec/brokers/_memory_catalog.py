@@ -10,7 +10,7 @@ from typing import Any
 import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo
-from ..messages import Progress, Result
+from ..messages import Job, Progress, Result
 from .base import Lease, UndoRecord
 from .presence import JOB_STATES, RECENTLY_GONE_S, JobListing, WorkerInfo, sort_out
 
@@ -112,3 +112,8 @@ class MemoryCatalog:
                 )
             )
         return out
+
+    async def get_job(self, job_id: str) -> Job | None:
+        await anyio.lowlevel.checkpoint()
+        entry = self._entries.get(job_id)
+        return entry.job if entry is not None else None

@@ -10,7 +10,8 @@ import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, BrokerCorrupt
-from ..messages import UndoEntry, decode_undo_entry, encode
+from ..messages import Job, UndoEntry, decode_undo_entry, encode
+from ._common import decode_body
 from ._redis_client import BATCH, RedisStore, as_str
 from .base import Lease, PurgeReport, UndoRecord
 from .presence import (
@@ -127,6 +128,13 @@ class RedisRecords(RedisStore):
                 )
             )
         return out
+
+    async def get_job(self, job_id: str) -> Job | None:
+        body = await self._guard(self._redis.hget(self.keys.job(job_id), "body"))
+        if body is None:
+            return None
+        found = decode_body(job_id, body)
+        return found if isinstance(found, Job) else None
 
     async def queued_executors(self) -> dict[tuple[str, str], int]:
         flat = await self._script("queued_routes")

@@ -13,7 +13,8 @@ import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, BrokerCorrupt, BrokerError
-from ..messages import UndoEntry, decode_undo_entry, encode
+from ..messages import Job, UndoEntry, decode_undo_entry, encode
+from ._common import decode_body
 from ._sqlite_store import IN_CHUNK, SQLiteStore, column_text
 from .base import Lease, UndoRecord
 from .presence import (
@@ -148,6 +149,13 @@ class SQLiteRecords(SQLiteStore):
             )
             for job_id, name, old, dev, state, attempt, worker, status, at in rows
         ]
+
+    async def get_job(self, job_id: str) -> Job | None:
+        rows = await self._run(self._read_missing_ok, "SELECT body FROM jobs WHERE id = ?", job_id)
+        if not rows:
+            return None
+        found = decode_body(job_id, rows[0][0])
+        return found if isinstance(found, Job) else None
 
     async def queued_executors(self) -> dict[tuple[str, str], int]:
         rows = await self._run(

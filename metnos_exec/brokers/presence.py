@@ -20,6 +20,8 @@ from typing import Final
 
 import msgspec
 
+from ..messages import Job
+
 __all__ = (
     "RECENTLY_GONE_S",
     "WORKER_BEAT_S",
@@ -185,3 +187,9 @@ class FleetRecords:
         """Up to `limit` jobs in `states`, the most recently submitted first, optionally
         of one `executor` or `device`. The default lists none (a broker that cannot)."""
         return []
+
+    async def get_job(self, job_id: str) -> Job | None:
+        """The job message stored under `job_id` (its arguments, for the live view), or
+        ``None``: unknown, forgotten by a purge, or a body that does not decode (a
+        malformed message, which `dead_letters` keeps raw). The default: none."""
+        return None

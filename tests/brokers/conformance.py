@@ -862,6 +862,18 @@ class BrokerConformance:
             assert len(await b.list_jobs(limit=2)) == 2
             assert await b.list_jobs(states=["dead"]) == []
 
+    async def test_get_job_returns_the_stored_message(self) -> None:
+        """The live view's job detail reads a job's arguments back, in every state."""
+        async with self.broker() as (b, _clock):
+            j = Job(executor="alpha", args={"path": "<b>x</b>", "n": [1, 2]})
+            await b.submit(j)
+            assert await b.get_job(j.id) == j
+            [lease] = await b.lease("w", visibility_s=VIS)
+            assert await b.ack(lease, ok_result(lease))
+            got = await b.get_job(j.id)
+            assert got is not None and got.args == {"path": "<b>x</b>", "n": [1, 2]}
+            assert await b.get_job("01NOSUCHJOB") is None
+
     async def test_worker_presence_records(self) -> None:
         """Registered, renewed, stopped; a record gone longer than asked is forgotten."""
         from metnos_exec.brokers.presence import WORKER_TTL_S, WorkerInfo, is_live
