@@ -1,7 +1,8 @@
 """``metnos-exec``: run workers, submit jobs, read results and logs.
 
 Commands: ``worker``, ``submit``, ``result``, ``cancel``, ``status``, ``purge``, ``tail``,
-``undo``, ``tools``, ``mcp``, ``bench``, ``codes``, ``doctor``, ``keygen``, ``sign``.
+``web``, ``top``, ``undo``, ``tools``, ``mcp``, ``bench``, ``codes``, ``doctor``,
+``keygen``, ``sign``.
 ``metnos-exec COMMAND --help`` explains each. The broker URL comes from ``--broker``,
 else ``$METNOS_BROKER``, else ``sqlite:///./metnos.db``.
 
@@ -30,7 +31,8 @@ shown only with ``METNOS_DEBUG=1``.
 
 Each command group is one module that adds its subparsers next to the code that runs
 them (its ``register``): `worker`; `jobs` (``submit``, ``result``, ``cancel``); `queue`
-(``status``, ``tail``, ``purge``); `undo`; `tools` (tool definitions for a model API);
+(``status``, ``tail``, ``purge``); `web` (``web``, ``top``: the live view); `undo`;
+`tools` (tool definitions for a model API);
 `mcp` (the MCP server); `codes`; `doctor`; `keys` (``keygen``, ``sign``); `bench`.
 `_common` holds what they share (`EXIT`, the ``--broker`` option, the epilog, the option
 types, opening a broker), `_results` how a job waited for is shown.
@@ -46,14 +48,14 @@ from typing import NoReturn
 
 from .._terminal import visible
 from ..errors import MetnosError
-from . import bench, codes, doctor, jobs, keys, mcp, queue, tools, undo, worker
+from . import bench, codes, doctor, jobs, keys, mcp, queue, tools, undo, web, worker
 from ._common import _EPILOG, EXIT, _Exit, _exit_for, _Formatter
 from ._results import _print_result as _print_result
 
 __all__ = ("EXIT", "main")
 
 #: The command groups, in the order ``metnos-exec --help`` lists their commands.
-_GROUPS = (worker, jobs, queue, undo, tools, mcp, codes, doctor, keys, bench)
+_GROUPS = (worker, jobs, queue, web, undo, tools, mcp, codes, doctor, keys, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
