@@ -8,6 +8,7 @@ the cursor, retitle the window or restyle the table.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Final
 
@@ -127,8 +128,8 @@ async def run_top(broker: Broker, *, url: str, interval_s: float, once: bool) ->
     clock = RunningClock()
     console = Console()
     if once:
-        if not console.is_terminal:
-            console = Console(width=160)
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            console = Console(width=160)  # a pipe: wider than rich's 80, unless told
         console.print(render(await overview(broker, clock, url=url)))
         return
     with Live(console=console, screen=False, auto_refresh=False) as live:

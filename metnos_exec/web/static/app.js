@@ -1,6 +1,6 @@
 // The live view of metnos-exec. No framework, no build step, nothing fetched from
 // elsewhere. Every value from the queue is job data, hence hostile: it enters the page
-// only through textContent (and dataset), never innerHTML or any other HTML parser.
+// only through textContent (and dataset), never through any HTML parser.
 "use strict";
 
 const POLL_MS = 1000;
