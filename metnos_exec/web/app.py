@@ -157,6 +157,35 @@ def _same_origin(request: Request) -> bool:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+def _guarded(settings: WebSettings, fn: Handler, *, write: bool) -> Handler:
+    """`fn` behind the view's rules: read-only unless actions are allowed, an action only
+    from this origin, the token when there is one; a store failure as a 503."""
+
+    async def guarded(request: Request) -> Response:
+        if write and not settings.allow_actions:
+            return _refuse(
+                403,
+                "E_WEB_READ_ONLY",
+                "this view is read-only (start it with --allow-actions and a token to cancel "
+                "or undo)",
+            )
+        if write and not _same_origin(request):
+            return _refuse(403, "E_WEB_ORIGIN", "actions come from this view's page only")
+        if not _token_ok(request, settings.token):
+            return _refuse(
+                401,
+                "E_WEB_TOKEN",
+                "the view's token is missing or wrong (open the page as "
+                "http://HOST:PORT/#token=TOKEN)",
+            )
+        try:
+            return await fn(request)
+        except BrokerError as exc:
+            return _refuse(503, exc.code, str(exc))
+
+    return guarded
+
+
 def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette:
     """The view's ASGI app. With `broker` it reads that one (tests; the caller closes
     it); otherwise it opens ``settings.broker_url`` for reading at startup."""
@@ -174,32 +203,7 @@ def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette
             yield
 
     def api(*, write: bool = False) -> Callable[[Handler], Handler]:
-        def wrap(fn: Handler) -> Handler:
-            async def guarded(request: Request) -> Response:
-                if write and not settings.allow_actions:
-                    return _refuse(
-                        403,
-                        "E_WEB_READ_ONLY",
-                        "this view is read-only (start it with "
-                        "--allow-actions and a token to cancel or undo)",
-                    )
-                if write and not _same_origin(request):
-                    return _refuse(403, "E_WEB_ORIGIN", "actions come from this view's page only")
-                if not _token_ok(request, settings.token):
-                    return _refuse(
-                        401,
-                        "E_WEB_TOKEN",
-                        "the view's token is missing or wrong (open the "
-                        "page as http://HOST:PORT/#token=TOKEN)",
-                    )
-                try:
-                    return await fn(request)
-                except BrokerError as exc:
-                    return _refuse(503, exc.code, str(exc))
-
-            return guarded
-
-        return wrap
+        return lambda fn: _guarded(settings, fn, write=write)
 
     async def static(request: Request) -> Response:
         name, media = _STATIC[request.url.path]
@@ -233,8 +237,12 @@ def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette
             return _refuse(409, exc.code, str(exc))
         return _json({"undo_job_id": undo_id})
 
+    async def no_icon(request: Request) -> Response:
+        return Response(status_code=204)  # a browser asks; a 404 would litter its console
+
     routes = [Route(path, static) for path in _STATIC]
     routes += [
+        Route("/favicon.ico", no_icon),
         Route("/api/overview", get_overview),
         Route("/api/jobs/{job_id}", get_job),
         Route("/api/jobs/{job_id}/cancel", cancel, methods=["POST"]),

@@ -11,13 +11,15 @@ let actions = false;
 
 // The token arrives in the address's fragment (#token=...), which the browser never sends
 // to a server or puts in a Referer; it is kept for this tab only and wiped from the bar.
-(function takeToken() {
+function takeToken() {
   const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
   if (m) {
     sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
     history.replaceState(null, "", location.pathname + location.search);
   }
-})();
+}
+takeToken();
+window.addEventListener("hashchange", takeToken);  // a token pasted into an open tab
 
 function headers() {
   const token = sessionStorage.getItem(TOKEN_KEY);
