@@ -146,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                 polls_total += polls
     q, p = statistics.median(quiet), statistics.median(polled)
     print(f"worker draining {ns.jobs} no-op jobs (echo arm, SQLite), median of {ns.rounds}")
-    print(
-        f"  quiet (no view):            {q:8.1f} jobs/s  rounds: {', '.join(f'{x:.0f}' for x in quiet)}"
-    )  # noqa: E501
-    print(
-        f"  view polled every {ns.interval:g} s:    {p:8.1f} jobs/s  rounds: {', '.join(f'{x:.0f}' for x in polled)}"
-    )  # noqa: E501
+
+    def rounds(xs: list[float]) -> str:
+        return ", ".join(f"{x:.0f}" for x in xs)
+
+    print(f"  quiet (no view):             {q:8.1f} jobs/s  rounds: {rounds(quiet)}")
+    print(f"  view polled every {ns.interval:g} s:     {p:8.1f} jobs/s  rounds: {rounds(polled)}")
     print(f"  polls answered: {polls_total}")
     print(f"  cost: {(1 - p / q) * 100:+.1f} % (target: at most 3 %)")
     return 0
