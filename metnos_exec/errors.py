@@ -354,4 +354,10 @@ ERROR_CODES: dict[str, str] = {
     "E_FETCH": "a download never matched its pinned SHA-256 (hashes named), or kept failing",
     "E_HOST_FAULT": "the harness itself broke; no verdict about the job could be given",
     "E_INTERNAL": "an unexpected error inside metnos-exec (a bug; please report it)",
+    # the live view's answers (metnos-exec web: HTTP refusals, never a job's result)
+    "E_NOT_FOUND": "the live view knows no job of that id in its queue",
+    "E_WEB_TOKEN": "the live view's token is missing or wrong (open it as URL/#token=TOKEN)",
+    "E_WEB_READ_ONLY": "the live view is read-only: start it with --allow-actions and a token",
+    "E_WEB_ORIGIN": "an action came from another page than the live view's (cross-site)",
+    "E_WEB_HOST": "a request named a host the live view does not answer to (DNS rebinding)",
 }
