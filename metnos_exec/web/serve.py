@@ -134,8 +134,9 @@ async def serve(host: str, port: int, settings: WebSettings) -> None:
         )
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the socket now
-    config.accesslog = None
-    config.errorlog = None
+    config.accesslog = None  # one line per poll, every second: noise, not news
+    config.errorlog = "-"  # a fault in the app reaches stderr, with its traceback
+    config.loglevel = "WARNING"
     config.graceful_timeout = 2.0
     shown = f"[{host}]" if ":" in host else host
     async with open_broker(settings.broker_url, create=False) as broker:
