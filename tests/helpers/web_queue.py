@@ -121,3 +121,8 @@ def fill_queue(path: Path) -> tuple[str, dict[str, str]]:
     """A queue file at `path` with one job per state; its URL and the job ids by name."""
     url = f"sqlite:///{path}"
     return url, anyio.run(_fill, url)
+
+
+def fill_url(url: str) -> dict[str, str]:
+    """The same jobs on the queue `url` names (a Redis prefix, say); their ids by name."""
+    return anyio.run(_fill, url)

@@ -15,7 +15,7 @@ import pytest
 
 from metnos_exec.brokers import open_broker
 from tests.conftest import need_import
-from tests.helpers.web_queue import ESCAPES, HOSTILE, fill_queue
+from tests.helpers.web_queue import ESCAPES, HOSTILE, fill_queue, fill_url
 
 need_import("starlette", "web")
 need_import("httpx", "web-test")
@@ -234,3 +234,20 @@ def test_overview_counts_match_status(
         "done": stats.done,
         "dead": stats.dead,
     }
+
+
+def test_the_view_reads_a_redis_queue_too(
+    redis_server: Any, tmp_path: Path, anyio_backend: str
+) -> None:
+    url = f"{redis_server.url}?prefix=web-{tmp_path.name}"
+    ids = fill_url(url)
+    settings = check_settings("127.0.0.1", 8765, broker_url=url, token=None, allow_actions=False)
+    with client(settings, anyio_backend) as view:
+        doc = view.get("/api/overview").json()
+        c = doc["counts"]
+        assert (c["queued"], c["running"], c["done"], c["dead"]) == (1, 1, 4, 1)
+        walls = {j["job_id"]: j["walls"] for j in doc["recent"]}
+        assert walls[ids["degraded"]]["network"] == "not_kept"
+        assert [w["id"] for w in doc["workers"]] == ["w1"]
+        detail = view.get(f"/api/jobs/{ids['hostile']}").json()
+        assert detail["job"]["args"]["note"] == HOSTILE + ESCAPES
