@@ -17,6 +17,7 @@ from ._common import (
     _positive_float,
     _run,
     add_command,
+    os_error_exit,
 )
 
 
@@ -55,6 +56,8 @@ def _cmd_web(ns: argparse.Namespace) -> int:
         return anyio.run(go, backend=ns.backend)
     except MetnosError as exc:
         raise _Exit(_exit_for(exc), str(exc)) from None
+    except OSError as exc:
+        raise os_error_exit(exc) from None
 
 
 def _cmd_top(ns: argparse.Namespace) -> int:
