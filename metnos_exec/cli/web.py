@@ -11,6 +11,7 @@ from ..errors import BadConfig, MetnosError
 from ._common import (
     EXIT,
     Subparsers,
+    _check_url,
     _Exit,
     _exit_for,
     _open,
@@ -32,6 +33,7 @@ def _need(module: str) -> None:
 
 
 def _cmd_web(ns: argparse.Namespace) -> int:
+    _check_url(ns.broker)  # a mistyped URL is a usage error before anything listens
     for module in ("starlette", "hypercorn"):
         _need(module)
     import anyio

@@ -901,6 +901,8 @@ BROKER_COMMANDS = {
     "doctor": ("doctor",),
     "tools": ("tools", "--format", "openai"),
     "mcp": ("mcp", "--stdio", "--executors", "."),
+    "web": ("web", "--bind", "127.0.0.1:0"),
+    "top": ("top", "--once"),
 }
 
 
