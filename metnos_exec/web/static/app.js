@@ -26,9 +26,25 @@ function headers() {
   return token ? { "X-Metnos-Token": token } : {};
 }
 
+// Invisible characters spelled out, as `top` and `result` do (metnos_exec/_terminal.py):
+// a bidi override would reorder what the operator reads, a zero-width or control
+// character hide what was sent. Tabs stay; line breaks only in multi-line blocks.
+const HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu;
+const NAMED = { "\n": "\\n", "\r": "\\r", "\t": "\\t" };
+
+function visible(text, newlines) {
+  return String(text).replace(HIDDEN, (c) => {
+    if (c === "\t" || (newlines && c === "\n")) return c;
+    if (NAMED[c]) return NAMED[c];
+    const code = c.codePointAt(0);
+    const hex = (width) => code.toString(16).padStart(width, "0");
+    return code <= 0xff ? `\\x${hex(2)}` : code <= 0xffff ? `\\u${hex(4)}` : `\\U${hex(8)}`;
+  });
+}
+
 function el(tag, text, cls) {
   const node = document.createElement(tag);
-  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (text !== undefined && text !== null) node.textContent = visible(text, false);
   if (cls) node.className = cls;
   return node;
 }
@@ -115,12 +131,12 @@ function renderCounts(doc) {
   const waiting = doc.waiting_for_a_worker.map(
     (w) => `${w.executor || "(older build)"} on ${w.device}: ${w.queued} queued`);
   document.getElementById("waiting").textContent =
-    waiting.length ? `waiting for a worker: ${waiting.join("; ")}` : "";
+    waiting.length ? visible(`waiting for a worker: ${waiting.join("; ")}`, false) : "";
 }
 
 function render(doc) {
   actions = Boolean(doc.view && doc.view.actions);
-  document.getElementById("broker").textContent = doc.broker;
+  document.getElementById("broker").textContent = visible(doc.broker, false);
   document.getElementById("updated").textContent = `updated ${when(doc.at)}`;
   renderCounts(doc);
   fill("running", doc.running, (j) => jobRow(j.job_id, [
@@ -150,7 +166,7 @@ function render(doc) {
 }
 
 function problem(text) {
-  document.getElementById("problem").textContent = text;
+  document.getElementById("problem").textContent = visible(text, false);
 }
 
 async function getJSON(path) {
@@ -162,8 +178,10 @@ async function getJSON(path) {
 
 function renderDetail(doc) {
   const r = doc.result || {};
-  document.getElementById("detail-id").textContent = doc.job_id;
-  const put = (id, value) => { document.getElementById(id).textContent = pretty(value); };
+  document.getElementById("detail-id").textContent = visible(doc.job_id, false);
+  const put = (id, value) => {
+    document.getElementById(id).textContent = visible(pretty(value), true);
+  };
   put("detail-state", doc.state);
   put("detail-args", doc.job ? doc.job.args : null);
   put("detail-result", doc.result
@@ -200,7 +218,7 @@ async function showJob(jobId) {
   try {
     renderDetail(await getJSON(`/api/jobs/${encodeURIComponent(jobId)}`));
   } catch (err) {
-    document.getElementById("detail-message").textContent = String(err.message);
+    document.getElementById("detail-message").textContent = visible(err.message, false);
   }
 }
 
@@ -211,11 +229,11 @@ async function act(jobId, verb) {
       method: "POST", headers: headers(), cache: "no-store",
     });
     const doc = await response.json();
-    message.textContent = response.ok
+    message.textContent = visible(response.ok
       ? `${verb}: ${doc.outcome || doc.undo_job_id}`
-      : `${verb} refused: ${doc.error.code}: ${doc.error.message}`;
+      : `${verb} refused: ${doc.error.code}: ${doc.error.message}`, false);
   } catch (err) {
-    message.textContent = `${verb} failed: ${err.message}`;
+    message.textContent = visible(`${verb} failed: ${err.message}`, false);
   }
 }
 
