@@ -57,6 +57,8 @@ from .errors import (
     UnknownExecutor,
 )
 from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Progress, Result
+from .observe import submit_context
+from .observe.metrics import submitted as count_submitted
 from .toolcall import error_result, parse_tool_call, tool_result
 from .toolspec import executor_for_tool
 from .undo.apply import undo_job_args
@@ -185,7 +187,12 @@ class Client:
                     f"{job.executor} may only run on a server worker, not on device "
                     f"{job.device!r}: {why}; submit it without --device"
                 )
-        receipt = await self._broker.submit(job)
+        with submit_context(job.executor, job.id) as trace:
+            if trace is not None and job.trace is None:
+                job = msgspec.structs.replace(job, trace=trace)
+            receipt = await self._broker.submit(job)
+        # The producer's `metnos_jobs_submitted_total` (a no-op without prometheus-client).
+        count_submitted(job.executor)
         return receipt.job_id
 
     async def _check_known(self, job: Job) -> None:

@@ -71,6 +71,7 @@ __all__ = (
     "ErrorInfo",
     "Job",
     "Result",
+    "TraceContext",
     "ResultStatus",
     "cap_text",
     "check_job_size",
@@ -162,6 +163,22 @@ class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+#: W3C ``traceparent``: version, trace id, parent span id, flags (lower-case hex).
+_TRACEPARENT: Final = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+
+
+class TraceContext(msgspec.Struct, frozen=True, kw_only=True):
+    """The W3C Trace Context of the producer's span (www.w3.org/TR/trace-context).
+
+    Attributes:
+        traceparent: ``00-<trace id: 32 hex>-<parent span id: 16 hex>-<flags: 2 hex>``.
+        tracestate: vendor entries, as the header carries them (``""``: none).
+    """
+
+    traceparent: Annotated[str, msgspec.Meta(pattern=_TRACEPARENT)]
+    tracestate: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
 class Job(msgspec.Struct, frozen=True, kw_only=True):
     """A request to run one executor once (at least once, after a lost lease).
 
@@ -188,6 +205,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
         result_ttl_s: keep this job's result (and the rest of the finished job) this long
             after it finished rather than the whole retention period: the first purge
             after that forgets it (workers purge hourly). ``None``: the retention.
+        trace: the producer's trace context; the worker's span of this job is its child
+            (``None``: not traced).
     """
 
     v: int = WIRE_VERSION
@@ -205,6 +224,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     not_before: float | None = None
     text_args: tuple[_NAME, ...] = ()
     result_ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    trace: TraceContext | None = None
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):

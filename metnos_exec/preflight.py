@@ -15,13 +15,21 @@ from collections.abc import Mapping
 import anyio
 import anyio.to_thread
 
-from .devices.signing import TRUST_KEYS_ENV, TrustStore, load_trust_keys
+from .devices.signing import TRUST_KEYS_ENV, TrustStore, default_verified_dir, load_trust_keys
 from .errors import BadConfig, BadManifest, HostFault, MetnosError, SignatureError
 from .logs import get_logger
 from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
+from .private import check_folder
+from .sandbox._wasm_engine import default_cache_dir
 
-__all__ = ("dry_run_executors", "preload_wasm", "trust_store_for", "verify_executors")
+__all__ = (
+    "check_caches",
+    "dry_run_executors",
+    "preload_wasm",
+    "trust_store_for",
+    "verify_executors",
+)
 
 _log = get_logger()
 
@@ -195,3 +203,14 @@ async def preload_wasm(registry: ExecutorRegistry) -> None:
             continue
         for path, how, seconds in loaded:
             _log.info("worker.preloaded", module=path, how=how, seconds=round(seconds, 3))
+
+
+def check_caches(verifies: bool, registry: ExecutorRegistry) -> None:
+    """Refuse a cache the worker will use (verified copies when it checks signatures,
+    compiled modules when it has wasm executors) but could not: configuration, said
+    with the fix, not a broker failure."""
+    fix = "set METNOS_CACHE_DIR to a folder this user can write (default ~/.cache/metnos-exec)"
+    wasm = any(registry[name].manifest.runtime != "python" for name in registry)
+    for cache, used in ((default_verified_dir(), verifies), (default_cache_dir(), wasm)):
+        if used:
+            check_folder(cache, what="cache folder", fix=fix)

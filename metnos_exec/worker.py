@@ -48,9 +48,16 @@ from .errors import BadConfig, BrokerBusy, BrokerFull, MetnosError
 from .identities import slot_uid_range
 from .logs import configure_logging, get_logger
 from .manifest import ExecutorRegistry
+from .observe import NULL_OBSERVER, Observer
 from .policy import Policy
-from .preflight import dry_run_executors, preload_wasm, trust_store_for, verify_executors
-from .private import check_folder, tighten
+from .preflight import (
+    check_caches,
+    dry_run_executors,
+    preload_wasm,
+    trust_store_for,
+    verify_executors,
+)
+from .private import tighten
 from .process import become_subreaper, start_keeper
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
@@ -402,6 +409,7 @@ def run_worker(
     retention_s: float | Literal["env"] | None = "env",
     state_dir: str | os.PathLike[str] | None = None,
     trust_keys: tuple[str, ...] | list[str] = (),
+    observer: Observer = NULL_OBSERVER,
 ) -> int:
     """The worker process's main: configure logs, serve, return the exit code (0).
 
@@ -412,6 +420,7 @@ def run_worker(
     `metnos_exec.undo.staging.default_state_dir` of the queue: its own folder).
     ``trust_keys``: public keys (paths or inline ``ed25519:...``) whose signatures this
     worker accepts, besides ``METNOS_TRUST_KEYS``; required on a device worker.
+    ``observer``: metrics and traces (`metnos_exec.observe.make_observer`).
 
     Raises:
         BadConfig: a setting is invalid (see `check_worker_config`); nothing was served.
@@ -445,6 +454,7 @@ def run_worker(
             retention_s=retention_s,
             trust_keys=trust_keys,
             state_dir=state_dir,
+            observer=observer,
         )
     finally:
         for num, handler in previous.items():
@@ -471,6 +481,7 @@ def _start(
     retention_s: float | Literal["env"] | None,
     trust_keys: tuple[str, ...] | list[str],
     state_dir: str | os.PathLike[str] | None,
+    observer: Observer,
 ) -> int:
     """`run_worker` once its early signal handler is in place."""
     policy = check_worker_config(
@@ -488,7 +499,7 @@ def _start(
         except OSError as exc:
             raise BadConfig(f"cannot open the log file {log_file}: {exc}") from None
     registry = ExecutorRegistry.load(executors_dir)
-    _check_caches(trust is not None, registry)  # before the broker: no queue made for it
+    check_caches(trust is not None, registry)  # before the broker: no queue made for it
     wid = worker_id or default_worker_id()
     _prepare_process()
     # A folder named (else the queue's own, known once the broker is open): checked
@@ -517,6 +528,7 @@ def _start(
             dry_run=True,
             trust=trust,
             python=python,
+            observer=observer,
         )
 
     anyio.run(_serve_queue, broker_url, early, staging, serve_on, backend=backend)
@@ -554,17 +566,6 @@ def _prepare_process() -> None:
     # Caches made by earlier runs, maybe under another umask: private from here on.
     for cache in (default_verified_dir(), default_cache_dir()):
         tighten(cache)
-
-
-def _check_caches(verifies: bool, registry: ExecutorRegistry) -> None:
-    """Refuse a cache the worker will use (verified copies when it checks signatures,
-    compiled modules when it has wasm executors) but could not: configuration, said
-    with the fix, not a broker failure."""
-    fix = "set METNOS_CACHE_DIR to a folder this user can write (default ~/.cache/metnos-exec)"
-    wasm = any(registry[name].manifest.runtime != "python" for name in registry)
-    for cache, used in ((default_verified_dir(), verifies), (default_cache_dir(), wasm)):
-        if used:
-            check_folder(cache, what="cache folder", fix=fix)
 
 
 async def _serve_queue(

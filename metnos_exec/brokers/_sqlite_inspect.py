@@ -170,7 +170,15 @@ class SQLiteInspection(SQLiteStore):
                 "SELECT count(*) FROM jobs WHERE state = 'queued' AND NOT (" + DUE + ")",
                 {"now": now},
             ).fetchone()
-            return BrokerStats(delayed=delayed, **counts)
+            # The first due job by submission order: a walk of the queued rows' partial
+            # index (like the counts above), then one row; never the finished jobs.
+            oldest = self._db.execute(
+                "SELECT json_extract(body, '$.submitted_at') FROM jobs WHERE seq = "
+                "(SELECT min(seq) FROM jobs WHERE state = 'queued' AND " + DUE + ")",
+                {"now": now},
+            ).fetchone()
+            at = None if oldest is None or oldest[0] is None else float(oldest[0])
+            return BrokerStats(delayed=delayed, oldest_queued_at=at, **counts)
 
         stats: BrokerStats = await self._run(work)
         return stats

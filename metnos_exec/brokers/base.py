@@ -290,13 +290,17 @@ class PurgeHook(Protocol):
 
 
 class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counts by state. ``delayed`` is the part of ``queued`` not yet due."""
+    """Counts by state. ``delayed`` is the part of ``queued`` not yet due.
+    ``oldest_queued_at``: the ``submitted_at`` of the first due queued job in submission
+    order (its age is ``/metrics``' oldest age); ``None``: none due, or the broker does not
+    tell (Redis)."""
 
     queued: int
     delayed: int
     running: int
     done: int
     dead: int
+    oldest_queued_at: float | None = None
 
 
 class DataLoss(msgspec.Struct, frozen=True, kw_only=True):

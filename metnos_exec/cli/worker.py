@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any
 
-from ..errors import BrokerError, MetnosError
+from ..errors import BadConfig, BrokerError, MetnosError
 from ._common import (
     EXIT,
     Subparsers,
@@ -33,6 +33,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
     if ns.retention_days is not None:
         retention = _retention(ns.retention_days, "--retention-days")
     try:
+        observer = _observer(ns)
         return run_worker(
             ns.broker,
             ns.executors,
@@ -50,6 +51,7 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
             retention_s=retention,
             state_dir=ns.state_dir,
             trust_keys=ns.trust_key or (),
+            observer=observer,
         )
     except BrokerError as exc:
         # The store (before serving: cannot open, read-only; while serving: only a fatal
@@ -61,6 +63,33 @@ def _cmd_worker(ns: argparse.Namespace) -> int:
         raise _Exit(EXIT["usage"], str(exc)) from None
     except OSError as exc:
         raise os_error_exit(exc) from None
+
+
+def _observer(ns: argparse.Namespace) -> Any:
+    """The worker's observer: ``--metrics`` checked (loopback unless ``--metrics-public``);
+    traces when the process has an OpenTelemetry tracer provider."""
+    from ..observe import make_observer
+    from ..observe.http import check_bind
+
+    if ns.metrics_public and not ns.metrics:
+        raise BadConfig("--metrics-public needs --metrics HOST:PORT")
+    bind = check_bind(ns.metrics, public=ns.metrics_public) if ns.metrics else None
+    return make_observer(metrics=bind)
+
+
+def _add_observe_options(w: argparse.ArgumentParser) -> None:
+    w.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (needs the metrics "
+        "extra); a loopback address unless --metrics-public; one port per worker",
+    )
+    w.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="allow --metrics on an address outside loopback (the page names the "
+        "queue's executors and error codes: put it behind your network's own wall)",
+    )
 
 
 def register(subparsers: Subparsers) -> None:
@@ -130,6 +159,7 @@ def register(subparsers: Subparsers) -> None:
         "ed25519:BASE64) before planning its jobs, and run them from the verified copy; "
         "repeatable; also $METNOS_TRUST_KEYS (comma-separated). Required with --device",
     )
+    _add_observe_options(w)
     w.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     w.add_argument(
         "--backend",

@@ -114,7 +114,7 @@ class Commits(Leasing):
 
     async def _commit(self, lease: Lease, result: Result, reversible: Reversible) -> None:
         """Commit a succeeded job's changes, record their undo entry, ack the result."""
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), self.observer.phase("commit", lease.job):
             try:
                 # Still ours? A commit for a job the broker gave to another worker would
                 # apply the same changes twice.
@@ -122,7 +122,7 @@ class Commits(Leasing):
             except Exception:
                 reply = None  # the broker will tell at record_undo
             if reply is not None and not reply.ok:
-                self.stats["lease_lost"] += 1
+                self._count_lost()
                 _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
                 return
             try:
@@ -160,7 +160,7 @@ class Commits(Leasing):
                 # job is delivered again.
                 await reversible.settle(stored=False)
                 if recorded is False:
-                    self.stats["lease_lost"] += 1
+                    self._count_lost()
                     _log.warning("lease.lost", visibility_s=self.visibility_s, during="commit")
                 return
             try:

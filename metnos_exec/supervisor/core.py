@@ -57,6 +57,8 @@ class Supervisor(Pipeline):
             (`signing.TrustStore`: ``E_SIGNATURE`` rejects the job) and the job runs from
             the verified private copy. Required on a device worker (`run_worker`).
         store_backoff: failures in a row → seconds before trying the store again.
+        observer: told of each job's phases and results (`metnos_exec.observe`: metrics,
+            traces); default `NULL_OBSERVER`, which does nothing.
 
     Attributes:
         config: the settings it was given; each is also an attribute of its own name
@@ -124,6 +126,8 @@ class Supervisor(Pipeline):
                 if publishes:
                     tg.start_soon(self._catalog_loop, published, name="catalog")
                 tg.start_soon(self._presence_loop, name="presence")
+                # /metrics, when the observer serves it (its bind refused here stops run).
+                await tg.start(self.observer.serve, self)
                 task_status.started()
                 async with anyio.create_task_group() as jobs:
                     await self._lease_loop(jobs, burst=burst)

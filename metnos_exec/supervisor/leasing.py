@@ -111,6 +111,11 @@ class Leasing(Settling):
         concurrency = self.concurrency
         self._lease_min = max(1, concurrency // 4) if concurrency >= 16 else 1
 
+    @property
+    def free_slots(self) -> int:
+        """Run slots no leased job holds (``/metrics``)."""
+        return max(0, self.concurrency - self._busy)
+
     async def _lease_loop(self, tg: anyio.abc.TaskGroup, *, burst: bool) -> None:
         while not self._draining and self.fatal_error is None:
             if self._unstored or self._store_failures:
@@ -179,6 +184,7 @@ class Leasing(Settling):
                 self._slots.enqueue(running)
                 self._busy += 1
                 self.stats["leased"] += 1
+                self.observer.leased(lease.job, lease.attempt, self.clock())
                 tg.start_soon(self._job_task, running, name=f"job {lease.job.id}")
 
     async def _wait_slot(self) -> None:

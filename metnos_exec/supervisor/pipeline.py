@@ -13,6 +13,7 @@ acked.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import anyio
@@ -111,7 +112,8 @@ class Pipeline(UndoJobs):
                 **({} if job.correlation_id is None else {"correlation_id": job.correlation_id}),
             )
             try:
-                await self._serve(running)
+                with self.observer.job(job, lease.attempt):
+                    await self._serve(running)
             except Exception as exc:
                 # A bug in our own pipeline must not stop the worker serving others;
                 # the job is retried like a host fault (the harness broke, not the job).
@@ -152,10 +154,13 @@ class Pipeline(UndoJobs):
         running.sandbox = self.predict_arm(executor.manifest.runtime)
         structlog.contextvars.bind_contextvars(sandbox=running.sandbox)
         _log.info("job.received", max_attempts=job.max_attempts, timeout_s=job.timeout_s)
-        planned = await self._plan(lease, executor)
+        with self.observer.phase("plan", job):
+            planned = await self._plan(lease, executor)
         if planned is None:
             return
         invocation, choice = planned
+        if choice.degraded:
+            self.observer.degraded(getattr(choice.degraded, "reason", "degraded"))
         arm: Sandbox = choice.sandbox
         if arm.name != running.sandbox:
             running.sandbox = arm.name
@@ -173,6 +178,7 @@ class Pipeline(UndoJobs):
             if reversible is not None:
                 sjob = reversible.job
                 if reversible.no_staging is not None:
+                    self.observer.degraded("no_staging")
                     lost = getattr(reversible, "lost", "")
                     _log.warning(
                         "sandbox.degraded",
@@ -403,7 +409,7 @@ class Pipeline(UndoJobs):
             _log.warning("lease.lost", visibility_s=self.visibility_s)
             # The broker may already have handed the job to another worker: acking or
             # retrying now would race it. Redelivery is the broker's job.
-            self.stats["lease_lost"] += 1
+            self._count_lost()
             return
         if running.stop == "drain":
             await self._release(lease, "drain")
@@ -515,7 +521,13 @@ class Pipeline(UndoJobs):
                         reporting_progress(lambda r: running.note_progress(r, clock())),
                     ):
                         try:
+                            launched_at = time.perf_counter()
                             outcome = await arm.run(sjob)
+                            self.observer.ran(
+                                running.lease.job,
+                                time.perf_counter() - launched_at,
+                                outcome.usage.wall_s,
+                            )
                         except (HostFault, MetnosError) as exc:
                             fault = exc
                         finally:

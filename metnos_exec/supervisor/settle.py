@@ -134,6 +134,7 @@ class Settling(SupervisorState):
         failed heartbeat, purge or catalog update is said and left to its own next try.
         """
         self.stats["broker_errors"] += 1
+        self.observer.broker_error(op, exc.code if isinstance(exc, MetnosError) else HostFault.code)
         if op in _GATING:
             self._store_failures += 1
             if self._store_down_since is None:
@@ -246,7 +247,7 @@ class Settling(SupervisorState):
 
     async def _ack(self, lease: Lease, result: Result) -> bool:
         """Store `result`; ``False``: the lease was lost and nothing was stored."""
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), self.observer.phase("ack", lease.job):
             try:
                 stored = await self._settle("ack", lease, lambda: self._acks((lease, result)))
             except BadMessage as exc:
@@ -275,6 +276,8 @@ class Settling(SupervisorState):
             **_exit_fields(result.exit),
         )
         self.stats["finished"] += 1
+        if stored:
+            self.observer.finished(lease.job, result)
         return stored
 
     async def _release(self, lease: Lease, reason: str) -> None:
@@ -293,6 +296,7 @@ class Settling(SupervisorState):
             )
         if outcome is None:
             return  # given up (see `_settle`)
+        self.observer.retried(lease.job, outcome, error.code)
         if outcome == "dead":
             self.stats["dead"] += 1
             _log.error(
@@ -312,5 +316,5 @@ class Settling(SupervisorState):
                 max_attempts=lease.job.max_attempts,
             )
         else:
-            self.stats["lease_lost"] += 1
+            self._count_lost()
             _log.warning("lease.lost", visibility_s=self.visibility_s, during="retry")

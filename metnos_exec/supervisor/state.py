@@ -26,6 +26,7 @@ from ..devices.signing import TrustStore
 from ..errors import MetnosError
 from ..manifest import ExecutorRegistry
 from ..messages import UNDO_EXECUTOR
+from ..observe import NULL_OBSERVER, Observer
 from ..sandbox._types import Sandbox, SandboxOutcome
 from ..sandbox.progress import ProgressReport
 from ..undo.staging import Staging
@@ -118,6 +119,7 @@ class SupervisorState:
         staging: Staging | None = None,
         trust: TrustStore | None = None,
         store_backoff: Callable[[int], float] = store_backoff,
+        observer: Observer = NULL_OBSERVER,
     ) -> None:
         self.broker = broker
         self.registry = registry
@@ -139,6 +141,7 @@ class SupervisorState:
         self._owns_staging = staging is None
         self.trust = trust
         self.store_backoff = store_backoff
+        self.observer = observer
         self._tg: anyio.abc.TaskGroup | None = None
         self._started_at: float | None = None
         #: The executors this worker leases (executor routing, `brokers.base`): those it
@@ -195,6 +198,11 @@ class SupervisorState:
 
     def _init_parts(self) -> None:
         """Each layer sets up its own state here (overriding, then calling ``super()``)."""
+
+    def _count_lost(self) -> None:
+        """A lease was lost: counted in `stats` and by the observer."""
+        self.stats["lease_lost"] += 1
+        self.observer.lease_lost()
 
     @property
     def running(self) -> int:

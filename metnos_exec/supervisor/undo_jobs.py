@@ -120,7 +120,7 @@ class UndoJobs(Commits):
         if not recorded:
             await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=False))
             if recorded is False:
-                self.stats["lease_lost"] += 1
+                self._count_lost()
                 _log.warning("lease.lost", visibility_s=self.visibility_s, during="undo")
             return
         paths = applied.redo.paths()

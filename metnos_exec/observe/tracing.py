@@ -1,0 +1,145 @@
+"""OpenTelemetry traces through the queue (``opentelemetry-api``; a no-op without it).
+
+The producer (`submit_context`, used by `Client.submit`) opens a PRODUCER span ``send
+{executor}`` and carries its W3C context in ``Job.trace`` (``traceparent``,
+``tracestate``). The worker (`Tracing.consumer`) opens a CONSUMER span ``process
+{executor}`` per delivery, a child of the producer's (one trace from the submit to the
+result), with the messaging attributes (``messaging.system = "metnos"``,
+``messaging.destination.name``: the queue, ``messaging.message.id``: the job id,
+``messaging.operation.type = "process"``) and the GenAI ones (``gen_ai.operation.name =
+"execute_tool"``, ``gen_ai.tool.name``: the executor); once the result is stored,
+``metnos.job.status`` and ``metnos.containment.<axis>``. Child spans: ``plan``,
+``sandbox start``, ``run``, ``commit``, ``ack``. The trace and span ids are bound into
+the job's log context (``trace_id``, ``span_id``: hex, as in ``traceparent``).
+
+Tracing is active when the process has a tracer provider other than the API's default
+proxy: an application sets one (the SDK's ``TracerProvider``), or the worker is started
+under ``opentelemetry-instrument`` with the standard ``OTEL_*`` variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Final
+
+import structlog
+
+from ..messages import Job, Result, TraceContext
+
+try:
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind
+except ImportError:  # pragma: no cover - installed in CI
+    trace = None  # type: ignore[assignment]
+
+__all__ = ("Tracing", "submit_context", "tracing_active")
+
+_SCOPE: Final = "metnos_exec"
+_NULL: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def tracing_active() -> bool:
+    """Whether this process traces: ``opentelemetry-api`` is there and a real tracer
+    provider was set (the API's default proxy records nothing)."""
+    if trace is None:
+        return False
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+@contextlib.contextmanager
+def _producer(executor: str, job_id: str) -> Iterator[TraceContext | None]:
+    assert trace is not None
+    tracer = trace.get_tracer(_SCOPE)
+    attributes = {
+        "messaging.system": "metnos",
+        "messaging.operation.type": "send",
+        "messaging.message.id": job_id,
+        "gen_ai.tool.name": executor,
+    }
+    with tracer.start_as_current_span(
+        f"send {executor}", kind=SpanKind.PRODUCER, attributes=attributes
+    ):
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        parent = carrier.get("traceparent")
+        yield (
+            None
+            if parent is None
+            else TraceContext(traceparent=parent, tracestate=carrier.get("tracestate", ""))
+        )
+
+
+def submit_context(executor: str, job_id: str) -> AbstractContextManager[TraceContext | None]:
+    """Around a submit: the PRODUCER span, yielding the context to put in ``Job.trace``
+    (``None``, and no span, when this process does not trace)."""
+    if not tracing_active():
+        return contextlib.nullcontext(None)
+    return _producer(executor, job_id)
+
+
+class Tracing:
+    """A worker's tracer (`Observer` calls it; see the module docstring)."""
+
+    def __init__(self) -> None:
+        assert trace is not None
+        self.tracer = trace.get_tracer(_SCOPE)
+
+    @contextlib.contextmanager
+    def consumer(self, job: Job, attempt: int, queue: str) -> Iterator[None]:
+        assert trace is not None
+        parent = None
+        if job.trace is not None:
+            carrier = {"traceparent": job.trace.traceparent}
+            if job.trace.tracestate:
+                carrier["tracestate"] = job.trace.tracestate
+            parent = propagate.extract(carrier)
+        attributes: dict[str, Any] = {
+            "messaging.system": "metnos",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": queue,
+            "messaging.message.id": job.id,
+            "messaging.message.delivery_count": attempt,
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": job.executor,
+        }
+        if job.correlation_id is not None:
+            attributes["messaging.message.conversation_id"] = job.correlation_id
+        with self.tracer.start_as_current_span(
+            f"process {job.executor}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+        ) as span:
+            ids = span.get_span_context()
+            # Unbound with the job's task's context: each job task has its own copy.
+            structlog.contextvars.bind_contextvars(
+                trace_id=f"{ids.trace_id:032x}", span_id=f"{ids.span_id:016x}"
+            )
+            yield
+
+    def span(self, name: str) -> AbstractContextManager[Any]:
+        """A child span of the current one (a phase)."""
+        return self.tracer.start_as_current_span(name)
+
+    def ran(self, start_s: float, run_s: float) -> None:
+        """The ``sandbox start`` and ``run`` spans, made after the arm returned (the arm
+        does both in one call; the run's wall time says where one ends)."""
+        end = time.time_ns()
+        begin = end - int((start_s + run_s) * 1e9)
+        split = end - int(run_s * 1e9)
+        self.tracer.start_span("sandbox start", start_time=begin).end(end_time=split)
+        self.tracer.start_span("run", start_time=split).end(end_time=end)
+
+    def finished(self, result: Result) -> None:
+        assert trace is not None
+        span = trace.get_current_span()
+        span.set_attribute("metnos.job.status", result.status)
+        if result.error is not None:
+            span.set_attribute("error.type", result.error.code)
+        if result.containment is not None:
+            span.set_attribute("metnos.sandbox", result.containment.sandbox)
+            for axis, verdict in result.containment.axes().items():
+                span.set_attribute(f"metnos.containment.{axis}", verdict.state)
