@@ -4,7 +4,10 @@ structlog is configured once, at the entry point (`configure_logging`, called by
 the demo and `run_worker`); library code only ever calls
 ``structlog.get_logger("metnos_exec")`` and binds per-job context with
 ``structlog.contextvars.bound_contextvars`` so the job id, executor, worker, device and
-sandbox arm appear on every record of a job without being passed around.
+sandbox arm appear on every record of a job without being passed around. A traced job's
+records also carry ``trace_id`` and ``span_id`` (hex, as in a W3C ``traceparent``), bound
+the same way by `metnos_exec.observe.tracing` when its span opens: a log line finds its
+trace, and a trace its log lines.
 
 A line looks like::
 

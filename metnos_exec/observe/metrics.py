@@ -32,16 +32,13 @@ its spawn), ``commit``, ``ack``.
 
 from __future__ import annotations
 
+import functools
 import time
+import types
 from typing import Final
 
 from ..errors import BadConfig, CommitConflict
 from ..messages import UNDO_EXECUTOR, Job, Result
-
-try:
-    import prometheus_client as _prom
-except ImportError:  # pragma: no cover - the extra is installed in CI
-    _prom = None  # type: ignore[assignment]
 
 __all__ = ("QUEUE_CACHE_S", "Metrics", "egress_reason", "submitted")
 
@@ -77,12 +74,25 @@ def egress_reason(allowed: bool, reason: str) -> str:
     return "policy"
 
 
-def _require() -> None:
-    if _prom is None:
+@functools.cache
+def _client() -> types.ModuleType | None:
+    """prometheus_client, imported at the first need (a worker without ``--metrics``, a
+    producer without the extra, never import it)."""
+    try:
+        import prometheus_client
+    except ImportError:  # pragma: no cover - the extra is installed in CI
+        return None
+    return prometheus_client
+
+
+def _require() -> types.ModuleType:
+    prom = _client()
+    if prom is None:
         raise BadConfig(
             "metrics need prometheus-client: pip install 'metnos-exec[metrics]' "
             "(or run the worker without --metrics)"
         )
+    return prom
 
 
 class Metrics:
@@ -98,11 +108,10 @@ class Metrics:
     """
 
     def __init__(self, *, bind: tuple[str, int] | None = None) -> None:
-        _require()
-        assert _prom is not None
+        prom = self._prom = _require()
         self.bind = bind
-        reg = self.registry = _prom.CollectorRegistry(auto_describe=True)
-        c, g = _prom.Counter, _prom.Gauge
+        reg = self.registry = prom.CollectorRegistry(auto_describe=True)
+        c, g = prom.Counter, prom.Gauge
         self.leased_total = c("metnos_jobs_leased", "deliveries leased", ["executor"], registry=reg)
         self.redelivered = c(
             "metnos_jobs_redelivered", "deliveries after the first", ["executor"], registry=reg
@@ -113,7 +122,7 @@ class Metrics:
             ["executor", "status", "exit", "arm"],
             registry=reg,
         )
-        self.phases = _prom.Histogram(
+        self.phases = prom.Histogram(
             "metnos_job_phase_seconds",
             "time in each phase of a job",
             ["phase", "executor"],
@@ -212,8 +221,8 @@ class Metrics:
 
     def render(self) -> bytes:
         """The exposition text of the registry."""
-        assert _prom is not None
-        return _prom.generate_latest(self.registry)
+        body: bytes = self._prom.generate_latest(self.registry)
+        return body
 
 
 #: The producer's counter (`submitted`), in the global registry where an application's
@@ -223,10 +232,11 @@ _SUBMITTED: list[object] = []
 
 def submitted(executor: str) -> None:
     """Count one submit in the producer's process (a no-op without prometheus-client)."""
-    if _prom is None:
+    prom = _client()
+    if prom is None:
         return
     if not _SUBMITTED:
-        _SUBMITTED.append(_prom.Counter("metnos_jobs_submitted", "jobs submitted", ["executor"]))
+        _SUBMITTED.append(prom.Counter("metnos_jobs_submitted", "jobs submitted", ["executor"]))
     counter = _SUBMITTED[0]
-    assert isinstance(counter, _prom.Counter)
+    assert isinstance(counter, prom.Counter)
     counter.labels(executor).inc()

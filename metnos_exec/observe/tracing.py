@@ -20,6 +20,7 @@ under ``opentelemetry-instrument`` with the standard ``OTEL_*`` variables.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -29,12 +30,6 @@ import structlog
 
 from ..messages import Job, Result, TraceContext
 
-try:
-    from opentelemetry import propagate, trace
-    from opentelemetry.trace import SpanKind
-except ImportError:  # pragma: no cover - installed in CI
-    trace = None  # type: ignore[assignment]
-
 __all__ = ("Tracing", "submit_context", "tracing_active")
 
 _SCOPE: Final = "metnos_exec"
@@ -42,16 +37,24 @@ _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def tracing_active() -> bool:
-    """Whether this process traces: ``opentelemetry-api`` is there and a real tracer
-    provider was set (the API's default proxy records nothing)."""
-    if trace is None:
+    """Whether this process traces: a tracer provider other than the API's default proxy
+    (which records nothing) was set.
+
+    Read without importing OpenTelemetry: a process that set a provider has imported
+    ``opentelemetry.trace``; one that has not imported it cannot be tracing, and pays
+    nothing here (one dictionary lookup per call).
+    """
+    api = sys.modules.get("opentelemetry.trace")
+    if api is None:
         return False
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return not isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
 
 
 @contextlib.contextmanager
 def _producer(executor: str, job_id: str) -> Iterator[TraceContext | None]:
-    assert trace is not None
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind
+
     tracer = trace.get_tracer(_SCOPE)
     attributes = {
         "messaging.system": "metnos",
@@ -84,18 +87,20 @@ class Tracing:
     """A worker's tracer (`Observer` calls it; see the module docstring)."""
 
     def __init__(self) -> None:
-        assert trace is not None
+        from opentelemetry import propagate, trace
+
         self.tracer = trace.get_tracer(_SCOPE)
+        self._api = trace
+        self._extract = propagate.extract
 
     @contextlib.contextmanager
     def consumer(self, job: Job, attempt: int, queue: str) -> Iterator[None]:
-        assert trace is not None
         parent = None
         if job.trace is not None:
             carrier = {"traceparent": job.trace.traceparent}
             if job.trace.tracestate:
                 carrier["tracestate"] = job.trace.tracestate
-            parent = propagate.extract(carrier)
+            parent = self._extract(carrier)
         attributes: dict[str, Any] = {
             "messaging.system": "metnos",
             "messaging.operation.type": "process",
@@ -110,7 +115,7 @@ class Tracing:
         with self.tracer.start_as_current_span(
             f"process {job.executor}",
             context=parent,
-            kind=SpanKind.CONSUMER,
+            kind=self._api.SpanKind.CONSUMER,
             attributes=attributes,
         ) as span:
             ids = span.get_span_context()
@@ -134,8 +139,7 @@ class Tracing:
         self.tracer.start_span("run", start_time=split).end(end_time=end)
 
     def finished(self, result: Result) -> None:
-        assert trace is not None
-        span = trace.get_current_span()
+        span = self._api.get_current_span()
         span.set_attribute("metnos.job.status", result.status)
         if result.error is not None:
             span.set_attribute("error.type", result.error.code)
