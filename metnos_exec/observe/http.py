@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 
 from ..errors import BadConfig
+from ..logs import get_logger
 
 if TYPE_CHECKING:
     from ._observer import ObservedWorker
@@ -36,6 +37,8 @@ PUBLIC_FLAG: Final = "--metrics-public"
 #: A request larger than this, or slower than `_READ_S`, is dropped.
 _MAX_REQUEST: Final = 8192
 _READ_S: Final = 5.0
+
+_log = get_logger()
 
 _CONTENT_TYPE: Final = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -91,9 +94,15 @@ async def serve_metrics(
         async with stream:
             # The scraper went away: nothing to tell it.
             with contextlib.suppress(anyio.BrokenResourceError, anyio.EndOfStream, OSError):
-                await _answer(stream, metrics, source)
+                try:
+                    await _answer(stream, metrics, source)
+                except Exception as exc:
+                    # A bug in the metrics must not stop the worker serving jobs.
+                    _log.exception("worker.error", error=f"/metrics: {type(exc).__name__}: {exc}")
+                    await _reply(stream, b"500 Internal Server Error", b"", b"text/plain")
 
     async with listener:
+        metrics.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         task_status.started()
         await listener.serve(handle)
 

@@ -32,13 +32,17 @@ its spawn), ``commit``, ``ack``.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import time
 import types
-from typing import Final
+from collections.abc import Iterator
+from typing import Any, Final
 
 from ..errors import BadConfig, CommitConflict
 from ..messages import UNDO_EXECUTOR, Job, Result
+from ..sandbox._types import AXES
 
 __all__ = ("QUEUE_CACHE_S", "Metrics", "egress_reason", "submitted")
 
@@ -80,6 +84,7 @@ def _client() -> types.ModuleType | None:
     producer without the extra, never import it)."""
     try:
         import prometheus_client
+        import prometheus_client.core  # the metric families of `Metrics.collect`
     except ImportError:  # pragma: no cover - the extra is installed in CI
         return None
     return prometheus_client
@@ -95,10 +100,41 @@ def _require() -> types.ModuleType:
     return prom
 
 
+class _Family:
+    """One metric's samples by label values, counted in plain Python.
+
+    Every call comes from the worker's event loop (the supervisor's tasks, and the
+    ``/metrics`` handler that reads them), so no lock is needed: prometheus_client's own
+    children take one per increment, and a dozen increments a job cost the echo drain
+    several per cent. Rendered at scrape time (`Metrics.collect`).
+    """
+
+    __slots__ = ("doc", "kind", "labels", "name", "values")
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = (), kind: str = "counter"):
+        self.name, self.doc, self.labels, self.kind = name, doc, labels, kind
+        self.values: dict[tuple[str, ...], Any] = {}
+
+    def inc(self, *labels: str) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0) + 1
+
+    def set(self, value: float, *labels: str) -> None:
+        self.values[labels] = value
+
+    def observe(self, seconds: float, *labels: str) -> None:
+        slot = self.values.get(labels)
+        if slot is None:
+            # Counts per bucket (not cumulative: one add per observation), then the sum.
+            slot = self.values[labels] = [0] * (len(_BUCKETS) + 1) + [0.0]
+        slot[bisect.bisect_left(_BUCKETS, seconds)] += 1
+        slot[-1] += seconds
+
+
 class Metrics:
-    """A worker's metrics in a registry of their own (`registry`), not the global one:
-    two workers in one process (tests), or an application with metrics of its own, do
-    not collide.
+    """A worker's metrics (see the module docstring), exposed through a registry of
+    their own (`registry`), not the global one: two workers in one process (tests), or
+    an application with metrics of its own, do not collide.
 
     Args:
         bind: where `http.serve_metrics` serves them (``None``: nowhere).
@@ -110,98 +146,87 @@ class Metrics:
     def __init__(self, *, bind: tuple[str, int] | None = None) -> None:
         prom = self._prom = _require()
         self.bind = bind
-        reg = self.registry = prom.CollectorRegistry(auto_describe=True)
-        c, g = prom.Counter, prom.Gauge
-        self.leased_total = c("metnos_jobs_leased", "deliveries leased", ["executor"], registry=reg)
-        self.redelivered = c(
-            "metnos_jobs_redelivered", "deliveries after the first", ["executor"], registry=reg
+        #: The port ``/metrics`` listens on, once it does (``bind``'s, or the kernel's
+        #: pick for port 0).
+        self.port: int | None = None
+        f = _Family
+        self.leased_total = f("metnos_jobs_leased", "deliveries leased", ("executor",))
+        self.redelivered = f("metnos_jobs_redelivered", "deliveries after the first", ("executor",))
+        self.finished_total = f(
+            "metnos_jobs_finished", "results stored", ("executor", "status", "exit", "arm")
         )
-        self.finished_total = c(
-            "metnos_jobs_finished",
-            "results stored",
-            ["executor", "status", "exit", "arm"],
-            registry=reg,
+        self.phases = f(
+            "metnos_job_phase_seconds", "time in each phase of a job", ("phase", "executor"),
+            kind="histogram",
+        )  # fmt: skip
+        self.running = f("metnos_jobs_running", "jobs in flight on this worker", kind="gauge")
+        self.slots_free = f("metnos_slots_free", "run slots free on this worker", kind="gauge")
+        self.queue_jobs = f(
+            "metnos_queue_jobs", "jobs in the queue by state", ("state",), kind="gauge"
         )
-        self.phases = prom.Histogram(
-            "metnos_job_phase_seconds",
-            "time in each phase of a job",
-            ["phase", "executor"],
-            buckets=_BUCKETS,
-            registry=reg,
+        self.oldest = f(
+            "metnos_queue_oldest_age_seconds", "age of the oldest due queued job", kind="gauge"
         )
-        self.running = g("metnos_jobs_running", "jobs in flight on this worker", registry=reg)
-        self.slots_free = g("metnos_slots_free", "run slots free on this worker", registry=reg)
-        self.queue_jobs = g(
-            "metnos_queue_jobs", "jobs in the queue by state", ["state"], registry=reg
-        )
-        self.oldest = g(
-            "metnos_queue_oldest_age_seconds", "age of the oldest due queued job", registry=reg
-        )
-        self.leases_lost = c("metnos_leases_lost", "leases lost", registry=reg)
-        self.retries = c("metnos_retries", "retries scheduled", ["code"], registry=reg)
-        self.dead = c("metnos_dead_letters", "jobs dead-lettered", ["code"], registry=reg)
-        self.broker_errors = c(
-            "metnos_broker_errors", "failed broker calls", ["op", "code"], registry=reg
-        )
-        self.containment = c(
-            "metnos_containment", "walls per result", ["axis", "verdict"], registry=reg
-        )
-        self.degradations = c(
-            "metnos_degradations", "jobs run below their wall", ["reason"], registry=reg
-        )
-        self.egress = c(
-            "metnos_egress", "connections through the wall", ["verdict", "reason"], registry=reg
-        )
-        self.conflicts = c("metnos_commit_conflicts", "commits refused", registry=reg)
-        self.undo = c("metnos_undo", "undo jobs by outcome", ["outcome"], registry=reg)
+        self.leases_lost = f("metnos_leases_lost", "leases lost")
+        self.retries = f("metnos_retries", "retries scheduled", ("code",))
+        self.dead = f("metnos_dead_letters", "jobs dead-lettered", ("code",))
+        self.broker_errors = f("metnos_broker_errors", "failed broker calls", ("op", "code"))
+        self.containment = f("metnos_containment", "walls per result", ("axis", "verdict"))
+        self.degradations = f("metnos_degradations", "jobs run below their wall", ("reason",))
+        self.egress = f("metnos_egress", "connections through the wall", ("verdict", "reason"))
+        self.conflicts = f("metnos_commit_conflicts", "commits refused")
+        self.undo = f("metnos_undo", "undo jobs by outcome", ("outcome",))
+        self.families = tuple(v for v in vars(self).values() if isinstance(v, _Family))
         self._queue_read_at = -QUEUE_CACHE_S
+        self.registry = prom.CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
     def leased(self, job: Job, attempt: int, now: float) -> None:
-        self.leased_total.labels(job.executor).inc()
+        self.leased_total.inc(job.executor)
         if attempt > 1:
-            self.redelivered.labels(job.executor).inc()
+            self.redelivered.inc(job.executor)
         else:
             due = max(job.submitted_at, job.not_before or 0.0)
-            self.phases.labels("queue_wait", job.executor).observe(max(0.0, now - due))
+            self.phases.observe(max(0.0, now - due), "queue_wait", job.executor)
 
     def phase(self, name: str, executor: str, seconds: float) -> None:
-        self.phases.labels(name, executor).observe(seconds)
+        self.phases.observe(seconds, name, executor)
 
     def finished(self, job: Job, result: Result) -> None:
         report = result.containment
         # The direct arm's own name is "none": a result with no report ran nothing.
         arm = report.sandbox if report is not None else "not_run"
         exit_kind = type(result.exit).__name__.lower() if result.exit is not None else "none"
-        self.finished_total.labels(job.executor, result.status, exit_kind, arm).inc()
+        self.finished_total.inc(job.executor, result.status, exit_kind, arm)
         if report is not None:
-            for axis, verdict in report.axes().items():
-                self.containment.labels(axis, verdict.state).inc()
+            for axis in AXES:
+                self.containment.inc(axis, getattr(report, axis).state)
         for record in result.egress:
             said = "allowed" if record.allowed else "refused"
-            self.egress.labels(said, egress_reason(record.allowed, record.reason)).inc()
+            self.egress.inc(said, egress_reason(record.allowed, record.reason))
         if result.error is not None and result.error.code == CommitConflict.code:
             self.conflicts.inc()
         if job.executor == UNDO_EXECUTOR:
-            self.undo.labels(result.status).inc()
+            self.undo.inc(result.status)
 
     def retried(self, job: Job, outcome: str, code: str) -> None:
         if outcome == "scheduled":
-            self.retries.labels(code).inc()
+            self.retries.inc(code)
         elif outcome == "dead":
-            self.dead.labels(code).inc()
+            self.dead.inc(code)
             # The broker stores a dead job's result itself (no exit, no report): it is
             # finished all the same.
-            self.finished_total.labels(job.executor, "dead", "none", "not_run").inc()
+            self.finished_total.inc(job.executor, "dead", "none", "not_run")
         # "lost": counted by `lease_lost`, which the supervisor calls for every lost lease.
 
     def lease_lost(self) -> None:
         self.leases_lost.inc()
 
     def broker_error(self, op: str, code: str) -> None:
-        self.broker_errors.labels(op, code).inc()
+        self.broker_errors.inc(op, code)
 
     def degraded(self, reason: str) -> None:
-        self.degradations.labels(reason).inc()
+        self.degradations.inc(reason)
 
     def queue_due(self) -> bool:
         """Whether the queue counts are older than `QUEUE_CACHE_S` (read them again)."""
@@ -213,11 +238,29 @@ class Metrics:
         """Store the broker's counts (and the oldest due queued job's submit time)."""
         self._queue_read_at = time.monotonic()
         for state, n in counts.items():
-            self.queue_jobs.labels(state).set(n)
-        if oldest_at is None:
-            self.oldest.set(0.0)
-        else:
-            self.oldest.set(max(0.0, (time.time() if now is None else now) - oldest_at))
+            self.queue_jobs.set(n, state)
+        age = 0.0 if oldest_at is None else (time.time() if now is None else now) - oldest_at
+        self.oldest.set(max(0.0, age))
+
+    def collect(self) -> Iterator[Any]:
+        """The families, for prometheus_client's registry (a custom collector)."""
+        core = self._prom.core
+        for fam in self.families:
+            if fam.kind == "counter":
+                out = core.CounterMetricFamily(fam.name, fam.doc, labels=fam.labels)
+                for labels, n in fam.values.items():
+                    out.add_metric(labels, n)
+            elif fam.kind == "gauge":
+                out = core.GaugeMetricFamily(fam.name, fam.doc, labels=fam.labels)
+                for labels, n in fam.values.items():
+                    out.add_metric(labels, n)
+            else:
+                out = core.HistogramMetricFamily(fam.name, fam.doc, labels=fam.labels)
+                bounds = [*(repr(float(b)) for b in _BUCKETS), "+Inf"]
+                for labels, slot in fam.values.items():
+                    cumulative = list(itertools.accumulate(slot[:-1]))
+                    out.add_metric(labels, list(zip(bounds, cumulative, strict=True)), slot[-1])
+            yield out
 
     def render(self) -> bytes:
         """The exposition text of the registry."""
