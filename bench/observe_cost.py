@@ -39,6 +39,7 @@ from metnos_exec.observe import NULL_OBSERVER, Observer, make_observer
 from metnos_exec.sandbox.doubles import EchoSandbox
 from metnos_exec.sandbox.select import ArmChoice
 from metnos_exec.supervisor import Supervisor, SupervisorConfig
+from metnos_exec.worker import _tune_gc
 
 NOOP_MANIFEST = 'name = "noop"\nversion = "1"\nruntime = "python"\nentry = "main.py"\n'
 
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         "case; 0.01: a typical production ratio)",
     )
     ns = p.parse_args(argv)
+    # The collector tuned as in a worker process (`metnos_exec.worker`): spans allocate,
+    # and at CPython's default thresholds that is paid again in collections.
+    _tune_gc()
     rows = anyio.run(_main, ns, backend=ns.backend)
     for label, rate, note in rows:
         print(f"{label:55s} {rate:10.0f} jobs/s   {note}")

@@ -22,6 +22,7 @@ under ``opentelemetry-instrument`` with the standard ``OTEL_*`` variables.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import time
 from collections.abc import Iterator
@@ -35,6 +36,10 @@ from ..messages import Job, Result, TraceContext
 __all__ = ("Tracing", "submit_context", "tracing_active")
 
 _SCOPE: Final = "metnos_exec"
+#: Whether the current job's span is recorded (`Tracing._recording`).
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "metnos_exec_span_recording", default=False
+)
 _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 
 
@@ -124,6 +129,7 @@ class Tracing:
         # Attached by hand rather than with `start_as_current_span`: two generator layers
         # fewer, a tenth of an untraced echo job's tracing.
         token = self._attach(api.set_span_in_context(span))
+        _RECORDING.set(span.is_recording())
         try:
             yield
         except BaseException as exc:
@@ -155,8 +161,10 @@ class Tracing:
     def _recording(self) -> bool:
         # A job whose span is not sampled gets no phase spans: under the default
         # (parent-based) sampler they would not be recorded either, and making them cost
-        # more than the rest of an echo job's bookkeeping.
-        return bool(self._api.get_current_span().is_recording())
+        # more than the rest of an echo job's bookkeeping. Read from our own variable
+        # (set with the job's span, in the job's task): the API's current span is three
+        # lookups deep.
+        return _RECORDING.get()
 
     def span(self, name: str) -> AbstractContextManager[Any]:
         """A child span of the current one (a phase); none when that one is not
@@ -177,9 +185,9 @@ class Tracing:
         self.tracer.start_span("run", start_time=split).end(end_time=end)
 
     def finished(self, result: Result) -> None:
-        span = self._api.get_current_span()
-        if not span.is_recording():
+        if not _RECORDING.get():
             return
+        span = self._api.get_current_span()
         span.set_attribute("metnos.job.status", result.status)
         if result.error is not None:
             span.set_attribute("error.type", result.error.code)
