@@ -12,13 +12,15 @@ alternates each round so load drift hits both alike; medians are reported, and t
 ratio is on / off of the medians.
 
 Usage: python bench/observe_cost.py [--jobs N] [--rounds R] [--concurrency C]
-       [--backend asyncio|trio] [--scrape-every S]
+       [--backend asyncio|trio] [--scrape-every S] [--sample RATIO]
+       [--on metrics|tracing|metrics,tracing]
 (with ``PYTHONPATH=.`` to measure this checkout)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -79,7 +81,8 @@ async def _drain(
     tmp: Path, registry: ExecutorRegistry, ns: argparse.Namespace, observer: Observer
 ) -> float:
     db = tmp / f"q-{time.monotonic_ns()}.db"
-    traced = observer is not NULL_OBSERVER
+    traced = observer is not NULL_OBSERVER and "tracing" in ns.on
+    scraped = observer is not NULL_OBSERVER and "metrics" in ns.on
     async with SQLiteBroker(db) as broker:
         batch = [
             Job(executor="noop", trace=_parent(i, ns.sample) if traced else None)
@@ -95,10 +98,12 @@ async def _drain(
             observer=observer,
         )
         async with anyio.create_task_group() as tg:
-            if traced and ns.scrape_every > 0:
-                tg.start_soon(_scrape_loop, observer, ns.scrape_every)
             t = time.perf_counter()
-            await sup.run(burst=True)
+            # Ready means /metrics listens (the supervisor starts it before leasing).
+            await tg.start(functools.partial(sup.run, burst=True))
+            if scraped and ns.scrape_every > 0:
+                tg.start_soon(_scrape_loop, observer, ns.scrape_every)
+            await sup.wait_stopped()
             elapsed = time.perf_counter() - t
             tg.cancel_scope.cancel()
         stats = await broker.stats()
@@ -108,8 +113,6 @@ async def _drain(
 
 async def _scrape_loop(observer: Any, every: float) -> None:
     """Scrape ``/metrics`` as Prometheus would (from a thread: a blocking HTTP client)."""
-    while observer.metrics.port is None:
-        await anyio.sleep(0.01)
     url = f"http://127.0.0.1:{observer.metrics.port}/metrics"
 
     def scrape() -> None:
@@ -136,7 +139,8 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
 
         def on() -> Observer:
             # Port 0: the kernel picks a free loopback port (`Metrics.port` says which).
-            return make_observer(metrics=("127.0.0.1", 0), trace=True)
+            bind = ("127.0.0.1", 0) if "metrics" in ns.on else None
+            return make_observer(metrics=bind, trace="tracing" in ns.on)
 
         arms = {"off": lambda: NULL_OBSERVER, "on": on}
         for make in arms.values():  # warm-up: page cache, decoders, the SDK
@@ -152,7 +156,7 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
     return [
         (f"off (no observer), concurrency {ns.concurrency}", off, f"median of {ns.rounds}"),
         (
-            f"on (metrics, /metrics, traces {ns.sample:g} sampled), concurrency {ns.concurrency}",
+            f"on ({'+'.join(sorted(ns.on))}, {ns.sample:g} sampled), concurrency {ns.concurrency}",
             on_rate,
             f"{100 * on_rate / off:.1f} % of off (target >= 95 %); rounds {rounds}",
         ),
@@ -170,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     p.add_argument("--scrape-every", type=float, default=1.0, metavar="S")
+    p.add_argument(
+        "--on",
+        type=lambda text: frozenset(text.split(",")),
+        default=frozenset({"metrics", "tracing"}),
+        metavar="PARTS",
+        help="what the 'on' side turns on: metrics, tracing, or metrics,tracing (default)",
+    )
     p.add_argument(
         "--sample",
         type=float,
