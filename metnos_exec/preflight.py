@@ -10,6 +10,7 @@ and left to the jobs that need the executor, which are answered with the same er
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import anyio
@@ -22,10 +23,12 @@ from .manifest import ExecutorRegistry
 from .messages import SERVER_DEVICE
 from .private import check_folder
 from .sandbox._wasm_engine import default_cache_dir
+from .undo.staging import Staging
 
 __all__ = (
     "check_caches",
     "dry_run_executors",
+    "open_staging",
     "preload_wasm",
     "trust_store_for",
     "verify_executors",
@@ -214,3 +217,14 @@ def check_caches(verifies: bool, registry: ExecutorRegistry) -> None:
     for cache, used in ((default_verified_dir(), verifies), (default_cache_dir(), wasm)):
         if used:
             check_folder(cache, what="cache folder", fix=fix)
+
+
+def open_staging(state_dir: str | os.PathLike[str]) -> Staging:
+    """The worker's `Staging` in `state_dir`, or `BadConfig` saying which option moves it."""
+    try:
+        return Staging(state_dir)
+    except OSError as exc:
+        raise BadConfig(
+            f"cannot use the state folder {state_dir}: {exc}; name another with --state-dir "
+            "or METNOS_STATE_DIR"
+        ) from None

@@ -53,6 +53,7 @@ from .policy import Policy
 from .preflight import (
     check_caches,
     dry_run_executors,
+    open_staging,
     preload_wasm,
     trust_store_for,
     verify_executors,
@@ -267,15 +268,10 @@ async def serve(
                     drains.start_soon(sup.drain, grace_s if first else 0.0)
                     first = False
 
-    if wasm_spares is None:
-        raw = os.environ.get(WASM_SPARES_ENV, "1")
-        if not raw.isdigit():
-            raise BadConfig(
-                f"{WASM_SPARES_ENV} must be a number of spare processes (0 turns them off), "
-                f"got {raw!r}"
-            )
-        wasm_spares = int(raw)
+    wasm_spares = _wasm_spares(wasm_spares)
     async with contextlib.AsyncExitStack() as owned:
+        # Before any task group: a metrics port in use is said as E_CONFIG, not grouped.
+        await owned.enter_async_context(sup.observer.bound())
         if (
             preload
             and wasm_spares > 0
@@ -303,6 +299,18 @@ async def serve(
         )
     if sup.fatal_error is not None:
         raise sup.fatal_error
+
+
+def _wasm_spares(given: int | None) -> int:
+    """`serve`'s ``wasm_spares``: as given, else ``METNOS_WASM_SPARES``, else 1."""
+    if given is not None:
+        return given
+    raw = os.environ.get(WASM_SPARES_ENV, "1")
+    if not raw.isdigit():
+        raise BadConfig(
+            f"{WASM_SPARES_ENV} must be a number of spare processes (0 turns them off), got {raw!r}"
+        )
+    return int(raw)
 
 
 async def _serve_in(
@@ -506,7 +514,7 @@ def _start(
     # before anything is served.
     staging: Staging | None = None
     if state_dir is not None or os.environ.get(STATE_DIR_ENV):
-        staging = _open_staging(state_dir if state_dir is not None else default_state_dir())
+        staging = open_staging(state_dir if state_dir is not None else default_state_dir())
 
     async def serve_on(broker: Broker, staging: Staging, python: str | None) -> None:
         await serve(
@@ -595,19 +603,9 @@ async def _serve_queue(
             if staging is None:
                 # The queue's own folder: another queue's worker never settles (or
                 # collects) what this one keeps there.
-                staging = _open_staging(default_state_dir(queue=broker.queue_id))
+                staging = open_staging(default_state_dir(queue=broker.queue_id))
             await serve_on(broker, staging, python)
     finally:
         if staging is not None:
             with anyio.CancelScope(shield=True):
                 await staging.aclose()
-
-
-def _open_staging(state_dir: str | os.PathLike[str]) -> Staging:
-    try:
-        return Staging(state_dir)
-    except OSError as exc:
-        raise BadConfig(
-            f"cannot use the state folder {state_dir}: {exc}; name another with --state-dir "
-            "or METNOS_STATE_DIR"
-        ) from None

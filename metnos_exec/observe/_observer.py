@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +48,8 @@ class Observer:
     `make_observer` returns a subclass that records metrics, traces, or both.
     """
 
+    _listener: Any = None
+
     def job(self, job: Job, attempt: int) -> AbstractContextManager[None]:
         """Around the whole delivery, in the job's own task (the CONSUMER span)."""
         return _NULL
@@ -76,6 +78,25 @@ class Observer:
 
     def degraded(self, reason: str) -> None:
         """A job runs below its wall (the arm's degradation, or no staging)."""
+
+    async def bind(self) -> None:
+        """Take the address `serve` will serve on; here: none.
+
+        Raises:
+            BadConfig: the address cannot be bound (in use, not this host's).
+        """
+
+    @contextlib.asynccontextmanager
+    async def bound(self) -> AsyncIterator[None]:
+        """`bind` for the block; what `serve` did not take is closed at its end."""
+        await self.bind()
+        try:
+            yield
+        finally:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                with anyio.CancelScope(shield=True):
+                    await listener.aclose()
 
     async def serve(
         self,
@@ -154,6 +175,12 @@ class _Recording(Observer):
         if self.metrics is not None:
             self.metrics.degraded(reason)
 
+    async def bind(self) -> None:
+        if self.metrics is not None and self.metrics.bind is not None and not self._listener:
+            from .http import open_listener
+
+            self._listener = await open_listener(self.metrics)
+
     async def serve(
         self,
         source: ObservedWorker,
@@ -166,7 +193,8 @@ class _Recording(Observer):
             return
         from .http import serve_metrics
 
-        await serve_metrics(self.metrics, source, task_status=task_status)
+        listener, self._listener = self._listener, None
+        await serve_metrics(self.metrics, source, listener=listener, task_status=task_status)
 
 
 def make_observer(*, metrics: tuple[str, int] | None = None, trace: bool | None = None) -> Observer:

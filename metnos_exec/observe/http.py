@@ -70,13 +70,8 @@ def _loopback(host: str) -> bool:
         return False  # a name: it may resolve anywhere
 
 
-async def serve_metrics(
-    metrics: Metrics,
-    source: ObservedWorker,
-    *,
-    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``/metrics`` on ``metrics.bind`` until cancelled.
+async def open_listener(metrics: Metrics) -> anyio.abc.Listener[anyio.abc.SocketStream]:
+    """The listener on ``metrics.bind``.
 
     Raises:
         BadConfig: the address cannot be bound (in use, not this host's).
@@ -84,11 +79,25 @@ async def serve_metrics(
     assert metrics.bind is not None
     host, port = metrics.bind
     try:
-        listener = await anyio.create_tcp_listener(
-            local_host=host, local_port=port, reuse_port=False
-        )
+        return await anyio.create_tcp_listener(local_host=host, local_port=port)
     except OSError as exc:
         raise BadConfig(f"cannot serve metrics on {host}:{port}: {exc}") from None
+
+
+async def serve_metrics(
+    metrics: Metrics,
+    source: ObservedWorker,
+    *,
+    listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` until cancelled, on `listener` (default: `open_listener`).
+
+    Raises:
+        BadConfig: the address cannot be bound (in use, not this host's).
+    """
+    if listener is None:
+        listener = await open_listener(metrics)
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
@@ -102,7 +111,7 @@ async def serve_metrics(
                     await _reply(stream, b"500 Internal Server Error", b"", b"text/plain")
 
     async with listener:
-        metrics.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        metrics.port = listener.extra(anyio.abc.SocketAttribute.local_port, None)
         task_status.started()
         await listener.serve(handle)
 

@@ -27,7 +27,8 @@ reason, which may name a host), never a job id.
 
 Phases: ``queue_wait`` (submit, or ``not_before``, to the first lease), ``plan``,
 ``sandbox_start`` (the arm's setup before its process ran), ``run`` (the process, from
-its spawn), ``commit``, ``ack``.
+its spawn), ``commit`` (a staged success: the commit, its undo record and the ack
+inside it), ``ack`` (storing the result).
 """
 
 from __future__ import annotations

@@ -113,6 +113,9 @@ class Supervisor(Pipeline):
         if self._stopped.is_set():
             # A second run (burst mode, tests): a drain waiting now waits for this one.
             self._stopped = anyio.Event()
+        # Outside the task group: a port in use is the operator's error (E_CONFIG), said
+        # as it is, not one of a group of errors.
+        await self.observer.bind()
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -126,7 +129,7 @@ class Supervisor(Pipeline):
                 if publishes:
                     tg.start_soon(self._catalog_loop, published, name="catalog")
                 tg.start_soon(self._presence_loop, name="presence")
-                # /metrics, when the observer serves it (its bind refused here stops run).
+                # /metrics, when the observer serves it (on the listener bound above).
                 await tg.start(self.observer.serve, self)
                 task_status.started()
                 async with anyio.create_task_group() as jobs:

@@ -4,6 +4,8 @@ listener with its queue cache (a double of the worker and its broker: unit tests
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +187,18 @@ async def test_a_taken_port_is_a_config_error() -> None:
         with pytest.raises(BadConfig, match="cannot serve metrics"):
             await serve_metrics(again, _Worker())
         tg.cancel_scope.cancel()
+
+
+def test_the_worker_refuses_a_metrics_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "executors").mkdir()
+        argv = [sys.executable, "-m", "metnos_exec", "worker", "--burst"]
+        argv += ["--executors", str(tmp_path / "executors"), "--log-file", str(tmp_path / "w")]
+        argv += ["--broker", f"sqlite:///{tmp_path / 'q.db'}", "--metrics", f"127.0.0.1:{port}"]
+        env = {**os.environ, "HOME": str(tmp_path)}
+        done = subprocess.run(argv, capture_output=True, timeout=60, check=False, env=env)
+    assert done.returncode == 2, done.stderr
+    assert f"E_CONFIG: cannot serve metrics on 127.0.0.1:{port}" in done.stderr.decode()
