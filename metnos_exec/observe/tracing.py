@@ -36,9 +36,10 @@ from ..messages import Job, Result, TraceContext
 __all__ = ("Tracing", "submit_context", "tracing_active")
 
 _SCOPE: Final = "metnos_exec"
-#: Whether the current job's span is recorded (`Tracing._recording`).
-_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "metnos_exec_span_recording", default=False
+#: The current job's span, if it is recorded (`Tracing._recording`, `Tracing.finished`):
+#: set in the job's own task, so no other job sees it.
+_JOB_SPAN: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "metnos_exec_job_span", default=None
 )
 _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 
@@ -129,7 +130,7 @@ class Tracing:
         # Attached by hand rather than with `start_as_current_span`: two generator layers
         # fewer, a tenth of an untraced echo job's tracing.
         token = self._attach(api.set_span_in_context(span))
-        _RECORDING.set(span.is_recording())
+        _JOB_SPAN.set(span if span.is_recording() else None)
         try:
             yield
         except BaseException as exc:
@@ -164,7 +165,7 @@ class Tracing:
         # more than the rest of an echo job's bookkeeping. Read from our own variable
         # (set with the job's span, in the job's task): the API's current span is three
         # lookups deep.
-        return _RECORDING.get()
+        return _JOB_SPAN.get() is not None
 
     def span(self, name: str) -> AbstractContextManager[Any]:
         """A child span of the current one (a phase); none when that one is not
@@ -185,9 +186,11 @@ class Tracing:
         self.tracer.start_span("run", start_time=split).end(end_time=end)
 
     def finished(self, result: Result) -> None:
-        if not _RECORDING.get():
+        # The job's span, not the current one: a staged job's result is stored inside
+        # its commit span.
+        span = _JOB_SPAN.get()
+        if span is None:
             return
-        span = self._api.get_current_span()
         span.set_attribute("metnos.job.status", result.status)
         if result.error is not None:
             span.set_attribute("error.type", result.error.code)

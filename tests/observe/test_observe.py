@@ -202,3 +202,24 @@ def test_the_worker_refuses_a_metrics_port_in_use(tmp_path: Path) -> None:
         done = subprocess.run(argv, capture_output=True, timeout=60, check=False, env=env)
     assert done.returncode == 2, done.stderr
     assert f"E_CONFIG: cannot serve metrics on 127.0.0.1:{port}" in done.stderr.decode()
+
+
+@pytest.mark.anyio
+async def test_a_producer_counts_its_submits_and_sends_no_trace_untraced() -> None:
+    from prometheus_client import REGISTRY
+
+    from metnos_exec.brokers.memory import MemoryBroker
+    from metnos_exec.client import Client
+
+    def count() -> float:
+        got = REGISTRY.get_sample_value("metnos_jobs_submitted_total", {"executor": "counted"})
+        return got or 0.0
+
+    before = count()
+    broker = MemoryBroker()
+    async with Client(broker) as client:
+        job_id = await client.submit("counted", {})
+        await client.submit("counted", {})
+    assert count() == before + 2
+    leases = await broker.lease("w", visibility_s=5)
+    assert leases[0].job.id == job_id and leases[0].job.trace is None

@@ -44,6 +44,22 @@ type = "number"
 default = 0
 """
 MAIN = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
+WRITER_MANIFEST = """\
+name = "writer"
+version = "1"
+runtime = "python"
+entry = "main.py"
+[args.path]
+type = "string"
+required = true
+format = "path"
+[[capabilities]]
+name = "fs:write"
+hints = ["~/notes/**"]
+"""
+WRITER_MAIN = (
+    "import json, sys\na = json.load(sys.stdin)\nopen(a['path'], 'w').write('hello')\nprint('{}')\n"
+)
 
 
 @pytest.fixture
@@ -81,17 +97,24 @@ def test_one_trace_from_submit_to_the_result_across_two_processes(
     (executors / "sleepy").mkdir(parents=True)
     (executors / "sleepy" / "manifest.toml").write_text(MANIFEST)
     (executors / "sleepy" / "main.py").write_text(MAIN)
+    (executors / "writer").mkdir()
+    (executors / "writer" / "manifest.toml").write_text(WRITER_MANIFEST)
+    (executors / "writer" / "main.py").write_text(WRITER_MAIN)
+    (tmp_path / "notes").mkdir()
     url = f"sqlite:///{tmp_path / 'q.db'}"
     tracer = trace.get_tracer("test")
 
-    async def submit() -> str:
+    async def submit() -> tuple[str, str]:
         async with Client(url) as client:
             with tracer.start_as_current_span("agent step"):
-                return await client.submit("sleepy", {"s": 0}, correlation_id="step-1")
+                job_id = await client.submit("sleepy", {"s": 0}, correlation_id="step-1")
+            with tracer.start_as_current_span("another step"):
+                path = str(tmp_path / "notes" / "n.txt")
+                return job_id, await client.submit("writer", {"path": path})
 
-    job_id = anyio.run(submit, backend=backend)
+    job_id, writer_id = anyio.run(submit, backend=backend)
     mine = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(mine) == {"agent step", "send sleepy"}
+    assert set(mine) == {"agent step", "send sleepy", "another step", "send writer"}
     producer = mine["send sleepy"]
     assert producer.kind is trace.SpanKind.PRODUCER
     trace_id, producer_id = _hex(producer)
@@ -113,7 +136,18 @@ def test_one_trace_from_submit_to_the_result_across_two_processes(
     )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     theirs: list[dict[str, Any]] = [json.loads(x) for x in spans_file.read_text().splitlines()]
-    assert {s["trace_id"] for s in theirs} == {trace_id}  # one trace, the producer's
+    writer_trace, writer_producer = _hex(mine["send writer"])
+    assert {s["trace_id"] for s in theirs} == {trace_id, writer_trace}  # the producers'
+    by_job = {s["attributes"]["messaging.message.id"]: s for s in theirs if s["kind"] == "CONSUMER"}
+    assert set(by_job) == {job_id, writer_id}
+    # The staged job: its changes committed in a commit span, its ack inside it.
+    writer = by_job[writer_id]
+    assert writer["parent"] == writer_producer and writer["trace_id"] == writer_trace
+    assert writer["attributes"].get("metnos.job.status") == "succeeded", writer
+    (commit,) = [s for s in theirs if s["name"] == "commit" and s["parent"] == writer["span_id"]]
+    assert [s["name"] for s in theirs if s["parent"] == commit["span_id"]] == ["ack"]
+    assert (tmp_path / "notes" / "n.txt").read_text() == "hello"
+    theirs = [s for s in theirs if s["trace_id"] == trace_id]
     (consumer,) = [s for s in theirs if s["kind"] == "CONSUMER"]
     assert consumer["name"] == "process sleepy"
     assert consumer["parent"] == producer_id
