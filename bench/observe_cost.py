@@ -79,7 +79,10 @@ def _echo(runtime: str, **_: Any) -> ArmChoice:
 
 async def _drain(
     tmp: Path, registry: ExecutorRegistry, ns: argparse.Namespace, observer: Observer
-) -> float:
+) -> tuple[float, float]:
+    """One drain: jobs/s, and this process's CPU seconds per job while it ran (every
+    thread: the span processor's and the scraper's too), which other load on the
+    machine disturbs less than the rate."""
     db = tmp / f"q-{time.monotonic_ns()}.db"
     traced = observer is not NULL_OBSERVER and "tracing" in ns.on
     scraped = observer is not NULL_OBSERVER and "metrics" in ns.on
@@ -98,17 +101,17 @@ async def _drain(
             observer=observer,
         )
         async with anyio.create_task_group() as tg:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             # Ready means /metrics listens (the supervisor starts it before leasing).
             await tg.start(functools.partial(sup.run, burst=True))
             if scraped and ns.scrape_every > 0:
                 tg.start_soon(_scrape_loop, observer, ns.scrape_every)
             await sup.wait_stopped()
-            elapsed = time.perf_counter() - t
+            elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
             tg.cancel_scope.cancel()
         stats = await broker.stats()
         assert stats.done == ns.jobs, stats
-    return ns.jobs / elapsed
+    return ns.jobs / elapsed, cpu / ns.jobs
 
 
 async def _scrape_loop(observer: Any, every: float) -> None:
@@ -146,19 +149,28 @@ async def _main(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
         for make in arms.values():  # warm-up: page cache, decoders, the SDK
             await _drain(tmp, registry, _small(ns), make())
         rates: dict[str, list[float]] = {name: [] for name in arms}
+        cpus: dict[str, list[float]] = {name: [] for name in arms}
         names = list(arms)
         for r in range(ns.rounds):
             for name in names[r % 2 :] + names[: r % 2]:
-                rates[name].append(await _drain(tmp, registry, ns, arms[name]()))
+                rate, cpu = await _drain(tmp, registry, ns, arms[name]())
+                rates[name].append(rate)
+                cpus[name].append(cpu)
     provider.shutdown()
     off, on_rate = (statistics.median(rates[n]) for n in names)
+    cpu_off, cpu_on = (statistics.median(cpus[n]) * 1e6 for n in names)
     rounds = " ".join(f"{100 * b / a:.0f}%" for a, b in zip(rates["off"], rates["on"], strict=True))
     return [
-        (f"off (no observer), concurrency {ns.concurrency}", off, f"median of {ns.rounds}"),
+        (
+            f"off (no observer), concurrency {ns.concurrency}",
+            off,
+            f"median of {ns.rounds}; CPU {cpu_off:.0f} us/job",
+        ),
         (
             f"on ({'+'.join(sorted(ns.on))}, {ns.sample:g} sampled), concurrency {ns.concurrency}",
             on_rate,
-            f"{100 * on_rate / off:.1f} % of off (target >= 95 %); rounds {rounds}",
+            f"{100 * on_rate / off:.1f} % of off (target >= 95 %); rounds {rounds}; "
+            f"CPU {cpu_on:.0f} us/job ({100 * (cpu_on / cpu_off - 1):+.1f} %)",
         ),
     ]
 
