@@ -42,6 +42,7 @@ import msgspec
 from .errors import BadMessage
 from .sandbox._types import ContainmentReport, SandboxExit, Usage
 from .sandbox.egress import EgressRecord
+from .trace_context import TraceContext
 
 __all__ = (
     "UNDO_EXECUTOR",
@@ -161,22 +162,6 @@ class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     code: str
     message: str
-
-
-#: W3C ``traceparent``: version, trace id, parent span id, flags (lower-case hex).
-_TRACEPARENT: Final = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
-
-
-class TraceContext(msgspec.Struct, frozen=True, kw_only=True):
-    """The W3C Trace Context of the producer's span (www.w3.org/TR/trace-context).
-
-    Attributes:
-        traceparent: ``00-<trace id: 32 hex>-<parent span id: 16 hex>-<flags: 2 hex>``.
-        tracestate: vendor entries, as the header carries them (``""``: none).
-    """
-
-    traceparent: Annotated[str, msgspec.Meta(pattern=_TRACEPARENT)]
-    tracestate: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):

@@ -538,15 +538,14 @@ class MemoryBroker(MemoryCatalog, Broker):
         now = self._clock()
         counts = {"queued": 0, "running": 0, "done": 0, "dead": 0}
         delayed = 0
-        oldest: float | None = None
+        due: list[float] = []  # the due queued jobs' submit times
         for entry in self._entries.values():
             counts[entry.state] += 1
             if entry.state == "queued" and entry.due_at > now:
                 delayed += 1
             elif entry.state == "queued" and entry.job is not None:
-                at = entry.job.submitted_at
-                oldest = at if oldest is None else min(oldest, at)
-        return BrokerStats(delayed=delayed, oldest_queued_at=oldest, **counts)
+                due.append(entry.job.submitted_at)
+        return BrokerStats(delayed=delayed, oldest_queued_at=min(due, default=None), **counts)
 
     async def purge(self, *, older_than_s: float) -> PurgeReport:
         """See `Broker.purge`; hooks get this broker as their ``store``."""
