@@ -233,6 +233,8 @@ def test_overview_counts_match_status(
         "running": stats.running,
         "done": stats.done,
         "dead": stats.dead,
+        # The oldest due job's submit time (SQLite and memory; None on Redis).
+        "oldest_queued_at": stats.oldest_queued_at,
     }
 
 
