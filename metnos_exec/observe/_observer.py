@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -112,6 +112,27 @@ class Observer:
 NULL_OBSERVER = Observer()
 
 
+class _Phase:
+    """A phase timed (and spanned): a class rather than a generator, it is entered twice
+    a job."""
+
+    __slots__ = ("executor", "metrics", "name", "span", "start")
+
+    def __init__(
+        self, metrics: Metrics | None, name: str, executor: str, span: AbstractContextManager[Any]
+    ) -> None:
+        self.metrics, self.name, self.executor, self.span = metrics, name, executor, span
+
+    def __enter__(self) -> None:
+        self.span.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.phase(self.name, self.executor, time.perf_counter() - self.start)
+        self.span.__exit__(*exc)
+
+
 class _Recording(Observer):
     """An observer with metrics, tracing, or both (`make_observer`)."""
 
@@ -125,18 +146,13 @@ class _Recording(Observer):
             return _NULL
         return self.tracing.consumer(job, attempt, self.queue)
 
-    @contextlib.contextmanager
-    def _phase(self, name: str, job: Job) -> Iterator[None]:
-        start = time.perf_counter()
-        with self.tracing.span(name) if self.tracing is not None else _NULL:
-            try:
-                yield
-            finally:
-                if self.metrics is not None:
-                    self.metrics.phase(name, job.executor, time.perf_counter() - start)
-
     def phase(self, name: str, job: Job) -> AbstractContextManager[None]:
-        return self._phase(name, job)
+        span = _NULL
+        if self.tracing is not None and self.tracing.recording():
+            span = self.tracing.span(name)
+        elif self.metrics is None:
+            return _NULL
+        return _Phase(self.metrics, name, job.executor, span)
 
     def leased(self, job: Job, attempt: int, now: float) -> None:
         if self.metrics is not None:

@@ -36,7 +36,7 @@ from ..messages import Job, Result, TraceContext
 __all__ = ("Tracing", "submit_context", "tracing_active")
 
 _SCOPE: Final = "metnos_exec"
-#: The current job's span, if it is recorded (`Tracing._recording`, `Tracing.finished`):
+#: The current job's span, if it is recorded (`Tracing.recording`, `Tracing.finished`):
 #: set in the job's own task, so no other job sees it.
 _JOB_SPAN: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "metnos_exec_job_span", default=None
@@ -91,6 +91,20 @@ def submit_context(executor: str, job_id: str) -> AbstractContextManager[TraceCo
     return _producer(executor, job_id)
 
 
+def _drops_unsampled(provider: Any) -> bool:
+    """Whether `provider` drops every span under an unsampled remote parent: the SDK's
+    ``ParentBased`` sampler (its default) with its default for that case."""
+    try:
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+    except ImportError:  # another SDK: ask it for every job
+        return False
+    sampler = getattr(provider, "sampler", None)
+    return (
+        isinstance(sampler, ParentBased)
+        and getattr(sampler, "_remote_parent_not_sampled", None) is ALWAYS_OFF
+    )
+
+
 class Tracing:
     """A worker's tracer (`Observer` calls it; see the module docstring)."""
 
@@ -100,10 +114,25 @@ class Tracing:
         self.tracer = trace.get_tracer(_SCOPE)
         self._api = trace
         self._attach, self._detach = context.attach, context.detach
+        self._drops_unsampled = _drops_unsampled(trace.get_tracer_provider())
 
     @contextlib.contextmanager
     def consumer(self, job: Job, attempt: int, queue: str) -> Iterator[None]:
-        parent = None if job.trace is None else self._parent(job.trace)
+        carried = job.trace
+        if (
+            carried is not None
+            and self._drops_unsampled
+            and not int(carried.traceparent[-2:], 16) & 1
+        ):
+            # The producer did not sample this trace and the sampler follows the parent:
+            # the job's spans would all be dropped. Making them anyway cost a tenth of an
+            # echo job; its log lines still carry the trace (and the producer's span).
+            structlog.contextvars.bind_contextvars(
+                trace_id=carried.traceparent[3:35], span_id=carried.traceparent[36:52]
+            )
+            yield
+            return
+        parent = None if carried is None else self._parent(carried)
         attributes: dict[str, Any] = {
             "messaging.system": "metnos",
             "messaging.operation.type": "process",
@@ -159,7 +188,8 @@ class Tracing:
         )
         return api.set_span_in_context(api.NonRecordingSpan(context))
 
-    def _recording(self) -> bool:
+    def recording(self) -> bool:
+        """Whether the current job's span is recorded (its phases get spans)."""
         # A job whose span is not sampled gets no phase spans: under the default
         # (parent-based) sampler they would not be recorded either, and making them cost
         # more than the rest of an echo job's bookkeeping. Read from our own variable
@@ -170,14 +200,14 @@ class Tracing:
     def span(self, name: str) -> AbstractContextManager[Any]:
         """A child span of the current one (a phase); none when that one is not
         recorded."""
-        if not self._recording():
+        if not self.recording():
             return _NULL
         return self.tracer.start_as_current_span(name)
 
     def ran(self, start_s: float, run_s: float) -> None:
         """The ``sandbox start`` and ``run`` spans, made after the arm returned (the arm
         does both in one call; the run's wall time says where one ends)."""
-        if not self._recording():
+        if not self.recording():
             return
         end = time.time_ns()
         begin = end - int((start_s + run_s) * 1e9)

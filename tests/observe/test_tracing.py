@@ -173,3 +173,37 @@ def test_one_trace_from_submit_to_the_result_across_two_processes(
     assert {r["event"] for r in records} >= {"job.received", "job.started", "job.finished"}
     assert all(r.get("trace_id") == trace_id for r in records), records
     assert all(r.get("span_id") == consumer["span_id"] for r in records)
+
+
+@pytest.mark.parametrize("flags", ["00", "01", "03", "0a"])
+def test_an_unsampled_producer_gets_no_worker_spans_but_its_ids_in_the_logs(
+    exporter: InMemorySpanExporter, flags: str
+) -> None:
+    import structlog
+
+    from metnos_exec.messages import Job, TraceContext
+    from metnos_exec.observe.tracing import Tracing
+
+    parent = f"00-{'ab' * 16}-{'cd' * 8}-{flags}"
+    job = Job(executor="x", trace=TraceContext(traceparent=parent))
+    tracing = Tracing()
+    bound: dict[str, Any] = {}
+
+    def run() -> None:
+        with tracing.consumer(job, 1, "q"), tracing.span("plan"):
+            bound.update(structlog.contextvars.get_contextvars())
+
+    import contextvars
+
+    contextvars.copy_context().run(run)  # as in a job's own task
+    spans = exporter.get_finished_spans()
+    assert bound["trace_id"] == "ab" * 16
+    if int(flags, 16) & 1:
+        names = {s.name for s in spans}
+        assert names == {"process x", "plan"}
+        (job_span,) = [s for s in spans if s.name == "process x"]
+        assert job_span.parent is not None and f"{job_span.parent.span_id:016x}" == "cd" * 8
+        assert bound["span_id"] == _hex(job_span)[1]
+    else:
+        assert spans == ()
+        assert bound["span_id"] == "cd" * 8
