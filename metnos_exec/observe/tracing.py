@@ -10,7 +10,8 @@ result), with the messaging attributes (``messaging.system = "metnos"``,
 "execute_tool"``, ``gen_ai.tool.name``: the executor); once the result is stored,
 ``metnos.job.status`` and ``metnos.containment.<axis>``. Child spans: ``plan``,
 ``sandbox start``, ``run``, ``commit``, ``ack`` (only under a recorded, i.e. sampled,
-job span: the usual parent-based sampler would drop them anyway). The trace and span ids
+job span: the usual parent-based sampler would drop them anyway; and no span at all under
+an unsampled producer with the SDK's parent-based sampler, `_drops_unsampled`). The trace and span ids
 are bound into the job's log context (``trace_id``, ``span_id``: hex, as in
 ``traceparent``), sampled or not.
 
