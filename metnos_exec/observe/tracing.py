@@ -11,8 +11,8 @@ result), with the messaging attributes (``messaging.system = "metnos"``,
 ``metnos.job.status`` and ``metnos.containment.<axis>``. Child spans: ``plan``,
 ``sandbox start``, ``run``, ``commit``, ``ack`` (only under a recorded, i.e. sampled,
 job span: the usual parent-based sampler would drop them anyway; and no span at all under
-an unsampled producer with the SDK's parent-based sampler, `_drops_unsampled`). The trace and span ids
-are bound into the job's log context (``trace_id``, ``span_id``: hex, as in
+an unsampled producer with the SDK's parent-based sampler, `_drops_unsampled`). The trace
+and span ids are bound into the job's log context (``trace_id``, ``span_id``: hex, as in
 ``traceparent``), sampled or not.
 
 Tracing is active when the process has a tracer provider other than the API's default
