@@ -211,3 +211,24 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     finally:
         ALLOWED_CHILDREN.discard(server.proc.pid)
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A private Redis Cluster (three primaries, no replicas) on loopback ports for the
+    whole session (`tests.helpers.redis_cluster`). Tests keep apart by key prefix."""
+    from tests.helpers.redis_cluster import LocalCluster, redis_cli_path
+    from tests.helpers.redis_server import redis_server_path
+
+    need(
+        redis_server_path() is not None and redis_cli_path() is not None,
+        "redis-server and redis-cli are not installed (apt install redis-server)",
+    )
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        ALLOWED_CHILDREN.update(cluster.pids)
+        yield cluster
+    finally:
+        ALLOWED_CHILDREN.difference_update(cluster.pids)
+        cluster.stop()

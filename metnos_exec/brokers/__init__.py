@@ -4,7 +4,9 @@
 ``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db`` (the embedded default;
 note the fourth slash: ``sqlite:///work/x.db`` is ``work/x.db`` under the current folder),
 ``redis://[:password@]host:port/db`` or ``rediss://...`` (TLS): Redis Streams, workers on
-many machines (needs the ``redis`` extra: coredis).
+many machines (needs the ``redis`` extra: coredis); ``redis+cluster://host:port[,...]``
+(a Redis Cluster) and ``redis+sentinel://host:port[,...]/service`` (a primary found
+through Sentinel) too (`metnos_exec.brokers._redis_target`).
 Query parameters become keyword options of the broker, e.g.
 ``sqlite:///./metnos.db?poll_interval_s=0.05&busy_timeout_s=10``.
 
@@ -63,10 +65,21 @@ _REGISTRY: dict[str, str] = {
     "sqlite": "metnos_exec.brokers.sqlite:SQLiteBroker",
     "redis": "metnos_exec.brokers.redis:RedisBroker",
     "rediss": "metnos_exec.brokers.redis:RedisBroker",
+    "redis+cluster": "metnos_exec.brokers.redis:RedisBroker",
+    "redis+sentinel": "metnos_exec.brokers.redis:RedisBroker",
 }
 
+#: Schemes whose URL lists several hosts (``host:port,host:port``): their broker reads
+#: the hosts itself (the one-host check of `urlsplit` would refuse them).
+_MANY_HOSTS = frozenset(("redis+cluster", "redis+sentinel"))
+
 #: scheme -> the package extra that brings its optional client, for the error message.
-_EXTRAS: dict[str, str] = {"redis": "redis"}
+_EXTRAS: dict[str, str] = {
+    "redis": "redis",
+    "rediss": "redis",
+    "redis+cluster": "redis",
+    "redis+sentinel": "redis",
+}
 
 
 class BadBrokerURL(MetnosError):
@@ -91,7 +104,8 @@ def open_broker(url: str, *, create: bool = True, **options: Any) -> Broker:
     """
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 (a port that is not a number is refused here, not later)
+        if parts.scheme not in _MANY_HOSTS:
+            parts.port  # noqa: B018 (a port that is not a number is refused here, not later)
     except ValueError as exc:  # "Invalid IPv6 URL" for a stray [, a port not a number
         raise BadBrokerURL(f"{redact_url(url)!r} is not a URL: {exc}") from None
     scheme = parts.scheme

@@ -11,7 +11,6 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Self
-from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import coredis
@@ -30,8 +29,8 @@ from ..logs import get_logger
 from ..messages import SERVER_DEVICE, ErrorInfo, encode
 from ._common import PolledWaits, dead_records
 from ._redis_keys import SCRIPTS, Keys
+from ._redis_target import parse_target
 from ._redis_watch import DataWatch
-from ._url import redact_url
 from .base import Lease
 
 __all__ = ("BATCH", "RedisStore", "as_str", "closing_buffers", "error_fields", "inbox_text")
@@ -47,9 +46,10 @@ _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, TimeoutError, OSError
 
 #: Replies by which a reachable Redis refuses writes for a while, by their first word:
 #: ``OOM`` (maxmemory reached under ``noeviction``: a queue must not evict), ``READONLY``
-#: (a replica, e.g. just after a failover), ``MASTERDOWN``, ``BUSY`` (a script running too
-#: long elsewhere), ``LOADING``, ``TRYAGAIN``; and the `BrokerError` each one is (the
-#: rest: `BrokerUnavailable`).
+#: (a replica, e.g. just after a failover), ``NOREPLICAS`` (``min-replicas-to-write`` not
+#: met), ``MASTERDOWN``, ``CLUSTERDOWN`` (a cluster without a primary for a slot),
+#: ``BUSY`` (a script running too long elsewhere), ``LOADING``, ``TRYAGAIN``; and the
+#: `BrokerError` each one is (the rest: `BrokerUnavailable`).
 #: Replies by which Redis refuses this client (``WRONGPASS``, ``NOAUTH``, ``NOPERM``).
 _REFUSED_CLIENT: Final = (
     coredis.exceptions.AuthenticationError,
@@ -59,12 +59,31 @@ _REFUSED_CLIENT: Final = (
 #: What Redis says of a command in a script that the user's ACL forbids (no NOPERM code).
 _SCRIPT_DENIED: Final = "The user executing the script can't"
 
-_REFUSING: Final = ("OOM", "READONLY", "MASTERDOWN", "BUSY", "LOADING", "TRYAGAIN")
+_REFUSING: Final = (
+    "OOM",
+    "READONLY",
+    "NOREPLICAS",
+    "MASTERDOWN",
+    "BUSY",
+    "LOADING",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+)
 _REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
     "OOM": BrokerFull,
     "READONLY": BrokerReadOnly,
+    # ``min-replicas-to-write`` not met (a primary cut off from its replicas).
+    "NOREPLICAS": BrokerReadOnly,
     "BUSY": BrokerBusy,
 }
+
+
+#: The scripts whose writes a caller is told are done (a receipt, a settle, a cancel, an
+#: undo entry): with ``wait_replicas`` they wait for replicas (`RedisStore._evalsha`).
+#: A lease or a heartbeat does not: a lease lost in a failover is leased again.
+_DURABLE: Final = frozenset(
+    ("submit", "admit_inbox", "ack", "retry", "dead_letter", "release", "cancel", "record_undo")
+)
 
 
 #: How many keys one call may find to set aside before it gives up (each is set aside,
@@ -154,34 +173,29 @@ class RedisStore(PolledWaits):
         stream_timeout_s: float = 10.0,
         settle_patience_s: float = 5.0,
         create: bool = True,
+        wait_replicas: int = 0,
+        wait_timeout_s: float = 1.0,
+        sentinel_auth: bool = False,
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(
-                f"expected redis://host:port/db or rediss://..., got {redact_url(url)!r}"
-            )
+        target = parse_target(url, sentinel_auth=sentinel_auth)
+        self.target = target
         self.keys = Keys(prefix)
         self._clock = clock
         self._poll = poll_interval_s
         self._patience = settle_patience_s
         # For messages and logs: never the password.
-        self._user = parts.username or ""
-        self.where = f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}"
-        db = parts.path.strip("/") or "0"
-        self._queue_id = f"redis://{(parts.hostname or 'localhost').lower()}:{parts.port or 6379}"
-        self._queue_id += f"/{db}?prefix={prefix}"
+        self._user = target.username or ""
+        self.where = target.where
+        self._queue_id = target.queue_id(prefix)
         self._connect_timeout = connect_timeout_s
-        host = parts.netloc.rpartition("@")[2]
-        #: The URL without its user and password (`open_access` tries it).
-        self._anonymous_url = urlunsplit(parts._replace(netloc=host, query=""))
-        self._redis: coredis.Redis[bytes] = coredis.Redis.from_url(
-            urlunsplit(parts._replace(query="")),
-            decode_responses=False,
+        self._cluster = target.kind == "cluster"
+        self._sentinel = target.kind == "sentinel"
+        #: Replicas a durable write waits for (`WAIT`), and for how long (ms).
+        self._wait = (wait_replicas, max(1, round(wait_timeout_s * 1000)))
+        self._redis, self._enter = target.client(
             connect_timeout=connect_timeout_s,
             stream_timeout=stream_timeout_s,
-            # Our own retries (below) know which calls may be resent and how; the
-            # client's would resend a lease whose reply was lost, for instance.
-            retry_policy=coredis.retry.NoRetryPolicy(),
+            connected=lambda cls: closing_buffers(cls, lambda: self._watch.connected()),
         )
         self._watch = DataWatch(
             self._redis,
@@ -191,9 +205,8 @@ class RedisStore(PolledWaits):
             prefix=prefix,
             create=create,
             stats=lambda: self._evalsha("stats", self.keys.base, self._now_arg()),
+            info=self._server_info,
         )
-        pool = self._redis.connection_pool
-        pool.connection_class = closing_buffers(pool.connection_class, self._watch.connected)
         self._scripts = {name: self._redis.register_script(src) for name, src in SCRIPTS.items()}
         self._shas = {name: script.sha for name, script in self._scripts.items()}
         self._conn: Any = None
@@ -203,7 +216,7 @@ class RedisStore(PolledWaits):
         self._failing_since: float | None = None
         #: Lease tokens whose last settle failed with its outcome unknown (see `_settle`).
         self._unsure: set[str] = set()
-        self._wake_key = f"{self.where}/{parts.path}/{self.keys.base}"
+        self._wake_key = f"{self._queue_id}/{self.keys.base}"
 
     @property
     def queue_id(self) -> str:
@@ -216,7 +229,8 @@ class RedisStore(PolledWaits):
             stack = contextlib.AsyncExitStack()
             # Connections are made on first use, so a worker starts (and says so in its
             # logs) while Redis is still down.
-            await stack.enter_async_context(self._redis)
+            for part in self._enter:
+                await stack.enter_async_context(part)
             self._stack = stack
             self._open = True
         return self
@@ -232,6 +246,21 @@ class RedisStore(PolledWaits):
             await stack.aclose()
 
     # --- plumbing ---------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        """Whether the next call has a connection (a cluster client's are its own: the
+        watch learns of new ones from the connect hook alone)."""
+        conn = self._conn
+        return self._cluster or (conn is not None and conn.usable)
+
+    async def _server_info(self) -> dict[str, Any]:
+        """``INFO server`` of the server holding the queue (a cluster's node for its
+        slot: any other node's run id says nothing of the queue's data)."""
+        async with self.target.queue_node(
+            self._redis, self.keys.counts, connect_timeout=self._connect_timeout
+        ) as node:
+            info: dict[str, Any] = await node.info("server")
+            return info
 
     def _now_arg(self) -> str:
         return "" if self._clock is None else repr(float(self._clock()))
@@ -278,6 +307,11 @@ class RedisStore(PolledWaits):
                 # said as a store error rather than the client library's exception.
                 raise BrokerUnavailable(f"Redis at {self.where} refused a call: {text}") from None
             self._failed(exc)
+            if self._sentinel and text.startswith("READONLY"):
+                # A connection to a primary demoted by a failover: the next one is made
+                # to the primary the sentinels name now.
+                self._redis.connection_pool.disconnect()
+                self._conn = None
             kind = _REFUSAL_ERRORS.get(text.split(" ", 1)[0], BrokerUnavailable)
             raise kind(f"Redis at {self.where} refuses writes: {text}") from None
         if self._failing_since is not None:
@@ -322,8 +356,7 @@ class RedisStore(PolledWaits):
         stops a script before it changes anything, so nothing is done twice and no job
         loses an attempt to it."""
         self._check_open()
-        conn = self._conn
-        if self._watch.due(conn is not None and conn.usable):
+        if self._watch.due(self._usable()):
             # Before the call: a loss is said before anything is done on the new data set.
             await self._watch.look(self._wall())
         for _ in range(_MAX_SET_ASIDE):
@@ -360,29 +393,69 @@ class RedisStore(PolledWaits):
             )
 
     async def _evalsha(self, name: str, *args: str | bytes) -> Any:
-        """Run the script `name` (``KEYS[1]`` = the counts hash) on a connection of the pool.
+        """Run the script `name` (``KEYS[1]`` = the counts hash: a cluster client routes
+        the call by it, to the shard holding the queue's slot).
 
-        Below coredis's command layer: the request goes straight onto a connection the
-        pool made (and still owns, so it is shared as the client shares it: requests
-        multiplex on it), with no command object, retry policy, telemetry span or
-        response callback on the way. Measured on the 2-core VM: 145 -> 70 µs of client
-        CPU per call. The connection is the one coredis would have picked (the pool
-        hands out and takes back one connection per call; none of ours block), and a
-        dead one is replaced by the pool's own connect, errors and timeouts as before.
-        A script Redis no longer has (a restart) goes through the registered `Script`,
-        which loads it and runs it again.
+        On one server or through Sentinel, below coredis's command layer: the request
+        goes straight onto a connection the pool made (and still owns, so it is shared as
+        the client shares it: requests multiplex on it), with no command object, retry
+        policy, telemetry span or response callback on the way. Measured on the 2-core
+        VM: 145 -> 70 µs of client CPU per call. The connection is the one coredis would
+        have picked (the pool hands out and takes back one connection per call; none of
+        ours block), and a dead one is replaced by the pool's own connect, errors and
+        timeouts as before. A script Redis no longer has (a restart) goes through the
+        registered `Script`, which loads it and runs it again. A durable write
+        (`_DURABLE`) with ``wait_replicas`` waits for them (`_replicated`).
         """
+        wait = self._wait[0] > 0 and name in _DURABLE
+        if self._cluster:
+            return await self._via_client(name, args, wait)
         conn = self._conn
         if conn is None or not conn.usable:
             async with self._redis.connection_pool.acquire() as conn:
                 pass
             self._conn = conn
         try:
-            return await conn.create_request(
+            request = conn.create_request(
                 b"EVALSHA", self._shas[name], 1, self.keys.counts, *args, decode=False
             )
+            # Sent right after the script on the same connection: one round trip more
+            # only in replication time, and it waits for exactly this write.
+            waited = conn.create_request(b"WAIT", *self._wait, decode=False) if wait else None
+            out = await request
         except coredis.exceptions.NoScriptError:
-            return await self._scripts[name](keys=[self.keys.counts], args=args)
+            return await self._via_client(name, args, wait)
+        if waited is not None:
+            self._replicated(name, int(await waited))
+        return out
+
+    async def _via_client(self, name: str, args: tuple[str | bytes, ...], wait: bool) -> Any:
+        """`_evalsha` through coredis's command layer: on a cluster (routed by the key),
+        and for a script Redis does not have yet (loaded, then run)."""
+        keys = [self.keys.counts]
+        with self._redis.ensure_replication(*self._wait) if wait else contextlib.nullcontext():
+            try:
+                try:
+                    return await self._redis.evalsha(self._shas[name], keys=keys, args=args)
+                except coredis.exceptions.NoScriptError:
+                    return await self._scripts[name](keys=keys, args=args)
+            except coredis.exceptions.ReplicationError:
+                self._replicated(name, 0)
+
+    def _replicated(self, name: str, replicas: int) -> None:
+        """A durable write reached fewer replicas than ``wait_replicas`` in time: it is
+        done on the primary, but a failover now could lose it, so the caller hears that
+        its outcome is unknown (`submit`: `SubmitOutcomeUnknown`; a settle retries, its
+        replay flag making the retry harmless)."""
+        if replicas >= self._wait[0]:
+            return
+        error = BrokerUnavailable(
+            f"Redis at {self.where}: the {name} was written on the primary but reached "
+            f"{replicas} of {self._wait[0]} replicas within {self._wait[1]} ms "
+            "(wait_replicas): a failover could still lose it"
+        )
+        error.maybe_done = True  # type: ignore[attr-defined]
+        raise error
 
     async def _settle(self, name: str, tokens: Sequence[str], *args: str | bytes) -> Any:
         """Run a settle script for the leases `tokens`, retrying with backoff while Redis

@@ -4,11 +4,10 @@ acknowledged across a restart, and the data losses found."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import anyio.lowlevel
-import coredis
-import coredis.retry
 
 from ..errors import BadMessage, BrokerCorrupt
 from ..messages import (
@@ -113,9 +112,13 @@ class RedisInspection(RedisStore):
     async def durability(self) -> str | None:
         """See `Broker.durability`: Redis keeps writes across a restart only with its
         append-only file (``appendonly yes``; ``queue/redis.conf``). ``None`` when CONFIG
-        is not allowed to this client (a managed Redis): it cannot be told."""
+        is not allowed to this client (a managed Redis): it cannot be told. On a cluster,
+        the node holding the queue's slot (through Sentinel: the primary)."""
         try:
-            conf = await self._redis.config_get(["appendonly", "save"])
+            async with self.target.queue_node(
+                self._redis, self.keys.counts, connect_timeout=self._connect_timeout
+            ) as node:
+                conf = await node.config_get(["appendonly", "save"])
         except Exception:
             return None
         values = {as_str(k): as_str(v) for k, v in conf.items()}
@@ -142,8 +145,7 @@ class RedisInspection(RedisStore):
         """See `Broker.data_lost`: the losses the brokers of this queue found (a marker
         gone, `metnos_exec.brokers._redis_watch`) and recorded in the data set that
         replaced the lost one, kept a week; newest first."""
-        conn = self._conn
-        if self._watch.due(conn is not None and conn.usable):
+        if self._watch.due(self._usable()):
             await self._watch.look(self._wall())  # a loss this very call can find
         found = await self._guard(self._redis.hgetall(self.keys.lost))
         return decode_losses(list(found.values()))
@@ -152,17 +154,16 @@ class RedisInspection(RedisStore):
         """See `Broker.open_access`: a connection without user or password (whatever the
         URL gives) that may read the queue's keys (``EXISTS`` of its counts) means anyone
         who reaches the port may read, submit and settle its jobs."""
-        anon: coredis.Redis[bytes] = coredis.Redis.from_url(
-            self._anonymous_url,
-            decode_responses=False,
+        anon, parts = self.target.client(
             connect_timeout=self._connect_timeout,
             stream_timeout=self._connect_timeout,
-            retry_policy=coredis.retry.NoRetryPolicy(),
+            connected=lambda cls: closing_buffers(cls, lambda: None),
+            anonymous=True,
         )
-        pool = anon.connection_pool
-        pool.connection_class = closing_buffers(pool.connection_class, lambda: None)
         try:
-            async with anon:
+            async with contextlib.AsyncExitStack() as stack:
+                for part in parts:
+                    await stack.enter_async_context(part)
                 await anon.exists([self.keys.counts])
         except Exception:  # refused (NOAUTH, NOPERM), or not reached: not open to all
             return None

@@ -89,6 +89,7 @@ class DataWatch:
         prefix: the queue's prefix, for the log record.
         create: ``False`` for readers, which write nothing.
         stats: runs the ``stats`` script (its raw reply).
+        info: ``INFO server`` of the server holding the queue (default: `redis`'s).
     """
 
     #: Seconds between two looks while no connection is made anew.
@@ -96,7 +97,7 @@ class DataWatch:
 
     def __init__(
         self,
-        redis: coredis.Redis[bytes],
+        redis: Any,
         *,
         marker: str,
         lost: str,
@@ -104,8 +105,10 @@ class DataWatch:
         prefix: str,
         create: bool,
         stats: Callable[[], Awaitable[Sequence[Any]]],
+        info: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self._redis = redis
+        self._info = info if info is not None else lambda: redis.info("server")
         self._marker = marker
         self._lost = lost
         self._where = where
@@ -169,7 +172,7 @@ class DataWatch:
         run_id: str | None = None
         # INFO not allowed to this user (an ACL): a loss is still found, cause unknown.
         with contextlib.suppress(coredis.exceptions.ResponseError):
-            run_id = _text((await self._redis.info("server")).get("run_id"))
+            run_id = _text((await self._info()).get("run_id"))
         marker = _text(await self._redis.get(self._marker))
         if marker is None and self._create:
             fresh = f"{os.urandom(8).hex()} {now!r}"

@@ -52,6 +52,17 @@ def _seconds(value: object) -> float:
     return number
 
 
+def _count(value: object) -> int:
+    """A count: a whole number, 0 or more."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not (isinstance(value, int) or text.isdigit()):
+        raise ValueError(f"must be a whole number, 0 or more, got {value!r}")
+    number = int(text)
+    if number < 0:
+        raise ValueError(f"must be a whole number, 0 or more, got {value!r}")
+    return number
+
+
 def _name(value: object) -> str:
     """A name: not empty (``?prefix=`` quietly meant the default queue)."""
     text = str(value)
@@ -68,6 +79,7 @@ def take_options(
     strings: Sequence[str] = (),
     flags: Sequence[str] = (),
     objects: Sequence[str] = (),
+    counts: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Take the options `broker` knows out of `options`, converted by kind.
 
@@ -77,7 +89,7 @@ def take_options(
             taken.
         floats: options that are seconds (finite, above 0). strings: options that are
             names (not empty). flags: yes/no options (`flag`). objects: options passed
-            as given (a clock).
+            as given (a clock). counts: whole numbers, 0 or more.
 
     Raises:
         ValueError: an option of the wrong kind (``option <name>: ...``), or options
@@ -88,6 +100,7 @@ def take_options(
         (strings, _name),
         (flags, flag),
         (objects, None),
+        (counts, _count),
     )
     kwargs: dict[str, Any] = {}
     for keys, convert in kinds:

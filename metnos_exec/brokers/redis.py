@@ -135,9 +135,11 @@ class RedisBroker(RedisQueue, RedisInspection, RedisRecords):
                 "connect_timeout_s",
                 "stream_timeout_s",
                 "settle_patience_s",
+                "wait_timeout_s",
             ),
             strings=("prefix",),
-            flags=("create",),
+            flags=("create", "sentinel_auth"),
             objects=("clock",),
+            counts=("wait_replicas",),
         )
         return cls(url, **kwargs)

@@ -49,10 +49,17 @@ class RedisServer:
         folder: its working folder (AOF, log).
         appendonly: keep the append-only file (``appendfsync everysec``, as documented).
         extra: more command-line settings (``--requirepass``, ``--user ...``).
+        private_conf: start from a copy of ``queue/redis.conf`` in `folder`: a server that
+            a sentinel reconfigures has its file rewritten (``CONFIG REWRITE``).
     """
 
     def __init__(
-        self, folder: Path, *, appendonly: bool = False, extra: Sequence[str] = ()
+        self,
+        folder: Path,
+        *,
+        appendonly: bool = False,
+        extra: Sequence[str] = (),
+        private_conf: bool = False,
     ) -> None:
         self.folder = folder
         self.appendonly = appendonly
@@ -60,6 +67,10 @@ class RedisServer:
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         folder.mkdir(parents=True, exist_ok=True)
+        self.conf = CONF
+        if private_conf:
+            self.conf = folder / "redis.conf"
+            shutil.copyfile(CONF, self.conf)
 
     @property
     def url(self) -> str:
@@ -72,7 +83,7 @@ class RedisServer:
             port = self.port or _free_port()
             argv = [
                 exe,
-                str(CONF),
+                str(self.conf),
                 "--port",
                 str(port),
                 "--bind",
