@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+import anyio
 import coredis
 import coredis.retry
 from coredis._utils import hash_slot
@@ -161,22 +162,25 @@ class RedisTarget:
 
 
 class _ClosingLayout(contextlib.AbstractAsyncContextManager[None]):
-    """Closes a cluster client's layout's error stream when left (and when dropped
-    unentered): coredis 6.9 makes it with the client and never closes it, which warns
-    (``ResourceWarning: Unclosed <MemoryObjectSendStream>``) for every client."""
+    """A cluster client's layout's error stream, made when the client is entered and
+    closed when it is left: coredis 6.9 makes it with the client and never closes it,
+    which warns (``ResourceWarning: Unclosed <MemoryObjectSendStream>``) for every
+    client, entered or not. Entered before the client."""
 
     def __init__(self, cluster: Any) -> None:
-        self._streams = cluster.connection_pool.cluster_layout._error_stream
+        self._layout = cluster.connection_pool.cluster_layout
+        self._close()
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for stream in self._streams:
+    def _close(self) -> None:
+        for stream in self._layout._error_stream:
             stream.close()
 
-    def __del__(self) -> None:
-        self.close()
+    async def __aenter__(self) -> None:
+        size = self._layout._error_threshold * 2
+        self._layout._error_stream = anyio.create_memory_object_stream[Any](size)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._close()
 
 
 class _ClosingSentinelPool(SentinelConnectionPool):

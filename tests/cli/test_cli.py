@@ -851,6 +851,20 @@ BAD_URLS = [
     ("sqlite:///q.db?busy_timeout_s=0", "busy_timeout_s"),
     ("sqlite:///q.db?busy_timeout_s=inf", "busy_timeout_s"),
     ("sqlite:///q.db?synchronous=", "synchronous"),
+    # Issue 18, item 12: the cluster and Sentinel forms.
+    ("redis+cluster://", "a host is missing"),
+    ("redis+cluster://127.0.0.1:7000,,127.0.0.1:7001", "a host is missing"),
+    ("redis+cluster://127.0.0.1:x", "'127.0.0.1:x'"),
+    ("redis+cluster://127.0.0.1:99999", "out of range"),
+    ("redis+cluster://[::1", "not a URL"),
+    ("redis+cluster://127.0.0.1:7000/3", "only database 0"),
+    ("redis+cluster://127.0.0.1:7000?wait_replicas=-1", "wait_replicas"),
+    ("redis+cluster://127.0.0.1:7000?wait_timeout_s=0", "wait_timeout_s"),
+    ("redis+sentinel://127.0.0.1:26379", "names its service"),
+    ("redis+sentinel://127.0.0.1:26379/svc/1/2", "names its service"),
+    ("redis+sentinel://127.0.0.1:26379/svc/x", "database is a number"),
+    ("redis+sentinel://127.0.0.1:26379/svc?sentinel_auth=yes&colour=red", "colour"),
+    ("redis://127.0.0.1:7000,127.0.0.1:7001/0", "not a URL"),
 ]
 
 
