@@ -229,8 +229,17 @@ class RedisStore(PolledWaits):
             stack = contextlib.AsyncExitStack()
             # Connections are made on first use, so a worker starts (and says so in its
             # logs) while Redis is still down.
-            for part in self._enter:
-                await stack.enter_async_context(part)
+            try:
+                for part in self._enter:
+                    await stack.enter_async_context(part)
+            except (coredis.exceptions.RedisError, *_UNREACHABLE) as exc:
+                # A cluster client learns the layout when it opens: no node reachable
+                # now is "Redis unavailable", not a crash (one server or Sentinel connect
+                # on first use and never fail here).
+                await stack.aclose()
+                raise BrokerUnavailable(
+                    f"cannot reach Redis at {self.where}: {type(exc).__name__}: {exc}"
+                ) from None
             self._stack = stack
             self._open = True
         return self

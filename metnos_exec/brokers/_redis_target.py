@@ -20,7 +20,7 @@ hence these forms (the ``+`` scheme style of other Redis clients). A malformed o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -119,7 +119,7 @@ class RedisTarget:
             if connected is not None:
                 cpool = cluster.connection_pool
                 cpool.connection_class = connected(cpool.connection_class)
-            return cluster, [_ClosingLayout(cluster), cluster]
+            return cluster, [_ClusterOpening(cluster, self.hosts, connect_timeout), cluster]
         auth = {"username": self.username, "password": self.password} if self.sentinel_auth else {}
         sentinel: coredis.Sentinel[bytes] = coredis.Sentinel(
             [TCPLocation(h, p) for h, p in self.hosts],
@@ -161,14 +161,18 @@ class RedisTarget:
             yield one
 
 
-class _ClosingLayout(contextlib.AbstractAsyncContextManager[None]):
-    """A cluster client's layout's error stream, made when the client is entered and
-    closed when it is left: coredis 6.9 makes it with the client and never closes it,
-    which warns (``ResourceWarning: Unclosed <MemoryObjectSendStream>``) for every
-    client, entered or not. Entered before the client."""
+class _ClusterOpening(contextlib.AbstractAsyncContextManager[None]):
+    """Entered before a cluster client, for two leaks of coredis 6.9's. Its layout's
+    error stream is made with the client and never closed, which warns (``Unclosed
+    <MemoryObjectSendStream>``) for every client, entered or not: here it is made at
+    enter and closed at exit. And its discovery's connections leave their buffers
+    unclosed when they fail (as `closing_buffers` says), once per try: so the startup
+    nodes are probed first, and none answering is an `OSError` without coredis."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Any, hosts: Sequence[tuple[str, int]], timeout: float) -> None:
         self._layout = cluster.connection_pool.cluster_layout
+        self._hosts = hosts
+        self._timeout = timeout
         self._close()
 
     def _close(self) -> None:
@@ -176,6 +180,18 @@ class _ClosingLayout(contextlib.AbstractAsyncContextManager[None]):
             stream.close()
 
     async def __aenter__(self) -> None:
+        errors: list[str] = []
+        for host, port in self._hosts:
+            try:
+                with anyio.fail_after(self._timeout):
+                    stream = await anyio.connect_tcp(host, port)
+            except (OSError, TimeoutError) as exc:
+                errors.append(f"{_host(host, port)}: {exc or type(exc).__name__}")
+                continue
+            await stream.aclose()
+            break
+        else:
+            raise ConnectionRefusedError(f"no startup node answers ({'; '.join(errors)})")
         size = self._layout._error_threshold * 2
         self._layout._error_stream = anyio.create_memory_object_stream[Any](size)
 

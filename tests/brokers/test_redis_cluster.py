@@ -176,3 +176,14 @@ def test_status_and_doctor_read_a_cluster_queue(
     broker = next(f for f in report["findings"] if f["check"] == "broker")
     # appendonly yes on every node; no password: said as open to anyone.
     assert "keeps nothing" not in broker["detail"], broker
+
+
+@pytest.mark.anyio
+async def test_a_cluster_with_no_node_reachable_is_unavailable_not_a_crash() -> None:
+    from tests.helpers.redis_server import _free_port
+
+    url = f"redis+cluster://127.0.0.1:{_free_port()}?connect_timeout_s=0.5"
+    broker = open_broker(url)
+    with pytest.raises(BrokerUnavailable, match="cannot reach Redis at redis\\+cluster://"):
+        async with broker:
+            pass  # pragma: no cover
