@@ -1,17 +1,21 @@
 """The distributed broker: Redis Streams with consumer groups, for workers on many machines.
 
-Selected by ``redis://[:password@]host:port/db`` (``rediss://`` for TLS). Query options:
+Selected by ``redis://[:password@]host:port/db`` (``rediss://`` for TLS), a Redis Cluster
+by ``redis+cluster://host:port[,host:port...]`` and a primary found through Sentinel by
+``redis+sentinel://host:port[,...]/service[/db]`` (`_redis_target`). Query options:
 ``prefix`` (the key namespace, default ``metnos``; one prefix is one queue),
-``poll_interval_s``, ``connect_timeout_s``, ``stream_timeout_s``, ``settle_patience_s``.
+``poll_interval_s``, ``connect_timeout_s``, ``stream_timeout_s``, ``settle_patience_s``,
+``wait_replicas`` and ``wait_timeout_s`` (below), ``sentinel_auth``.
 The client is coredis, which runs on anyio: the same code serves asyncio and trio, and
 never blocks the event loop.
 
 Layout (every key name is in one place, `KEY_NAMES`: `Keys` builds them for the code, and
 they are substituted into ``redis.lua`` for the scripts; the table in ``queue/README.md``
 is kept to them by a test). All keys share the prefix's hash
-tag (``{metnos}:...``), so on a Redis Cluster a queue would live in one slot and every
-script may touch all its keys; connecting to a Cluster or through Sentinel (coredis has
-both clients) is not wired to a URL yet: a ``redis://`` URL names one server.
+tag (``{metnos}:...``), so on a Redis Cluster a queue lives in one slot (one shard) and
+every script may touch all its keys: each script call passes the queue's ``counts`` key
+as ``KEYS[1]``, by which the cluster client routes it; every other command names one key.
+Several queues (prefixes) spread over the shards; one queue scales as far as one shard.
 
 - ``job:<id>`` (hash): the job's body and its delivery state (the "row" of the SQLite
   broker): ``state``, ``attempt``, ``token``, ``lease_until``, ``worker``, ``entry`` (its
@@ -66,7 +70,11 @@ a finished job's result is kept in memory and stored once Redis is back; a retri
 whose first try did reach Redis reports the outcome that try had (the scripts remember
 the last settle per token, and the broker remembers which tokens' settles failed with
 their outcome unknown), never a false "lease lost". With the append-only file on
-(``queue/redis.conf``) nothing acknowledged is lost across a restart. Without it, a
+(``queue/redis.conf``) nothing acknowledged is lost across a restart. Across a failover
+(Sentinel, a cluster shard), replication is asynchronous: with ``wait_replicas=N`` every
+durable write (`_redis_client._DURABLE`) is followed by ``WAIT N`` on its connection, and
+fewer replicas than that within ``wait_timeout_s`` is an unknown outcome for the caller
+(`SubmitOutcomeUnknown`; a settle retries with its replay flag), never a false "done". Without it, a
 restart loses everything: a broker that saw the queue before finds its marker gone and
 logs ``broker.data_lost`` once, with what it last saw, and records it for ``status`` and
 ``doctor`` (`_redis_watch`).
@@ -120,6 +128,10 @@ class RedisBroker(RedisQueue, RedisInspection, RedisRecords):
         create: ``False`` for readers (``status``, ``doctor``): Redis needs no store to
             be created, and a reader writes nothing, not even the queue's marker
             (``epoch``, `_redis_watch`).
+        wait_replicas: replicas a durable write must reach before it is acknowledged
+            (``WAIT``; 0, the default: the primary's word is enough).
+        wait_timeout_s: how long a durable write waits for them.
+        sentinel_auth: give the sentinels the URL's credentials too.
     """
 
     scheme = "redis"
