@@ -210,6 +210,20 @@ class RedisStore(PolledWaits):
         self._scripts = {name: self._redis.register_script(src) for name, src in SCRIPTS.items()}
         self._shas = {name: script.sha for name, script in self._scripts.items()}
         self._conn: Any = None
+        #: Durable writes with ``wait_replicas`` on one server or through Sentinel go
+        #: through a client of their own: ``WAIT`` holds the connection it is sent on
+        #: (up to ``wait_timeout_s`` while no replica answers), and leases, heartbeats
+        #: and reads multiplexed on the shared one must not queue behind it. A cluster
+        #: client holds a connection per waiting command by itself.
+        self._writer: Any = self._redis
+        self._wconn: Any = None
+        if wait_replicas and not self._cluster:
+            self._writer, parts = target.client(
+                connect_timeout=connect_timeout_s,
+                stream_timeout=stream_timeout_s,
+                connected=lambda cls: closing_buffers(cls, lambda: self._watch.connected()),
+            )
+            self._enter = [*self._enter, *parts]
         self._stack: contextlib.AsyncExitStack | None = None
         self._open = False
         self._closed = False
@@ -320,7 +334,8 @@ class RedisStore(PolledWaits):
                 # A connection to a primary demoted by a failover: the next one is made
                 # to the primary the sentinels name now.
                 self._redis.connection_pool.disconnect()
-                self._conn = None
+                self._writer.connection_pool.disconnect()
+                self._conn = self._wconn = None
             kind = _REFUSAL_ERRORS.get(text.split(" ", 1)[0], BrokerUnavailable)
             raise kind(f"Redis at {self.where} refuses writes: {text}") from None
         if self._failing_since is not None:
@@ -419,11 +434,15 @@ class RedisStore(PolledWaits):
         wait = self._wait[0] > 0 and name in _DURABLE
         if self._cluster:
             return await self._via_client(name, args, wait)
-        conn = self._conn
+        client = self._writer if wait else self._redis
+        conn = self._wconn if wait else self._conn
         if conn is None or not conn.usable:
-            async with self._redis.connection_pool.acquire() as conn:
+            async with client.connection_pool.acquire() as conn:
                 pass
-            self._conn = conn
+            if wait:
+                self._wconn = conn
+            else:
+                self._conn = conn
         try:
             request = conn.create_request(
                 b"EVALSHA", self._shas[name], 1, self.keys.counts, *args, decode=False
@@ -440,16 +459,25 @@ class RedisStore(PolledWaits):
 
     async def _via_client(self, name: str, args: tuple[str | bytes, ...], wait: bool) -> Any:
         """`_evalsha` through coredis's command layer: on a cluster (routed by the key),
-        and for a script Redis does not have yet (loaded, then run)."""
+        and for a script Redis does not have yet (loaded, outside the wait: a ``WAIT``
+        that fails after the load must not stop the script; then run)."""
         keys = [self.keys.counts]
-        with self._redis.ensure_replication(*self._wait) if wait else contextlib.nullcontext():
-            try:
+        client = self._writer if wait else self._redis
+
+        async def run() -> Any:
+            if not wait:
+                return await client.evalsha(self._shas[name], keys=keys, args=args)
+            with client.ensure_replication(*self._wait):
                 try:
-                    return await self._redis.evalsha(self._shas[name], keys=keys, args=args)
-                except coredis.exceptions.NoScriptError:
-                    return await self._scripts[name](keys=keys, args=args)
-            except coredis.exceptions.ReplicationError:
-                self._replicated(name, 0)
+                    return await client.evalsha(self._shas[name], keys=keys, args=args)
+                except coredis.exceptions.ReplicationError:
+                    self._replicated(name, 0)
+
+        try:
+            return await run()
+        except coredis.exceptions.NoScriptError:  # a restart, a failover, a new node
+            await client.script_load(SCRIPTS[name])
+            return await run()
 
     def _replicated(self, name: str, replicas: int) -> None:
         """A durable write reached fewer replicas than ``wait_replicas`` in time: it is

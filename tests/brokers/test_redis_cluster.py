@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import coredis
 import pytest
 
@@ -187,3 +188,41 @@ async def test_a_cluster_with_no_node_reachable_is_unavailable_not_a_crash() -> 
     with pytest.raises(BrokerUnavailable, match="cannot reach Redis at redis\\+cluster://"):
         async with broker:
             pass  # pragma: no cover
+
+
+@pytest.mark.anyio
+async def test_a_write_waiting_for_replicas_holds_up_no_lease_or_heartbeat(
+    redis_server: RedisServer,
+) -> None:
+    """``WAIT`` blocks the connection it is sent on: durable writes have a client of
+    their own, so while one waits (here its whole timeout: no replica) the worker's
+    heartbeats and leases go on the shared connection without queueing behind it."""
+    url = f"{redis_server.url}?wait_replicas=1&wait_timeout_s=2&settle_patience_s=0.1"
+    async with (
+        open_broker(url, prefix=f"t-{uuid.uuid4().hex[:12]}") as b,
+        coredis.Redis("127.0.0.1", redis_server.port, decode_responses=True) as raw,
+    ):
+        with contextlib.suppress(SubmitOutcomeUnknown):
+            await b.submit_many([Job(executor="echo"), Job(executor="echo")])
+        lease, other = await b.lease("w1", visibility_s=30, limit=2)
+        took: list[float] = []
+
+        async def ack() -> None:
+            with pytest.raises(BrokerUnavailable, match="0 of 1 replicas"):
+                await b.ack(lease, ok_result(lease, "x"))
+
+        async def blocked_in_wait() -> bool:
+            return any(c.get("cmd") == "wait" for c in await raw.client_list())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ack)
+            with anyio.fail_after(5):
+                while not await blocked_in_wait():  # noqa: ASYNC110 - polled, deadline
+                    await anyio.sleep(0.01)
+            start = anyio.current_time()
+            for _ in range(5):
+                assert (await b.heartbeat(other)).ok  # the ack's job is settled already
+                assert await b.lease("w2", visibility_s=30) == []
+            took.append(anyio.current_time() - start)
+            assert await blocked_in_wait(), "the ack still waits for a replica"
+        assert took[0] < 1.0, took  # ten calls beside a write waiting 2 s
