@@ -459,25 +459,27 @@ class RedisStore(PolledWaits):
 
     async def _via_client(self, name: str, args: tuple[str | bytes, ...], wait: bool) -> Any:
         """`_evalsha` through coredis's command layer: on a cluster (routed by the key),
-        and for a script Redis does not have yet (loaded, outside the wait: a ``WAIT``
-        that fails after the load must not stop the script; then run)."""
+        and for a script the server does not have (a restart; a replica promoted: a
+        cluster client loads scripts on the primaries only). Then ``EVAL`` with the
+        source, routed by the key like ``EVALSHA`` (a ``SCRIPT LOAD`` would go to the
+        nodes the client believes primaries, not the one the ``MOVED`` names), which
+        caches the script there for the next ``EVALSHA``."""
         keys = [self.keys.counts]
         client = self._writer if wait else self._redis
 
-        async def run() -> Any:
-            if not wait:
-                return await client.evalsha(self._shas[name], keys=keys, args=args)
-            with client.ensure_replication(*self._wait):
+        async def run(source: str | None) -> Any:
+            with client.ensure_replication(*self._wait) if wait else contextlib.nullcontext():
                 try:
-                    return await client.evalsha(self._shas[name], keys=keys, args=args)
+                    if source is None:
+                        return await client.evalsha(self._shas[name], keys=keys, args=args)
+                    return await client.eval(source, keys=keys, args=args)
                 except coredis.exceptions.ReplicationError:
                     self._replicated(name, 0)
 
         try:
-            return await run()
-        except coredis.exceptions.NoScriptError:  # a restart, a failover, a new node
-            await client.script_load(SCRIPTS[name])
-            return await run()
+            return await run(None)
+        except coredis.exceptions.NoScriptError:
+            return await run(SCRIPTS[name])
 
     def _replicated(self, name: str, replicas: int) -> None:
         """A durable write reached fewer replicas than ``wait_replicas`` in time: it is

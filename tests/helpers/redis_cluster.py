@@ -149,13 +149,21 @@ class LocalCluster:
         raise LookupError(f"no primary holds slot {slot}")
 
     def replica_of(self, primary: RedisServer) -> RedisServer:
+        """`primary`'s replica, once the cluster's gossip says so (polled, deadline)."""
         node_id = cli(primary.port, "cluster", "myid").strip()
-        for line in cli(primary.port, "cluster", "nodes").splitlines():
-            fields = line.split()
-            if fields[3] == node_id:
-                port = int(fields[1].split(":")[1].split("@")[0])
-                return next(n for n in self.nodes if n.port == port)
-        raise LookupError(f"{primary.port} has no replica")
+        found: list[RedisServer] = []
+
+        def look() -> bool:
+            for line in cli(primary.port, "cluster", "nodes").splitlines():
+                fields = line.split()
+                if fields[3] == node_id and "connected" in fields[7]:
+                    port = int(fields[1].split(":")[1].split("@")[0])
+                    found.append(next(n for n in self.nodes if n.port == port))
+                    return True
+            return False
+
+        wait_for(f"a replica of {primary.port}", look)
+        return found[0]
 
     def stop(self) -> None:
         for node in self.nodes:
