@@ -427,8 +427,8 @@ class RedisStore(PolledWaits):
         VM: 145 -> 70 µs of client CPU per call. The connection is the one coredis would
         have picked (the pool hands out and takes back one connection per call; none of
         ours block), and a dead one is replaced by the pool's own connect, errors and
-        timeouts as before. A script Redis no longer has (a restart) goes through the
-        registered `Script`, which loads it and runs it again. A durable write
+        timeouts as before. A script Redis no longer has (a restart, a promoted replica)
+        is sent again with its source (`_via_client`). A durable write
         (`_DURABLE`) with ``wait_replicas`` waits for them (`_replicated`).
         """
         wait = self._wait[0] > 0 and name in _DURABLE
@@ -459,11 +459,13 @@ class RedisStore(PolledWaits):
 
     async def _via_client(self, name: str, args: tuple[str | bytes, ...], wait: bool) -> Any:
         """`_evalsha` through coredis's command layer: on a cluster (routed by the key),
-        and for a script the server does not have (a restart; a replica promoted: a
-        cluster client loads scripts on the primaries only). Then ``EVAL`` with the
-        source, routed by the key like ``EVALSHA`` (a ``SCRIPT LOAD`` would go to the
-        nodes the client believes primaries, not the one the ``MOVED`` names), which
-        caches the script there for the next ``EVALSHA``."""
+        and for a script the server does not have (a restart, a promoted replica). Then,
+        on one server or through Sentinel, ``SCRIPT LOAD`` (outside the wait: a ``WAIT``
+        failing after the load must not leave the script unrun) and ``EVALSHA`` again;
+        on a cluster, ``EVAL`` with the source, routed by the key like ``EVALSHA`` (a
+        cluster client's ``SCRIPT LOAD`` goes to the nodes it believes primaries, which
+        just after a failover is not the one the ``MOVED`` names), which caches the
+        script there for the next ``EVALSHA``."""
         keys = [self.keys.counts]
         client = self._writer if wait else self._redis
 
@@ -479,7 +481,10 @@ class RedisStore(PolledWaits):
         try:
             return await run(None)
         except coredis.exceptions.NoScriptError:
-            return await run(SCRIPTS[name])
+            if self._cluster:
+                return await run(SCRIPTS[name])
+            await client.script_load(SCRIPTS[name])
+            return await run(None)
 
     def _replicated(self, name: str, replicas: int) -> None:
         """A durable write reached fewer replicas than ``wait_replicas`` in time: it is
