@@ -1384,6 +1384,7 @@ PROCESS = [
         "process_tree",
         "close-on-exec everywhere: only the job's own pipes reach it",
         r"""
+        import fcntl
         got = {}
         for n in os.listdir("/proc/self/fd"):
             try:
@@ -1391,6 +1392,12 @@ PROCESS = [
             except OSError:
                 pass  # the listing's own fd
         extra = {n: t for n, t in got.items() if n not in ("0", "1", "2")}
+        # The documented progress channel (METNOS_PROGRESS_FD) is the job's own pipe too,
+        # but only as the write end of a pipe: anything else under that number got through.
+        pfd = os.environ.get("METNOS_PROGRESS_FD")
+        if pfd in extra and extra[pfd].startswith("pipe:"):
+            if fcntl.fcntl(int(pfd), fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+                del extra[pfd]
         stdio = [got.get(n, "") for n in ("0", "1", "2")]
         done(bool(extra) or not all(t.startswith("pipe:") for t in stdio), fds=got)
         """,
