@@ -161,18 +161,20 @@ class SQLiteInspection(SQLiteStore):
         return out
 
     async def stats(self) -> BrokerStats:
-        def work() -> BrokerStats:
+        # On the reader connection, in a thread (`_read`): the count by state walks every
+        # stored job, however long the retention.
+        def work(db: sqlite3.Connection) -> BrokerStats:
             now = self._clock()
             counts = {"queued": 0, "running": 0, "done": 0, "dead": 0}
-            for state, n in self._db.execute("SELECT state, count(*) FROM jobs GROUP BY state"):
+            for state, n in db.execute("SELECT state, count(*) FROM jobs GROUP BY state"):
                 counts[state] = n
-            (delayed,) = self._db.execute(
+            (delayed,) = db.execute(
                 "SELECT count(*) FROM jobs WHERE state = 'queued' AND NOT (" + DUE + ")",
                 {"now": now},
             ).fetchone()
             # The first due job by submission order: a walk of the queued rows' partial
-            # index (like the counts above), then one row; never the finished jobs.
-            oldest = self._db.execute(
+            # index, then one row; never the finished jobs.
+            oldest = db.execute(
                 "SELECT json_extract(body, '$.submitted_at') FROM jobs WHERE seq = "
                 "(SELECT min(seq) FROM jobs WHERE state = 'queued' AND " + DUE + ")",
                 {"now": now},
@@ -180,5 +182,5 @@ class SQLiteInspection(SQLiteStore):
             at = None if oldest is None or oldest[0] is None else float(oldest[0])
             return BrokerStats(delayed=delayed, oldest_queued_at=at, **counts)
 
-        stats: BrokerStats = await self._run(work)
+        stats: BrokerStats = await self._read(work)
         return stats
