@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 
 from ..capabilities import effective_capabilities, final_args
 from ..errors import MetnosError
@@ -61,11 +62,54 @@ def encode_info(info: ExecutorInfo) -> bytes:
 
 
 def decode_info(data: bytes | str) -> ExecutorInfo | None:
-    """The entry, or ``None`` for one this reader cannot decode (another version's)."""
+    """The entry, or ``None`` for one this reader cannot decode.
+
+    An entry a newer worker published may hold manifest fields this build does not know
+    (a manifest on disk with such a field is refused at load, as it must be: its author
+    meant it). Read from the catalog, the fields this reader knows are what it acts on
+    either way, so the unknown ones are dropped rather than the whole entry: otherwise a
+    rolling upgrade makes every such executor vanish from the older producers' submit-time
+    checks and from the tools an older MCP server offers. A field it knows with a value it
+    cannot read still makes the entry unreadable (``None``)."""
     try:
         return _decoder.decode(data)
+    except msgspec.ValidationError:
+        pass
     except Exception:  # DecodeError, and whatever else bytes in a store can make it raise
         return None
+    try:
+        raw = msgspec.json.decode(data)
+        return msgspec.convert(_known(raw, _INFO_TYPE), ExecutorInfo)
+    except Exception:
+        return None
+
+
+_INFO_TYPE = msgspec.inspect.type_info(ExecutorInfo)
+
+
+def _known(value: Any, kind: msgspec.inspect.Type) -> Any:
+    """`value` (decoded JSON) without the object keys `kind` does not declare, at every
+    depth."""
+    inspect = msgspec.inspect
+    if isinstance(kind, inspect.UnionType):
+        for member in kind.types:
+            if isinstance(value, dict) and isinstance(
+                member, inspect.StructType | inspect.DictType
+            ):
+                return _known(value, member)
+            if isinstance(value, list) and isinstance(
+                member, inspect.ListType | inspect.VarTupleType
+            ):
+                return _known(value, member)
+        return value
+    if isinstance(kind, inspect.StructType) and isinstance(value, dict):
+        fields = {field.encode_name: field.type for field in kind.fields}
+        return {k: _known(v, fields[k]) for k, v in value.items() if k in fields}
+    if isinstance(kind, inspect.DictType) and isinstance(value, dict):
+        return {k: _known(v, kind.value_type) for k, v in value.items()}
+    if isinstance(kind, inspect.ListType | inspect.VarTupleType) and isinstance(value, list):
+        return [_known(v, kind.item_type) for v in value]
+    return value
 
 
 def device_refusal(manifest: Manifest, args: Mapping[str, Any]) -> str | None:

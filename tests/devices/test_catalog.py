@@ -212,3 +212,33 @@ def test_a_queue_file_made_before_the_catalog_gains_it(tmp_path: Path) -> None:
     with contextlib.closing(sqlite3.connect(db)) as conn:
         assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
         assert conn.execute("SELECT count(*) FROM executors").fetchone() == (0,)
+
+
+def test_a_newer_workers_entry_is_read_without_the_fields_this_build_lacks(
+    executors: Path,
+) -> None:
+    """A rolling upgrade: a newer worker publishes manifests with fields this build does
+    not know (top level, in limits, in an argument, in a capability). An older producer
+    still reads what it knows (the pinning and the tool schema), instead of losing the
+    executor from its submit-time checks and its MCP tools; a known field with a value it
+    cannot read still makes the entry unreadable, and so do bytes that are not JSON."""
+    import json
+
+    from metnos_exec.devices.catalog import decode_info, encode_info
+
+    manifest = ExecutorRegistry.load(executors)["mailer"].manifest
+    entry = json.loads(encode_info(ExecutorInfo(name="mailer", manifest=manifest, worker="w2")))
+    entry["from_the_future"] = 1
+    entry["manifest"]["warm"] = 2
+    entry["manifest"]["limits"]["gpu_mb"] = 512
+    entry["manifest"]["args"]["mode"]["widget"] = "radio"
+    entry["manifest"]["capabilities"][0]["scope"] = "mail.send"
+    info = decode_info(json.dumps(entry))
+    assert info is not None
+    assert info.manifest == manifest and info.worker == "w2"
+    assert device_refusal(info.manifest, {"mode": "send"}) is not None
+    assert device_refusal(info.manifest, {"mode": "draft"}) is None
+
+    entry["manifest"]["limits"]["timeout_s"] = "soon"
+    assert decode_info(json.dumps(entry)) is None
+    assert decode_info(b"\xff not json") is None
