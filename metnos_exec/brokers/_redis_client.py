@@ -18,22 +18,32 @@ import coredis.exceptions
 import coredis.retry
 
 from ..errors import (
+    BadMessage,
     BrokerAuth,
     BrokerBusy,
+    BrokerCorrupt,
     BrokerError,
     BrokerFull,
     BrokerReadOnly,
     BrokerUnavailable,
 )
 from ..logs import get_logger
-from ..messages import SERVER_DEVICE, ErrorInfo, encode
+from ..messages import SERVER_DEVICE, ErrorInfo, Result, decode_result, encode
 from ._common import PolledWaits, dead_records
 from ._redis_keys import SCRIPTS, Keys
 from ._redis_target import parse_target
 from ._redis_watch import DataWatch
 from .base import Lease
 
-__all__ = ("BATCH", "RedisStore", "as_str", "closing_buffers", "error_fields", "inbox_text")
+__all__ = (
+    "BATCH",
+    "RedisStore",
+    "as_str",
+    "closing_buffers",
+    "error_fields",
+    "inbox_text",
+    "stored_result",
+)
 
 _log = get_logger()
 
@@ -84,6 +94,20 @@ _REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
 _DURABLE: Final = frozenset(
     ("submit", "admit_inbox", "ack", "retry", "dead_letter", "release", "cancel", "record_undo")
 )
+
+
+#: The longest one blocked read lasts (`_redis_wait`).
+_BLOCK_CAP_S: Final = 1.0
+
+
+def stored_result(job_id: str, body: bytes, where: str) -> Result:
+    """A result as Redis stores it, decoded (`BrokerCorrupt` when it cannot be)."""
+    try:
+        return decode_result(body)
+    except BadMessage as exc:
+        raise BrokerCorrupt(
+            f"the stored result of job {job_id} in {where} cannot be read: {exc.message}"
+        ) from None
 
 
 #: How many keys one call may find to set aside before it gives up (each is set aside,
@@ -218,12 +242,20 @@ class RedisStore(PolledWaits):
         self._writer: Any = self._redis
         self._wconn: Any = None
         if wait_replicas and not self._cluster:
-            self._writer, parts = target.client(
-                connect_timeout=connect_timeout_s,
-                stream_timeout=stream_timeout_s,
-                connected=lambda cls: closing_buffers(cls, lambda: self._watch.connected()),
+            self._writer = self._client_of_its_own(connect_timeout_s, stream_timeout_s)
+        #: Blocked reads (`_redis_wait`) hold their connection until Redis answers, so
+        #: on one server or through Sentinel they get a client of their own (a cluster
+        #: client holds a connection per blocking command by itself), whose reply timeout
+        #: covers the longest block.
+        self._blocker: Any = (
+            self._redis
+            if self._cluster
+            else self._client_of_its_own(
+                connect_timeout_s, stream_timeout_s + _BLOCK_CAP_S, watched=False
             )
-            self._enter = [*self._enter, *parts]
+        )
+        #: Where the next idle wait starts (set by each lease, `_redis_wait.WorkCursor`).
+        self._work_cursor: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._open = False
         self._closed = False
@@ -231,6 +263,18 @@ class RedisStore(PolledWaits):
         #: Lease tokens whose last settle failed with its outcome unknown (see `_settle`).
         self._unsure: set[str] = set()
         self._wake_key = f"{self._queue_id}/{self.keys.base}"
+
+    def _client_of_its_own(self, connect_s: float, reply_s: float, *, watched: bool = True) -> Any:
+        """Another client of the same deployment, entered with the broker (`watched`: its
+        new connections make the data watch look again)."""
+        hook = self._watch.connected if watched else (lambda: None)
+        client, parts = self.target.client(
+            connect_timeout=connect_s,
+            stream_timeout=reply_s,
+            connected=lambda cls: closing_buffers(cls, hook),
+        )
+        self._enter = [*self._enter, *parts]
+        return client
 
     @property
     def queue_id(self) -> str:

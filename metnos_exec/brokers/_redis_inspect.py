@@ -18,10 +18,9 @@ from ..messages import (
     Result,
     decode_dead_letter,
     decode_progress,
-    decode_result,
     encode,
 )
-from ._redis_client import BATCH, RedisStore, as_str, closing_buffers
+from ._redis_client import BATCH, RedisStore, as_str, closing_buffers, stored_result
 from ._redis_watch import decode_losses
 from .base import BrokerStats, CancelOutcome, DataLoss, JobState, Lease
 
@@ -50,14 +49,7 @@ class RedisInspection(RedisStore):
 
     async def get_result(self, job_id: str) -> Result | None:
         body = await self._guard(self._redis.hget(self.keys.job(job_id), "result"))
-        if body is None:
-            return None
-        try:
-            return decode_result(body)
-        except BadMessage as exc:
-            raise BrokerCorrupt(
-                f"the stored result of job {job_id} in {self.where} cannot be read: {exc.message}"
-            ) from None
+        return None if body is None else stored_result(job_id, body, self.where)
 
     async def report_progress(self, lease: Lease, progress: Progress) -> bool:
         done = await self._script("progress", lease.job.id, lease.token, encode(progress))

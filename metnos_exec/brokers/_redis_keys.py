@@ -38,6 +38,8 @@ KEY_NAMES: Final = {
     "blobs": "undo-blobs",
     "epoch": "epoch",  # the data set's marker (string, `_redis_watch`)
     "lost": "lost",  # hash: marker -> a data loss found (`_redis_watch`)
+    "wake": "wake",  # stream: routes work became ready on, for blocked idle workers
+    "done": "done:",  # done:<id> stream: the job finished, for a client blocked on it
     "aside": "aside:",  # aside:<key name>:<time>: a key set aside by the guard (any type)
     "group": GROUP,  # not a key: the consumer group of every stream
 }
@@ -79,6 +81,7 @@ class Keys:
         self.blobs = self.base + KEY_NAMES["blobs"]
         self.epoch = self.base + KEY_NAMES["epoch"]
         self.lost = self.base + KEY_NAMES["lost"]
+        self.wake = self.base + KEY_NAMES["wake"]
 
     def job(self, job_id: str) -> str:
         return self.base + KEY_NAMES["job"] + job_id
@@ -88,6 +91,9 @@ class Keys:
         of a build before executor routing, read by every worker)."""
         route = f"{priority}:{executor}" if executor else str(priority)
         return f"{self.base}{KEY_NAMES['stream']}{device}:{route}"
+
+    def done(self, job_id: str) -> str:
+        return self.base + KEY_NAMES["done"] + job_id
 
     def priorities(self, device: str) -> str:
         return self.base + KEY_NAMES["priorities"] + device

@@ -27,7 +27,8 @@ from ..messages import (
     new_job_id,
 )
 from ._common import check_lease_args, decode_body, lapsed_error
-from ._redis_client import BATCH, RedisStore, as_str, error_fields, inbox_text
+from ._redis_client import BATCH, as_str, error_fields, inbox_text
+from ._redis_wait import RedisWaits, WorkCursor
 from .base import (
     MAX_UNSTARTED_LAPSES,
     HeartbeatReply,
@@ -69,7 +70,7 @@ async def _outcome_unknown(job_id: str, count: int = 1, done: int = 0) -> AsyncI
         ) from None
 
 
-class RedisQueue(RedisStore):
+class RedisQueue(RedisWaits):
     """Producing and consuming on Redis (see the module docstring)."""
 
     @staticmethod
@@ -197,7 +198,7 @@ class RedisQueue(RedisStore):
         start_n: int,
         served: list[str],
     ) -> tuple[list[Lease], int]:
-        _now, inbox, taken, finals, until_s = await self._script(
+        _now, inbox, taken, finals, until_s, wake_id, inbox_id, next_in = await self._script(
             "lease",
             worker_id,
             repr(float(visibility_s)),
@@ -209,6 +210,14 @@ class RedisQueue(RedisStore):
             *served,
         )
         until = float(until_s)
+        self._work_cursor = WorkCursor(
+            device=dev,
+            served=None if served == ["*"] else frozenset(served),
+            wake=as_str(wake_id),
+            inbox=as_str(inbox_id) if dev == SERVER_DEVICE else None,
+            next_in=float(next_in) if next_in else None,
+            at=anyio.current_time(),
+        )
         out: list[Lease] = []
         for i, (id_b, body, attempt_b, token_b) in enumerate(taken):
             job_id = as_str(id_b)

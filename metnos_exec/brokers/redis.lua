@@ -33,6 +33,7 @@ local EXPIRING = P .. '$expiring'
 local DEAD = P .. '$dead'
 local INBOX = P .. '$inbox'
 local DEVICES = P .. '$devices'
+local WAKE = P .. '$wake'
 
 local function num(x) return string.format('%.17g', x) end
 local function jkey(id) return P .. '$job' .. id end
@@ -137,6 +138,19 @@ local function drop_undo(e)
   redis.call('ZREM', UNDO_AT, e)
 end
 
+-- The wake-up stream (issue 22): one entry per route a script made work ready on (the
+-- device `d`, the executor `e`), so that idle workers blocked on it (`XREAD BLOCK`, the
+-- cursor their last lease returned) look at once instead of at their next poll. Capped:
+-- a wake-up is a hint, a worker that missed one still looks at its next timeout. Written
+-- with pcall: a key a producer spoiled there costs a wake-up, never a job's step.
+local woken = {}
+local function wake(dev, rt)
+  local at = dev .. ' ' .. rt
+  if woken[at] then return end
+  woken[at] = true
+  redis.pcall('XADD', WAKE, 'MAXLEN', '~', 1000, '*', 'd', dev, 'e', route_exec(rt) or '')
+end
+
 -- Append the job to its device's stream for its route (created with its consumer group
 -- on first use, and listed in the device's routes, scored by priority).
 local function enqueue(id, dev, rt)
@@ -158,6 +172,7 @@ local function enqueue(id, dev, rt)
   local n = redis.call('HINCRBY', COUNTS, 'enqueued', 1)
   local eid = redis.call('XADD', q, '*', 'id', id, 'n', n)
   redis.call('HSET', jkey(id), 'entry', eid)
+  wake(dev, rt)
 end
 
 -- Take the job's entry out of its stream: acked (out of the pending-entries list) and
@@ -219,6 +234,14 @@ local function finish(id, state, result, letter, from, token, outcome)
   end
   redis.call('HINCRBY', COUNTS, from, -1)
   redis.call('HINCRBY', COUNTS, state, 1)
+  -- A client waits for this result (`await_result` marked the job): its blocked read on
+  -- done:<id> returns now. The key goes by itself; pcall as for `wake`.
+  if hm(jk, 'waiter')[1] then
+    redis.call('HDEL', jk, 'waiter')
+    local dk = P .. '$done' .. id
+    redis.pcall('XADD', dk, '*', 'state', state)
+    redis.pcall('PEXPIRE', dk, 60000)
+  end
 end
 
 -- Queue one job unless its id or idempotency key is known. Returns the status, the id
@@ -524,7 +547,26 @@ while i <= #routes and #out < limit do
     end
   end
 end
-return {num(NOW), tostring(redis.call('XLEN', INBOX)), out, finals, until_}
+-- Where an idle wait starts (`wait_for_work`): the last wake-up and inbox entries (any
+-- newer one is work this call did not see), and how long until a delayed job falls due
+-- or a lease of this device may lapse ('' for neither), on this call's clock.
+local function last_id(key)
+  local r = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if type(r) == 'table' and r[1] then return r[1][1] end
+  return '0-0'
+end
+local nxt = nil
+for _, zk in ipairs({DELAYED, lk}) do
+  -- Strictly after now: a lapsed lease of an executor this worker does not serve stays
+  -- there past its deadline, and must not make every wait end at once.
+  local first = redis.call('ZRANGEBYSCORE', zk, '(' .. num(NOW), '+inf', 'WITHSCORES',
+    'LIMIT', 0, 1)
+  if first[2] and (not nxt or tonumber(first[2]) < nxt) then nxt = tonumber(first[2]) end
+end
+local next_in = ''
+if nxt then next_in = num(math.max(0, nxt - NOW)) end
+return {num(NOW), tostring(redis.call('XLEN', INBOX)), out, finals, until_,
+  last_id(WAKE), last_id(INBOX), next_in}
 
 -- == mark_started ==
 -- ARGV[3..]: pairs of (id, token). For each lease still current: its delivery starts
@@ -676,6 +718,16 @@ elseif h[1] == 'running' then
   return 'cancelling'
 end
 return 'finished'
+
+-- == await_result ==
+-- ARGV[3] job id. Returns {result, known}: the stored result ('' for none yet; the job is
+-- then marked as waited on, and `finish` writes done:<id> for it), known '0' for no job.
+local jk = jkey(ARGV[3])
+local h = hm(jk, 'state', 'result')
+if h[2] then return {h[2], '1'} end
+if not h[1] then return {'', '0'} end
+redis.call('HSET', jk, 'waiter', '1')
+return {'', '1'}
 
 -- == cancel_requested ==
 -- ARGV[3..] job ids. Returns those running with a cancel pending.

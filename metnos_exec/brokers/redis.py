@@ -39,6 +39,8 @@ Several queues (prefixes) spread over the shards; one queue scales as far as one
   lease like an ack, forgotten with their job by `purge`.
 - ``executors`` (hash): name → the executor as a server worker published it (the
   catalog `submit` checks device jobs against, `metnos_exec.devices.catalog`).
+- ``wake`` (stream, capped) and ``done:<id>`` (stream, expiring): the wake-ups idle
+  workers and waiting clients block on (``XREAD BLOCK``, `_redis_wait`), so neither polls.
 - ``inbox`` (stream): the door for producers in other languages (``XADD`` a ``job`` field;
   see ``queue/README.md``). Server workers take entries off it, validate them with the
   same decoder as `submit`, and queue or dead-letter them (``E_BAD_MESSAGE``), once each.
@@ -86,7 +88,8 @@ connect; a refusal (``WRONGPASS``, ``NOAUTH``, ``NOPERM``) is `BrokerAuth`
 
 Where the code is: `RedisBroker` (here) joins one class per concept, each on top of the
 client (`_redis_client`: the pool, scripts and commands, errors, settling with retries):
-the queue (`_redis_queue`: submit, the inbox, lease, heartbeat, settle), control and
+the queue (`_redis_queue`: submit, the inbox, lease, heartbeat, settle), the idle waits
+(`_redis_wait`: blocking reads on the wake-up streams), control and
 inspection (`_redis_inspect`) and the records beside the jobs (`_redis_records`: undo
 entries, the catalog, purge); the key names and the scripts are `_redis_keys`; the watch
 on the data set is `_redis_watch`.
@@ -115,8 +118,9 @@ class RedisBroker(RedisQueue, RedisInspection, RedisRecords):
         prefix: the queue's key namespace.
         clock: unix-seconds clock for leases and delays (tests inject one); ``None``
             (default) uses the Redis server's ``TIME``, one clock for every worker.
-        poll_interval_s: how often idle waits ask Redis again (other processes cannot
-            wake us; a submit through this object in this event loop does at once).
+        poll_interval_s: how often an idle wait asks Redis again where it has nothing
+            to block on (before a worker's first lease, a result wait for a job Redis
+            does not know yet); otherwise idle waits block in Redis (`_redis_wait`).
         connect_timeout_s: how long opening a connection may take.
         stream_timeout_s: how long one reply may take before the call fails (a Redis
             that hangs must not hang the worker).
