@@ -360,4 +360,6 @@ ERROR_CODES: dict[str, str] = {
     "E_WEB_READ_ONLY": "the live view is read-only: start it with --allow-actions and a token",
     "E_WEB_ORIGIN": "an action came from another page than the live view's (cross-site)",
     "E_WEB_HOST": "a request named a host the live view does not answer to (DNS rebinding)",
+    "E_RETRY_UNAVAILABLE": "the live view was asked to retry a job that is no dead letter "
+    "with a readable job message",
 }

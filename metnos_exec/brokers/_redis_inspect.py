@@ -128,8 +128,16 @@ class RedisInspection(RedisStore):
         )
 
     async def stats(self) -> BrokerStats:
-        queued, delayed, running, done, dead = (int(x) for x in await self._script("stats"))
-        stats = BrokerStats(queued=queued, delayed=delayed, running=running, done=done, dead=dead)
+        *counts, oldest = await self._script("stats", "1")
+        queued, delayed, running, done, dead = (int(x) for x in counts)
+        stats = BrokerStats(
+            queued=queued,
+            delayed=delayed,
+            running=running,
+            done=done,
+            dead=dead,
+            oldest_queued_at=float(oldest) if oldest else None,
+        )
         self._watch.saw(stats, self._wall())
         return stats
 

@@ -292,8 +292,8 @@ class PurgeHook(Protocol):
 class BrokerStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counts by state. ``delayed`` is the part of ``queued`` not yet due.
     ``oldest_queued_at``: the ``submitted_at`` of the first due queued job in submission
-    order (its age is ``/metrics``' oldest age); ``None``: none due, or the broker does not
-    tell (Redis)."""
+    order (its age is ``/metrics``' oldest age; Redis: the earliest among each route's
+    next job, which is the same unless a job was queued again); ``None``: none due."""
 
     queued: int
     delayed: int

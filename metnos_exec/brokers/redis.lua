@@ -739,10 +739,50 @@ end
 return out
 
 -- == stats ==
--- Returns {queued, delayed, running, done, dead}; delayed counts queued jobs not yet due.
+-- ARGV[3] '1': the oldest too. Returns {queued, delayed, running, done, dead[, oldest]};
+-- delayed counts queued jobs not yet due; oldest is the earliest `submitted_at` of a due
+-- queued job ('' for none): among the first unread entry of each route's stream (the
+-- oldest there: a stream is in enqueue order) and the delayed jobs already due but not
+-- yet moved to theirs. A few commands per route, never a walk of the queue.
 local c = redis.call('HMGET', COUNTS, 'queued', 'running', 'done', 'dead')
 local delayed = redis.call('ZCOUNT', DELAYED, '(' .. num(NOW), '+inf')
-return {c[1] or '0', tostring(delayed), c[2] or '0', c[3] or '0', c[4] or '0'}
+local out = {c[1] or '0', tostring(delayed), c[2] or '0', c[3] or '0', c[4] or '0'}
+if ARGV[3] ~= '1' then return out end
+local oldest = nil
+local function consider(id, eid)
+  local h = hm(jkey(id), 'state', 'entry', 'body')
+  if h[1] ~= 'queued' or (eid and h[2] ~= eid) then return false end
+  local at = tonumber(string.match(h[3] or '', '"submitted_at"%s*:%s*([%d%.eE+-]+)'))
+  if at and (not oldest or at < oldest) then oldest = at end
+  return true
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', DELAYED, '-inf', num(NOW), 'LIMIT', 0, 16)) do
+  consider(id, nil)
+end
+for _, dev in ipairs(redis.call('SMEMBERS', DEVICES)) do
+  for _, rt in ipairs(redis.call('ZRANGE', prios_key(dev), 0, -1)) do
+    local q = qkey(dev, rt)
+    local last = nil
+    local groups = redis.pcall('XINFO', 'GROUPS', q)
+    for _, g in ipairs(groups) do
+      local name, lid
+      for j = 1, #g - 1, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then lid = g[j + 1] end
+      end
+      if name == GROUP then last = lid end
+    end
+    if last then
+      -- The first unread entry that is still its job's (a cancelled job's stays behind).
+      for _, e in ipairs(redis.call('XRANGE', q, '(' .. last, '+', 'COUNT', 16)) do
+        local f, id = e[2], nil
+        for j = 1, #f - 1, 2 do if f[j] == 'id' then id = f[j + 1] end end
+        if id and consider(id, e[1]) then break end
+      end
+    end
+  end
+end
+out[6] = oldest and num(oldest) or ''
+return out
 
 -- == dead_letters ==
 -- ARGV[3] limit. The most recent dead letters, newest first.

@@ -11,6 +11,8 @@ path                            method  what
 ``/api/jobs/{id}``              GET     `snapshot.detail`; 404 for an unknown job
 ``/api/jobs/{id}/cancel``       POST    `Client.cancel` (with ``--allow-actions`` only)
 ``/api/jobs/{id}/undo``         POST    `Client.submit_undo` (with ``--allow-actions``)
+``/api/jobs/{id}/retry``        POST    a dead letter's job queued again as a new job
+                                        (`retry_dead`; with ``--allow-actions``)
 ==============================  ======  =================================================
 
 The guards, each against one threat (SECURITY.md, "The live view"):
@@ -33,6 +35,7 @@ The guards, each against one threat (SECURITY.md, "The live view"):
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -47,9 +50,13 @@ from starlette.routing import Route
 from ..brokers import Broker, open_broker, redact_url
 from ..client import Client
 from ..errors import BrokerError, MetnosError
+from ..messages import new_job_id
 from .snapshot import RunningClock, detail, overview
 
-__all__ = ("CSP", "TOKEN_HEADER", "WebSettings", "create_app")
+__all__ = ("CSP", "E_RETRY_UNAVAILABLE", "TOKEN_HEADER", "WebSettings", "create_app", "retry_dead")
+
+#: A retry asked of a job that is no dead letter with a readable job message.
+E_RETRY_UNAVAILABLE: Final = "E_RETRY_UNAVAILABLE"
 
 #: The header the page's script sends the token in.
 TOKEN_HEADER: Final = "x-metnos-token"
@@ -166,8 +173,8 @@ def _guarded(settings: WebSettings, fn: Handler, *, write: bool) -> Handler:
             return _refuse(
                 403,
                 "E_WEB_READ_ONLY",
-                "this view is read-only (start it with --allow-actions and a token to cancel "
-                "or undo)",
+                "this view is read-only (start it with --allow-actions and a token to cancel, "
+                "retry or undo)",
             )
         if write and not _same_origin(request):
             return _refuse(403, "E_WEB_ORIGIN", "actions come from this view's page only")
@@ -184,6 +191,37 @@ def _guarded(settings: WebSettings, fn: Handler, *, write: bool) -> Handler:
             return _refuse(503, exc.code, str(exc))
 
     return guarded
+
+
+class RetryUnavailable(MetnosError):
+    """A retry asked of a job that is no dead letter with a readable job message."""
+
+    code = E_RETRY_UNAVAILABLE
+
+
+async def retry_dead(broker: Broker, job_id: str) -> str:
+    """Queue a dead letter's job again, as a new job (a new id, submitted now, no
+    idempotency key or ``not_before``; its arguments, executor and limits as they were),
+    and return the new id. The dead job and its letter stay as they are (the record of
+    what happened). `MetnosError` ``E_RETRY_UNAVAILABLE``: not a dead job, or its letter
+    holds no readable job message (a malformed one is not queued again)."""
+    state = await broker.get_job_state(job_id)
+    letter = None
+    if state is not None and state.state == "dead":
+        letters = await broker.dead_letters(limit=1000)
+        letter = next((d for d in letters if d.job_id == job_id), None)
+    if letter is None or letter.job is None:
+        what = "no dead letter" if letter is None else "a dead letter without a readable job"
+        raise RetryUnavailable(f"job {job_id} is {what}: nothing to retry")
+    again = msgspec.structs.replace(
+        letter.job,
+        id=new_job_id(),
+        submitted_at=time.time(),
+        idempotency_key=None,
+        not_before=None,
+        trace=None,
+    )
+    return (await broker.submit(again)).job_id
 
 
 def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette:
@@ -237,6 +275,14 @@ def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette
             return _refuse(409, exc.code, str(exc))
         return _json({"undo_job_id": undo_id})
 
+    @api(write=True)
+    async def retry(request: Request) -> Response:
+        try:
+            new_id = await retry_dead(state["broker"], request.path_params["job_id"])
+        except RetryUnavailable as exc:
+            return _refuse(409, exc.code, str(exc))
+        return _json({"job_id": new_id})
+
     async def no_icon(request: Request) -> Response:
         return Response(status_code=204)  # a browser asks; a 404 would litter its console
 
@@ -247,6 +293,7 @@ def create_app(settings: WebSettings, broker: Broker | None = None) -> Starlette
         Route("/api/jobs/{job_id}", get_job),
         Route("/api/jobs/{job_id}/cancel", cancel, methods=["POST"]),
         Route("/api/jobs/{job_id}/undo", undo, methods=["POST"]),
+        Route("/api/jobs/{job_id}/retry", retry, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(_Headers, hosts=settings.hosts)

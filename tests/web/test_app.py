@@ -147,6 +147,52 @@ def test_read_only_by_default(view: TestClient, queue: tuple[str, dict[str, str]
         r = view.post(f"/api/jobs/{ids['running']}/{verb}", headers={"origin": ORIGIN})
         assert r.status_code == 403 and r.json()["error"]["code"] == "E_WEB_READ_ONLY"
     assert state_of(url, ids["running"]) == ("running", None)
+    r = view.post(f"/api/jobs/{ids['dead']}/retry", headers={"origin": ORIGIN})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "E_WEB_READ_ONLY"
+    assert _queued(url) == 1  # the fill's one queued job, nothing more
+
+
+def _queued(url: str) -> int:
+    async def look() -> int:
+        async with open_broker(url, create=False) as b:
+            return (await b.stats()).queued
+
+    return anyio.run(look)
+
+
+def test_a_dead_letter_is_retried_with_the_token_from_this_origin(
+    acting: TestClient, queue: tuple[str, dict[str, str]]
+) -> None:
+    url, ids = queue
+    target = f"/api/jobs/{ids['dead']}/retry"
+    assert acting.post(target, headers={"origin": ORIGIN}).status_code == 401
+    other = acting.post(target, headers={TOKEN_HEADER: TOKEN, "origin": "http://evil.example"})
+    assert other.status_code == 403 and other.json()["error"]["code"] == "E_WEB_ORIGIN"
+    cross = acting.post(target, headers={TOKEN_HEADER: TOKEN, "sec-fetch-site": "cross-site"})
+    assert cross.status_code == 403
+    assert _queued(url) == 1
+    done = acting.post(target, headers={TOKEN_HEADER: TOKEN, "origin": ORIGIN})
+    assert done.status_code == 200, done.text
+    new_id = done.json()["job_id"]
+    assert new_id != ids["dead"]
+
+    async def look() -> tuple[Any, Any, Any]:
+        async with open_broker(url, create=False) as b:
+            return (
+                await b.get_job(ids["dead"]),
+                await b.get_job(new_id),
+                await b.get_job_state(ids["dead"]),
+            )
+
+    old, new, old_state = anyio.run(look)
+    assert (new.executor, new.args) == (old.executor, old.args)
+    assert old_state.state == "dead"  # the record of what happened stays
+    assert state_of(url, new_id) == ("queued", None)
+    # Only a dead letter is retried.
+    again = acting.post(
+        f"/api/jobs/{ids['ok']}/retry", headers={TOKEN_HEADER: TOKEN, "origin": ORIGIN}
+    )
+    assert again.status_code == 409 and again.json()["error"]["code"] == "E_RETRY_UNAVAILABLE"
 
 
 def test_with_a_token_every_api_call_needs_it(

@@ -152,7 +152,7 @@ function render(doc) {
     j.job_id, j.executor, j.device, j.attempt, actionButton("cancel", j.job_id, "cancel"),
   ]));
   fill("dead", doc.dead, (d) => jobRow(d.job_id, [
-    d.job_id, d.executor || "-", d.code, d.message, d.attempts,
+    d.job_id, d.executor || "-", d.code, d.message, d.attempts, actionButton("retry", d.job_id, "retry"),
   ]));
   fill("workers", doc.workers, (w) => {
     const tr = el("tr");
@@ -208,6 +208,7 @@ function renderDetail(doc) {
     const state = doc.state ? doc.state.state : null;
     if (state === "queued" || state === "running") box.appendChild(actionButton("cancel", doc.job_id, "cancel"));
     if (r.undo_ids && r.undo_ids.length) box.appendChild(actionButton("undo", doc.job_id, "undo"));
+    if (state === "dead") box.appendChild(actionButton("retry", doc.job_id, "retry"));
   }
 }
 
@@ -230,7 +231,7 @@ async function act(jobId, verb) {
     });
     const doc = await response.json();
     message.textContent = visible(response.ok
-      ? `${verb}: ${doc.outcome || doc.undo_job_id}`
+      ? `${verb}: ${doc.outcome || doc.undo_job_id || doc.job_id}`
       : `${verb} refused: ${doc.error.code}: ${doc.error.message}`, false);
   } catch (err) {
     message.textContent = visible(`${verb} failed: ${err.message}`, false);
