@@ -9,8 +9,9 @@ the app (`app`): no build step, nothing from another origin, it works offline; i
 
 The contract, for whoever changes it:
 
-- *Read-only by default.* Cancel and undo exist only with ``--allow-actions``, which
-  needs a token; a bind other than loopback needs a token too (`serve.check_settings`).
+- *Read-only by default.* Cancel, undo and retry (a dead letter) exist only with
+  ``--allow-actions``, which needs a token; a bind other than loopback needs a token too
+  (`serve.check_settings`).
 - *Job data is hostile.* Arguments, outputs, stderr, error messages, even job ids and
   executor names written by a producer: the page inserts them with ``textContent`` only,
   under a Content-Security-Policy without inline script; ``top`` prints them through

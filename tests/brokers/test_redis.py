@@ -807,3 +807,27 @@ async def test_a_redis_that_would_lose_acknowledged_jobs_is_said_at_worker_start
             await raw.config_set({"save": ""})
     finally:
         server.stop()
+
+
+@pytest.mark.anyio
+async def test_stats_say_when_the_oldest_due_queued_job_was_submitted(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 20: /metrics' oldest queued age read 0 on Redis (the broker did not say)."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b:
+        assert (await b.stats()).oldest_queued_at is None
+        first = Job(executor="echo", submitted_at=T0 - 30)
+        second = Job(executor="other", submitted_at=T0 - 20, priority=5)
+        phone = Job(executor="echo", submitted_at=T0 - 10, device="phone")
+        waits = Job(executor="echo", submitted_at=T0 - 99, not_before=T0 + 100)
+        await b.submit_many([first, second, phone, waits])
+        assert (await b.stats()).oldest_queued_at == T0 - 30  # not the delayed one
+        assert await b.cancel(first.id) == "cancelled"
+        assert (await b.stats()).oldest_queued_at == T0 - 20
+        [lease] = await b.lease("w", visibility_s=30, executors=["other"])
+        assert (await b.stats()).oldest_queued_at == T0 - 10  # another device's counts
+        clock.advance(101)  # due, not yet moved to its stream: queued all the same
+        stats = await b.stats()
+        assert stats.oldest_queued_at == T0 - 99 and stats.delayed == 0
+        assert await b.ack(lease, _ok(lease))
