@@ -15,6 +15,7 @@ import pytest
 from metnos_exec.brokers._redis_wait import WorkCursor
 from metnos_exec.brokers.redis import RedisBroker
 from metnos_exec.messages import Job, Result
+from tests.helpers.redis_cluster import LocalCluster
 from tests.helpers.redis_server import RedisServer
 
 HOUR = 3600.0
@@ -51,14 +52,24 @@ def _consume(url: str, prefix: str, jobs: int, backend: str, errors: list[BaseEx
 async def test_another_loop_s_submit_and_ack_wake_the_waits_without_the_poll(
     redis_server: RedisServer, anyio_backend: str
 ) -> None:
+    await _answered_across_loops(redis_server.url, anyio_backend)
+
+
+@pytest.mark.anyio
+async def test_the_blocked_reads_work_on_a_cluster(
+    redis_cluster: LocalCluster, anyio_backend: str
+) -> None:
+    # The blocked reads go to the node owning the queue's slot (routed by their key).
+    await _answered_across_loops(redis_cluster.url, anyio_backend)
+
+
+async def _answered_across_loops(url: str, anyio_backend: str) -> None:
     prefix, errors = _prefix(), []
-    thread = threading.Thread(
-        target=_consume, args=(redis_server.url, prefix, 3, anyio_backend, errors)
-    )
+    thread = threading.Thread(target=_consume, args=(url, prefix, 3, anyio_backend, errors))
     thread.start()
     got: list[Any] = []
     try:
-        async with RedisBroker(redis_server.url, prefix=prefix, poll_interval_s=HOUR) as c:
+        async with RedisBroker(url, prefix=prefix, poll_interval_s=HOUR) as c:
             with anyio.fail_after(20):
                 for _ in range(3):
                     job = Job(executor="echo")
