@@ -14,7 +14,7 @@ reason, which may name a host), never a job id.
 | ``metnos_job_phase_seconds`` | histogram | phase, executor |
 | ``metnos_jobs_running`` / ``metnos_slots_free`` | gauge | |
 | ``metnos_queue_jobs`` | gauge | state (queued, delayed, leased, done, dead) |
-| ``metnos_queue_oldest_age_seconds`` | gauge | (0: none due, or Redis: it cannot tell) |
+| ``metnos_queue_oldest_age_seconds`` | gauge | (0: none due) |
 | ``metnos_leases_lost_total`` | counter | |
 | ``metnos_retries_total`` | counter | code |
 | ``metnos_dead_letters_total`` | counter | code |
