@@ -402,3 +402,26 @@ def test_an_action_needs_the_token(stack: Stack) -> None:
     assert stack.click("queued", held, 'button[data-action="cancel"]')
     stack.wait(lambda d: "cancel: cancelled" in stack.text("action"), "the cancel's answer")
     assert stack.state(held) == "done"
+
+
+def test_a_dead_letter_is_retried_from_its_button(stack: Stack) -> None:
+    executor = "nobody-retries-this"  # no worker serves it: the retried job stays queued
+
+    async def dead() -> str:
+        async with open_broker(stack.url) as b:
+            job_id = (await b.submit(Job(executor=executor))).job_id
+            [lease] = await b.lease("t", visibility_s=30, executors=[executor])
+            error = ErrorInfo(code="E_TEMPFAIL", message="gave up")
+            assert await b.dead_letter(lease, error=error)
+            return job_id
+
+    held = anyio.run(dead)
+    stack.wait(lambda d: stack.row("dead", held), "the dead letter, listed")
+    assert stack.click("dead", held, 'button[data-action="retry"]')
+    answer = stack.wait(
+        lambda d: (t := stack.text("action")).startswith("retry: ") and t, "the retry's answer"
+    )
+    new_id = answer.removeprefix("retry: ").strip()
+    assert new_id != held and stack.state(new_id) == "queued"
+    assert stack.state(held) == "dead"
+    stack.wait(lambda d: stack.row("queued", new_id), "the retried job, queued")
