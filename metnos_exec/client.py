@@ -48,20 +48,23 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .brokers import Broker, CancelOutcome, open_broker
 from .devices.catalog import device_refusal
 from .errors import (
+    BadArguments,
     BadMessage,
     BrokerError,
+    CheckpointUnknown,
     MetnosError,
     ServerPinned,
     UndoConflict,
     UndoUnavailable,
     UnknownExecutor,
 )
-from .messages import SERVER_DEVICE, UNDO_EXECUTOR, Job, Progress, Result
+from .messages import CHECKPOINT_EXECUTOR, SERVER_DEVICE, UNDO_EXECUTOR, Job, Progress, Result
 from .observe import submit_context
 from .observe.metrics import submitted as count_submitted
 from .toolcall import error_result, parse_tool_call, tool_result
 from .toolspec import executor_for_tool
 from .undo.apply import undo_job_args
+from .undo.checkpoints import checkpoint_job_args
 
 __all__ = (
     "DEFAULT_BROKER_URL",
@@ -200,7 +203,7 @@ class Client:
         executor routing it would wait for a worker that does not exist. (A device job is
         checked by its device: devices publish nothing.)"""
         on_server = job.device is None or job.device == SERVER_DEVICE
-        if not on_server or job.executor == UNDO_EXECUTOR or job.executor in self._known:
+        if not on_server or job.executor in (UNDO_EXECUTOR, CHECKPOINT_EXECUTOR, *self._known):
             return
         if not self._known and time.monotonic() - self._looked_at < 1.0:
             return  # nothing published a moment ago: a producer ahead of its workers
@@ -405,6 +408,51 @@ class Client:
                 raise UndoUnavailable(error.message)
         return result
 
+    async def checkpoint_job(
+        self, action: str, name: str | None = None, *, device: str | None = None, **fields: Any
+    ) -> Result:
+        """Run a checkpoint job on `device` (``None``: the server's workers) and wait for
+        it (see `metnos_exec.undo.checkpoints`); ``wait=S`` bounds the wait.
+
+        Raises:
+            CheckpointUnknown: no checkpoint of that name there. UndoConflict: a restore
+                met files changed outside the jobs (nothing changed; the message names
+                the paths and jobs). UndoUnavailable: an altered mark or entry, or a
+                missing original. BadArguments: a bad or taken name.
+            TimeoutError: no result within ``wait``.
+        """
+        wait = fields.pop("wait", None)
+        fields.setdefault("correlation_id", f"checkpoint:{action}:{name or ''}")
+        args = checkpoint_job_args(action, name)
+        job_id = await self.submit(CHECKPOINT_EXECUTOR, args, device=device, **fields)
+        result = await self._broker.wait_result(job_id, timeout=wait)
+        if result is None:
+            raise TimeoutError(f"no result for checkpoint job {job_id} within {wait} s")
+        error = result.error
+        if result.status == "rejected" and error is not None:
+            for cls in (UndoConflict, UndoUnavailable, CheckpointUnknown, BadArguments):
+                if error.code == cls.code:
+                    raise cls(error.message)
+        return result
+
+    async def checkpoint(self, name: str, **fields: Any) -> Result:
+        """Mark the device's undo journal as checkpoint `name` (``device=``, ``wait=``)."""
+        return await self.checkpoint_job("create", name, **fields)
+
+    async def checkpoints(self, **fields: Any) -> list[dict[str, Any]]:
+        """The device's checkpoints, oldest first (``device=``, ``wait=``)."""
+        output = (await self.checkpoint_job("list", **fields)).output
+        return list(output.get("checkpoints", [])) if isinstance(output, dict) else []
+
+    async def checkpoint_diff(self, name: str, **fields: Any) -> Result:
+        """What restoring `name` would change (``output``: changes, conflicts); no write."""
+        return await self.checkpoint_job("diff", name, **fields)
+
+    async def restore_checkpoint(self, name: str, **fields: Any) -> Result:
+        """Undo every job of the device since checkpoint `name`, all or nothing; the
+        restore is itself undoable (``undo(<its job id>)``)."""
+        return await self.checkpoint_job("restore", name, **fields)
+
 
 def _make_job(executor: str, args: dict[str, Any], fields: dict[str, Any]) -> Job:
     try:
@@ -509,6 +557,26 @@ class SyncClient(AbstractContextManager["SyncClient"]):
     def undo(self, job_id: str, *, wait: float | None = None, **fields: Any) -> Result:
         """See `Client.undo`."""
         out: Result = self._call(self._client.undo, job_id, wait=wait, **fields)
+        return out
+
+    def checkpoint(self, name: str, **fields: Any) -> Result:
+        """See `Client.checkpoint`."""
+        out: Result = self._call(self._client.checkpoint, name, **fields)
+        return out
+
+    def checkpoints(self, **fields: Any) -> list[dict[str, Any]]:
+        """See `Client.checkpoints`."""
+        out: list[dict[str, Any]] = self._call(self._client.checkpoints, **fields)
+        return out
+
+    def checkpoint_diff(self, name: str, **fields: Any) -> Result:
+        """See `Client.checkpoint_diff`."""
+        out: Result = self._call(self._client.checkpoint_diff, name, **fields)
+        return out
+
+    def restore_checkpoint(self, name: str, **fields: Any) -> Result:
+        """See `Client.restore_checkpoint`."""
+        out: Result = self._call(self._client.restore_checkpoint, name, **fields)
         return out
 
     def close(self) -> None:

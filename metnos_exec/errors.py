@@ -15,6 +15,7 @@ __all__ = (
     "BadArguments",
     "BadConfig",
     "BadManifest",
+    "CheckpointUnknown",
     "BadMessage",
     "BadOutput",
     "BrokerAuth",
@@ -164,6 +165,12 @@ class UndoUnavailable(MetnosError):
     entries were purged, it was already undone, or it was made on another device."""
 
     code = "E_UNDO_UNAVAILABLE"
+
+
+class CheckpointUnknown(MetnosError):
+    """No checkpoint of that name on that device (never made, or made on another)."""
+
+    code = "E_CHECKPOINT_UNKNOWN"
 
 
 class CommitConflict(MetnosError):
@@ -336,6 +343,7 @@ ERROR_CODES: dict[str, str] = {
     "E_UNDO_CONFLICT": "an undo would overwrite changes made after the job; nothing changed",
     "E_UNDO_UNAVAILABLE": "nothing to undo: no result, no recorded change, purged, already "
     "undone, or another device's",
+    "E_CHECKPOINT_UNKNOWN": "no checkpoint of that name on that device (never made there)",
     # configuration, queue and host
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",

@@ -128,6 +128,11 @@ EVENTS: Mapping[str, str] = {
     "undo.recorded": "a job's file changes were committed and their undo entry stored "
     "(entry_id, method: staged|backup, ops, paths, blobs, reverses)",
     "undo.applied": "an undo job restored a job's files (undone: its id, entries, paths)",
+    "checkpoint.created": "a checkpoint marked the device's undo journal (name, boundary)",
+    "checkpoint.restored": "a checkpoint restore undid every later job on the device (name, "
+    "jobs, entries, paths)",
+    "checkpoint.refused": "a checkpoint restore changed nothing (name, code, paths and jobs "
+    "of the conflicts)",
     "undo.conflict": "files could not be put back (a roll-back or a restore of backed-up "
     "targets met later changes; paths)",
     "commit.filtered": "part of a staged change was not committed as is (path, what: a "

@@ -45,6 +45,7 @@ from .sandbox.egress import EgressRecord
 from .trace_context import TraceContext
 
 __all__ = (
+    "CHECKPOINT_EXECUTOR",
     "UNDO_EXECUTOR",
     "Absent",
     "DirState",
@@ -114,6 +115,9 @@ E_CANCELLED: Final = "E_CANCELLED"
 #: The reserved executor name of undo jobs (manifest names cannot hold ``:``). Its one
 #: argument is ``job_id``: the job whose recorded file changes to undo.
 UNDO_EXECUTOR: Final = "metnos:undo"
+#: The reserved executor name of checkpoint jobs (`metnos_exec.undo.checkpoints`):
+#: ``action`` (``create``, ``list``, ``diff``, ``restore``) and ``name``.
+CHECKPOINT_EXECUTOR: Final = "metnos:checkpoint"
 
 Autonomy = Literal["read_only", "supervised", "full"]
 ResultStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "rejected", "dead"]

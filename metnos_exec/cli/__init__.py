@@ -32,6 +32,7 @@ shown only with ``METNOS_DEBUG=1``.
 Each command group is one module that adds its subparsers next to the code that runs
 them (its ``register``): `worker`; `jobs` (``submit``, ``result``, ``cancel``); `queue`
 (``status``, ``tail``, ``purge``); `web` (``web``, ``top``: the live view); `undo`;
+`checkpoint` (``create``, ``list``, ``diff``, ``restore``);
 `tools` (tool definitions for a model API);
 `mcp` (the MCP server); `codes`; `doctor`; `keys` (``keygen``, ``sign``); `bench`.
 `_common` holds what they share (`EXIT`, the ``--broker`` option, the epilog, the option
@@ -48,14 +49,14 @@ from typing import NoReturn
 
 from .._terminal import visible
 from ..errors import MetnosError
-from . import bench, codes, doctor, jobs, keys, mcp, queue, tools, undo, web, worker
+from . import bench, checkpoint, codes, doctor, jobs, keys, mcp, queue, tools, undo, web, worker
 from ._common import _EPILOG, EXIT, _Exit, _exit_for, _Formatter
 from ._results import _print_result as _print_result
 
 __all__ = ("EXIT", "main")
 
 #: The command groups, in the order ``metnos-exec --help`` lists their commands.
-_GROUPS = (worker, jobs, queue, web, undo, tools, mcp, codes, doctor, keys, bench)
+_GROUPS = (worker, jobs, queue, web, undo, checkpoint, tools, mcp, codes, doctor, keys, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

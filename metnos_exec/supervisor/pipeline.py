@@ -27,7 +27,14 @@ from ..devices.signing import default_verified_dir
 from ..errors import HostFault, MetnosError, ServerPinned, SignatureError
 from ..logs import get_logger
 from ..manifest import Executor
-from ..messages import SERVER_DEVICE, UNDO_EXECUTOR, ErrorInfo, Result, cap_text
+from ..messages import (
+    CHECKPOINT_EXECUTOR,
+    SERVER_DEVICE,
+    UNDO_EXECUTOR,
+    ErrorInfo,
+    Result,
+    cap_text,
+)
 from ..plan import Invocation, default_skills_root, plan_invocation
 from ..sandbox._types import (
     ContainmentReport,
@@ -41,9 +48,9 @@ from ..sandbox._types import (
 from ..sandbox._wasm_engine import default_cache_dir
 from ..sandbox.progress import reporting_progress
 from ..undo.staging import Reversible, default_state_dir, disk_verdict
+from .checkpoint_jobs import CheckpointJobs
 from .outcome import EX_TEMPFAIL, _containment_summary, _outcome_result, _stopped_usage
 from .state import _ArmChoice, _Running
-from .undo_jobs import UndoJobs
 
 __all__ = ("Pipeline",)
 
@@ -51,7 +58,7 @@ __all__ = ("Pipeline",)
 _log = get_logger()
 
 
-class Pipeline(UndoJobs):
+class Pipeline(CheckpointJobs):
     """The supervisor's layer that serves one job (see the module docstring)."""
 
     def _init_parts(self) -> None:
@@ -146,6 +153,9 @@ class Pipeline(UndoJobs):
         job = lease.job
         if job.executor == UNDO_EXECUTOR:
             await self._serve_undo(running)
+            return
+        if job.executor == CHECKPOINT_EXECUTOR:
+            await self._serve_checkpoint(running)
             return
         executor = await self._executor_for(lease)
         if executor is None:

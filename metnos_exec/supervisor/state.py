@@ -25,7 +25,7 @@ from ..brokers.base import Broker, Lease
 from ..devices.signing import TrustStore
 from ..errors import MetnosError
 from ..manifest import ExecutorRegistry
-from ..messages import UNDO_EXECUTOR
+from ..messages import CHECKPOINT_EXECUTOR, UNDO_EXECUTOR
 from ..observe import NULL_OBSERVER, Observer
 from ..sandbox._types import Sandbox, SandboxOutcome
 from ..sandbox.progress import ProgressReport
@@ -147,7 +147,9 @@ class SupervisorState:
         #: The executors this worker leases (executor routing, `brokers.base`): those it
         #: loaded, those whose manifest failed to load (a job for one is rejected with
         #: the load error, which its author needs to see), and undo jobs.
-        self.served: tuple[str, ...] = tuple(sorted({*registry, *registry.errors, UNDO_EXECUTOR}))
+        self.served: tuple[str, ...] = tuple(
+            sorted({*registry, *registry.errors, UNDO_EXECUTOR, CHECKPOINT_EXECUTOR})
+        )
         self._running: dict[str, _Running] = {}
         self._draining = False
         self._stopped = anyio.Event()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -110,8 +111,11 @@ class UndoJobs(Commits):
         entries: Sequence[UndoEntry],
         applied: AppliedUndo,
         started_at: float,
-    ) -> None:
-        """Record the applied undo's redo entry, ack its result, settle it on the host."""
+        *,
+        output: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record the applied undo's redo entry, ack its result, settle it on the host
+        (`output`: the result's, a checkpoint restore's); whether it was stored."""
         recorded = await self._settle(
             "record_undo",
             lease,
@@ -122,12 +126,13 @@ class UndoJobs(Commits):
             if recorded is False:
                 self._count_lost()
                 _log.warning("lease.lost", visibility_s=self.visibility_s, during="undo")
-            return
+            return False
         paths = applied.redo.paths()
         result = self._result(
             lease,
             "succeeded",
-            output={
+            output=output
+            or {
                 "undone": target,
                 "entries": [e.id for e in entries],
                 "paths": len(paths),
@@ -143,13 +148,14 @@ class UndoJobs(Commits):
             raise
         left = await anyio.to_thread.run_sync(functools.partial(applied.settle, stored=stored))
         if stored:
-            _log.info(
-                "undo.applied",
-                undone=target,
-                entries=[e.id for e in entries],
-                paths=paths[:_PATHS_LOGGED],
-                path_count=len(paths),
-            )
+            if output is None:
+                _log.info(
+                    "undo.applied",
+                    undone=target,
+                    entries=[e.id for e in entries],
+                    paths=paths[:_PATHS_LOGGED],
+                    path_count=len(paths),
+                )
             _log_recorded(applied.redo)
         elif left:
             _log.warning(
@@ -157,3 +163,4 @@ class UndoJobs(Commits):
                 reason="roll-back left paths",
                 paths=[str(c) for c in left[:20]],
             )
+        return stored

@@ -53,7 +53,15 @@ from ..errors import HostFault, UndoUnavailable
 from ..messages import UndoEntry
 from ..private import private_dir
 
-__all__ = ("KEY_FILE", "UNDONE_DIR", "UndoClaim", "UndoLedger", "UndoSeal", "UndoneMark")
+__all__ = (
+    "ENTRIES_DIR",
+    "KEY_FILE",
+    "UNDONE_DIR",
+    "UndoClaim",
+    "UndoLedger",
+    "UndoSeal",
+    "UndoneMark",
+)
 
 #: The key's file name in the state folder.
 KEY_FILE: Final = "undo.key"
@@ -64,6 +72,8 @@ _encoder = msgspec.json.Encoder()
 _seals: dict[Path, UndoSeal] = {}
 #: The ledger's folder name, in the blob store's folder (beside the key).
 UNDONE_DIR: Final = "undone"
+#: The device's log of the entries it sealed, in the blob store's folder.
+ENTRIES_DIR: Final = "entries"
 #: How deep an undo-of-an-undo chain is followed (a genuine one is as deep as people
 #: nested undos; the marks are this device's own, so a loop cannot be made).
 _MAX_CHAIN: Final = 64
@@ -106,8 +116,25 @@ class UndoSeal:
         return hmac.new(self.key, body, hashlib.sha256).hexdigest()
 
     def seal(self, entry: UndoEntry) -> UndoEntry:
-        """`entry` with its seal."""
-        return msgspec.structs.replace(entry, seal=self._mac(entry))
+        """`entry` with its seal, also kept in the device's entry log (``entries/`` beside
+        the key, one file per entry, read by checkpoint restores: which entries a device
+        made after a checkpoint is the device's word, not the broker's).
+
+        Raises:
+            HostFault: the log cannot be written (before any op: nothing changed).
+        """
+        sealed = msgspec.structs.replace(entry, seal=self._mac(entry))
+        folder = self.path.parent / ENTRIES_DIR
+        try:
+            private_dir(folder)
+            _write_new(folder / _safe(sealed.id), _encoder.encode(sealed), True, sync=False)
+        except OSError as exc:
+            raise HostFault(f"the undo entry log {folder}: {exc}") from exc
+        return sealed
+
+    def mac(self, body: bytes) -> str:
+        """The HMAC of `body` with the device's key (checkpoint marks are sealed so)."""
+        return hmac.new(self.key, body, hashlib.sha256).hexdigest()
 
     def holds(self, entry: UndoEntry) -> bool:
         """Whether `entry` carries this device's seal, unaltered (no key yet: it cannot,
@@ -303,14 +330,15 @@ def _safe(entry_id: str) -> str:
     return entry_id
 
 
-def _write_new(path: Path, data: bytes, replace: bool) -> None:
+def _write_new(path: Path, data: bytes, replace: bool, *, sync: bool = True) -> None:
     """Write `path` whole before it is visible (temp file, then link: an existing one is
-    `FileExistsError`, unless `replace`)."""
+    `FileExistsError`, unless `replace`); flushed to disk unless not `sync`."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     try:
