@@ -15,6 +15,9 @@ Requests (``at``: the crash point, ``null`` for none):
 - ``{"do": "undo", "at": N, "state": DIR, "entries": [UndoEntry], "undo_job_id": ID,
   "device": NAME, "redo_out": FILE}``: `apply_undo`, as the worker's undo job does (the
   redo entry it made written to FILE, when given);
+- ``{"do": "restore", "at": N, "state": DIR, "entries": [UndoEntry], "name": NAME,
+  "restore_job_id": ID, "device": NAME, "redo_out": FILE}``: `apply_restore`, as the
+  worker's checkpoint restore does;
 - ``{"do": "recover", "at": N, "state": DIR, "jobs": [Job]}``: `Staging.recover` with a
   broker of the jobs' queue that knows `jobs` but stores no result (every journal is
   rolled back; a journal naming no queue is settled only by a queue that knows its job).
@@ -96,6 +99,26 @@ def _undo(req: dict[str, Any]) -> None:
         Path(req["redo_out"]).write_bytes(msgspec.json.encode(applied.redo))
 
 
+def _restore(req: dict[str, Any]) -> None:
+    from metnos_exec.messages import UndoEntry
+    from metnos_exec.undo.blobs import BlobStore
+    from metnos_exec.undo.journal import Journal
+    from metnos_exec.undo.restore import apply_restore
+
+    state = Path(req["state"])
+    applied = apply_restore(
+        msgspec.convert(req["entries"], list[UndoEntry]),
+        name=req["name"],
+        restore_job_id=req["restore_job_id"],
+        device=req["device"],
+        store=BlobStore(state / "blobs"),
+        journal=Journal(state / "journal"),
+    )
+    assert applied is not None
+    if req.get("redo_out"):
+        Path(req["redo_out"]).write_bytes(msgspec.json.encode(applied.redo))
+
+
 def _recover(req: dict[str, Any]) -> None:
     import anyio
 
@@ -113,7 +136,7 @@ def _recover(req: dict[str, Any]) -> None:
     anyio.run(main)
 
 
-_WORK = {"commit": _commit, "undo": _undo, "recover": _recover}
+_WORK = {"commit": _commit, "undo": _undo, "restore": _restore, "recover": _recover}
 
 
 def _child(req: dict[str, Any]) -> None:
@@ -160,6 +183,7 @@ def main() -> None:
     # Imported before the first fork: each child starts warm (an event loop's modules too;
     # no thread is started here: the children are forked from a single-threaded process).
     import metnos_exec.undo.apply
+    import metnos_exec.undo.restore
     import metnos_exec.undo.staging  # noqa: F401
 
     anyio.run(anyio.sleep, 0)

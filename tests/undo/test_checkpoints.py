@@ -16,8 +16,10 @@ from structlog.testing import capture_logs
 
 from metnos_exec.brokers.sqlite import SQLiteBroker
 from metnos_exec.client import Client
-from metnos_exec.messages import CHECKPOINT_EXECUTOR, Job, Result
-from metnos_exec.undo.checkpoints import CHECKPOINTS_DIR, checkpoint_job_args
+from metnos_exec.messages import CHECKPOINT_EXECUTOR, Job, Result, UndoEntry
+from metnos_exec.undo.checkpoints import CHECKPOINTS_DIR, CheckpointBook, checkpoint_job_args
+from metnos_exec.undo.staging import Staging
+from tests.helpers.crash_driver import crash_driver
 from tests.undo.helpers import World, make_world, seed, snapshot, staging_works
 
 pytestmark = pytest.mark.anyio
@@ -195,3 +197,61 @@ async def test_the_client_methods_wait_for_their_jobs(world: World) -> None:
         finally:
             await sup.drain(0)
     assert tree_hash(world.notes) == before
+
+
+# --- a crash at any step of a restore -------------------------------------------------
+
+
+async def _recover(world: World) -> list[tuple[str, str]]:
+    """A fresh worker's start on the state folder: its recovery leaves no path alone."""
+    with capture_logs() as logs:
+        done = await Staging(world.staging.state_dir, overlay=False).recover(
+            world.broker, device=world.device
+        )
+    assert [r["left"] for r in logs if r["event"] == "journal.recovered"] == [[]] * len(done)
+    return done
+
+
+async def test_a_restore_killed_at_any_step_is_rolled_back_or_completed_never_half_done(
+    world: World,
+) -> None:
+    await staging_works(world)
+    seed(world.notes)
+    before = tree_hash(world.notes)
+    await checkpoint(world, "create", "cp")
+    # Mixed kinds, a folder made and filled, a rename, a mode, a link, a type change.
+    for ops in (*SESSION[:12], [["rm", "keep.txt"], ["mkdir", "keep.txt"]]):
+        assert (await world.run(list(ops))).status == "succeeded"
+    after = tree_hash(world.notes)
+    book = CheckpointBook(world.staging.store.root)
+    entries = book.entries_after(book.get("cp", device=world.device))
+    assert len(entries) == 13
+    job = Job(executor=CHECKPOINT_EXECUTOR, args=checkpoint_job_args("restore", "cp"))
+    await world.broker.submit(job)  # queued, as a worker's restore job is: no result yet
+    request = {
+        "state": str(world.staging.state_dir),
+        "entries": [msgspec.to_builtins(e) for e in entries],
+        "name": "cp",
+        "restore_job_id": job.id,
+        "device": world.device,
+    }
+    steps: list[str] = []
+    async with crash_driver() as driver:
+        async for n, step in driver.crash_everywhere("restore", **request):
+            steps.append(step)
+            done = await _recover(world)
+            assert done in ([], [(job.id, "rolled_back")]), (n, step, done)
+            assert tree_hash(world.notes) == after, f"a restore killed before step {n} ({step})"
+        # Completed, its result never stored: rolled back.
+        assert tree_hash(world.notes) == before
+        assert await _recover(world) == [(job.id, "rolled_back")]
+        assert tree_hash(world.notes) == after
+        # Completed and its result stored: it stands.
+        out = world.tmp / "redo.json"
+        await driver("restore", None, **request, redo_out=str(out))
+    redo = msgspec.json.decode(out.read_bytes(), type=UndoEntry)
+    [lease] = await world.broker.lease("w", visibility_s=30)
+    await world.broker.ack(lease, Result(job_id=job.id, status="succeeded", undo_ids=(redo.id,)))
+    assert await _recover(world) == [(job.id, "kept")]
+    assert tree_hash(world.notes) == before
+    assert {"mkdir", "write", "rename", "unlink", "rmdir", "symlink", "chmod"} <= set(steps)
