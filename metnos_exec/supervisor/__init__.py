@@ -62,8 +62,8 @@ again would only give the same verdict later.
 Where each part lives: `config` (the settings, one frozen `SupervisorConfig`), `state`
 (what every part shares), `settle` (ack, retry, release with store backoff, the batcher),
 `leasing` (the lease loop, heartbeats, cancel polls, run slots), `commits` (the staging,
-commits, recovering dead workers' journals), `undo_jobs`, `pipeline` (one job: vet,
-plan, stage, run, result), `outcome` (the outcome → result table) and `core` (the
+commits, recovering dead workers' journals), `undo_jobs`, `checkpoint_jobs`, `pipeline`
+(one job: vet, plan, stage, run, result), `outcome` (the outcome → result table) and `core` (the
 `Supervisor` facade, re-exported here).
 """
 

@@ -44,6 +44,8 @@ The modules, and what each owns:
 - `blobs`: the content-addressed store of originals;
 - `seal`: the HMAC seal of entries and the device's ledger of undone ones;
 - `apply`: applying an undo job (`apply_undo`, `entries_to_undo`);
+- `checkpoints` and `restore`: a device's sealed checkpoint marks and its entry log read
+  back; a restore, the later entries composed into one undo (all or nothing);
 - `folder_lock`: the lock every committer of a host folder holds, across processes;
 - `_types`: what every reversible run gives the supervisor (`Reversible`, `Committed`).
 """

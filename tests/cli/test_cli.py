@@ -1021,6 +1021,7 @@ def test_only_commands_that_use_a_broker_offer_broker(env: dict[str, str], tmp_p
     uses = {"worker", "submit", "result", "cancel", "status", "purge", "undo", "doctor"}
     uses |= {"tools", "mcp"}  # the catalog the workers publish; the queue the calls go to
     uses |= {"web", "top"}  # the live view reads the queue
+    uses |= {"checkpoint"}  # checkpoint jobs go through the queue
     assert offered == uses
     log = tmp_path / "w.jsonl"
     log.write_text("")
