@@ -137,7 +137,8 @@ class CheckpointJobs(UndoJobs):
                         break
                     held.release()
                     held = None
-                assert held is not None
+                if held is None:
+                    raise OSError("the device's entries kept changing while the locks were taken")
                 _log.info("job.started", checkpoint=name, entries=[e.id for e in entries])
                 applied = await anyio.to_thread.run_sync(
                     functools.partial(
