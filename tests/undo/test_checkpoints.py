@@ -18,6 +18,7 @@ from metnos_exec.brokers.sqlite import SQLiteBroker
 from metnos_exec.client import Client
 from metnos_exec.messages import CHECKPOINT_EXECUTOR, Job, Result, UndoEntry
 from metnos_exec.undo.checkpoints import CHECKPOINTS_DIR, CheckpointBook, checkpoint_job_args
+from metnos_exec.undo.seal import ENTRIES_DIR
 from metnos_exec.undo.staging import Staging
 from tests.helpers.crash_driver import crash_driver
 from tests.undo.helpers import World, make_world, seed, snapshot, staging_works
@@ -161,6 +162,18 @@ async def test_unknown_tampered_and_taken_checkpoints_are_refused(world: World) 
     assert isinstance(listed.output, dict)
     assert [m["name"] for m in listed.output["checkpoints"]] == ["cp"]
     await world.run([["write", "a.txt", "x"]])
+    # An entry of the device's log rewritten (its roots pointed elsewhere): refused, as
+    # the broker's copy would be, before anything is read below the roots.
+    [logged] = (world.staging.store.root / ENTRIES_DIR).glob("[0-9A-Z]*")
+    original = logged.read_bytes()
+    entry = msgspec.json.decode(original)
+    entry["roots"] = ["/etc"]
+    logged.write_bytes(msgspec.json.encode(entry))
+    forged = await checkpoint(world, "restore", "cp")
+    assert forged.error is not None and forged.error.code == "E_UNDO_UNAVAILABLE"
+    assert "no valid seal" in forged.error.message
+    assert (world.notes / "a.txt").read_text() == "x"
+    logged.write_bytes(original)
     # A mark moved later on disk (its boundary rewritten) would hide the job: refused.
     path = world.staging.store.root / CHECKPOINTS_DIR / "cp.mark"
     mark = msgspec.json.decode(path.read_bytes())
