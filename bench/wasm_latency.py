@@ -10,6 +10,12 @@ Measures, in one run on one machine:
   interpreter, not a pyenv shim) so both see the same machine state; medians;
 * **throughput** of N jobs one at a time vs two at a time (the guest runs in a worker
   thread and wasmtime releases the GIL while it runs);
+* **to main.py**: how long a no-op `wasm-python` executor (``python -u /job/main.py``, its
+  folder preopened read-only) takes from the job's start to its main.py's first line
+  (the guest's ``time.time()``, printed, against the host's at `WasmSandbox.run`), and
+  from there to the result; and the same guest bare in this process (one `InstancePre`,
+  a store per run): instantiate, instantiate -> main.py, the whole run. The part before
+  main.py is what a pre-initialised python.wasm (a wizer snapshot) would have to beat;
 * **profile** (unless ``--no-profile``): the same guest on engines built without fuel
   metering and without epoch interruption (each needs its own compile), the arm's
   overhead over a bare `InstancePre.instantiate` + `_start`, and the cost of `site`.
@@ -21,7 +27,7 @@ process started ahead (interpreter up, wasmtime imported, python.wasm deserializ
 per job still counts each spare's start-up (reaped with its job).
 
 Usage: python bench/wasm_latency.py [--rounds 25] [--jobs 20] [--no-profile]
-       [--backend asyncio|trio] [--spares N] [--json]
+       [--backend asyncio|trio] [--spares N] [--gap S] [--json]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import anyio
 from metnos_exec.errors import ToolUnavailable
 from metnos_exec.sandbox._types import (
     PYTHON_WASM_MODULE,
+    Mount,
     ResourceLimits,
     SandboxJob,
     Success,
@@ -157,6 +164,78 @@ def _profile(wt: Any, runtime: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
+#: The no-op executor of the to-main.py figures: its first line reads the clock.
+MAIN_PY = "import time\nprint(repr(time.time()))\n"
+TO_MAIN_ARGV = ["python", "-u", "/job/main.py"]
+
+
+async def _to_main(arm: WasmSandbox, folder: Path, rounds: int, gap: float) -> dict[str, float]:
+    """Job start -> main.py's first line -> result, through the arm (medians, ms), `gap`
+    seconds apart (an agent's think time between tool calls: a spare pool refills)."""
+    job = SandboxJob(
+        wasm=WasmProgram(PYTHON_WASM_MODULE, tuple(TO_MAIN_ARGV)),
+        mounts=(Mount(str(folder), "/job"),),
+        limits=LIMITS,
+    )
+    before, after = [], []
+    for i in range(rounds + 1):
+        await anyio.sleep(gap)
+        t0 = time.time()
+        out = await arm.run(job)
+        t1 = time.time()
+        assert out.exit == Success(), (out.exit, out.stderr[-300:])
+        at_main = float(out.stdout)
+        if i:  # the first one warms the path up
+            before.append(at_main - t0)
+            after.append(t1 - at_main)
+    return {"start_to_main_ms": _median_ms(before), "main_to_result_ms": _median_ms(after)}
+
+
+def _bare_to_main(
+    wt: Any, engine: Any, linked: tuple[Any, Any, Any], folder: Path, rounds: int
+) -> dict[str, float]:
+    """The same guest in this process, a fresh store per run through one `InstancePre`
+    (`linked`: the linker, the module and its `InstancePre`): instantiate, instantiate ->
+    main.py's first line, the whole run; and, alternating with it, the instantiation
+    through `Linker.instantiate` (the imports resolved again each time) (medians, ms)."""
+    linker, module, pre = linked
+    inst_s, to_main, whole, relinked = [], [], [], []
+    for i in range(2 * rounds + 2):
+        by_linker = i % 2 == 1
+        store = wt.Store(engine)
+        store.set_fuel(LIMITS.fuel)
+        store.set_epoch_deadline(1 << 40)
+        wasi = wt.WasiConfig()
+        wasi.argv = TO_MAIN_ARGV
+        sink: list[bytes] = []
+        wasi.stdout_custom = sink.append
+        wasi.preopen_dir(str(folder), "/job", False)
+        store.set_wasi(wasi)
+        t0, p0 = time.time(), time.perf_counter()
+        inst = linker.instantiate(store, module) if by_linker else pre.instantiate(store)
+        p1 = time.perf_counter()
+        try:
+            inst.exports(store)["_start"](store)
+        except wt.ExitTrap as exc:
+            assert exc.code == 0
+        p2 = time.perf_counter()
+        store.close()
+        if i < 2:  # the first of each warms it up
+            continue
+        if by_linker:
+            relinked.append(p1 - p0)
+        else:
+            inst_s.append(p1 - p0)
+            to_main.append(float(b"".join(sink)) - t0)
+            whole.append(p2 - p0)
+    return {
+        "instantiate_ms": _median_ms(inst_s),
+        "linker_instantiate_ms": _median_ms(relinked),
+        "instantiate_to_main_ms": _median_ms(to_main),
+        "whole_run_ms": _median_ms(whole),
+    }
+
+
 async def _throughput(arm: WasmSandbox, jobs: int) -> dict[str, float]:
     job = _job("-c", "print(1)")
     t0 = time.perf_counter()
@@ -226,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
     p.add_argument("--spares", type=int, default=0, help="spare guest processes kept ready")
+    p.add_argument("--gap", type=float, default=0.0, help="seconds between the to-main.py jobs")
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
 
@@ -241,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "spares": opts.spares,
+        "gap": opts.gap,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
         "native": NATIVE,
     }
@@ -256,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "serialized_mb": round(sum(f.stat().st_size for f in cache.iterdir()) / 2**20, 1),
         }
         disk, mem = [], []
+        hit = None
         for _ in range(5):
             fresh = WasmEngine(wt)  # a restarted worker: new engine, same config
             hit = fresh.load(runtime, cache)
@@ -265,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
             assert again.source == "memory"
             mem.append(again.seconds)
         report["cache_hit_load_ms"] = {"disk": _median_ms(disk), "memory": _median_ms(mem)}
+        folder = Path(tmp) / "job"
+        folder.mkdir()
+        (folder / "main.py").write_text(MAIN_PY)
+        assert hit is not None
+        report["bare_to_main"] = _bare_to_main(
+            wt, fresh.engine, (fresh.linker, hit.module, hit.pre), folder, opts.rounds
+        )
 
         arm = WasmSandbox(cache_dir=cache)
 
@@ -276,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     await stack.enter_async_context(spare_processes(opts.spares, cache_dir=cache))
                 report["latency"] = await _latency(arm, opts.rounds, opts.warmup)
                 report["throughput"] = await _throughput(arm, opts.jobs)
+                report["to_main"] = await _to_main(arm, folder, opts.rounds, opts.gap)
 
         anyio.run(measure, backend=opts.backend)
         if not opts.no_profile:
@@ -314,6 +404,18 @@ def _print(r: dict[str, Any]) -> None:
     print(
         f"throughput ({t['jobs']} jobs): 1 at a time {t['one_at_a_time_per_s']}/s, "
         f"2 at a time {t['two_at_a_time_per_s']}/s, ratio {t['ratio']}"
+    )
+    b, m = r["bare_to_main"], r["to_main"]
+    print(
+        f"no-op main.py through the arm ({r['gap']} s apart): job start -> main.py "
+        f"{m['start_to_main_ms']} ms, "
+        f"main.py -> result {m['main_to_result_ms']} ms"
+    )
+    print(
+        f"the same guest bare (one InstancePre, a store per run): instantiate "
+        f"{b['instantiate_ms']} ms (Linker.instantiate: {b['linker_instantiate_ms']} ms), "
+        f"instantiate -> main.py {b['instantiate_to_main_ms']} ms, "
+        f"whole run {b['whole_run_ms']} ms"
     )
     if "profile" in r:
         print("profile (bare instantiate + _start, no arm):")
