@@ -133,6 +133,22 @@ class _Phase:
         self.span.__exit__(*exc)
 
 
+class _Timed:
+    """A phase timed, with no span (`_Phase` without one: the usual case, an unsampled
+    or untraced job)."""
+
+    __slots__ = ("executor", "metrics", "name", "start")
+
+    def __init__(self, metrics: Metrics, name: str, executor: str) -> None:
+        self.metrics, self.name, self.executor = metrics, name, executor
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.metrics.phase(self.name, self.executor, time.perf_counter() - self.start)
+
+
 class _Recording(Observer):
     """An observer with metrics, tracing, or both (`make_observer`)."""
 
@@ -147,12 +163,12 @@ class _Recording(Observer):
         return self.tracing.consumer(job, attempt, self.queue)
 
     def phase(self, name: str, job: Job) -> AbstractContextManager[None]:
-        span = _NULL
-        if self.tracing is not None and self.tracing.recording():
-            span = self.tracing.span(name)
-        elif self.metrics is None:
+        tracing = self.tracing
+        if tracing is not None and tracing.recording():
+            return _Phase(self.metrics, name, job.executor, tracing.span(name))
+        if self.metrics is None:
             return _NULL
-        return _Phase(self.metrics, name, job.executor, span)
+        return _Timed(self.metrics, name, job.executor)
 
     def leased(self, job: Job, attempt: int, now: float) -> None:
         if self.metrics is not None:
@@ -164,8 +180,7 @@ class _Recording(Observer):
         run_s = elapsed_s if wall_s is None else min(wall_s, elapsed_s)
         start_s = elapsed_s - run_s
         if self.metrics is not None:
-            self.metrics.phase("sandbox_start", job.executor, start_s)
-            self.metrics.phase("run", job.executor, run_s)
+            self.metrics.ran(job.executor, start_s, run_s)
         if self.tracing is not None:
             self.tracing.ran(start_s, run_s)
 
