@@ -116,6 +116,8 @@ EVENTS: Mapping[str, str] = {
     "sandbox.guest_killed": "a wasm guest's process was killed where no epoch check could "
     "stop it: blocked in a host call or still compiling at its wall deadline, or its job "
     "cancelled (module, why, stopped_in, waited_s)",
+    "sandbox.teardown_failed": "a step of a job's teardown, run after its result was "
+    "stored, failed (error): a slot whose cgroup could not be emptied is not lent again",
     "job.finished": "the job reached a final result (status, exit, usage, containment)",
     "job.cancelled": "a running job was cancelled on request (before job.finished)",
     "job.stopped": "a launched run was stopped and gets no result from this worker "

@@ -53,7 +53,8 @@ The modules, from the bottom up: `spec` (what a run is asked and answers), `reap
 children we own, orphans, the subreaper, the keeper), `cgroups` (per-run and slot cgroups,
 the probes), `spawn` (the spawner threads, preexec, the fork), `slots` (the pool of slot
 threads), `kill` (the kill sequence, reaping a run's child), `run` (`run_process`: feeding,
-pumping, the deadline). The stdlib-only scripts `_reaper.py` (the shim) and `_keeper.py`
+pumping, the deadline), `teardown` (what a run leaves to tear down after its result:
+`after_result`). The stdlib-only scripts `_reaper.py` (the shim) and `_keeper.py`
 are run by path, never imported by what they run.
 """
 

@@ -38,6 +38,7 @@ from metnos_exec.process.spec import (
     ProcessSpec,
     Stopped,
 )
+from metnos_exec.process.teardown import Later
 
 #: After the child exits, how long readers may still wait for EOF. Only a process that left
 #: the tree (possible with ``reaper=False``) can hold a pipe open past its exit.
@@ -144,8 +145,8 @@ def _read_status(child: _Child) -> tuple[str | None, str | None, tuple[float, in
 def _validate(spec: ProcessSpec, timeout: float, grace: float) -> None:
     if not spec.argv:
         raise ValueError("ProcessSpec.argv must not be empty")
-    if spec.on_spawn is not None and spec.reaper:
-        raise ValueError("ProcessSpec.on_spawn needs reaper=False (it would see the shim)")
+    if (spec.on_spawn is not None or spec.release is not None) and spec.reaper:
+        raise ValueError("ProcessSpec.on_spawn and release need reaper=False (the shim)")
     if not (timeout > 0 and grace >= 0) or math.isnan(timeout):
         raise ValueError(f"need timeout > 0 and grace >= 0, got {timeout}, {grace}")
     if spec.output_bytes < 0:
@@ -169,6 +170,7 @@ async def run_process(
     grace: float = 0.5,
     slot: Slot | None = None,
     stopped: Stopped | None = None,
+    later: Later | None = None,
 ) -> ProcessResult:
     """Run `spec` to completion, or kill its whole tree at `timeout` seconds.
 
@@ -180,6 +182,10 @@ async def run_process(
             ``cgroup_pool`` run borrows one itself.
         stopped: filled with what the run measured when the caller stops it (see
             `Stopped`), so that a cancelled run can still say what it used and what held.
+        later: with `slot`, the drain of the slot's cgroup is left there
+            (`metnos_exec.process.teardown`) instead of awaited: the result comes back
+            once the child is reaped; the slot stays retired until the drain has run, so
+            its borrower must release it after that step too.
 
     Returns:
         The result; ``timed_out`` tells a deadline kill from an ordinary exit.
@@ -190,7 +196,7 @@ async def run_process(
     """
     _validate(spec, timeout, grace)
     if slot is not None:
-        return await _run_in_slot(spec, slot, timeout, grace, stopped)
+        return await _run_in_slot(spec, slot, timeout, grace, stopped, later)
     if spec.cgroup_pool:
         async with pooled_slot() as borrowed:
             if borrowed is not None:
@@ -215,7 +221,12 @@ def _limit_for_run(memory: _SlotMemory, limit: int | None) -> int | None:
 
 
 async def _run_in_slot(
-    spec: ProcessSpec, slot: Slot, budget_s: float, grace: float, stopped: Stopped | None
+    spec: ProcessSpec,
+    slot: Slot,
+    budget_s: float,
+    grace: float,
+    stopped: Stopped | None,
+    later: Later | None = None,
 ) -> ProcessResult:
     """`run_process` forking from `slot`'s thread: the child starts in the slot's cgroup."""
     budget = spec.pids_max + (1 if spec.reaper else 0) if spec.pids_max else None
@@ -268,11 +279,20 @@ async def _run_in_slot(
     finally:
         # Lent again (by its borrower) only once empty: a slot that could not be emptied
         # (drain raised) is retired, its thread idles and its cgroup is swept after the
-        # worker is gone.
+        # worker is gone. With `later`, the drain runs after the result is handed on.
         slot.retired = True
-        with anyio.CancelScope(shield=True):
-            await slot.cgroup.drain()
-        slot.retired = False
+        if later is None:
+            await _drain_slot(slot)
+        else:
+            later.add(lambda: _drain_slot(slot))
+
+
+async def _drain_slot(slot: Slot) -> None:
+    """Empty `slot`'s cgroup (shielded) and let it be lent again; a slot whose drain
+    raised stays retired."""
+    with anyio.CancelScope(shield=True):
+        await slot.cgroup.drain()
+    slot.retired = False
 
 
 async def _run(
@@ -319,6 +339,8 @@ async def _run(
             return _exec_failed(failed, pids_limited, uid)
         if spec.on_spawn is not None:
             await _call_on_spawn(child, spec.on_spawn, members)
+        if spec.release is not None:
+            spec = await _released(child, spec, spec.release)
         try:
             result = await _supervise(child, spec, budget_s, grace, cgroup, pids_limited, stopped)
         except BaseException:
@@ -392,6 +414,21 @@ async def _call_on_spawn(
         finally:
             child.close()
         raise
+
+
+async def _released(
+    child: _Child, spec: ProcessSpec, release: Callable[[], Awaitable[bytes]]
+) -> ProcessSpec:
+    """Wait for a held run's release (`ProcessSpec.release`): `spec` with the stdin it
+    returned, the child's clock restarted; the child killed and reaped if it raises."""
+    fed: list[bytes] = []
+
+    async def wait(_pid: int, _members: object) -> None:
+        fed.append(await release())
+
+    await _call_on_spawn(child, wait, None)
+    child.t0 = time.monotonic()
+    return msgspec.structs.replace(spec, stdin=fed[0], release=None)
 
 
 def _note_stopped(stopped: Stopped | None, uid: int, memory: _Cgroup | None) -> None:

@@ -58,6 +58,11 @@ class ProcessSpec(msgspec.Struct, frozen=True):
         beside: a task run beside the child (a progress reader,
             `metnos_exec.sandbox.progress`): started with the output pumps, cancelled
             once the child has exited and its output is drained. It must not raise.
+        release: a *held* run (``reaper=False``; a warm sandbox, issue 22): once spawned
+            and past `on_spawn`, the run waits for ``release()``, which returns the stdin
+            to feed (`stdin` is then unused). The run's clock (its timeout and
+            ``wall_s``) starts when it returns. If it raises (cancellation included), the
+            child is killed and reaped, as for `on_spawn`.
     """
 
     argv: tuple[str, ...]
@@ -81,6 +86,7 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     as_slot_user: bool = False
     drops_to_slot_user: bool = False
     beside: Callable[[], Coroutine[Any, Any, None]] | None = None
+    release: Callable[[], Awaitable[bytes]] | None = None
 
 
 class ProcessResult(msgspec.Struct, frozen=True):

@@ -172,13 +172,16 @@ def _main() -> "tuple[CodeType, dict[str, Any]]":
     rules = [(int(argv[i]), argv[i + 1]) for i in range(4, end, 2)]
     # Ours, not the job's: out of the environment (the C one too, for its children).
     compiled = posix.environ.pop(b"METNOS_LANDLOCK_SCRIPT", b"").decode()
-    for name in (b"METNOS_LANDLOCK_STEP", b"METNOS_LANDLOCK_SCRIPT"):
+    held = posix.environ.pop(b"METNOS_WARM", None) is not None
+    for name in (b"METNOS_LANDLOCK_STEP", b"METNOS_LANDLOCK_SCRIPT", b"METNOS_WARM"):
         posix.environ.pop(name, None)
         posix.unsetenv(name)
     target = argv[end + 1 :]
     ct = _ctypes(ct_path)
     libc = _landlock(ct, scope, rules)
     if mode not in ("run", "runpath"):
+        if held:
+            _hold(posix)
         _exec(target)
     script = target[0]
     if mode == "runpath":
@@ -229,7 +232,17 @@ def _main() -> "tuple[CodeType, dict[str, Any]]":
     )
     sys.modules["__main__"] = main
     sys.argv = target
+    if held:
+        _hold(posix)
     return code, namespace
+
+
+def _hold(posix: "Any") -> None:
+    """A warm sandbox (``METNOS_WARM``, `metnos_exec.sandbox._bwrap_warm`): everything
+    before the job's own code has run; wait for the one byte that releases it on stdin
+    (the job's arguments follow it). End of file instead: the pool drained it unused."""
+    if posix.read(0, 1) != b"g":
+        raise SystemExit(0)
 
 
 if __name__ == "__main__":  # run as the guest's -c program, never on import

@@ -106,6 +106,7 @@ class SandboxJob(msgspec.Struct, frozen=True):
             (the operator asked for it).
         cwd: working directory inside the guest.
         limits: budgets.
+        warm: warm sandboxes kept for jobs like this one (see the field).
         stage: a staged job's key (``None``: not staged): the bwrap arm asks the staging
             layer registered under it (`metnos_exec.sandbox.staged`) to mount its
             overlays for the uid the job runs as, and starts bubblewrap inside the
@@ -122,6 +123,9 @@ class SandboxJob(msgspec.Struct, frozen=True):
     limits: ResourceLimits = msgspec.field(default_factory=ResourceLimits)
     stage: str | None = None
     egress: EgressPolicy | None = None
+    #: Warm sandboxes to keep for this job's template (the manifest's ``warm``; ``None``:
+    #: the worker's default): `metnos_exec.sandbox._bwrap_warm`.
+    warm: int | None = None
 
 
 # --- exits ----------------------------------------------------------------------------

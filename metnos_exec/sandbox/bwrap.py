@@ -72,6 +72,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, final
 
 import anyio
@@ -79,6 +80,7 @@ import msgspec
 
 from ..errors import HostFault
 from ..process import ProcessResult, ProcessSpec, Stopped, pooled_slot, reap_orphan, run_process
+from ..process.teardown import Later, current_later
 from ._bwrap_command import _BWRAP_PIDS as _BWRAP_PIDS
 from ._bwrap_command import _host_facts, _HostFacts, bwrap_argv, process_spec
 from ._bwrap_exit import BwrapSetupFailed, _drain, _usage, map_exit, parse_json_status
@@ -106,6 +108,7 @@ from ._bwrap_report import UNPRIVILEGED_QUOTAS_REASON as UNPRIVILEGED_QUOTAS_REA
 from ._bwrap_report import containment_report
 from ._bwrap_report import root_worker_note as root_worker_note
 from ._bwrap_report import worker_is_root as worker_is_root
+from ._bwrap_warm import warm_pools
 from ._types import (
     ContainmentReport,
     MemoryExceeded,
@@ -182,13 +185,35 @@ class BwrapSandbox:
         )
 
     async def run(self, job: SandboxJob) -> SandboxOutcome:
-        """Run `job` in bubblewrap until it exits or its wall time passes.
+        """Run `job` in bubblewrap until it exits or its wall time passes: in a warm
+        sandbox of its template inside `warm_sandboxes` (`metnos_exec.sandbox._bwrap_warm`),
+        else in one started for it.
 
         Raises:
             SandboxDenied: a mount would replace a private tree (``/proc``, ``/dev``, ``/``).
             BwrapSetupFailed: bubblewrap could not build the sandbox.
             HostFault: the harness broke (status unreadable).
         """
+        pools = warm_pools()
+        if pools is not None and job.argv:
+            return await pools.run(self, job, self.why_cold(job))
+        return await self._run_job(job)
+
+    def why_cold(self, job: SandboxJob) -> str | None:
+        """Why `job` cannot run in a warm sandbox (``None``: it can); see `_bwrap_warm`."""
+        if job.stage is not None:
+            return "staged (fs:write): its overlay and commit baseline are made per job"
+        if job.network:
+            return "network: the wall is attached to one job and records its egress"
+        if self._hardening.landlock_abi is None or self._hardening.landlock_python is None:
+            return "no in-guest landlock step here (the warm hold lives in it)"
+        return None
+
+    async def _run_job(
+        self, job: SandboxJob, hold: Callable[[], Awaitable[bytes]] | None = None
+    ) -> SandboxOutcome:
+        """`run` in a sandbox started for `job`; with `hold` (a warm sandbox), held
+        before the job's code until `hold` returns its stdin (`ProcessSpec.release`)."""
         if not job.argv:
             raise HostFault("the bwrap arm got a job without argv (a wasm job misrouted)")
         rlimits = derive_rlimits(job.limits)
@@ -221,22 +246,30 @@ class BwrapSandbox:
             if progress is not None:
                 progress.finish()
             raise
+        # A staged job's placement (its overlays) is closed before its commit, as before.
+        later = current_later() if job.stage is None else None
+        teardown = contextlib.AsyncExitStack()
         try:
-            async with pooled_slot() as slot:
+            async with teardown:
+                # Closed last: the job's sources, then its placement, then the slot lent
+                # again (after the drain `run_process` leaves in `later`).
+                teardown.callback(_close_all, sources)
+                slot = await teardown.enter_async_context(pooled_slot())
                 place = await _placement(slot, sources, stage=job.stage)
+                teardown.callback(place.close)
                 gated = _can_gate(rlimits)
                 prefix = () if gated else _limits_in_guest(rlimits)
                 try:
                     return await self._run(
-                        job, guest, rlimits, gated, prefix, host, place, wall, progress
+                        job, guest, rlimits, gated, prefix, host, place, wall, progress, later, hold
                     )
                 finally:
-                    place.close()
+                    if later is not None:
+                        # The result goes on now; its teardown after the drain.
+                        later.add(teardown.pop_all().aclose)
         finally:
             if progress is not None:
                 progress.finish()  # what the guest wrote last, before the outcome is used
-            for fd in sources.values():
-                os.close(fd)
 
     async def _run(
         self,
@@ -249,6 +282,8 @@ class BwrapSandbox:
         place: _Placement,
         wall: Wall | None,
         progress: ProgressChannel | None,
+        later: Later | None = None,
+        hold: Callable[[], Awaitable[bytes]] | None = None,
     ) -> SandboxOutcome:
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         gate: _LimitGate | None = None
@@ -289,7 +324,9 @@ class BwrapSandbox:
                 seccomp_r=seccomp_r,
                 progress=progress,
             )
-            result, interrupted = await _launch(job, spec, place, wall)
+            if hold is not None:
+                spec = msgspec.structs.replace(spec, release=hold)
+            result, interrupted = await _launch(job, spec, place, wall, later)
             with anyio.CancelScope(shield=interrupted is not None):
                 if gate is not None:
                     gate.close()  # our copy of status_w, if the gate did not run
@@ -346,7 +383,11 @@ class BwrapSandbox:
 
 
 async def _launch(
-    job: SandboxJob, spec: ProcessSpec, place: _Placement, wall: Wall | None
+    job: SandboxJob,
+    spec: ProcessSpec,
+    place: _Placement,
+    wall: Wall | None,
+    later: Later | None = None,
 ) -> tuple[ProcessResult, BaseException | None]:
     """Run `spec` for the job's wall time, the network wall's listeners open meanwhile.
 
@@ -363,7 +404,11 @@ async def _launch(
                 # Its listeners and every relayed connection end with the run.
                 await stack.enter_async_context(wall)
             result = await run_process(
-                spec, timeout=job.limits.wall_time_s, slot=place.slot, stopped=stopped
+                spec,
+                timeout=job.limits.wall_time_s,
+                slot=place.slot,
+                stopped=stopped,
+                later=later,
             )
     except _BudgetSpent:
         # The gate killed bubblewrap before the guest existed (`process.run` reaped
@@ -388,6 +433,11 @@ async def _launch(
         # as for a run that ended, and left for the caller (`record_stopped`).
         result, interrupted = stopped.result, exc
     return result, interrupted
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
 
 
 async def _reap_orphaned_init(pid: object) -> Any | None:

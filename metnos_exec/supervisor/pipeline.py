@@ -36,6 +36,7 @@ from ..messages import (
     cap_text,
 )
 from ..plan import Invocation, default_skills_root, plan_invocation
+from ..process.teardown import after_result
 from ..sandbox._types import (
     ContainmentReport,
     Failure,
@@ -198,13 +199,18 @@ class Pipeline(CheckpointJobs):
                         axes_lost=["resources"],
                         detail=f"{lost}",
                     )
-            outcome, fault, started_at = await self._run_arm(
-                running,
-                arm,
-                sjob,
-                degraded=bool(choice.degraded) or bool(reversible and reversible.no_staging),
-            )
-            await self._settle_run(running, arm, sjob, reversible, outcome, fault, started_at)
+            # What the arm leaves to tear down once the result is known (the bwrap arm:
+            # the slot's drain and release, the mount sources) runs after it is stored.
+            async with after_result() as later:
+                outcome, fault, started_at = await self._run_arm(
+                    running,
+                    arm,
+                    sjob,
+                    degraded=bool(choice.degraded) or bool(reversible and reversible.no_staging),
+                )
+                await self._settle_run(running, arm, sjob, reversible, outcome, fault, started_at)
+            for error in later.errors:
+                _log.warning("sandbox.teardown_failed", error=f"{type(error).__name__}: {error}")
         finally:
             if reversible is not None:
                 # Whatever happened, nothing staged outlives the job (normally discarded or
