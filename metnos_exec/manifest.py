@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -165,6 +165,10 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: MCP's ``outputSchema`` (`toolspec.output_schema`); the worker does not check it,
     #: the MCP server does before it calls an output structured content of that schema.
     output: dict[str, ArgSpec] | None = None
+    #: Warm bwrap sandboxes to keep started for this executor's jobs (issue 22,
+    #: `metnos_exec.sandbox._bwrap_warm`): each serves one job; ``None``: the worker's
+    #: default (``worker --warm N``, else 0).
+    warm: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
 
     @property
     def is_mutating(self) -> bool:

@@ -359,6 +359,7 @@ def plan_invocation(
         "egress": _egress(manifest, effective, profile, policy),
         "cwd": folder,
         "limits": _limits(manifest, timeout_s),
+        "warm": manifest.warm,
     }
     job = _runtime_job(manifest, entry, common, python)
     return Invocation(

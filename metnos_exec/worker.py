@@ -60,6 +60,7 @@ from .preflight import (
 )
 from .private import tighten
 from .process import become_subreaper, start_keeper
+from .sandbox._bwrap_warm import worker_warm_sandboxes
 from .sandbox._wasm_engine import default_cache_dir
 from .sandbox.select import check_bwrap_setting
 from .supervisor import Supervisor
@@ -283,9 +284,10 @@ async def serve(
             except ImportError:
                 pass  # no wasm arm here: its jobs say so themselves
             else:
-                # Outside the task group: the supervisor has drained (its jobs ended)
-                # before the spares are killed and reaped.
+                # Outside the task group: the jobs end before the spares are reaped.
                 await owned.enter_async_context(spare_processes(wasm_spares))
+        if "arm_chooser" not in supervisor_kw:  # reaped after the jobs, as the spares
+            await owned.enter_async_context(worker_warm_sandboxes(registry, config.concurrency))
         await _serve_in(
             sup,
             registry,

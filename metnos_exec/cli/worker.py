@@ -22,13 +22,21 @@ from ._common import (
     os_error_exit,
 )
 
+_WARM_HELP = (
+    "warm bwrap sandboxes kept per job template of an executor whose manifest sets no "
+    "`warm` (default: $METNOS_WARM_SANDBOXES, else 0); at most max(8, 2 x concurrency) in all"
+)
+
 
 def _cmd_worker(ns: argparse.Namespace) -> int:
+    from ..sandbox._bwrap_warm import WARM_DEFAULT_ENV
     from ..worker import ARM_OVERRIDE_ENV, run_worker
 
     _check_url(ns.broker)
     if ns.arm:
         os.environ[ARM_OVERRIDE_ENV] = ns.arm
+    if ns.warm is not None:
+        os.environ[WARM_DEFAULT_ENV] = str(ns.warm)
     retention: Any = "env"
     if ns.retention_days is not None:
         retention = _retention(ns.retention_days, "--retention-days")
@@ -106,6 +114,7 @@ def register(subparsers: Subparsers) -> None:
     w.add_argument(
         "--concurrency", type=_positive_int, default=4, metavar="N", help="jobs at once (4)"
     )
+    w.add_argument("--warm", type=int, metavar="N", help=_WARM_HELP)
     w.add_argument("--log-file", metavar="FILE", help="JSON-lines log file (default: stderr)")
     w.add_argument(
         "--log-level",

@@ -55,17 +55,29 @@ import anyio
 import anyio.abc
 import msgspec
 
+from ..errors import BadConfig
 from ..logs import get_logger
 from ..process.teardown import after_result
 from ._types import SandboxJob, SandboxOutcome, record_stopped, stopped_outcomes
 from .progress import ProgressSink, progress_sink, reporting_progress
 
-__all__ = ("WARM_ENV", "WarmPools", "warm_pools", "warm_sandboxes")
+__all__ = (
+    "WARM_DEFAULT_ENV",
+    "WARM_ENV",
+    "WarmPools",
+    "warm_budget",
+    "warm_default",
+    "warm_pools",
+    "warm_sandboxes",
+    "worker_warm_sandboxes",
+)
 
 _log = get_logger()
 
 #: Set in a warm sandbox's environment: the in-guest step holds before the job's code.
 WARM_ENV: Final = "METNOS_WARM"
+#: The worker-wide default of warm sandboxes per job template (``worker --warm N``).
+WARM_DEFAULT_ENV: Final = "METNOS_WARM_SANDBOXES"
 #: Consecutive warm sandboxes of one pool that may end before their job before it stops.
 _MAX_FAILURES: Final = 3
 
@@ -294,6 +306,47 @@ async def _hand(warm: _Warm, job: SandboxJob) -> SandboxOutcome:
     if warm.outcome is None:
         raise RuntimeError("a warm sandbox ended without an outcome")  # pragma: no cover
     return warm.outcome
+
+
+def warm_budget(concurrency: int) -> int:
+    """How many warm sandboxes a worker keeps at most, all templates together: twice its
+    concurrency, at least 8. Each holds a slot (its cgroups, a root worker's slot uid,
+    out of 65,536) and an idle interpreter (~10 MiB), never a run slot: a job never
+    waits for one."""
+    return max(8, 2 * concurrency)
+
+
+def warm_default(given: int | None) -> int:
+    """The worker's default: `given`, else ``METNOS_WARM_SANDBOXES``, else 0.
+
+    Raises:
+        BadConfig: the variable is not a number.
+    """
+    if given is not None:
+        return max(given, 0)
+    raw = os.environ.get(WARM_DEFAULT_ENV, "0")
+    if not raw.isdigit():
+        raise BadConfig(
+            f"{WARM_DEFAULT_ENV} must be a number of warm sandboxes (0: none), got {raw!r}"
+        )
+    return int(raw)
+
+
+def worker_warm_sandboxes(
+    registry: Any, concurrency: int
+) -> contextlib.AbstractAsyncContextManager[WarmPools | None]:
+    """The worker's `warm_sandboxes` (`metnos_exec.worker.serve`): its default is
+    ``METNOS_WARM_SANDBOXES`` (``worker --warm N``), else 0; its budget `warm_budget`;
+    none at all (a null context) when neither the default nor any manifest of
+    `registry` (an `ExecutorRegistry`) says ``warm = N``.
+
+    Raises:
+        BadConfig: a bad ``METNOS_WARM_SANDBOXES``.
+    """
+    default = warm_default(None)
+    if not default and not any(registry[n].manifest.warm for n in registry):
+        return contextlib.nullcontext()
+    return warm_sandboxes(default, budget=warm_budget(concurrency))
 
 
 _POOLS: list[WarmPools] = []
