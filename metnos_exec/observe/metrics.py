@@ -24,6 +24,7 @@ reason, which may name a host), never a job id.
 | ``metnos_egress_total`` | counter | verdict (allowed, refused), reason |
 | ``metnos_commit_conflicts_total`` | counter | |
 | ``metnos_undo_total`` | counter | outcome (the undo job's status) |
+| ``metnos_warm_sandboxes`` | gauge | state (waiting, starting, served: issue 22) |
 
 Phases: ``queue_wait`` (submit, or ``not_before``, to the first lease), ``plan``,
 ``sandbox_start`` (the arm's setup before its process ran), ``run`` (the process, from
@@ -43,6 +44,7 @@ from typing import Any, Final
 
 from ..errors import BadConfig, CommitConflict
 from ..messages import UNDO_EXECUTOR, Job, Result
+from ..sandbox._bwrap_warm import warm_pools
 from ..sandbox._types import AXES
 
 __all__ = ("QUEUE_CACHE_S", "Metrics", "egress_reason", "submitted")
@@ -189,6 +191,10 @@ class Metrics:
         self.egress = f("metnos_egress", "connections through the wall", ("verdict", "reason"))
         self.conflicts = f("metnos_commit_conflicts", "commits refused")
         self.undo = f("metnos_undo", "undo jobs by outcome", ("outcome",))
+        self.warm = f(
+            "metnos_warm_sandboxes", "warm bwrap sandboxes (waiting, starting, served)",
+            ("state",), kind="gauge",
+        )  # fmt: skip
         self.families = tuple(v for v in vars(self).values() if isinstance(v, _Family))
         self._queue_read_at = -QUEUE_CACHE_S
         self._walls: dict[tuple[str, ...], int] = {}
@@ -295,6 +301,10 @@ class Metrics:
             for axis, state in zip(AXES, states, strict=True):
                 per_axis[(axis, state)] = per_axis.get((axis, state), 0) + n
         self.containment.values = per_axis
+        pools = warm_pools()
+        if pools is not None:
+            for state, n in pools.totals().items():
+                self.warm.set(n, state)
         for fam in self.families:
             if fam.kind == "counter":
                 out = core.CounterMetricFamily(fam.name, fam.doc, labels=fam.labels)

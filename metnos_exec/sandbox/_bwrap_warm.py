@@ -78,6 +78,8 @@ _log = get_logger()
 WARM_ENV: Final = "METNOS_WARM"
 #: The worker-wide default of warm sandboxes per job template (``worker --warm N``).
 WARM_DEFAULT_ENV: Final = "METNOS_WARM_SANDBOXES"
+#: Every job that can run warm does (`WarmPools.eager`).
+EAGER_ENV: Final = "METNOS_WARM_EAGER"
 #: Consecutive warm sandboxes of one pool that may end before their job before it stops.
 _MAX_FAILURES: Final = 3
 
@@ -151,6 +153,13 @@ class WarmPools:
         #: Why an executor folder's jobs start cold (for `status`).
         self.cold: dict[str, str] = {}
         self.closed = False
+        #: Jobs served warm by pools since drained.
+        self.served = 0
+        #: A job that finds no warm sandbox of its template waiting gets one started for
+        #: it instead of a cold start (``METNOS_WARM_EAGER=1``): every job that can run
+        #: warm does, the first of a template too. For the adversarial suite's warm pass
+        #: (``METNOS_TEST_WARM=1``); no faster than cold for those jobs.
+        self.eager = os.environ.get(EAGER_ENV) == "1"
 
     # --- the job's side ---------------------------------------------------------------
 
@@ -169,6 +178,10 @@ class WarmPools:
         pool = self._pool_for(key, job, where, n)
         warm = self._take(pool)
         self._fill(arm, pool)
+        if warm is None and self.eager:
+            warm = _Warm(pool, taken=True)
+            pool.served += 1
+            self._tg.start_soon(self._serve, arm, pool, warm)
         if warm is None:
             return await arm._run_job(job)
         try:
@@ -209,6 +222,7 @@ class WarmPools:
     def _fill(self, arm: _Arm, pool: _Pool) -> None:
         while (
             not self.closed
+            and not self.eager  # eager: one started per job, none ahead
             and pool.broken is None
             and self._pools.get(pool.key) is pool
             and len(pool.ready) + pool.starting < pool.want
@@ -217,11 +231,13 @@ class WarmPools:
             pool.starting += 1
             self._tg.start_soon(self._serve, arm, pool)
 
-    async def _serve(self, arm: _Arm, pool: _Pool) -> None:
-        """One warm sandbox, from its start to its teardown (in the pools' task group)."""
-        warm = _Warm(pool)
-        pool.starting -= 1
-        pool.ready.append(warm)
+    async def _serve(self, arm: _Arm, pool: _Pool, warm: _Warm | None = None) -> None:
+        """One warm sandbox, from its start to its teardown (in the pools' task group);
+        `warm`: one started for a job that took it already (`eager`)."""
+        if warm is None:
+            warm = _Warm(pool)
+            pool.starting -= 1
+            pool.ready.append(warm)
         template = msgspec.structs.replace(pool.template, env={**pool.template.env, WARM_ENV: "1"})
         try:
             with warm.scope, stopped_outcomes() as stopped, reporting_progress(warm.forward):
@@ -252,7 +268,8 @@ class WarmPools:
 
     def _drain(self, pool: _Pool) -> None:
         """Kill the waiting sandboxes of `pool` (reaped by their own tasks)."""
-        self._pools.pop(pool.key, None)
+        if self._pools.pop(pool.key, None) is pool:
+            self.served += pool.served
         for warm in pool.ready:
             warm.scope.cancel()
         pool.ready.clear()
@@ -265,6 +282,15 @@ class WarmPools:
     def waiting(self) -> int:
         """Warm sandboxes started and not yet given a job."""
         return sum(len(p.ready) for p in self._pools.values())
+
+    def totals(self) -> dict[str, int]:
+        """Warm sandboxes waiting, starting, and jobs served warm (the metrics)."""
+        pools = list(self._pools.values())
+        return {
+            "waiting": sum(len(p.ready) for p in pools),
+            "starting": sum(p.starting for p in pools),
+            "served": self.served + sum(p.served for p in pools),
+        }
 
     def status(self) -> dict[str, Any]:
         """The pools, for ``status``, ``doctor`` and the metrics."""

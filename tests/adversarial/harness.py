@@ -397,6 +397,10 @@ def run_attempts(
         AWS_SECRET_ACCESS_KEY=f"aws-{world.token}",
         **(env or {}),
     )
+    if os.environ.get("METNOS_TEST_WARM") == "1":
+        # The warm pass (issue 22): every job that can run in a warm bwrap sandbox does,
+        # the first of its executor too (`sandbox._bwrap_warm.WarmPools.eager`).
+        worker_env.update(METNOS_WARM_SANDBOXES="1", METNOS_WARM_EAGER="1")
     if sandbox == "direct":
         worker_env["METNOS_SANDBOX"] = "off"
     else:

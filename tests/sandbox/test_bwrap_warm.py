@@ -203,3 +203,29 @@ async def test_no_warm_sandbox_outlives_the_pools(folder: Path) -> None:
     for slot in process._slots._free:
         assert slot.cgroup.pids() == []
     assert len(process._slots._free) == process._slots._made
+
+
+async def test_eager_pools_run_even_the_first_job_warm(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    arm = arm_or_skip()
+    monkeypatch.setenv("METNOS_WARM_EAGER", "1")
+    async with warm_sandboxes(budget=0) as pools:  # no pool filling: only eager starts
+        out = await run(arm, job_in(folder, warm=1), {"n": 1})
+        assert out["args"] == {"n": 1}
+        assert next(iter(pools._pools.values())).served == 1
+        assert pools.waiting() == 0
+
+
+async def test_the_metrics_show_the_pools(folder: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from metnos_exec.observe.metrics import Metrics
+
+    arm = arm_or_skip()
+    async with warm_sandboxes(budget=2) as pools:
+        await run(arm, job_in(folder, warm=2), {})
+        await until_waiting(pools, 2)
+        await run(arm, job_in(folder, warm=2), {})
+        text = Metrics().render().decode()
+        assert 'metnos_warm_sandboxes{state="served"} 1.0' in text, text
+        assert pools.status()["pools"][0]["served"] == 1
