@@ -223,6 +223,7 @@ _FINISHED_LEVELS: Mapping[str, str] = {
     "failed": "warning",
     "timed_out": "warning",
     "dead": "error",
+    "awaiting_approval": "info",
 }
 
 

@@ -39,6 +39,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from .changeset import ChangeSet
 from .errors import BadMessage
 from .sandbox._types import ContainmentReport, SandboxExit, Usage
 from .sandbox.egress import EgressRecord
@@ -120,7 +121,8 @@ UNDO_EXECUTOR: Final = "metnos:undo"
 CHECKPOINT_EXECUTOR: Final = "metnos:checkpoint"
 
 Autonomy = Literal["read_only", "supervised", "full"]
-ResultStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "rejected", "dead"]
+_FINAL = Literal["succeeded", "failed", "timed_out", "cancelled", "rejected", "dead"]
+ResultStatus = _FINAL | Literal["awaiting_approval"]
 
 _ID = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 _NAME = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -239,6 +241,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
         finished_at: unix seconds the result was produced.
         egress: each connection the job made through the network wall, allowed or
             refused and why, with its bytes each way (``()``: none, or no wall).
+        changes: a staged job's change set (`metnos_exec.changeset`; capped, caps named).
     """
 
     v: int = WIRE_VERSION
@@ -259,6 +262,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     finished_at: float | None = None
     egress: tuple[EgressRecord, ...] = ()
+    changes: ChangeSet | None = None
 
 
 class Progress(msgspec.Struct, frozen=True, kw_only=True):

@@ -44,6 +44,7 @@ _NOT_SUCCEEDED: Final = {
     "timed_out": "ran out of time and was stopped",
     "cancelled": "was cancelled",
     "dead": "was given up after its last attempt",
+    "awaiting_approval": "ran; its file changes wait for an approval (metnos-exec approve)",
 }
 
 

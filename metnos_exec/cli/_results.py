@@ -15,6 +15,7 @@ import msgspec
 
 from .._terminal import visible
 from ..brokers import JobState, redact_url
+from ..changeset import describe_changes
 from ..client import Client
 from ..messages import Result
 from ._common import _dump_json
@@ -26,6 +27,7 @@ _STATUS_EXIT: Final = {
     "cancelled": 1,
     "dead": 1,
     "rejected": 3,
+    "awaiting_approval": 6,
 }
 
 
@@ -36,7 +38,7 @@ def _print_job_id(job_id: str, *, as_json: bool) -> None:
         sys.stdout.write(job_id + "\n")
 
 
-def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
+def _print_result(result: Result, *, as_json: bool, out: TextIO, changes: bool = False) -> None:
     if as_json:
         _dump_json(result, out)
         return
@@ -78,6 +80,15 @@ def _print_result(result: Result, *, as_json: bool, out: TextIO) -> None:
     if result.stderr.strip():
         tail_ = visible(result.stderr.strip()[-1000:], newlines=True)
         lines.append("  stderr: " + tail_.replace("\n", "\n          "))
+    if result.changes is not None:
+        if changes:
+            text = visible(describe_changes(result.changes), newlines=True)
+            lines.append("  changes:\n    " + text.replace("\n", "\n    "))
+        else:
+            lines.append(
+                f"  changes: {result.changes.total} path(s) "
+                f"(metnos-exec result {visible(result.job_id)} --changes)"
+            )
     out.write("\n".join(lines) + "\n")
 
 

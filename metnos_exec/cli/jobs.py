@@ -150,7 +150,7 @@ def _cmd_result(ns: argparse.Namespace) -> int:
                 if _never_leased(state):
                     message += "; " + _NO_WORKER.format(url=redact_url(ns.broker))
                 raise _Exit(EXIT["pending"], message)
-            _print_result(result, as_json=ns.json, out=sys.stdout)
+            _print_result(result, as_json=ns.json, out=sys.stdout, changes=ns.changes)
             return _STATUS_EXIT[result.status]
 
     return _run(go)
@@ -275,6 +275,12 @@ def register(subparsers: Subparsers) -> None:
         "--wait", type=_wait_seconds, default=0.0, metavar="S", help="wait up to S seconds"
     )
     r.add_argument("--json", action="store_true", help="the Result as JSON")
+    r.add_argument(
+        "--changes",
+        action="store_true",
+        help="list the job's change set (each path created, modified, deleted or renamed, "
+        "with a diff for small text files)",
+    )
     r.set_defaults(fn=_cmd_result)
 
     c = add_command(subparsers, "cancel", "cancel a queued or running job")

@@ -147,6 +147,8 @@ class Commits(Leasing):
             for path, what in committed.filtered[:_FILTERED_LOGGED]:
                 _log.warning("commit.filtered", path=path, what=what)
             entry = committed.entry
+            if committed.changes is not None:
+                result = msgspec.structs.replace(result, changes=committed.changes)
             if entry is None:
                 await self._ack(lease, result)
                 return

@@ -75,6 +75,7 @@ _VERDICT: Final = {
     "timed_out": "the job ran out of time and was stopped",
     "cancelled": "the job was cancelled",
     "dead": "the job was given up after its retries",
+    "awaiting_approval": "the job ran; its file changes wait for an approval",
 }
 
 

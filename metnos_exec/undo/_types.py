@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from ..changeset import ChangeSet
 from ..messages import UndoEntry
 from ..sandbox._types import SandboxJob
 
@@ -18,10 +19,12 @@ class Committed:
     Attributes:
         entry: the undo entry (``None``: the job changed nothing).
         filtered: ``(path, what)`` not committed as staged (stripped bits, special files).
+        changes: the change set (``None``: not a staged run, which knows none).
     """
 
     entry: UndoEntry | None
     filtered: tuple[tuple[str, str], ...] = ()
+    changes: ChangeSet | None = None
 
 
 class Reversible(Protocol):

@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from ..changeset import ChangeSet
 from ..errors import CommitConflict, HostFault
 from ..identities import SlotIdentity
 from ..messages import UndoEntry, UndoOp
@@ -33,6 +34,7 @@ from ..sandbox.mount_sources import idmapped_clone, open_source
 from ..sandbox.staged import IdmapUnavailable, StagedPlacement
 from ._types import Committed
 from .blobs import BlobStore
+from .change_report import change_set, host_reader, read_content
 from .changes import CommitPlan, change_stamp, plan_commit, store_originals, unreadable
 from .folder_lock import FolderLock, wait_settled
 from .host_tree import Blocked, Conflict, HostTree, OpConflict, conflict_message
@@ -300,12 +302,15 @@ class OverlayRun:
                 )
             if not plan.ops:
                 tree.close()
-                return Committed(None, tuple(plan.filtered))
+                return Committed(None, tuple(plan.filtered), ChangeSet())
+            changes = change_set(
+                plan.ops, before=host_reader(tree), after=read_content(plan.source.fetch)
+            )
             entry = self._keep_originals(plan, tree)
             handle = self._begin_journal(entry, plan)
             self._apply(tree, plan, handle)
             self._handle, self._tree, self._ops = handle, tree, plan.ops
-            return Committed(entry, tuple(plan.filtered))
+            return Committed(entry, tuple(plan.filtered), changes)
         except BaseException:
             if self._tree is None:
                 tree.close()

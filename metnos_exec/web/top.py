@@ -28,6 +28,7 @@ _STATUS_STYLE: Final = {
     "cancelled": "yellow",
     "rejected": "magenta",
     "dead": "bold red",
+    "awaiting_approval": "cyan",
 }
 
 
