@@ -15,6 +15,8 @@ from typing import Final, Literal
 import msgspec
 
 __all__ = (
+    "APPROVE_EXECUTOR",
+    "REJECT_EXECUTOR",
     "MAX_DIFF_BYTES",
     "MAX_ENTRIES",
     "MAX_TOTAL_DIFF_BYTES",
@@ -23,6 +25,11 @@ __all__ = (
     "ChangeSet",
     "describe_changes",
 )
+
+#: The reserved executors of an approval gate's answer (`metnos_exec.supervisor.gate_jobs`):
+#: one argument, ``job_id``, the job awaiting approval; routed to the device that ran it.
+APPROVE_EXECUTOR: Final = "metnos:approve"
+REJECT_EXECUTOR: Final = "metnos:reject"
 
 #: Entries a change set lists at most (the rest are counted in `ChangeSet.total`).
 MAX_ENTRIES: Final = 1000

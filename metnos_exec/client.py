@@ -46,25 +46,32 @@ import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .brokers import Broker, CancelOutcome, open_broker
+from .client_changes import ChangeControl
 from .devices.catalog import device_refusal
 from .errors import (
-    BadArguments,
     BadMessage,
     BrokerError,
-    CheckpointUnknown,
     MetnosError,
     ServerPinned,
     UndoConflict,
     UndoUnavailable,
     UnknownExecutor,
 )
-from .messages import CHECKPOINT_EXECUTOR, SERVER_DEVICE, UNDO_EXECUTOR, Job, Progress, Result
+from .messages import (
+    APPROVE_EXECUTOR,
+    CHECKPOINT_EXECUTOR,
+    REJECT_EXECUTOR,
+    SERVER_DEVICE,
+    UNDO_EXECUTOR,
+    Job,
+    Progress,
+    Result,
+)
 from .observe import submit_context
 from .observe.metrics import submitted as count_submitted
 from .toolcall import error_result, parse_tool_call, tool_result
 from .toolspec import executor_for_tool
 from .undo.apply import undo_job_args
-from .undo.checkpoints import checkpoint_job_args
 
 __all__ = (
     "DEFAULT_BROKER_URL",
@@ -100,7 +107,7 @@ class NotImplementedYet(MetnosError):
     code = "E_NOT_IMPLEMENTED"
 
 
-class Client:
+class Client(ChangeControl):
     """Async client of the queue.
 
     Args:
@@ -156,7 +163,9 @@ class Client:
             args: its arguments.
             **fields: other `Job` fields: ``timeout_s``, ``autonomy``, ``device``,
                 ``max_attempts``, ``idempotency_key``, ``correlation_id``, ``priority``,
-                ``not_before``, ``id``.
+                ``not_before``, ``id``, ``commit="approve"`` (an approval gate: see
+                `approve`), ``branch_of=JOB`` (a candidate beside that gated job); and
+                ``speculative=True``: the same as ``commit="approve"``.
 
         Returns:
             The job id; for a repeated idempotency key, the first submission's id.
@@ -180,6 +189,8 @@ class Client:
                 queues nothing twice (and ``result(exc.job_id)`` says what happened).
             BrokerError: any other store failure; nothing was queued.
         """
+        if fields.pop("speculative", False):
+            fields["commit"] = "approve"
         job = _make_job(executor, args or {}, fields)
         await self._check_known(job)
         if job.device is not None and job.device != SERVER_DEVICE:
@@ -203,7 +214,7 @@ class Client:
         executor routing it would wait for a worker that does not exist. (A device job is
         checked by its device: devices publish nothing.)"""
         on_server = job.device is None or job.device == SERVER_DEVICE
-        if not on_server or job.executor in (UNDO_EXECUTOR, CHECKPOINT_EXECUTOR, *self._known):
+        if not on_server or job.executor in _RESERVED or job.executor in self._known:
             return
         if not self._known and time.monotonic() - self._looked_at < 1.0:
             return  # nothing published a moment ago: a producer ahead of its workers
@@ -408,50 +419,8 @@ class Client:
                 raise UndoUnavailable(error.message)
         return result
 
-    async def checkpoint_job(
-        self, action: str, name: str | None = None, *, device: str | None = None, **fields: Any
-    ) -> Result:
-        """Run a checkpoint job on `device` (``None``: the server's workers) and wait for
-        it (see `metnos_exec.undo.checkpoints`); ``wait=S`` bounds the wait.
 
-        Raises:
-            CheckpointUnknown: no checkpoint of that name there. UndoConflict: a restore
-                met files changed outside the jobs (nothing changed; the message names
-                the paths and jobs). UndoUnavailable: an altered mark or entry, or a
-                missing original. BadArguments: a bad or taken name.
-            TimeoutError: no result within ``wait``.
-        """
-        wait = fields.pop("wait", None)
-        fields.setdefault("correlation_id", f"checkpoint:{action}:{name or ''}")
-        args = checkpoint_job_args(action, name)
-        job_id = await self.submit(CHECKPOINT_EXECUTOR, args, device=device, **fields)
-        result = await self._broker.wait_result(job_id, timeout=wait)
-        if result is None:
-            raise TimeoutError(f"no result for checkpoint job {job_id} within {wait} s")
-        error = result.error
-        if result.status == "rejected" and error is not None:
-            for cls in (UndoConflict, UndoUnavailable, CheckpointUnknown, BadArguments):
-                if error.code == cls.code:
-                    raise cls(error.message)
-        return result
-
-    async def checkpoint(self, name: str, **fields: Any) -> Result:
-        """Mark the device's undo journal as checkpoint `name` (``device=``, ``wait=``)."""
-        return await self.checkpoint_job("create", name, **fields)
-
-    async def checkpoints(self, **fields: Any) -> list[dict[str, Any]]:
-        """The device's checkpoints, oldest first (``device=``, ``wait=``)."""
-        output = (await self.checkpoint_job("list", **fields)).output
-        return list(output.get("checkpoints", [])) if isinstance(output, dict) else []
-
-    async def checkpoint_diff(self, name: str, **fields: Any) -> Result:
-        """What restoring `name` would change (``output``: changes, conflicts); no write."""
-        return await self.checkpoint_job("diff", name, **fields)
-
-    async def restore_checkpoint(self, name: str, **fields: Any) -> Result:
-        """Undo every job of the device since checkpoint `name`, all or nothing; the
-        restore is itself undoable (``undo(<its job id>)``)."""
-        return await self.checkpoint_job("restore", name, **fields)
+_RESERVED: Final = (UNDO_EXECUTOR, CHECKPOINT_EXECUTOR, APPROVE_EXECUTOR, REJECT_EXECUTOR)
 
 
 def _make_job(executor: str, args: dict[str, Any], fields: dict[str, Any]) -> Job:

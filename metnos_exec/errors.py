@@ -180,6 +180,21 @@ class CommitConflict(MetnosError):
     code = "E_COMMIT_CONFLICT"
 
 
+class ApprovalUnavailable(MetnosError):
+    """No approval gate of that job can be answered here: it is not awaiting approval
+    (unknown, still running, already approved, rejected or expired), or its staged changes
+    are not kept on this worker (the message says why); nothing was changed."""
+
+    code = "E_APPROVAL_UNAVAILABLE"
+
+
+class ApprovalRefused(MetnosError):
+    """A job's gate was rejected (``E_APPROVAL_REJECTED``) or expired unanswered
+    (``E_APPROVAL_EXPIRED``): its staged changes were discarded, nothing was committed."""
+
+    code = "E_APPROVAL_REJECTED"
+
+
 class BadConfig(MetnosError):
     """An operator setting (environment variable, worker option) is invalid; nothing ran."""
 
@@ -344,6 +359,12 @@ ERROR_CODES: dict[str, str] = {
     "E_UNDO_UNAVAILABLE": "nothing to undo: no result, no recorded change, purged, already "
     "undone, or another device's",
     "E_CHECKPOINT_UNKNOWN": "no checkpoint of that name on that device (never made there)",
+    "E_APPROVAL_UNAVAILABLE": "no approval gate to answer here (not awaiting, not kept), or "
+    "a gated job cannot be staged",
+    "E_APPROVAL_REJECTED": "the job's changes were rejected (or another branch approved); "
+    "nothing committed",
+    "E_APPROVAL_EXPIRED": "nobody answered the job's approval gate in time; its changes were "
+    "discarded",
     # configuration, queue and host
     "E_CONFIG": "an operator setting (environment variable, worker option) is invalid",
     "E_BAD_BROKER_URL": "the broker URL names no known broker or is malformed",

@@ -135,6 +135,14 @@ EVENTS: Mapping[str, str] = {
     "jobs, entries, paths)",
     "checkpoint.refused": "a checkpoint restore changed nothing (name, code, paths and jobs "
     "of the conflicts)",
+    "approval.waiting": "a gated job's changes are kept until approved or rejected (paths, "
+    "expires_at)",
+    "approval.granted": "an approval committed a gated job's changes (approved: its id, undo "
+    "entry, paths)",
+    "approval.rejected": "a gated job's changes were discarded on request, or because another "
+    "branch was approved (reason)",
+    "approval.expired": "nobody answered a gated job's approval in time: its changes were "
+    "discarded",
     "undo.conflict": "files could not be put back (a roll-back or a restore of backed-up "
     "targets met later changes; paths)",
     "commit.filtered": "part of a staged change was not committed as is (path, what: a "

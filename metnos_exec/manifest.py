@@ -169,6 +169,10 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: `metnos_exec.sandbox._bwrap_warm`): each serves one job; ``None``: the worker's
     #: default (``worker --warm N``, else 0).
     warm: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    #: ``"approve"``: every job's staged changes wait for an approval (``metnos-exec
+    #: approve JOB``; README, "Approval gates"); ``"auto"``: committed when the job succeeds
+    #: (a job may still ask, `Job.commit`).
+    commit: Literal["auto", "approve"] = "auto"
 
     @property
     def is_mutating(self) -> bool:

@@ -39,7 +39,8 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from .changeset import ChangeSet
+from ._wire_text import STDERR_CAP_BYTES, cap_text
+from .changeset import APPROVE_EXECUTOR, REJECT_EXECUTOR, ChangeSet
 from .errors import BadMessage
 from .sandbox._types import ContainmentReport, SandboxExit, Usage
 from .sandbox.egress import EgressRecord
@@ -68,6 +69,8 @@ __all__ = (
     "MAX_JOB_BYTES",
     "SERVER_DEVICE",
     "STDERR_CAP_BYTES",
+    "APPROVE_EXECUTOR",
+    "REJECT_EXECUTOR",
     "WIRE_VERSION",
     "Autonomy",
     "DeadLetter",
@@ -94,9 +97,6 @@ WIRE_VERSION: Final = 1
 #: The device id of workers that run on the server. Jobs with ``device=None`` go only to
 #: server workers: a job must opt in to run on a user's device, never drift there.
 SERVER_DEVICE: Final = "server"
-
-#: stderr kept in a `Result` (bytes of UTF-8); the rest is dropped and flagged.
-STDERR_CAP_BYTES: Final = 64 * 1024
 
 #: The largest job message, encoded (JSON or MessagePack), in bytes. Part of the wire
 #: contract: producers in other languages are held to it too (the SQLite inbox refuses a
@@ -198,6 +198,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
             after that forgets it (workers purge hourly). ``None``: the retention.
         trace: the producer's trace context; the worker's span of this job is its child
             (``None``: not traced).
+        commit: ``approve``: a staged job's changes wait for an approval (its result is
+            ``awaiting_approval``, `metnos_exec.undo.gates`); ``auto``: as its manifest says.
+        branch_of: a candidate on the same base as that job (gated; approving one of them
+            discards the others).
     """
 
     v: int = WIRE_VERSION
@@ -216,6 +220,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     text_args: tuple[_NAME, ...] = ()
     result_ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     trace: TraceContext | None = None
+    commit: Literal["auto", "approve"] = "auto"
+    branch_of: _ID | None = None
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -633,13 +639,3 @@ def decode_undo_entry(data: bytes | str) -> UndoEntry:
         return _undo_entry_decoder.decode(data)
     except Exception as exc:
         raise BadMessage(f"undo entry unreadable: {_decode_error(exc)}") from None
-
-
-def cap_text(data: bytes, cap: int = STDERR_CAP_BYTES) -> tuple[str, bool]:
-    """Decode `data` as UTF-8 (replacing bad bytes), keeping at most `cap` bytes.
-
-    Returns:
-        The text and whether anything was cut.
-    """
-    cut = len(data) > cap
-    return data[:cap].decode("utf-8", errors="replace"), cut

@@ -28,6 +28,16 @@ class MemoryCatalog:
     _results: dict[str, Result]
     _live: Callable[[Lease], Any]  # the entry `lease` holds, else None
 
+    async def settle_gate(self, job_id: str, result: Result) -> bool:
+        await anyio.lowlevel.checkpoint()
+        if result.job_id != job_id or result.status == "awaiting_approval":
+            raise ValueError("settle_gate takes the job's own final result")
+        stored = self._results.get(job_id)
+        if stored is None or stored.status != "awaiting_approval":
+            return False
+        self._results[job_id] = result
+        return True
+
     async def report_progress(self, lease: Lease, progress: Progress) -> bool:
         await anyio.lowlevel.checkpoint()
         entry = self._live(lease)

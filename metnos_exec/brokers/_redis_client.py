@@ -92,7 +92,17 @@ _REFUSAL_ERRORS: Final[dict[str, type[BrokerError]]] = {
 #: undo entry): with ``wait_replicas`` they wait for replicas (`RedisStore._evalsha`).
 #: A lease or a heartbeat does not: a lease lost in a failover is leased again.
 _DURABLE: Final = frozenset(
-    ("submit", "admit_inbox", "ack", "retry", "dead_letter", "release", "cancel", "record_undo")
+    (
+        "submit",
+        "admit_inbox",
+        "ack",
+        "retry",
+        "dead_letter",
+        "release",
+        "cancel",
+        "record_undo",
+        "settle_gate",
+    )
 )
 
 

@@ -10,7 +10,7 @@ import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, BrokerCorrupt
-from ..messages import Job, UndoEntry, decode_undo_entry, encode
+from ..messages import Job, Result, UndoEntry, decode_undo_entry, encode
 from ._common import decode_body
 from ._redis_client import BATCH, RedisStore, as_str
 from .base import Lease, PurgeReport, UndoRecord
@@ -39,6 +39,14 @@ class RedisRecords(RedisStore):
         for entry in entries:
             args += [entry.id, encode(entry), " ".join(sorted(entry.blobs()))]
         return bool(await self._script("record_undo", *args, *undoes))
+
+    async def settle_gate(self, job_id: str, result: Result) -> bool:
+        if result.job_id != job_id or result.status == "awaiting_approval":
+            raise ValueError("settle_gate takes the job's own final result")
+        done = bool(await self._script("settle_gate", job_id, encode(result)))
+        if done:
+            self._wake_results()
+        return done
 
     async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
         ids = list(entry_ids)

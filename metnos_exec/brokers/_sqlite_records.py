@@ -13,7 +13,7 @@ import anyio.lowlevel
 
 from ..devices.catalog import ExecutorInfo, decode_info, encode_info
 from ..errors import BadMessage, BrokerCorrupt, BrokerError
-from ..messages import Job, UndoEntry, decode_undo_entry, encode
+from ..messages import Job, Result, UndoEntry, decode_undo_entry, encode
 from ._common import decode_body
 from ._sqlite_store import IN_CHUNK, SQLiteStore, column_text
 from .base import Lease, UndoRecord
@@ -192,6 +192,24 @@ class SQLiteRecords(SQLiteStore):
 
         ok: bool = await self._run(self._txn, work, inline=len(bodies) <= 8)
         return ok
+
+    async def settle_gate(self, job_id: str, result: Result) -> bool:
+        if result.job_id != job_id or result.status == "awaiting_approval":
+            raise ValueError("settle_gate takes the job's own final result")
+        body = encode(result).decode()
+
+        def work(db: sqlite3.Connection, now: float) -> bool:
+            cur = db.execute(
+                "UPDATE results SET body = ?, status = ?, at = ? "
+                "WHERE job_id = ? AND status = 'awaiting_approval'",
+                (body, result.status, now, job_id),
+            )
+            return cur.rowcount == 1
+
+        done: bool = await self._run(self._txn, work)
+        if done:
+            self._wake_results()
+        return done
 
     async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
         ids = list(entry_ids)

@@ -110,6 +110,17 @@ Undo entries (`UndoEntry`, see `metnos_exec.messages`) are stored next to the re
   store may delete only what is not in it (retention follows the results').
 - `purge` forgets a job's entries with its result, and entries no result lists that are
   older than the cut.
+
+Approval gates (`metnos_exec.undo.gates`). A gated job's worker acks an
+``awaiting_approval`` result: the job is finished for the queue (its lease, slot and
+attempts are done; retention counts from then), and that result is the one result that
+may be written again, exactly once: `settle_gate` replaces it with the job's final one
+(``succeeded`` with its undo ids after an approval; ``rejected`` after a rejection or the
+gate's expiry) in one transaction, only while the stored result is still the
+``awaiting_approval`` one. The first answer wins: a second `settle_gate`, an approval
+racing a rejection, gets ``False`` and changes nothing. No lease fences it (the approve
+job's own lease fences its undo entry, recorded with `record_undo` before); readers and
+`wait_result` see the final result from then on.
 """
 
 from __future__ import annotations
@@ -122,8 +133,8 @@ from typing import Any, Final, Literal, Protocol
 import msgspec
 
 from ..devices.catalog import ExecutorInfo
-from ..errors import IdempotencyConflict
 from ..messages import SERVER_DEVICE, DeadLetter, ErrorInfo, Job, Result, UndoEntry, encode_job
+from ._reuse import check_idempotent_reuse, queued_cancel_message
 from .presence import FleetRecords
 from .progress import ProgressRecords
 
@@ -165,49 +176,6 @@ class SubmitReceipt(msgspec.Struct, frozen=True):
 
     job_id: str
     duplicate: bool = False
-
-
-def _canonical_args(args: dict[str, object]) -> object:
-    # Through JSON, as the wire sees them: a tuple and a list are the same argument, and a
-    # job read back from a store compares equal to the one submitted.
-    return msgspec.json.decode(msgspec.json.encode(args))
-
-
-def queued_cancel_message(attempt: int) -> str:
-    """The message of the ``cancelled`` result a queued job gets: ``attempt`` deliveries
-    had started (a job waiting for a retry), or none. (``redis.lua`` says the same.)"""
-    if attempt <= 0:
-        return "cancelled before it started"
-    return f"cancelled while waiting to be retried, after {attempt} attempt(s)"
-
-
-def check_idempotent_reuse(original: Job, new: Job, *, by_id: bool = False) -> None:
-    """Accept `new` as a duplicate of `original` (same idempotency key, or with `by_id`
-    the same job id) only when it asks for the same thing: same executor, same
-    arguments. Other fields (timeout, priority, correlation id, ...) may differ: they say
-    how, not what.
-
-    Raises:
-        IdempotencyConflict: the key (or id) already names a job with another executor or
-            other arguments; returning its id would silently drop what the caller asked
-            for.
-    """
-    if original.executor == new.executor and _canonical_args(original.args) == _canonical_args(
-        new.args
-    ):
-        return
-    what = "executor" if original.executor != new.executor else "arguments"
-    if by_id:
-        raise IdempotencyConflict(
-            f"job id {new.id!r} already names a job ({original.executor}) with different "
-            f"{what}; use a new id for a different job",
-            original_job_id=original.id,
-        )
-    raise IdempotencyConflict(
-        f"idempotency key {new.idempotency_key!r} already names job {original.id} "
-        f"({original.executor}) with different {what}; use a new key for a different job",
-        original_job_id=original.id,
-    )
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True):
@@ -549,6 +517,15 @@ class Broker(FleetRecords, ProgressRecords, abc.ABC):
             ``False`` (nothing written) when the lease was lost.
         """
         raise NotImplementedError(f"{type(self).__name__} does not store undo entries")
+
+    async def settle_gate(self, job_id: str, result: Result) -> bool:
+        """Replace `job_id`'s stored ``awaiting_approval`` result with `result`, its final
+        one (see the module docstring); ``False``: no such result (unknown, already final).
+
+        Raises:
+            ValueError: `result` is another job's, or awaiting approval itself.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not keep approval gates")
 
     async def get_undo(self, entry_ids: Sequence[str]) -> list[UndoRecord]:
         """The stored entries among `entry_ids`, in the order asked; unknown ids are

@@ -868,6 +868,16 @@ for i = 6 + 3 * n, #ARGV do
 end
 return 1
 
+-- == settle_gate ==
+-- ARGV[3] job id, [4] its final result (JSON). An approval gate's answer: the stored result
+-- is replaced only while it is the job's awaiting_approval one (the first answer wins; a
+-- result is otherwise written once). Returns 1, or 0 (no such result, or already final).
+local jk = jkey(ARGV[3])
+local body = hm(jk, 'result')[1]
+if not body or not string.match(body, '"status":"awaiting_approval"') then return 0 end
+redis.call('HSET', jk, 'result', ARGV[4], 'done_at', num(NOW))
+return 1
+
 -- == get_undo ==
 -- ARGV[3..] entry ids. Returns {id, body, undone_by or '', recorded at} for each known one.
 local out = {}
@@ -958,7 +968,7 @@ for _, id in ipairs(ids) do
     if h[6] then
       -- The result's own status: the first key of that name (msgspec writes it before
       -- the executor's output, and a quote inside a string is escaped).
-      status = string.match(hm(jk, 'result')[1] or '', '"status":"(%a+)"') or ''
+      status = string.match(hm(jk, 'result')[1] or '', '"status":"([%a_]+)"') or ''
     end
     for _, v in ipairs({id, e, h[2] or '', h[1], h[4] or '0', h[5] or '', status, h[6] or ''}) do
       out[#out + 1] = v

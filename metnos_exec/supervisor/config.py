@@ -40,6 +40,10 @@ PROGRESS_EVERY_S: Final = 1.0
 
 #: How often a worker purges finished jobs past their retention (and once at start).
 PURGE_EVERY_S: Final = 3600.0
+#: How long an approval gate waits for an answer (`metnos_exec.undo.gates`): one day.
+APPROVAL_TTL_S: Final = 24 * 3600.0
+#: How often a worker looks for gates past their expiry.
+APPROVAL_CHECK_S: Final = 60.0
 #: How often a server worker publishes its executors again (`Supervisor._catalog_loop`).
 CATALOG_EVERY_S: Final = 300.0
 
@@ -76,6 +80,9 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
             store may keep the worker before they are given up.
         progress_every_s: how often the latest progress each running job reported
             (`metnos_exec.sandbox.progress`) is stored, when it changed.
+        approval_ttl_s: how long a job's approval gate waits for ``approve`` or
+            ``reject`` before it is discarded (``approval.expired``).
+        approval_check_s: how often kept gates are checked for their expiry.
 
     Raises:
         ValueError: ``concurrency`` below 1, a ``visibility_s``, ``cancel_poll_s`` or
@@ -102,6 +109,8 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
     catalog_every_s: float = CATALOG_EVERY_S
     settle_grace_s: float = SETTLE_GRACE_S
     progress_every_s: float = PROGRESS_EVERY_S
+    approval_ttl_s: float = APPROVAL_TTL_S
+    approval_check_s: float = APPROVAL_CHECK_S
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -112,6 +121,8 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("cancel_poll_s must be positive")
         if self.progress_every_s <= 0:
             raise ValueError("progress_every_s must be positive")
+        if self.approval_ttl_s <= 0 or self.approval_check_s <= 0:
+            raise ValueError("approval_ttl_s and approval_check_s must be positive")
         if self.prefetch < 0:
             raise ValueError("prefetch must be zero or more")
         if self.retention_s is not None and not self.retention_s > 0:

@@ -122,10 +122,7 @@ class Supervisor(Pipeline):
                 # One heartbeat task for all running jobs, not one per job: a task per job
                 # would cost more than the echo arm's whole run.
                 tg.start_soon(self._heartbeat_loop, name="heartbeats")
-                tg.start_soon(self._cancel_poll_loop, name="cancel polls")
-                tg.start_soon(self._progress_loop, name="progress")
-                if self.retention_s is not None:
-                    tg.start_soon(self._retention_loop, self.retention_s, name="retention")
+                self._start_upkeep(tg)
                 if publishes:
                     tg.start_soon(self._catalog_loop, published, name="catalog")
                 tg.start_soon(self._presence_loop, name="presence")
@@ -212,6 +209,15 @@ class Supervisor(Pipeline):
             await self.broker.register_worker(info)
         except Exception as exc:
             _log.debug("broker.error", op="register_worker", error=f"{type(exc).__name__}: {exc}")
+
+    def _start_upkeep(self, tg: anyio.abc.TaskGroup) -> None:
+        """The loops beside the jobs: cancel polls, progress, retention, gate expiry."""
+        tg.start_soon(self._cancel_poll_loop, name="cancel polls")
+        tg.start_soon(self._progress_loop, name="progress")
+        if self.retention_s is not None:
+            tg.start_soon(self._retention_loop, self.retention_s, name="retention")
+        if self._staging is not None or self._needs_staging():
+            tg.start_soon(self._gate_loop, name="approval gates")
 
     async def _presence_loop(self) -> None:
         while True:

@@ -28,7 +28,9 @@ from ..errors import HostFault, MetnosError, ServerPinned, SignatureError
 from ..logs import get_logger
 from ..manifest import Executor
 from ..messages import (
+    APPROVE_EXECUTOR,
     CHECKPOINT_EXECUTOR,
+    REJECT_EXECUTOR,
     SERVER_DEVICE,
     UNDO_EXECUTOR,
     ErrorInfo,
@@ -50,6 +52,7 @@ from ..sandbox._wasm_engine import default_cache_dir
 from ..sandbox.progress import reporting_progress
 from ..undo.staging import Reversible, default_state_dir, disk_verdict
 from .checkpoint_jobs import CheckpointJobs
+from .gate_jobs import GateJobs
 from .outcome import EX_TEMPFAIL, _containment_summary, _outcome_result, _stopped_usage
 from .state import _ArmChoice, _Running
 
@@ -59,7 +62,7 @@ __all__ = ("Pipeline",)
 _log = get_logger()
 
 
-class Pipeline(CheckpointJobs):
+class Pipeline(CheckpointJobs, GateJobs):
     """The supervisor's layer that serves one job (see the module docstring)."""
 
     def _init_parts(self) -> None:
@@ -157,6 +160,9 @@ class Pipeline(CheckpointJobs):
             return
         if job.executor == CHECKPOINT_EXECUTOR:
             await self._serve_checkpoint(running)
+            return
+        if job.executor in (APPROVE_EXECUTOR, REJECT_EXECUTOR):
+            await self._serve_answer(running)
             return
         executor = await self._executor_for(lease)
         if executor is None:
@@ -305,6 +311,8 @@ class Pipeline(CheckpointJobs):
         except (HostFault, OSError) as exc:
             error = exc if isinstance(exc, HostFault) else HostFault(f"staging failed: {exc}")
             await self._retry(lease, ErrorInfo(code=error.code, message=error.message))
+            return None
+        if reversible is not None and await self._refuse_ungated(lease, reversible):
             return None
         return reversible
 
@@ -480,6 +488,9 @@ class Pipeline(CheckpointJobs):
                     ),
                 )
             await self._ack(lease, result)
+            return
+        if self._gated(lease.job):
+            await self._keep_for_approval(lease, result, reversible)
             return
         running.committing = True
         try:

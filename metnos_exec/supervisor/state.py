@@ -25,7 +25,7 @@ from ..brokers.base import Broker, Lease
 from ..devices.signing import TrustStore
 from ..errors import MetnosError
 from ..manifest import ExecutorRegistry
-from ..messages import CHECKPOINT_EXECUTOR, UNDO_EXECUTOR
+from ..messages import APPROVE_EXECUTOR, CHECKPOINT_EXECUTOR, REJECT_EXECUTOR, UNDO_EXECUTOR
 from ..observe import NULL_OBSERVER, Observer
 from ..sandbox._types import Sandbox, SandboxOutcome
 from ..sandbox.progress import ProgressReport
@@ -148,7 +148,16 @@ class SupervisorState:
         #: loaded, those whose manifest failed to load (a job for one is rejected with
         #: the load error, which its author needs to see), and undo jobs.
         self.served: tuple[str, ...] = tuple(
-            sorted({*registry, *registry.errors, UNDO_EXECUTOR, CHECKPOINT_EXECUTOR})
+            sorted(
+                {
+                    *registry,
+                    *registry.errors,
+                    UNDO_EXECUTOR,
+                    CHECKPOINT_EXECUTOR,
+                    APPROVE_EXECUTOR,
+                    REJECT_EXECUTOR,
+                }
+            )
         )
         self._running: dict[str, _Running] = {}
         self._draining = False
@@ -197,6 +206,8 @@ class SupervisorState:
         self.catalog_every_s = config.catalog_every_s
         self.settle_grace_s = config.settle_grace_s
         self.progress_every_s = config.progress_every_s
+        self.approval_ttl_s = config.approval_ttl_s
+        self.approval_check_s = config.approval_check_s
 
     def _init_parts(self) -> None:
         """Each layer sets up its own state here (overriding, then calling ``super()``)."""
