@@ -49,14 +49,42 @@ from typing import NoReturn
 
 from .._terminal import visible
 from ..errors import MetnosError
-from . import bench, checkpoint, codes, doctor, jobs, keys, mcp, queue, tools, undo, web, worker
+from . import (
+    approval,
+    bench,
+    checkpoint,
+    codes,
+    doctor,
+    jobs,
+    keys,
+    mcp,
+    queue,
+    tools,
+    undo,
+    web,
+    worker,
+)
 from ._common import _EPILOG, EXIT, _Exit, _exit_for, _Formatter
 from ._results import _print_result as _print_result
 
 __all__ = ("EXIT", "main")
 
 #: The command groups, in the order ``metnos-exec --help`` lists their commands.
-_GROUPS = (worker, jobs, queue, web, undo, checkpoint, tools, mcp, codes, doctor, keys, bench)
+_GROUPS = (
+    worker,
+    jobs,
+    queue,
+    web,
+    undo,
+    approval,
+    checkpoint,
+    tools,
+    mcp,
+    codes,
+    doctor,
+    keys,
+    bench,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

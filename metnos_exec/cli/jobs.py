@@ -84,6 +84,8 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
         ("id", "id"),
         ("priority", "priority"),
         ("result_ttl_s", "result_ttl"),
+        ("commit", "commit"),
+        ("branch_of", "branch_of"),
     ):
         value = getattr(ns, attr)
         if value is not None:
@@ -206,6 +208,24 @@ def _add_when_options(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_gate_options(s: argparse.ArgumentParser) -> None:
+    """``--approve`` and ``--branch-of`` (README, "Approval gates")."""
+    s.add_argument(
+        "--approve",
+        action="store_const",
+        const="approve",
+        dest="commit",
+        help="keep the job's file changes until `metnos-exec approve JOB` (or reject): "
+        "its result is awaiting_approval with its change set",
+    )
+    s.add_argument(
+        "--branch-of",
+        metavar="JOB",
+        help="a candidate beside that gated job, on the same base: approving one "
+        "candidate discards the others",
+    )
+
+
 def register(subparsers: Subparsers) -> None:
     """Add ``submit``, ``result`` and ``cancel``."""
     s = add_command(
@@ -257,6 +277,7 @@ def register(subparsers: Subparsers) -> None:
         help="a tag of the caller's (the agent step, say), on every log record of the job",
     )
     _add_when_options(s)
+    _add_gate_options(s)
     s.add_argument(
         "--wait",
         nargs="?",

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +51,32 @@ import msgspec
 
 from ..changeset import ChangeSet
 from ..errors import CommitConflict, HostFault
-from ..messages import FileState, Put, UndoEntry, UndoOp, new_job_id, writes_content
+from ..messages import (
+    Absent,
+    FileState,
+    Move,
+    PathState,
+    Put,
+    UndoEntry,
+    UndoOp,
+    new_job_id,
+    writes_content,
+)
 from ..private import private_dir
 from .applier import BlobSource
 from .blobs import BlobStore
 from .change_report import change_set, host_reader, read_content
 from .changes import CommitPlan, store_originals
 from .folder_lock import FolderLock
-from .host_tree import Blocked, Conflict, Fingerprint, HostTree, OpConflict, conflict_message
+from .host_tree import (
+    Blocked,
+    Conflict,
+    Fingerprint,
+    HostTree,
+    OpConflict,
+    conflict_message,
+    same_state,
+)
 from .journal import JournalHandle, JournalRecord, apply_ops
 from .order import reverse_ops
 from .overlay_run import OverlayRun, StagingPieces
@@ -251,9 +270,28 @@ def keep_gate(
             plan.source.close()
 
 
-def precheck(tree: HostTree, record: GateRecord) -> list[Conflict]:
-    """Every way the host moved on since the gate was kept: a root replaced, a path an op
-    touches changed, appeared or vanished (all of them, for the message)."""
+def _befores(ops: tuple[UndoOp, ...]) -> dict[str, PathState]:
+    """What each path held when the plan was made (the first op touching it says)."""
+    out: dict[str, PathState] = {}
+    for op in ops:
+        if isinstance(op, Move):
+            out.setdefault(op.src, op.state)
+            out.setdefault(op.dst, Absent())
+        else:
+            out.setdefault(op.path, op.before)
+    return out
+
+
+def precheck(
+    tree: HostTree, record: GateRecord
+) -> tuple[list[Conflict], dict[str, Fingerprint | None]]:
+    """Every way the host moved on since the gate was kept (all of them, for the
+    message), and the fingerprints the ops are then applied against.
+
+    A root must be the very folder the job ran over. A path an op touches must hold what
+    the plan saw: the same inode unchanged (fingerprint), or else the same kind, content
+    (SHA-256), target and mode as planned (a roll-back of an approval cut short by a
+    crash puts the originals back as new inodes); anything else is a conflict."""
     found: list[Conflict] = []
     for root, dev, ino in record.found:
         try:
@@ -264,23 +302,30 @@ def precheck(tree: HostTree, record: GateRecord) -> list[Conflict]:
         if (st.st_dev, st.st_ino) != (dev, ino):
             found.append(Conflict(root, "replaced on the host since the job ran"))
     if found:
-        return found
+        return found, {}
+    befores = _befores(record.ops)
+    fresh: dict[str, Fingerprint | None] = {}
     for path, want in record.expect.items():
         tree.release()
         try:
             now = tree.lstat(path)
-        except Blocked as exc:
+            got = None if now is None else Fingerprint.of(now)
+            if got is not None and want is not None and stat.S_ISDIR(want.mode):
+                same = (got.dev, got.ino, got.mode) == (want.dev, want.ino, want.mode)
+            else:
+                same = got == want
+            if not same and now is not None and path in befores:
+                same = same_state(tree.state_of(path, now), befores[path])
+            elif not same and now is None:
+                same = isinstance(befores.get(path), Absent)
+        except (Blocked, OSError) as exc:
             found.append(Conflict(path, str(exc)))
             continue
-        got = None if now is None else Fingerprint.of(now)
-        if got is not None and want is not None and (want.mode & 0o170000) == 0o040000:
-            same = (got.dev, got.ino, got.mode) == (want.dev, want.ino, want.mode)
-        else:
-            same = got == want
         if not same:
             what = "appeared" if want is None else "was removed" if got is None else "changed"
             found.append(Conflict(path, f"{what} on the host since the job ran"))
-    return found
+        fresh[path] = got
+    return found, fresh
 
 
 @dataclass(eq=False)
@@ -307,12 +352,15 @@ class GateCommit:
         lock = FolderLock(record.roots)
         tree = HostTree(record.roots)
         try:
-            conflicts = precheck(tree, record)
+            conflicts, expect = precheck(tree, record)
             if conflicts:
                 raise CommitConflict(conflict_message("not approved, nothing applied", conflicts))
-            plan = CommitPlan(
-                ops=record.ops, expect=dict(record.expect), destroyed=dict(record.destroyed)
-            )
+            destroyed = {
+                path: (fp, sha256)
+                for path, (_, sha256) in record.destroyed.items()
+                if (fp := expect.get(path)) is not None
+            }
+            plan = CommitPlan(ops=record.ops, expect=expect, destroyed=destroyed)
             try:
                 store_originals(plan, tree, staging.store)
             except Blocked as exc:

@@ -1001,6 +1001,41 @@ class BrokerConformance:
             assert result is not None and result.output == "kept"
             assert (await b.stats()).queued == 0
 
+    # --- approval gates ---------------------------------------------------------------
+
+    async def test_an_awaiting_approval_result_is_settled_once(self) -> None:
+        async with self.broker() as (b, clock):
+            await b.submit(job())
+            [lease] = await b.lease("w", visibility_s=VIS)
+            waiting = msgspec_replace(ok_result(lease), status="awaiting_approval")
+            assert await b.ack(lease, waiting)
+            got = await b.get_result(lease.job.id)
+            assert got is not None and got.status == "awaiting_approval"
+            # The job is finished for the queue while it waits.
+            state = await b.get_job_state(lease.job.id)
+            assert state is not None and state.state != "running"
+            clock.advance(5)
+            final = msgspec_replace(waiting, status="succeeded", undo_ids=("u1",))
+            assert await b.settle_gate(lease.job.id, final)
+            assert await b.get_result(lease.job.id) == final
+            assert await b.wait_result(lease.job.id, timeout=0) == final
+            # The first answer wins: a second one (a rejection racing) changes nothing.
+            rejected = msgspec_replace(waiting, status="rejected")
+            assert not await b.settle_gate(lease.job.id, rejected)
+            assert await b.get_result(lease.job.id) == final
+            # Only an awaiting_approval result may be written again.
+            await b.submit(job())
+            [other] = await b.lease("w", visibility_s=VIS)
+            assert await b.ack(other, ok_result(other))
+            assert not await b.settle_gate(
+                other.job.id, msgspec_replace(ok_result(other), status="rejected")
+            )
+            assert not await b.settle_gate("unknown", msgspec_replace(final, job_id="unknown"))
+            with pytest.raises(ValueError):
+                await b.settle_gate(lease.job.id, waiting)
+            with pytest.raises(ValueError):
+                await b.settle_gate(other.job.id, final)
+
     # --- undo entries -----------------------------------------------------------------
 
     async def test_undo_entries_are_stored_fenced_and_read_back(self) -> None:
