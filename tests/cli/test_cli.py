@@ -912,6 +912,8 @@ BROKER_COMMANDS = {
     "status": ("status",),
     "purge": ("purge",),
     "undo": ("undo", "01JOB"),
+    "approve": ("approve", "01JOB"),
+    "reject": ("reject", "01JOB"),
     "doctor": ("doctor",),
     "tools": ("tools", "--format", "openai"),
     "mcp": ("mcp", "--stdio", "--executors", "."),
