@@ -167,6 +167,8 @@ def _meta(result: Result) -> dict[str, Any]:
         meta["error_code"] = result.error.code
     if result.usage is not None:
         meta["usage"] = _builtins(result.usage)
+    if result.changes is not None:
+        meta["changes"] = _builtins(result.changes)
     return meta
 
 
@@ -185,7 +187,7 @@ def tool_result(result: Result, manifest: Manifest | None = None) -> dict[str, A
     against `manifest`'s output schema when it declares one."""
     meta = _meta(result)
     problem = None if manifest is None else output_problem(manifest, result.output)
-    if result.status == "succeeded" and problem is not None:
+    if result.status in ("succeeded", "awaiting_approval") and problem is not None:
         meta["error_code"] = BAD_STRUCTURED_OUTPUT
         text = (
             f"the job succeeded (job {result.job_id}) but its output does not match the "
@@ -193,11 +195,20 @@ def tool_result(result: Result, manifest: Manifest | None = None) -> dict[str, A
             f"{_text(result.output)[:2000]}"
         )
         return {"content": [{"type": "text", "text": text}], "isError": True, "_meta": meta}
-    if result.status == "succeeded":
+    if result.status in ("succeeded", "awaiting_approval"):
         output = result.output
         structured = output if isinstance(output, dict) else {"result": output}
+        text = _text(output)
+        if result.status == "awaiting_approval":
+            meta["awaiting_approval"] = True
+            text = (
+                f"the job ran; its file changes await approval (job {result.job_id}): "
+                f"`metnos-exec approve {result.job_id}` commits them, `metnos-exec reject "
+                f"{result.job_id}` discards them; the change set is in _meta.changes. "
+                f"Output: {text}"
+            )
         return {
-            "content": [{"type": "text", "text": _text(output)}],
+            "content": [{"type": "text", "text": text}],
             "structuredContent": structured,
             "isError": False,
             "_meta": meta,

@@ -11,8 +11,11 @@ extension asks for, so a task *is* a job:
   ``statusMessage``); a job with a result is ``completed``, with ``result`` the very
   ``CallToolResult`` a synchronous call returns (`mcp_spec.tool_result`: a refused or
   failed job is a completed task whose result has ``isError``, since the extension keeps
-  ``failed`` for JSON-RPC errors only); a cancelled job is ``cancelled``. ``input_required``
-  never happens (an executor asks nothing of the client).
+  ``failed`` for JSON-RPC errors only); a cancelled job is ``cancelled``. A job whose
+  changes await approval (issue 21's gates) is ``input_required``, its ``statusMessage``
+  naming the job and the commands that answer it (``metnos-exec approve`` / ``reject``;
+  the answer is not taken through ``tasks/update``), its change set in ``_meta``; once
+  answered it is ``completed`` with the job's final result.
 - ``tasks/cancel`` cancels the job (`Client.cancel`) and acknowledges; the job's own result
   then says whether the cancel came in time. ``tasks/update`` is acknowledged (no task of
   ours ever has input requests outstanding).
@@ -45,6 +48,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
 import mcp_types as types
+import msgspec
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
@@ -195,6 +199,13 @@ async def get_task(gateway: McpGateway, policy: TaskPolicy, job_id: str) -> dict
         done = result.finished_at or time.time()
         if result.status == "cancelled":
             return _task(policy, job_id, "cancelled", f"job {job_id} cancelled", done)
+        if result.status == "awaiting_approval":
+            message = (
+                f"job {job_id} awaits approval of its file changes: metnos-exec approve "
+                f"{job_id} (or reject {job_id})"
+            )
+            task = _task(policy, job_id, "input_required", message, done)
+            return {**task, "_meta": {"changes": msgspec.to_builtins(result.changes)}}
         executor = policy.executors.get(job_id)
         manifest = None if executor is None else (await gateway.manifests()).get(executor)
         out = tool_result(result, manifest)

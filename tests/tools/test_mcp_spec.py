@@ -121,3 +121,23 @@ def test_http_bind_rule() -> None:
         check_http_bind(host, "t")
     with pytest.raises(ValueError, match="not an IP address"):
         check_http_bind("example.com", "t")
+
+
+def test_a_result_awaiting_approval_names_the_job_and_carries_the_change_set() -> None:
+    from metnos_exec.changeset import ChangeEntry, ChangeSet
+
+    changes = ChangeSet(
+        entries=(ChangeEntry(path="/h/notes/a.txt", kind="created", type="file", size_after=1),),
+        total=1,
+        committed=False,
+    )
+    result = Result(
+        job_id="01GATED", status="awaiting_approval", output={"ok": True}, changes=changes
+    )
+    out = tool_result(result)
+    assert out["isError"] is False and out["structuredContent"] == {"ok": True}
+    text = out["content"][0]["text"]
+    assert "await approval" in text and "metnos-exec approve 01GATED" in text
+    assert out["_meta"]["awaiting_approval"] is True
+    assert out["_meta"]["changes"]["entries"][0]["path"] == "/h/notes/a.txt"
+    assert out["_meta"]["changes"]["committed"] is False
