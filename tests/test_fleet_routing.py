@@ -110,9 +110,25 @@ def test_heterogeneous_workers_run_only_what_they_have(fleet: Workers, tmp_path:
     assert doc["waiting_for_a_worker"] == [{"device": "server", "executor": "gamma", "queued": 1}]
     listed = {w["id"]: w for w in doc["workers"]}  # type: ignore[attr-defined]
     assert {k: (v["state"], sorted(v["executors"])) for k, v in listed.items()} == {
-        "A": ("live", ["alpha", "metnos:checkpoint", "metnos:undo"]),
-        "B": ("live", ["beta", "metnos:checkpoint", "metnos:undo"]),
-        "AB": ("live", ["alpha", "beta", "metnos:checkpoint", "metnos:undo"]),
+        "A": (
+            "live",
+            ["alpha", "metnos:approve", "metnos:checkpoint", "metnos:reject", "metnos:undo"],
+        ),
+        "B": (
+            "live",
+            ["beta", "metnos:approve", "metnos:checkpoint", "metnos:reject", "metnos:undo"],
+        ),
+        "AB": (
+            "live",
+            [
+                "alpha",
+                "beta",
+                "metnos:approve",
+                "metnos:checkpoint",
+                "metnos:reject",
+                "metnos:undo",
+            ],
+        ),
     }
 
     for p in fleet.procs:

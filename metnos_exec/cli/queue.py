@@ -19,7 +19,7 @@ from .._terminal import visible
 from ..brokers import DEFAULT_RETENTION_S, Broker, redact_url
 from ..brokers.presence import JOB_STATES, JobListing, WorkerInfo, is_live, unserved
 from ..errors import BadConfig, MetnosError
-from ..messages import CHECKPOINT_EXECUTOR, UNDO_EXECUTOR, Progress, describe_progress
+from ..messages import Progress, describe_progress
 from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
 
 #: Executors every worker serves (not shown in its list).
@@ -117,7 +117,7 @@ def _fleet_lines(fleet: dict[str, Any]) -> list[str]:
             visible(
                 f"  {w['id']}  {w['state']}  {w['host']}:{w['pid']}  device={w['device']}  "
                 f"slots={w['slots']}  running={w['running']}  executors: "
-                f"{', '.join(e for e in w['executors'] if e not in _RESERVED) or '-'}"
+                f"{', '.join(e for e in w['executors'] if ':' not in e) or '-'}"
             )
         )
     if fleet["waiting_for_a_worker"]:

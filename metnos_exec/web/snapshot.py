@@ -18,7 +18,7 @@ import msgspec
 
 from ..brokers import Broker
 from ..brokers.presence import JobListing, WorkerInfo, is_live, unserved
-from ..messages import CHECKPOINT_EXECUTOR, UNDO_EXECUTOR, Result
+from ..messages import Result
 
 __all__ = ("RECENT", "RunningClock", "detail", "overview", "walls")
 
@@ -73,7 +73,7 @@ def _worker(w: WorkerInfo, now: float) -> dict[str, Any]:
         "host": w.host,
         "pid": w.pid,
         "device": w.device,
-        "executors": [e for e in w.executors if e not in (UNDO_EXECUTOR, CHECKPOINT_EXECUTOR)],
+        "executors": [e for e in w.executors if ":" not in e],  # reserved: metnos:*
         "slots": w.slots,
         "running": len(w.running),
         "version": w.version,
