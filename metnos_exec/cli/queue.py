@@ -22,9 +22,6 @@ from ..errors import BadConfig, MetnosError
 from ..messages import Progress, describe_progress
 from ._common import EXIT, Subparsers, _dump_json, _Exit, _open, _retention, _run, add_command
 
-#: Executors every worker serves (not shown in its list).
-_RESERVED = (UNDO_EXECUTOR, CHECKPOINT_EXECUTOR)
-
 
 def _positive_int(text: str) -> int:
     try:
