@@ -4,6 +4,20 @@ The pytest process makes itself a *child subreaper* (PR_SET_CHILD_SUBREAPER): an
 test starts — even one that double-forks and calls setsid — is re-parented to us when its
 parent dies instead of to init. That lets `_no_leaks` see every orphan a test leaves behind
 and fail the test, rather than trusting that "we killed the process group".
+
+Tests run side by side in pytest-xdist worker processes (`./dev test`: ``-n 4 --dist
+loadgroup``). Each worker is its own pytest process, so what this file makes per process
+is per worker: the subreaper and the orphan check (a worker sees its own tests' children,
+never another worker's), the state folder, the session fixtures (a private redis-server
+each, on a free port), ``tmp_path`` (xdist gives each worker its own base). Two kinds of
+test go to one worker, in turn, by an ``xdist_group`` mark (`pytest_itemcollected`
+below adds it; a test may also carry one of its own):
+
+- those that use a module-, package- or session-scoped fixture of their own module (an
+  adversarial table's one run of every attempt, the wasm suite's warmed cache, the
+  browser's stack): spread over workers, each worker would build it again;
+- those on the session's Redis Cluster (`redis_cluster`, three redis-servers): one cluster,
+  not one per worker.
 """
 
 from __future__ import annotations
@@ -33,12 +47,17 @@ if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:  # pragma: no cover
 #: pids of long-lived helpers started on purpose by session fixtures (redis-server, ...).
 ALLOWED_CHILDREN: set[int] = set()
 
+#: Set to the state folder this file made, so that a pytest process started by another one
+#: (an xdist worker, whose environment is its controller's) makes its own.
+_OWN_STATE_ENV = "METNOS_TEST_STATE_DIR"
+
 # Blobs, commit journals and staging mount points of the workers tests start (in this
 # process or as subprocesses, which inherit it) go to a private folder, never to the
 # home of whoever runs the suite. A test that needs its own passes a state dir explicitly.
-if "METNOS_STATE_DIR" not in os.environ:
+# One per pytest process: xdist workers run tests side by side, each in its own folder.
+if os.environ.get("METNOS_STATE_DIR", "") in ("", os.environ.get(_OWN_STATE_ENV)):
     _state = tempfile.mkdtemp(prefix="metnos-test-state-")
-    os.environ["METNOS_STATE_DIR"] = _state
+    os.environ["METNOS_STATE_DIR"] = os.environ[_OWN_STATE_ENV] = _state
     atexit.register(shutil.rmtree, _state, True)
 
 
@@ -70,6 +89,61 @@ def child_pids() -> set[int]:
 
 def open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+#: Fixtures of this file whose users share one xdist worker (see the module's docstring).
+_GROUPED_FIXTURES = {"redis_cluster": "redis-cluster"}
+_WIDE_SCOPES = ("module", "package", "session")
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The xdist group `item` belongs to, from the broad-scoped fixtures it uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    module = item.nodeid.split("::", 1)[0]
+    for name in info.names_closure:
+        if name in _GROUPED_FIXTURES:
+            return _GROUPED_FIXTURES[name]
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            # baseid: where the fixture is visible from; a test module's own is that module.
+            if fixturedef.scope in _WIDE_SCOPES and fixturedef.baseid == module:
+                return module
+    return None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # At collection, before xdist reads the marks (--dist loadgroup: its
+    # pytest_collection_modifyitems).
+    if item.get_closest_marker("xdist_group") is None:
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker under ``--dist loadgroup``: the group as the node id's ``@NAME``
+    suffix, which is what the scheduler reads. pytest-xdist 3.8 writes it to
+    ``item._nodeid``, which pytest 9 no longer reads (its node id is ``item._id``): without
+    this, every group would be spread over the workers like any test."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):
+            if hasattr(item, "_id"):  # pytest >= 9
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(item.nodeid + suffix)
+            else:
+                item._nodeid = item.nodeid + suffix
 
 
 @pytest.fixture(autouse=True)
