@@ -5,7 +5,7 @@ test starts — even one that double-forks and calls setsid — is re-parented t
 parent dies instead of to init. That lets `_no_leaks` see every orphan a test leaves behind
 and fail the test, rather than trusting that "we killed the process group".
 
-Tests run side by side in pytest-xdist worker processes (`./dev test`: ``-n 4 --dist
+Tests run side by side in pytest-xdist worker processes (`./dev test`: ``-n auto --dist
 loadgroup``). Each worker is its own pytest process, so what this file makes per process
 is per worker: the subreaper and the orphan check (a worker sees its own tests' children,
 never another worker's), the state folder, the session fixtures (a private redis-server
@@ -18,6 +18,11 @@ below adds it; a test may also carry one of its own):
   browser's stack): spread over workers, each worker would build it again;
 - those on the session's Redis Cluster (`redis_cluster`, three redis-servers): one cluster,
   not one per worker.
+
+A group only keeps its own tests apart. A test that must run beside no other test at all
+(timing-sensitive: a sub-second budget that a busy CPU eats) is marked ``alone``:
+`./dev test` leaves it out of the parallel part (``--alone=exclude``) and runs it after,
+in one process (``--alone=only``); plain ``pytest`` runs everything (``include``).
 """
 
 from __future__ import annotations
@@ -121,12 +126,32 @@ def pytest_itemcollected(item: pytest.Item) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
 
 
-@pytest.hookimpl(trylast=True)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--alone",
+        choices=("include", "exclude", "only"),
+        default="include",
+        help="tests marked `alone` (timing-sensitive): run them with the others (include, "
+        "the default), leave them out (exclude: `./dev test`'s parallel part), or run "
+        "only them (only: its second part, in one process)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker under ``--dist loadgroup``: the group as the node id's ``@NAME``
-    suffix, which is what the scheduler reads. pytest-xdist 3.8 writes it to
-    ``item._nodeid``, which pytest 9 no longer reads (its node id is ``item._id``): without
-    this, every group would be spread over the workers like any test."""
+    """`--alone`: keep or leave out the tests marked `alone`. Then, in an xdist worker
+    under ``--dist loadgroup``: the group as the node id's ``@NAME`` suffix, which is what
+    the scheduler reads. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9 no
+    longer reads (its node id is ``item._id``): without this, every group would be spread
+    over the workers like any test."""
+    mode = config.getoption("alone")
+    if mode != "include":
+        only = mode == "only"
+        keep = [i for i in items if (i.get_closest_marker("alone") is not None) == only]
+        if len(keep) != len(items):
+            kept = {id(i) for i in keep}
+            config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+            items[:] = keep
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:

@@ -184,6 +184,7 @@ def test_protocol_and_pin_reason() -> None:
 # --- acceptance 1: the three reference assertions -------------------------------------
 
 
+@pytest.mark.alone  # a budget of 0.3-1.5 s that includes a fresh guest's load
 @pytest.mark.anyio
 async def test_ok_within_fuel_is_success_byte_exact(arm: WasmSandbox) -> None:
     out = await arm.run(wat_job("ok"))
@@ -311,6 +312,7 @@ async def test_python_single_huge_allocation_is_reported_as_the_guests_failure(
 _SLACK_S = 3.0
 
 
+@pytest.mark.alone  # a budget of 0.3-1.5 s that includes a fresh guest's load
 @pytest.mark.anyio
 async def test_timeout_stops_a_looping_guest_by_its_epoch_deadline(arm: WasmSandbox) -> None:
     deadline = 0.3
@@ -372,6 +374,7 @@ async def test_explicit_cancel_scope_cancel_stops_the_guest(arm: WasmSandbox) ->
     assert not _guest_processes()
 
 
+@pytest.mark.alone  # a budget of 0.3-1.5 s that includes a fresh guest's load
 @pytest.mark.anyio
 async def test_sleeping_python_guest_is_stopped_by_timeout_and_by_cancel(
     py_arm: WasmSandbox, tmp_path: Path
@@ -1238,6 +1241,7 @@ async def _wait_for(path: Path, within: float) -> None:
             await anyio.sleep(0.01)
 
 
+@pytest.mark.alone  # a budget of 0.3-1.5 s that includes a fresh guest's load
 @pytest.mark.anyio
 async def test_a_guest_blocked_in_a_host_call_never_runs_after_its_timeout(
     arm: WasmSandbox, tmp_path: Path
