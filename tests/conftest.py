@@ -106,7 +106,7 @@ def _xdist_group(item: pytest.Item) -> str | None:
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
-    module = item.nodeid.split("::", 1)[0]
+    module = item.nodeid.partition(":" * 2)[0]  # the file part of the node id
     for name in info.names_closure:
         if name in _GROUPED_FIXTURES:
             return _GROUPED_FIXTURES[name]

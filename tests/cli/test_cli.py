@@ -914,6 +914,7 @@ BROKER_COMMANDS = {
     "undo": ("undo", "01JOB"),
     "approve": ("approve", "01JOB"),
     "reject": ("reject", "01JOB"),
+    "checkpoint": ("checkpoint", "list"),
     "doctor": ("doctor",),
     "tools": ("tools", "--format", "openai"),
     "mcp": ("mcp", "--stdio", "--executors", "."),
@@ -1023,7 +1024,7 @@ def test_only_commands_that_use_a_broker_offer_broker(env: dict[str, str], tmp_p
     uses = {"worker", "submit", "result", "cancel", "status", "purge", "undo", "doctor"}
     uses |= {"tools", "mcp"}  # the catalog the workers publish; the queue the calls go to
     uses |= {"web", "top"}  # the live view reads the queue
-    uses |= {"checkpoint"}  # checkpoint jobs go through the queue
+    uses |= {"checkpoint", "approve", "reject"}  # checkpoint and approval jobs go through the queue
     assert offered == uses
     log = tmp_path / "w.jsonl"
     log.write_text("")

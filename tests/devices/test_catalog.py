@@ -229,7 +229,7 @@ def test_a_newer_workers_entry_is_read_without_the_fields_this_build_lacks(
     manifest = ExecutorRegistry.load(executors)["mailer"].manifest
     entry = json.loads(encode_info(ExecutorInfo(name="mailer", manifest=manifest, worker="w2")))
     entry["from_the_future"] = 1
-    entry["manifest"]["warm"] = 2
+    entry["manifest"]["sandbox_profile"] = "strict"
     entry["manifest"]["limits"]["gpu_mb"] = 512
     entry["manifest"]["args"]["mode"]["widget"] = "radio"
     entry["manifest"]["capabilities"][0]["scope"] = "mail.send"
