@@ -235,6 +235,26 @@ async def test_streams_hold_only_live_jobs(redis_server: RedisServer) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_route_listed_without_its_stream_costs_a_lease_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """A route still listed for a device whose stream is gone (deleted once empty) read
+    as an error in the lease script (XINFO on a missing key), after the script's reads
+    had taken their entries: those jobs were leased to nobody until their lease lapsed
+    (CI found a checkpoint's next job waiting 30 s). The lease goes on past it."""
+    clock = VirtualClock()
+    async with _broker(redis_server.url, clock) as b, _raw(redis_server.url) as raw:
+        await b.submit(Job(executor="gone"))
+        assert await raw.delete([b.keys.stream("server", 0, "gone")]) == 1
+        job = Job(executor="echo")
+        await b.submit(job)
+        [lease] = await b.lease("w1", visibility_s=30, limit=4)
+        assert lease.job.id == job.id and lease.attempt == 1
+        assert await b.ack(lease, _ok(lease))
+        assert await b.lease("w1", visibility_s=30, limit=4) == []
+
+
+@pytest.mark.anyio
 async def test_no_lock_and_no_key_outside_the_documented_layout(redis_server: RedisServer) -> None:
     """Recovery takes no lock (each step is one atomic script), so a killed worker can
     leave nothing that blocks the others: after takeovers, retries and purges every key
