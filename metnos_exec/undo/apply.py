@@ -322,23 +322,18 @@ def apply_undo(
         )
         # Marked undone before the first op: a crash from here on leaves it marked (the
         # journal's recovery settles it, `Staging.recover`), never replayable.
-        claim = ledger.claim(entries, undo_job=undo_job_id, redo=redo.id)
-        try:
-            handle = journal.begin(
-                JournalRecord(
-                    job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=ops, device=device
-                )
-            )
-        except BaseException:
-            claim.release()
-            raise
-        _apply_claimed(
+        handle, claim = claim_and_apply(
             tree,
             ops,
+            ledger=ledger,
+            journal=journal,
+            claimed=entries,
+            undo_job_id=undo_job_id,
+            redo=redo,
+            roots=roots,
+            device=device,
             store=store,
             expect=expect,
-            handle=handle,
-            claim=claim,
             fsync=fsync,
             job_id=entries[0].job_id,
         )
@@ -394,6 +389,52 @@ def _keep_destroyed(tree: HostTree, ops: Sequence[UndoOp], store: BlobStore) -> 
                 store.put_fd(fd)
             finally:
                 os.close(fd)
+
+
+def claim_and_apply(
+    tree: HostTree,
+    ops: Sequence[UndoOp],
+    *,
+    ledger: UndoLedger,
+    journal: Journal,
+    claimed: Sequence[UndoEntry],
+    undo_job_id: str,
+    redo: UndoEntry,
+    roots: tuple[str, ...],
+    device: str,
+    store: BlobStore,
+    expect: dict[str, Fingerprint | None],
+    fsync: bool,
+    job_id: str,
+) -> tuple[JournalHandle, UndoClaim]:
+    """Mark `claimed` undone by `redo` in the device's ledger, journal `ops` and apply
+    them (an undo's, a checkpoint restore's); on a failure the claim and the journal go
+    (nothing stays applied).
+
+    Raises:
+        UndoConflict: a target changed meanwhile (`job_id` is the job named).
+    """
+    claim = ledger.claim(claimed, undo_job=undo_job_id, redo=redo.id)
+    try:
+        handle = journal.begin(
+            JournalRecord(
+                job_id=undo_job_id, entry_id=redo.id, roots=roots, ops=tuple(ops), device=device
+            )
+        )
+    except BaseException:
+        claim.release()
+        raise
+    _apply_claimed(
+        tree,
+        ops,
+        store=store,
+        expect=expect,
+        handle=handle,
+        claim=claim,
+        fsync=fsync,
+        job_id=job_id,
+    )
+    return handle, claim
 
 
 def _apply_claimed(

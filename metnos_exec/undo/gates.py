@@ -73,13 +73,12 @@ from .host_tree import (
     Conflict,
     Fingerprint,
     HostTree,
-    OpConflict,
     conflict_message,
     same_state,
 )
-from .journal import JournalHandle, JournalRecord, apply_ops
+from .journal import JournalHandle, JournalRecord
 from .order import reverse_ops
-from .overlay_run import OverlayRun, StagingPieces
+from .overlay_run import OverlayRun, StagingPieces, apply_journalled
 from .rollback import rollback
 
 __all__ = (
@@ -385,24 +384,15 @@ class GateCommit:
                     device=record.device,
                 )
             )
-            try:
-                apply_ops(
-                    tree,
-                    record.ops,
-                    source=BlobSource(gates.content(record.job_id)),
-                    store=staging.store,
-                    expect=plan.expect,
-                    tag=handle.record.id,
-                    fsync=staging.fsync,
-                )
-            except OpConflict as exc:
-                handle.close()
-                raise CommitConflict(
-                    conflict_message("changed on the host during the approval", exc.conflicts)
-                ) from None
-            except BaseException:
-                handle.close()
-                raise
+            apply_journalled(
+                tree,
+                record.ops,
+                BlobSource(gates.content(record.job_id)),
+                staging,
+                plan.expect,
+                handle,
+                during="the approval",
+            )
         except BaseException:
             tree.close()
             lock.release()

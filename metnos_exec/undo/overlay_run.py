@@ -33,18 +33,19 @@ from ..sandbox._types import Mount, SandboxJob
 from ..sandbox.mount_sources import idmapped_clone, open_source
 from ..sandbox.staged import IdmapUnavailable, StagedPlacement
 from ._types import Committed
+from .applier import ContentSource
 from .blobs import BlobStore
 from .change_report import change_set, host_reader, read_content
 from .changes import CommitPlan, change_stamp, plan_commit, store_originals, unreadable
 from .folder_lock import FolderLock, wait_settled
-from .host_tree import Blocked, Conflict, HostTree, OpConflict, conflict_message
+from .host_tree import Blocked, Conflict, Fingerprint, HostTree, OpConflict, conflict_message
 from .journal import Journal, JournalHandle, JournalRecord, apply_ops
 from .order import reverse_ops
 from .overlay import HelperGone, OverlayNamespace
 from .rollback import rollback
 from .seal import UndoSeal
 
-__all__ = ("DEFAULT_DISK_BYTES", "OverlayRun", "StagingPieces")
+__all__ = ("DEFAULT_DISK_BYTES", "OverlayRun", "StagingPieces", "apply_journalled")
 
 #: The disk budget of a job whose limits set none (the manifest's default, 256 MiB).
 DEFAULT_DISK_BYTES: Final = 256 * 1024 * 1024
@@ -308,7 +309,9 @@ class OverlayRun:
             )
             entry = self._keep_originals(plan, tree)
             handle = self._begin_journal(entry, plan)
-            self._apply(tree, plan, handle)
+            apply_journalled(
+                tree, plan.ops, plan.source, self.staging, plan.expect, handle, during="the commit"
+            )
             self._handle, self._tree, self._ops = handle, tree, plan.ops
             return Committed(entry, tuple(plan.filtered), changes)
         except BaseException:
@@ -395,28 +398,6 @@ class OverlayRun:
         except OSError as exc:
             raise _state_fault(self.staging.state_dir, exc) from None
 
-    def _apply(self, tree: HostTree, plan: CommitPlan, handle: JournalHandle) -> None:
-        """Apply the plan's ops; on a failure the journal goes (nothing stays applied)."""
-        staging = self.staging
-        try:
-            apply_ops(
-                tree,
-                plan.ops,
-                source=plan.source,
-                store=staging.store,
-                expect=plan.expect,
-                tag=handle.record.id,
-                fsync=staging.fsync,
-            )
-        except OpConflict as exc:
-            handle.close()
-            raise CommitConflict(
-                conflict_message("changed on the host during the commit", exc.conflicts)
-            ) from None
-        except BaseException:
-            handle.close()
-            raise
-
     def _moved_roots(self, tree: HostTree) -> list[Conflict]:
         """The roots that are no longer the folders the job was staged over: reached
         through a symlink now (a parent swapped by another job's commit), gone, or another
@@ -475,3 +456,39 @@ class OverlayRun:
             self.tmpfs_fd = None
         # Also when never staged: a request the helper got but whose answer was lost.
         self.ns.release(self.stage_id)
+
+
+def apply_journalled(
+    tree: HostTree,
+    ops: Sequence[UndoOp],
+    source: ContentSource,
+    staging: StagingPieces,
+    expect: dict[str, Fingerprint | None],
+    handle: JournalHandle,
+    *,
+    during: str,
+) -> None:
+    """Apply a commit's ops under its journal record (a job's commit, an approval's);
+    on a failure the journal goes (nothing stays applied).
+
+    Raises:
+        CommitConflict: a target changed on the host meanwhile (`during` says when).
+    """
+    try:
+        apply_ops(
+            tree,
+            ops,
+            source=source,
+            store=staging.store,
+            expect=expect,
+            tag=handle.record.id,
+            fsync=staging.fsync,
+        )
+    except OpConflict as exc:
+        handle.close()
+        raise CommitConflict(
+            conflict_message(f"changed on the host during {during}", exc.conflicts)
+        ) from None
+    except BaseException:
+        handle.close()
+        raise

@@ -44,10 +44,10 @@ from ..messages import (
 )
 from .apply import (
     AppliedUndo,
-    _apply_claimed,
     _as_found,
     _keep_destroyed,
     check_ops,
+    claim_and_apply,
     missing_blobs,
 )
 from .blobs import BlobStore
@@ -57,7 +57,6 @@ from .journal import (
     Fingerprint,
     HostTree,
     Journal,
-    JournalRecord,
     conflict_message,
     order_ops,
     reverse_ops,
@@ -246,23 +245,18 @@ def apply_restore(
             )
         )
         standing = [e for e in entries if ledger.undone_by(e.id) is None]
-        claim = ledger.claim(standing, undo_job=restore_job_id, redo=redo.id)
-        try:
-            handle = journal.begin(
-                JournalRecord(
-                    job_id=restore_job_id, entry_id=redo.id, roots=roots, ops=ops, device=device
-                )
-            )
-        except BaseException:
-            claim.release()
-            raise
-        _apply_claimed(
+        handle, claim = claim_and_apply(
             tree,
             ops,
+            ledger=ledger,
+            journal=journal,
+            claimed=standing,
+            undo_job_id=restore_job_id,
+            redo=redo,
+            roots=roots,
+            device=device,
             store=store,
             expect=expect,
-            handle=handle,
-            claim=claim,
             fsync=fsync,
             job_id=entries[-1].job_id,
         )
