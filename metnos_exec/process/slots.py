@@ -131,22 +131,22 @@ class _SlotPool:
         # Only cgroup v1 lets one thread sit in a cgroup of its own (v2 would need threaded
         # mode, where the pids controller cannot be enabled).
         if parent is None or not (parent / "tasks").exists():
-            self._usable = False
+            self._unusable()
             return None
         path = parent / f"{os.getpid()}-slot-{index}"
         try:
             path.mkdir(exist_ok=True)
         except OSError:
-            self._usable = False
+            self._unusable()
             return None
         slot = Slot(index, _SlotCgroup(path), _slot_memory(index))
         try:
             # The one migration this thread ever makes (the costly part of cgroup joins).
             await _on_spawner(slot.cgroup.join_current_thread, slot.spawner)
         except OSError:
-            self._usable = False
             with contextlib.suppress(OSError):
                 path.rmdir()
+            self._unusable()
             return None
         if slot.memory is not None:
             try:
@@ -158,6 +158,13 @@ class _SlotPool:
                 slot.memory = None
         self._usable = True
         return slot
+
+    def _unusable(self) -> None:
+        """Slots cannot work here: none is made (the index this try took is given back,
+        so `_made` counts the slots that exist, every one of them lent or free)."""
+        with self._lock:
+            self._usable = False
+            self._made -= 1
 
     def release(self, slot: Slot) -> None:
         if slot.retired:
